@@ -1,0 +1,1 @@
+"""Backends: kernel descriptors, CUTLASS code generation and build, numpy reference."""

@@ -1,0 +1,130 @@
+"""Kernel descriptors: the backend-neutral contract between the compiler's plans and a code generator.
+
+The compiler's scheduler produces `KernelPlan`s; `backends.lower` turns each into one of the
+descriptors below, and a backend (CUTLASS today) emits C++ from a descriptor alone.  Every name in a
+descriptor is already a sanitized C identifier (`t0`, `t1`, ...): user text never reaches C++.
+
+Conventions
+- dtypes are kspec dtype names: "f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2", "i8", "i32".
+- GEMM computes D[m, n] = epilogue(accum[m, n]) with accum[m, n] = sum_k A[m, k] * B[k, n]
+  (batched: a leading batch index L on A, B, D and every full-size epilogue tensor).
+- Layout "row" means the last index is contiguous (A: K-contiguous, B: N-contiguous);
+  "col" means the first index of the 2-D matrix is contiguous (A: M-contiguous, B: K-contiguous).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+Arch = Literal["sm90a", "sm100a"]
+ARCHS: tuple[str, ...] = ("sm90a", "sm100a")
+ARCH_CC = {"sm90a": 90, "sm100a": 100}
+
+
+@dataclass(frozen=True)
+class Operand:
+    name: str            # sanitized identifier of the argument
+    dtype: str
+    layout: Literal["row", "col"] = "row"
+
+
+# ---- epilogue expressions (evaluated per output element (m, n), in f32 unless cast) ----
+
+@dataclass(frozen=True)
+class Accum:
+    """The GEMM accumulator value at (m, n)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """An epilogue input.  kind: 'row' = vector indexed by n (broadcast over m, e.g. a bias[N]),
+    'col' = vector indexed by m (broadcast over n), 'full' = an MxN tensor (e.g. a residual C),
+    'scalar' = a runtime scalar parameter (passed by value)."""
+    name: str
+    kind: Literal["row", "col", "full", "scalar"]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Const:
+    value: float
+
+
+@dataclass(frozen=True)
+class Op:
+    """fn: one of add, sub, mul, div, neg, maximum, minimum, relu, gelu (erf), gelu_tanh, silu,
+    sigmoid, tanh, exp, abs, clamp (args: x, lo, hi), cast:<dtype> (one arg)."""
+    fn: str
+    args: tuple["EpiExpr", ...]
+
+
+EpiExpr = Union[Accum, Load, Const, Op]
+
+
+@dataclass(frozen=True)
+class Store:
+    """An MxN output written by the epilogue: the main output D, or an auxiliary store of an
+    intermediate value that the spec also returns."""
+    name: str
+    value: EpiExpr
+    dtype: str
+    layout: Literal["row", "col"] = "row"
+
+
+@dataclass(frozen=True)
+class ReductionStore:
+    """A reduction of an epilogue value along one axis: axis 'n' gives a vector over m (row
+    reduction, e.g. a row max), axis 'm' a vector over n."""
+    name: str
+    op: Literal["max", "sum"]
+    axis: Literal["m", "n"]
+    value: EpiExpr
+    dtype: str
+
+
+@dataclass(frozen=True)
+class GemmDesc:
+    name: str                      # sanitized kernel id, unique within an artifact
+    arch: str                      # "sm90a" | "sm100a"
+    a: Operand
+    b: Operand
+    acc_dtype: str                 # "f32" (or "i32" for i8)
+    output: Store                  # the D tensor
+    aux_stores: tuple[Store, ...] = ()
+    reductions: tuple[ReductionStore, ...] = ()
+    batched: bool = False
+    # scalars applied to the accumulator before the epilogue (fp8 per-tensor scales), names of
+    # 'scalar' Loads; the epilogue expression already contains them, this is informational.
+    tile: tuple[int, int, int] | None = None       # CTA tile M x N x K; None = backend default
+    cluster: tuple[int, int, int] | None = None
+    stages: int | None = None
+
+
+@dataclass(frozen=True)
+class AttentionDesc:
+    """O[b, h, i, e] = sum_j softmax_j(scale * sum_e Q[b,h,i,e] K[b,h,j,e]) V[b,h,j,e]
+    (optionally causal: key j masked out when j > i).  Tensors are contiguous [B, H, S|T, E]."""
+    name: str
+    arch: str
+    q: Operand
+    k: Operand
+    v: Operand
+    o: Operand
+    head_dim: int
+    scale: Load | Const            # runtime scalar param or folded constant
+    causal: bool = False
+    tile: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ElementwiseDesc:
+    """A kernel with no contraction: outputs[i] = value_i(inputs) over one iteration space of
+    rank `rank` (all 'full' loads share the output shape; 'row'/'col' loads broadcast over the last
+    two axes as in GEMM epilogues, and Accum does not occur)."""
+    name: str
+    arch: str
+    rank: int
+    stores: tuple[Store, ...] = field(default_factory=tuple)
+
+
+KernelDesc = Union[GemmDesc, AttentionDesc, ElementwiseDesc]

@@ -1,0 +1,1 @@
+"""numpy reference backend: the semantics every GPU backend is tested against."""

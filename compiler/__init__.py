@@ -1,0 +1,1 @@
+"""Compiler: dataflow graph, fusion and scheduling."""

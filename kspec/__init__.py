@@ -1,0 +1,6 @@
+"""kspec: declarative kernel specs compiled to fused CUTLASS kernels for Hopper and Blackwell."""
+__version__ = "0.1.0"
+
+from kspec.spec_lang.errors import KspecError  # noqa: E402
+
+__all__ = ["KspecError", "__version__"]

@@ -1,0 +1,1 @@
+"""Load compiled artifacts and launch their kernels through cuda-python."""
