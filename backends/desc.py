@@ -128,3 +128,31 @@ class ElementwiseDesc:
 
 
 KernelDesc = Union[GemmDesc, AttentionDesc, ElementwiseDesc]
+
+
+@dataclass(frozen=True)
+class EmittedKernel:
+    """What a code generator returns for one descriptor: one `.cu` source (compiled twice, see
+    backends/ABI.md: `-DKSPEC_DEVICE -cubin` and `-DKSPEC_HOST -shared`) plus the launch facts the
+    manifest records.
+
+    dims:    size roles in ABI order: GEMM ("M", "N", "K", "L") with L = 1 when not batched;
+             attention ("B", "H", "S", "T", "E"); elementwise: the output extents in order
+             ("d0", "d1", ...).
+    args:    tensor argument names (descriptor names) in ABI pointer order.
+    scalars: scalar parameter names in ABI order.
+    init:    outputs the loader must fill before launch (atomic reductions): name -> "zero" | "neg_inf".
+    alignment: required byte alignment per tensor argument.
+    config:  the tile/cluster/stages/schedule actually chosen, for the manifest and `kspec inspect`.
+    """
+    name: str
+    arch: str
+    source: str
+    include_dirs: tuple[str, ...]
+    flags: tuple[str, ...]
+    dims: tuple[str, ...]
+    args: tuple[str, ...]
+    scalars: tuple[str, ...] = ()
+    init: tuple[tuple[str, str], ...] = ()
+    alignment: tuple[tuple[str, int], ...] = ()
+    config: tuple[tuple[str, str], ...] = ()
