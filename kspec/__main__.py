@@ -1,0 +1,3 @@
+from kspec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""The kspec AST: frozen dataclasses with source spans (spans never take part in equality)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from .errors import Span
+
+DTYPES = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2", "i8", "i32")
+ROLES = ("in", "out", "param")
+REDUCERS = ("sum", "max", "min", "mean")
+NORMALIZERS = ("softmax",)
+ARCHS = ("sm90a", "sm100a")
+
+
+def _span() -> Span | None:
+    return field(default=None, compare=False, repr=False)
+
+
+# ---- expressions ----
+
+@dataclass(frozen=True)
+class Num:
+    value: float | int
+    text: str                      # as written, so printing round-trips exactly
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Name:
+    """A bare name: a scalar param (or, misused, a tensor without indices)."""
+    name: str
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Access:
+    tensor: str
+    indices: tuple[str, ...]
+    span: Span | None = _span()
+    index_spans: tuple[Span | None, ...] = field(default=(), compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Unary:
+    op: str                        # "-"
+    operand: "Expr"
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str                        # + - * /
+    lhs: "Expr"
+    rhs: "Expr"
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class KwArg:
+    name: str
+    value: str
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Call:
+    """An elementwise function call: gelu(x), clamp(x, 0, 6), maximum(a, b)."""
+    fn: str
+    args: tuple["Expr", ...]
+    span: Span | None = _span()
+    fn_span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Cast:
+    dtype: str
+    operand: "Expr"
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """`sum(k) operand` (also max, min, mean) and the normaliser `softmax(j) operand`.
+    options: keyword arguments such as mask=causal (softmax only)."""
+    op: str
+    indices: tuple[str, ...]
+    operand: "Expr"
+    options: tuple[KwArg, ...] = ()
+    span: Span | None = _span()
+    index_spans: tuple[Span | None, ...] = field(default=(), compare=False, repr=False)
+
+
+Expr = Union[Num, Name, Access, Unary, Binary, Call, Cast, Reduce]
+
+
+# ---- declarations and statements ----
+
+@dataclass(frozen=True)
+class Dim:
+    """A dimension in a declared shape: a symbol (`M`) or a literal size (`64`)."""
+    value: str | int
+    span: Span | None = _span()
+
+    @property
+    def is_symbol(self) -> bool:
+        return isinstance(self.value, str)
+
+
+@dataclass(frozen=True)
+class Decl:
+    role: str                      # in | out | param
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...] | None  # None: a scalar (params)
+    layout: str | None = None      # row | col | None (= row)
+    default: Num | None = None
+    span: Span | None = _span()
+    name_span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Stmt:
+    target: str
+    indices: tuple[str, ...]
+    dtype: str | None              # annotation `: f32`
+    value: Expr
+    span: Span | None = _span()
+    index_spans: tuple[Span | None, ...] = field(default=(), compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    decls: tuple[Decl, ...]
+    stmts: tuple[Stmt, ...]
+    span: Span | None = _span()
+    name_span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: tuple[int, ...] | int
+    text: str
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kernel: str
+    arch: str | None
+    settings: tuple[Setting, ...]
+    span: Span | None = _span()
+    name_span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Target:
+    archs: tuple[str, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Program:
+    kernels: tuple[Kernel, ...]
+    schedules: tuple[Schedule, ...] = ()
+    targets: tuple[Target, ...] = ()
+    file: str = field(default="<string>", compare=False)
+    source: str = field(default="", compare=False, repr=False)

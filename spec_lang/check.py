@@ -1,0 +1,844 @@
+"""Semantic checks: AST -> typed AST.
+
+Resolves every name, checks ranks, index consistency, dimension unification and dtype rules,
+and collects independent errors (up to `MAX_ERRORS`) into one `KspecError`.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Union
+
+from . import ast
+from .errors import Diagnostic, KspecError, Span
+from .printer import print_expr
+
+MAX_ERRORS = 20
+
+# name -> (min args, max args)
+FUNCTIONS: dict[str, tuple[int, int]] = {
+    "relu": (1, 1), "gelu": (1, 1), "gelu_tanh": (1, 1), "silu": (1, 1), "sigmoid": (1, 1),
+    "tanh": (1, 1), "exp": (1, 1), "log": (1, 1), "sqrt": (1, 1), "rsqrt": (1, 1), "abs": (1, 1),
+    "clamp": (3, 3), "maximum": (2, 2), "minimum": (2, 2),
+}
+FLOAT_DTYPES = ("f8e4m3", "f8e5m2", "f16", "bf16", "tf32", "f32")
+INT_DTYPES = ("i8", "i32")
+_FLOAT_RANK = {"f8e4m3": 1, "f8e5m2": 1, "f16": 2, "bf16": 2, "tf32": 3, "f32": 3}
+SCHEDULE_KEYS = ("tile", "cluster", "stages")
+MAX_LITERAL_DIM = 1 << 31
+
+
+def is_float(dt: str) -> bool:
+    return dt in FLOAT_DTYPES
+
+
+def accumulator_dtype(dt: str) -> str:
+    return "i32" if dt in INT_DTYPES else "f32"
+
+
+# ---------------------------------------------------------------- typed AST
+
+DimValue = Union[str, int]        # a symbol name or a literal size
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    role: str                     # in | out | param | temp
+    dtype: str
+    shape: tuple[DimValue, ...]   # () for scalar params
+    layout: str = "row"
+    default: float | int | None = None
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def describe(self) -> str:
+        shape = f"[{', '.join(map(str, self.shape))}]" if self.role != "param" else ""
+        lay = " col" if self.layout == "col" else ""
+        dflt = f" = {self.default}" if self.default is not None else ""
+        return f"{self.name}: {self.dtype}{shape}{lay}{dflt}"
+
+
+@dataclass(frozen=True)
+class TExpr:
+    dtype: str
+    free: tuple[str, ...]         # free indices, in order of first appearance
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class TConst(TExpr):
+    value: float | int = 0
+    weak: bool = True             # literals take the other operand's dtype
+
+
+@dataclass(frozen=True)
+class TScalar(TExpr):
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class TAccess(TExpr):
+    tensor: str = ""
+    indices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TUnary(TExpr):
+    op: str = "-"
+    operand: TExpr | None = None
+
+
+@dataclass(frozen=True)
+class TBinary(TExpr):
+    op: str = "+"
+    lhs: TExpr | None = None
+    rhs: TExpr | None = None
+
+
+@dataclass(frozen=True)
+class TCall(TExpr):
+    fn: str = ""
+    args: tuple[TExpr, ...] = ()
+
+
+@dataclass(frozen=True)
+class TCast(TExpr):
+    operand: TExpr | None = None
+
+
+@dataclass(frozen=True)
+class TReduce(TExpr):
+    op: str = "sum"               # sum | max | min | mean
+    indices: tuple[str, ...] = ()
+    operand: TExpr | None = None
+
+
+@dataclass(frozen=True)
+class TSoftmax(TExpr):
+    axis: str = ""
+    causal: str | None = None     # query index for a causal mask (key axis > query index is masked)
+    operand: TExpr | None = None
+
+
+@dataclass(frozen=True)
+class TStmt:
+    target: str
+    indices: tuple[str, ...]
+    dtype: str
+    value: TExpr
+    extents: tuple[tuple[str, DimValue], ...]   # every index of the statement -> its dimension
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+    def extent(self, index: str) -> DimValue:
+        return dict(self.extents)[index]
+
+
+@dataclass(frozen=True)
+class ScheduleHint:
+    tile: tuple[int, int, int] | None = None
+    cluster: tuple[int, int, int] | None = None
+    stages: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckedKernel:
+    name: str
+    tensors: tuple[TensorInfo, ...]           # declaration order; temps in statement order
+    stmts: tuple[TStmt, ...]
+    symbols: tuple[str, ...]                  # size symbols, first-use order
+    bindings: tuple[tuple[str, int], ...] = ()   # symbols fixed to a literal by unification
+    schedules: tuple[tuple[str | None, ScheduleHint], ...] = ()   # arch (None = all) -> hint
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+    def tensor(self, name: str) -> TensorInfo:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def by_role(self, role: str) -> tuple[TensorInfo, ...]:
+        return tuple(t for t in self.tensors if t.role == role)
+
+    @property
+    def inputs(self) -> tuple[TensorInfo, ...]:
+        return self.by_role("in")
+
+    @property
+    def outputs(self) -> tuple[TensorInfo, ...]:
+        return self.by_role("out")
+
+    @property
+    def params(self) -> tuple[TensorInfo, ...]:
+        return self.by_role("param")
+
+    def schedule_for(self, arch: str) -> ScheduleHint:
+        """The hint for `arch`: an arch-specific schedule overrides the generic one field by field."""
+        generic = dict(self.schedules).get(None, ScheduleHint())
+        specific = dict(self.schedules).get(arch)
+        if specific is None:
+            return generic
+        return ScheduleHint(specific.tile or generic.tile, specific.cluster or generic.cluster,
+                            specific.stages or generic.stages)
+
+
+@dataclass(frozen=True)
+class CheckedProgram:
+    kernels: tuple[CheckedKernel, ...]
+    targets: tuple[str, ...]                  # archs from `target`, or () = default
+    file: str = "<string>"
+    source: str = field(default="", repr=False, compare=False)
+
+    def kernel(self, name: str) -> CheckedKernel:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise KspecError(f"no kernel named '{name}' in {self.file}",
+                         hint=_suggest(name, [k.name for k in self.kernels]) or
+                         f"kernels: {', '.join(k.name for k in self.kernels)}")
+
+
+# ---------------------------------------------------------------- checker
+
+def _suggest(name: str, candidates) -> str | None:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else None
+
+
+class _Abort(Exception):
+    """Stop checking the current statement after its first error."""
+
+
+class _Checker:
+    def __init__(self, program: ast.Program):
+        self.program = program
+        self.diags: list[Diagnostic] = []
+
+    def error(self, msg: str, span: Span | None, hint: str | None = None, abort: bool = False):
+        self.diags.append(Diagnostic(msg, span, hint, self.program.source))
+        if len(self.diags) >= MAX_ERRORS:
+            raise _TooMany()
+        if abort:
+            raise _Abort()
+
+    # ---- program ----
+    def run(self) -> CheckedProgram:
+        p = self.program
+        kernels = []
+        try:
+            seen: dict[str, ast.Kernel] = {}
+            for k in p.kernels:
+                if k.name in seen:
+                    self.error(f"kernel '{k.name}' is defined twice", k.name_span or k.span,
+                               f"the first definition is at line {seen[k.name].span.line}" if seen[k.name].span else None)
+                    continue
+                seen[k.name] = k
+            schedules = self.check_schedules(seen)
+            for k in seen.values():
+                ck = _KernelChecker(self, k).run()
+                if ck is not None:
+                    kernels.append(_with_schedules(ck, schedules.get(k.name, ())))
+            targets = self.check_targets()
+        except _TooMany:
+            self.diags.append(Diagnostic(f"too many errors; stopping after {MAX_ERRORS}", None))
+        if self.diags:
+            raise KspecError(self.diags[0].message, diagnostics=self.diags)
+        return CheckedProgram(tuple(kernels), targets, p.file, p.source)
+
+    def check_targets(self) -> tuple[str, ...]:
+        archs: list[str] = []
+        for i, t in enumerate(self.program.targets):
+            if i > 0:
+                self.error("only one `target` line is allowed per file", t.span,
+                           "list every arch in one line: `target sm90a, sm100a`")
+                continue
+            for a in t.archs:
+                if a in archs:
+                    self.error(f"arch '{a}' is listed twice", t.span)
+                else:
+                    archs.append(a)
+        return tuple(archs)
+
+    def check_schedules(self, kernels: dict[str, ast.Kernel]):
+        out: dict[str, list[tuple[str | None, ScheduleHint]]] = {}
+        seen: set[tuple[str, str | None]] = set()
+        for sc in self.program.schedules:
+            if sc.kernel not in kernels:
+                self.error(f"schedule names unknown kernel '{sc.kernel}'", sc.name_span or sc.span,
+                           _suggest(sc.kernel, kernels) or
+                           (f"kernels in this file: {', '.join(kernels)}" if kernels else None))
+                continue
+            if (sc.kernel, sc.arch) in seen:
+                self.error(f"kernel '{sc.kernel}' already has a schedule" + (f" for {sc.arch}" if sc.arch else ""),
+                           sc.name_span or sc.span)
+                continue
+            seen.add((sc.kernel, sc.arch))
+            hint = self.check_settings(sc)
+            out.setdefault(sc.kernel, []).append((sc.arch, hint))
+        return {k: tuple(v) for k, v in out.items()}
+
+    def check_settings(self, sc: ast.Schedule) -> ScheduleHint:
+        vals: dict[str, object] = {}
+        for st in sc.settings:
+            if st.key not in SCHEDULE_KEYS:
+                self.error(f"unknown schedule setting '{st.key}'", st.span,
+                           _suggest(st.key, SCHEDULE_KEYS) or f"settings: {', '.join(SCHEDULE_KEYS)}")
+                continue
+            if st.key in vals:
+                self.error(f"setting '{st.key}' is given twice", st.span)
+                continue
+            if st.key in ("tile", "cluster") and not isinstance(st.value, tuple):
+                self.error(f"'{st.key}' takes three sizes, like {'128x128x64' if st.key == 'tile' else '2x1x1'}",
+                           st.span)
+                continue
+            if st.key == "stages" and isinstance(st.value, tuple):
+                self.error("'stages' takes one integer, like `stages = 4`", st.span)
+                continue
+            problem = _setting_problem(st.key, st.value)
+            if problem:
+                self.error(f"impossible {st.key} {st.text}: {problem}", st.span)
+                continue
+            vals[st.key] = st.value
+        return ScheduleHint(vals.get("tile"), vals.get("cluster"), vals.get("stages"))  # type: ignore[arg-type]
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _setting_problem(key: str, value) -> str | None:
+    if key == "tile":
+        m, n, k = value
+        if m not in (64, 128, 256):
+            return "the M tile must be 64, 128 or 256"
+        if n < 8 or n > 256 or n % 8:
+            return "the N tile must be a multiple of 8 between 8 and 256"
+        if k not in (16, 32, 64, 128, 256):
+            return "the K tile must be 16, 32, 64, 128 or 256"
+    elif key == "cluster":
+        cm, cn, ck = value
+        for c in value:
+            if c < 1 or c & (c - 1):
+                return "cluster sizes must be powers of two"
+        if ck != 1:
+            return "the K cluster size must be 1"
+        if cm * cn > 16:
+            return "a cluster holds at most 16 CTAs"
+    elif key == "stages":
+        if not 1 <= value <= 16:
+            return "stages must be between 1 and 16"
+    return None
+
+
+def _with_schedules(k: CheckedKernel, schedules) -> CheckedKernel:
+    return CheckedKernel(k.name, k.tensors, k.stmts, k.symbols, k.bindings, tuple(schedules), k.span)
+
+
+class _KernelChecker:
+    def __init__(self, parent: _Checker, kernel: ast.Kernel):
+        self.p = parent
+        self.k = kernel
+        self.tensors: dict[str, TensorInfo] = {}
+        self.decl_spans: dict[str, Span | None] = {}
+        self.symbols: list[str] = []
+        self.symbol_literal: dict[str, tuple[int, Span | None]] = {}
+        self.defined_at: dict[str, int] = {}     # temps/outputs -> statement number
+        self.written: dict[str, Span | None] = {}
+
+    def error(self, *a, **kw):
+        self.p.error(*a, **kw)
+
+    def run(self) -> CheckedKernel | None:
+        n_before = len(self.p.diags)
+        for d in self.k.decls:
+            self.declare(d)
+        # statement targets: find every definition first, so "used before defined" can be told
+        # apart from "unknown".
+        future = {s.target: i for i, s in enumerate(self.k.stmts)}
+        stmts = []
+        for i, s in enumerate(self.k.stmts):
+            try:
+                ts = self.statement(i, s, future)
+                if ts is not None:
+                    stmts.append(ts)
+            except _Abort:
+                pass
+        for t in list(self.tensors.values()):
+            if t.role == "out" and t.name not in self.written:
+                self.error(f"output '{t.name}' is never written", self.decl_spans.get(t.name),
+                           f"add a statement `{t.name}[...] = ...`")
+        if not self.k.stmts and not self.p.diags[n_before:]:
+            self.error(f"kernel '{self.k.name}' has no statements", self.k.name_span or self.k.span)
+        if len(self.p.diags) > n_before:
+            return None
+        tensors = tuple(self.tensors.values())
+        bindings = tuple((s, v) for s, (v, _) in self.symbol_literal.items())
+        return CheckedKernel(self.k.name, tensors, tuple(stmts), tuple(self.symbols), bindings, (), self.k.span)
+
+    # ---- declarations ----
+    def declare(self, d: ast.Decl):
+        if d.name in self.tensors:
+            prev = self.decl_spans[d.name]
+            self.error(f"'{d.name}' is declared twice", d.name_span or d.span,
+                       f"the first declaration is at line {prev.line}" if prev else None)
+            return
+        if d.role == "param":
+            if d.shape is not None:
+                self.error(f"param '{d.name}' has a shape; params are scalars", d.span,
+                           f"declare a tensor with `in {d.name} : {d.dtype}[...]`")
+                return
+            if d.layout:
+                self.error(f"param '{d.name}' is a scalar and has no layout", d.span)
+                return
+            default = None
+            if d.default is not None:
+                default = d.default.value
+                if d.dtype in INT_DTYPES and isinstance(default, float):
+                    self.error(f"param '{d.name}' is {d.dtype} but its default {d.default.text} is not an integer",
+                               d.default.span)
+                    return
+                if abs(default) > 3.4e38:
+                    self.error(f"default {d.default.text} does not fit in {d.dtype}", d.default.span)
+                    return
+            info = TensorInfo(d.name, "param", d.dtype, (), "row", default, d.span)
+        else:
+            if d.shape is None:
+                self.error(f"{'input' if d.role == 'in' else 'output'} '{d.name}' needs a shape",
+                           d.span, f"for example `{d.role} {d.name} : {d.dtype}[M, N]`; scalars are `param`s")
+                return
+            if d.default is not None:
+                self.error(f"only params take a default value", d.default.span)
+                return
+            shape: list[DimValue] = []
+            for dim in d.shape:
+                if dim.is_symbol:
+                    if dim.value not in self.symbols:
+                        self.symbols.append(dim.value)  # type: ignore[arg-type]
+                    shape.append(dim.value)
+                else:
+                    v = int(dim.value)
+                    if v < 1 or v >= MAX_LITERAL_DIM:
+                        self.error(f"dimension {v} is out of range (1 to {MAX_LITERAL_DIM - 1})", dim.span)
+                        return
+                    shape.append(v)
+            if d.layout == "col" and len(shape) < 2:
+                self.error(f"'{d.name}' has rank {len(shape)}; layout col needs rank 2 or more", d.span)
+                return
+            info = TensorInfo(d.name, d.role, d.dtype, tuple(shape), d.layout or "row", None, d.span)
+        self.tensors[d.name] = info
+        self.decl_spans[d.name] = d.name_span or d.span
+
+    # ---- statements ----
+    def statement(self, i: int, s: ast.Stmt, future: dict[str, int]) -> TStmt | None:
+        name = s.target
+        target = self.tensors.get(name)
+        if target is not None and target.role in ("in", "param"):
+            self.error(f"cannot assign to {('input' if target.role == 'in' else 'param')} '{name}'", s.span,
+                       "only outputs and new intermediate names can be assigned", abort=True)
+        if name in self.written:
+            prev = self.written[name]
+            what = "output" if target is not None and target.role == "out" else "intermediate"
+            self.error(f"{what} '{name}' is written more than once", s.span,
+                       (f"it is first written at line {prev.line}; " if prev else "") +
+                       "each name is assigned exactly once (give the new value a new name)", abort=True)
+        # recorded before the right side is checked, so a failed statement does not also report
+        # its target as never written
+        self.written[name] = s.span
+        seen_idx: set[str] = set()
+        for ix, sp in zip(s.indices, s.index_spans or [None] * len(s.indices)):
+            if ix in seen_idx:
+                self.error(f"index '{ix}' appears twice on the left side", sp or s.span,
+                           "a diagonal cannot be written; use distinct indices", abort=True)
+            seen_idx.add(ix)
+        if target is not None and len(s.indices) != target.rank:
+            self.error(f"'{name}' has rank {target.rank} but is written with {len(s.indices)} "
+                       f"{'index' if len(s.indices) == 1 else 'indices'}", s.span,
+                       f"declared as {target.describe()}", abort=True)
+        if s.dtype and target is not None and target.role == "out" and s.dtype != target.dtype:
+            self.error(f"output '{name}' is declared {target.dtype} but annotated {s.dtype}", s.span,
+                       "drop the annotation; the output's declared dtype is what is stored", abort=True)
+        env = _IndexEnv(self)
+        env.lhs_indices = set(s.indices)
+        if target is not None:
+            for ix, dim, sp in zip(s.indices, target.shape, s.index_spans or [None] * len(s.indices)):
+                env.bind(ix, dim, f"{name}[{', '.join(s.indices)}]", sp or s.span)
+        value = self.expr(s.value, env, i, future)
+        # free indices on the right must be bound on the left
+        for ix in value.free:
+            if ix not in s.indices:
+                sp = _index_span(s.value, ix) or s.value.span
+                self.error(f"index '{ix}' is not bound on the left side and is not reduced", sp,
+                           f"write `sum({ix}) {print_expr(s.value)}`" if not isinstance(s.value, ast.Reduce)
+                           else f"add '{ix}' to the reduction or to the left side", abort=True)
+        for ix, sp in zip(s.indices, s.index_spans or [None] * len(s.indices)):
+            if ix not in env.dims:
+                self.error(f"index '{ix}' of '{name}' has no extent: it does not occur on the right side",
+                           sp or s.span, f"declare '{name}' as an output with a shape, or use '{ix}' on the right",
+                           abort=True)
+        if target is not None:
+            dtype = target.dtype
+        else:
+            dtype = s.dtype or value.dtype
+        self.check_store(value.dtype, dtype, name, s)
+        if target is None:
+            shape = tuple(env.dims[ix][0] for ix in s.indices)
+            self.tensors[name] = TensorInfo(name, "temp", dtype, shape, "row", None, s.span)
+            self.decl_spans[name] = s.span
+        self.defined_at[name] = i
+        extents = tuple((ix, v[0]) for ix, v in env.dims.items())
+        return TStmt(name, tuple(s.indices), dtype, value, extents, s.span)
+
+    def check_store(self, src: str, dst: str, name: str, s: ast.Stmt):
+        if is_float(src) != is_float(dst):
+            self.error(f"cannot store a {src} value into {dst} '{name}' without a cast", s.value.span,
+                       f"write `{dst}(...)` around the value to convert explicitly", abort=True)
+
+    # ---- expressions ----
+    def expr(self, e: ast.Expr, env: "_IndexEnv", stmt_no: int, future) -> TExpr:
+        if isinstance(e, ast.Num):
+            if isinstance(e.value, int):
+                if abs(e.value) >= 1 << 63:
+                    self.error(f"integer literal {e.text} is too large", e.span, abort=True)
+                return TConst("i32", (), e.span, e.value, True)
+            if e.value != e.value or abs(e.value) == float("inf") or abs(e.value) > 3.4e38:
+                self.error(f"number {e.text} does not fit in f32", e.span, abort=True)
+            return TConst("f32", (), e.span, e.value, True)
+        if isinstance(e, ast.Name):
+            t = self.lookup(e.name, e.span, stmt_no, future)
+            if t.role != "param":
+                idx = ", ".join(ix.lower() if isinstance(ix, str) else f"i{j}" for j, ix in enumerate(t.shape))
+                self.error(f"tensor '{e.name}' is used without indices", e.span,
+                           f"write `{e.name}[{idx}]`" if t.shape else None, abort=True)
+            return TScalar(t.dtype, (), e.span, e.name)
+        if isinstance(e, ast.Access):
+            t = self.lookup(e.tensor, e.span, stmt_no, future)
+            if t.role == "param":
+                self.error(f"'{e.tensor}' is a scalar param; use it without indices", e.span,
+                           f"write `{e.tensor}`", abort=True)
+            if len(e.indices) != t.rank:
+                self.error(f"'{e.tensor}' has rank {t.rank} but is used with {len(e.indices)} "
+                           f"{'index' if len(e.indices) == 1 else 'indices'}", e.span,
+                           f"declared as {t.describe()}", abort=True)
+            seen: set[str] = set()
+            spans = e.index_spans or (None,) * len(e.indices)
+            for ix, dim, sp in zip(e.indices, t.shape, spans):
+                if ix in seen:
+                    self.error(f"index '{ix}' is used twice in {e.tensor}[...]", sp or e.span,
+                               "diagonals are not supported; use distinct indices", abort=True)
+                seen.add(ix)
+                env.bind(ix, dim, f"{e.tensor}[{', '.join(e.indices)}]", sp or e.span)
+            return TAccess(t.dtype, _uniq(e.indices), e.span, e.tensor, tuple(e.indices))
+        if isinstance(e, ast.Unary):
+            op = self.expr(e.operand, env, stmt_no, future)
+            return TUnary(op.dtype, op.free, e.span, "-", op)
+        if isinstance(e, ast.Binary):
+            lhs = self.expr(e.lhs, env, stmt_no, future)
+            rhs = self.expr(e.rhs, env, stmt_no, future)
+            dt = self.promote(lhs, rhs, e.op, e.span)
+            return TBinary(dt, _uniq(lhs.free + rhs.free), e.span, e.op, lhs, rhs)
+        if isinstance(e, ast.Cast):
+            op = self.expr(e.operand, env, stmt_no, future)
+            return TCast(e.dtype, op.free, e.span, op)
+        if isinstance(e, ast.Call):
+            return self.call(e, env, stmt_no, future)
+        if isinstance(e, ast.Reduce):
+            return self.reduce(e, env, stmt_no, future)
+        raise TypeError(e)
+
+    def lookup(self, name: str, span, stmt_no: int, future) -> TensorInfo:
+        t = self.tensors.get(name)
+        if t is not None and (t.role in ("in", "param") or name in self.written):
+            return t
+        if t is not None and t.role == "out":
+            if name in future and future[name] >= stmt_no:
+                self.error(f"output '{name}' is read before it is written", span,
+                           "compute the value into an intermediate first", abort=True)
+        if name in future and future[name] >= stmt_no:
+            line = self.k.stmts[future[name]].span.line if self.k.stmts[future[name]].span else "?"
+            self.error(f"'{name}' is used before it is defined (line {line})", span,
+                       "move its definition above this statement", abort=True)
+        known = [n for n in self.tensors] + [n for n in future]
+        self.error(f"unknown name '{name}'", span, _suggest(name, known), abort=True)
+        raise AssertionError  # unreachable
+
+    def call(self, e: ast.Call, env, stmt_no, future) -> TExpr:
+        if e.fn not in FUNCTIONS:
+            hint = _suggest(e.fn, FUNCTIONS)
+            if e.fn in ("max", "min"):
+                hint = f"for the elementwise {e.fn} of two values write `{e.fn}imum(a, b)`"
+            elif e.fn == "cast":
+                hint = "a cast is written with the dtype's name: `f32(x)`"
+            elif hint is None:
+                hint = "functions: " + ", ".join(sorted(FUNCTIONS))
+            self.error(f"unknown function '{e.fn}'", e.fn_span or e.span, hint, abort=True)
+        lo, hi = FUNCTIONS[e.fn]
+        if not lo <= len(e.args) <= hi:
+            want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+            self.error(f"'{e.fn}' takes {want} argument{'s' if hi > 1 else ''}, got {len(e.args)}", e.span,
+                       "write `clamp(x, lo, hi)`" if e.fn == "clamp" else None, abort=True)
+        args = [self.expr(a, env, stmt_no, future) for a in e.args]
+        dt = args[0].dtype
+        for a, src in zip(args[1:], e.args[1:]):
+            dt = self.promote_dtypes(dt, a.dtype, args[0], a, src.span)
+        if not is_float(dt) and e.fn not in ("maximum", "minimum", "clamp", "abs", "relu"):
+            self.error(f"'{e.fn}' needs a floating-point argument, got {dt}", e.span,
+                       f"convert first: `{e.fn}(f32(...))`", abort=True)
+        if dt in ("f8e4m3", "f8e5m2", "tf32"):
+            dt = "f32"    # f8 and tf32 are storage types: arithmetic happens in f32
+        free = _uniq(tuple(ix for a in args for ix in a.free))
+        return TCall(dt, free, e.span, e.fn, tuple(args))
+
+    def reduce(self, e: ast.Reduce, env, stmt_no, future) -> TExpr:
+        operand = self.expr(e.operand, env, stmt_no, future)
+        spans = e.index_spans or (None,) * len(e.indices)
+        if e.op == "softmax":
+            causal = None
+            for o in e.options:
+                if o.name != "causal":
+                    self.error(f"unknown softmax option '{o.name}'", o.span,
+                               "softmax takes `causal=i`, naming the query index", abort=True)
+                if o.value not in operand.free:
+                    self.error(f"causal index '{o.value}' is not an index of the softmax operand", o.span,
+                               abort=True)
+                causal = o.value
+            if len(e.indices) != 1:
+                self.error(f"softmax normalises over exactly one index, got {len(e.indices)}", e.span,
+                           "write `softmax(j) s[i, j]`", abort=True)
+            axis = e.indices[0]
+            if axis not in operand.free:
+                self.error(f"softmax over '{axis}', which its operand does not use", spans[0] or e.span,
+                           abort=True)
+            if causal == axis:
+                self.error("the causal query index must differ from the softmax index", e.options[0].span,
+                           abort=True)
+            dt = "f32" if is_float(operand.dtype) else None
+            if dt is None:
+                self.error(f"softmax needs a floating-point operand, got {operand.dtype}", e.span, abort=True)
+            return TSoftmax(dt, operand.free, e.span, axis, causal, operand)
+        if e.options:
+            self.error(f"'{e.op}' takes no options", e.options[0].span, abort=True)
+        seen: set[str] = set()
+        for ix, sp in zip(e.indices, spans):
+            if ix in seen:
+                self.error(f"'{e.op}' lists index '{ix}' twice", sp or e.span, abort=True)
+            seen.add(ix)
+            if ix not in operand.free:
+                self.error(f"'{e.op}({ix})' reduces over '{ix}', which its operand does not use", sp or e.span,
+                           abort=True)
+            if ix in env.lhs_indices:
+                self.error(f"index '{ix}' is reduced but also appears on the left side", sp or e.span,
+                           f"remove '{ix}' from the left side, or do not reduce over it", abort=True)
+        if e.op in ("sum", "mean"):
+            dt = accumulator_dtype(operand.dtype) if e.op == "sum" else "f32"
+            if e.op == "mean" and not is_float(operand.dtype):
+                dt = "f32"
+        else:
+            dt = operand.dtype
+        free = tuple(ix for ix in operand.free if ix not in e.indices)
+        return TReduce(dt, free, e.span, e.op, tuple(e.indices), operand)
+
+    # ---- dtypes ----
+    def promote(self, lhs: TExpr, rhs: TExpr, op: str, span) -> str:
+        return self.promote_dtypes(lhs.dtype, rhs.dtype, lhs, rhs, span)
+
+    def promote_dtypes(self, a: str, b: str, ea: TExpr, eb: TExpr, span) -> str:
+        weak_a = isinstance(ea, TConst) and ea.weak
+        weak_b = isinstance(eb, TConst) and eb.weak
+        if weak_a and weak_b:
+            return "f32" if "f32" in (a, b) else a
+        if weak_b:
+            if is_float(b) and not is_float(a):
+                self.error(f"a floating-point literal is combined with a {a} value", eb.span,
+                           f"convert explicitly: `f32(...)`", abort=True)
+            return _arith(a)
+        if weak_a:
+            if is_float(a) and not is_float(b):
+                self.error(f"a floating-point literal is combined with a {b} value", ea.span,
+                           "convert explicitly: `f32(...)`", abort=True)
+            return _arith(b)
+        if a == b:
+            return _arith(a)
+        if is_float(a) != is_float(b):
+            self.error(f"cannot combine {a} and {b} without a cast", span,
+                       f"convert one side explicitly, e.g. `f32(...)`", abort=True)
+        if not is_float(a):
+            return "i32"
+        ra, rb = _FLOAT_RANK[a], _FLOAT_RANK[b]
+        if ra == rb == 2:
+            self.error(f"cannot combine {a} and {b} without a cast", span,
+                       "f16 and bf16 do not mix implicitly; convert one side, e.g. `f32(...)`", abort=True)
+        return _arith(a if ra > rb else b)
+
+
+def _arith(dt: str) -> str:
+    """The dtype arithmetic on a value of `dt` produces: f8 and tf32 are storage types (f32 math)."""
+    return "f32" if dt in ("f8e4m3", "f8e5m2", "tf32") else dt
+
+
+class _IndexEnv:
+    """Index variable -> (dimension, where it was bound) for one statement."""
+
+    def __init__(self, kc: _KernelChecker):
+        self.kc = kc
+        self.dims: dict[str, tuple[DimValue, str, Span | None]] = {}
+        self.lhs_indices: set[str] = set()
+
+    def bind(self, ix: str, dim: DimValue, where: str, span):
+        prev = self.dims.get(ix)
+        if prev is None:
+            self.dims[ix] = (dim, where, span)
+            return
+        pdim, pwhere, _ = prev
+        if pdim == dim:
+            return
+        kc = self.kc
+        # a symbol meeting a literal fixes the symbol's value for the whole kernel
+        sym, lit = (pdim, dim) if isinstance(pdim, str) and isinstance(dim, int) else \
+                   (dim, pdim) if isinstance(dim, str) and isinstance(pdim, int) else (None, None)
+        if sym is not None:
+            fixed = kc.symbol_literal.get(sym)
+            if fixed is None:
+                kc.symbol_literal[sym] = (lit, span)
+                return
+            if fixed[0] == lit:
+                return
+            kc.error(f"dimension {sym} is {lit} here but {fixed[0]} elsewhere", span, abort=True)
+        if isinstance(pdim, str) and isinstance(dim, str):
+            fa, fb = kc.symbol_literal.get(pdim), kc.symbol_literal.get(dim)
+            if fa and fb and fa[0] == fb[0]:
+                return
+            kc.error(f"index '{ix}' ranges over {dim} in {where} but over {pdim} in {pwhere}", span,
+                     f"use one dimension name for both (e.g. {pdim})", abort=True)
+        kc.error(f"index '{ix}' has size {dim} in {where} but {pdim} in {pwhere}", span,
+                 "conflicting literal sizes", abort=True)
+
+
+def _uniq(xs) -> tuple[str, ...]:
+    out: list[str] = []
+    for x in xs:
+        if x not in out:
+            out.append(x)
+    return tuple(out)
+
+
+def _index_span(e: ast.Expr, ix: str) -> Span | None:
+    """The span of the first occurrence of index `ix` inside expression `e`."""
+    if isinstance(e, ast.Access):
+        for j, s in zip(e.indices, e.index_spans or ()):
+            if j == ix:
+                return s
+        return None
+    for child in _children(e):
+        s = _index_span(child, ix)
+        if s is not None:
+            return s
+    return None
+
+
+def _children(e: ast.Expr):
+    if isinstance(e, ast.Unary):
+        return (e.operand,)
+    if isinstance(e, ast.Binary):
+        return (e.lhs, e.rhs)
+    if isinstance(e, (ast.Call,)):
+        return e.args
+    if isinstance(e, (ast.Cast, ast.Reduce)):
+        return (e.operand,)
+    return ()
+
+
+def check(program: ast.Program) -> CheckedProgram:
+    """Check a parsed program; raise one `KspecError` holding every independent error found."""
+    try:
+        return _Checker(program).run()
+    except RecursionError:
+        raise KspecError("expression nested too deeply", None) from None
+
+
+# ---------------------------------------------------------------- printing the typed AST
+
+def _texpr_lines(e: TExpr, depth: int) -> list[str]:
+    pad = "  " * depth
+    free = f"[{', '.join(e.free)}]" if e.free else "[]"
+    if isinstance(e, TConst):
+        return [f"{pad}const {e.value!r} : {e.dtype}{' (weak)' if e.weak else ''}"]
+    if isinstance(e, TScalar):
+        return [f"{pad}param {e.name} : {e.dtype}"]
+    if isinstance(e, TAccess):
+        return [f"{pad}{e.tensor}[{', '.join(e.indices)}] : {e.dtype}"]
+    if isinstance(e, TUnary):
+        head, kids = f"neg : {e.dtype} {free}", [e.operand]
+    elif isinstance(e, TBinary):
+        head, kids = f"{e.op} : {e.dtype} {free}", [e.lhs, e.rhs]
+    elif isinstance(e, TCall):
+        head, kids = f"{e.fn} : {e.dtype} {free}", list(e.args)
+    elif isinstance(e, TCast):
+        head, kids = f"cast : {e.dtype} {free}", [e.operand]
+    elif isinstance(e, TReduce):
+        head, kids = f"{e.op}({', '.join(e.indices)}) : {e.dtype} {free}", [e.operand]
+    elif isinstance(e, TSoftmax):
+        opt = f", causal={e.causal}" if e.causal else ""
+        head, kids = f"softmax({e.axis}{opt}) : {e.dtype} {free}", [e.operand]
+    else:
+        raise TypeError(e)
+    out = [pad + head]
+    for k in kids:
+        out.extend(_texpr_lines(k, depth + 1))  # type: ignore[arg-type]
+    return out
+
+
+def format_typed(program: CheckedProgram) -> str:
+    """The typed AST as an indented tree (what `kspec check --ast` prints)."""
+    out: list[str] = [f"program {program.file}" + (f"  target {', '.join(program.targets)}" if program.targets else "")]
+    for k in program.kernels:
+        out.append(f"kernel {k.name}")
+        syms = ", ".join(k.symbols)
+        if k.bindings:
+            syms += "  (" + ", ".join(f"{s} = {v}" for s, v in k.bindings) + ")"
+        out.append(f"  symbols: {syms or '-'}")
+        for t in k.tensors:
+            out.append(f"  {t.role:<5} {t.describe()}")
+        for s in k.stmts:
+            ext = ", ".join(f"{i}: {d}" for i, d in s.extents)
+            out.append(f"  {s.target}[{', '.join(s.indices)}] : {s.dtype}   ({ext})")
+            out.extend(_texpr_lines(s.value, 2))
+        for arch, h in k.schedules:
+            parts = []
+            if h.tile:
+                parts.append("tile=" + "x".join(map(str, h.tile)))
+            if h.cluster:
+                parts.append("cluster=" + "x".join(map(str, h.cluster)))
+            if h.stages:
+                parts.append(f"stages={h.stages}")
+            out.append(f"  schedule{' for ' + arch if arch else ''}: {' '.join(parts) or '-'}")
+    return "\n".join(out)
+
+
+def count_ops(e: TExpr) -> dict[str, int]:
+    """Counts of operation classes in an expression, for one-line summaries."""
+    counts: dict[str, int] = {}
+
+    def visit(x: TExpr):
+        if isinstance(x, TReduce):
+            is_contraction = x.op == "sum" and isinstance(x.operand, TBinary) and x.operand.op == "*"
+            key = "contraction" if is_contraction else "reduction"
+            counts[key] = counts.get(key, 0) + 1
+            if is_contraction:
+                for side in (x.operand.lhs, x.operand.rhs):
+                    visit(side)
+                return
+            visit(x.operand)
+        elif isinstance(x, TSoftmax):
+            counts["softmax"] = counts.get("softmax", 0) + 1
+            visit(x.operand)
+        elif isinstance(x, (TBinary, TUnary, TCall, TCast)):
+            counts["elementwise"] = counts.get("elementwise", 0) + 1
+            for c in ([x.lhs, x.rhs] if isinstance(x, TBinary) else list(x.args) if isinstance(x, TCall)
+                      else [x.operand]):
+                visit(c)
+
+    visit(e)
+    return counts

@@ -1,0 +1,83 @@
+"""Print an AST back to kspec source.  `parse(print_program(p)) == p` for every program."""
+from __future__ import annotations
+
+from . import ast
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def print_expr(e: ast.Expr) -> str:
+    return _expr(e, 0, tail=True)
+
+
+def _expr(e: ast.Expr, ctx: int, tail: bool) -> str:
+    """ctx: precedence of the surrounding operator position (0 top, 1 additive, 2 multiplicative,
+    3 unary).  tail: whether nothing of multiplicative strength follows this text, which matters for
+    prefix reductions, whose operand extends over the rest of the product."""
+    if isinstance(e, ast.Num):
+        text = e.text
+        return f"({text})" if text.startswith("-") and ctx > 0 else text
+    if isinstance(e, ast.Name):
+        return e.name
+    if isinstance(e, ast.Access):
+        return f"{e.tensor}[{', '.join(e.indices)}]"
+    if isinstance(e, ast.Call):
+        return f"{e.fn}({', '.join(_expr(a, 0, True) for a in e.args)})"
+    if isinstance(e, ast.Cast):
+        return f"{e.dtype}({_expr(e.operand, 0, True)})"
+    if isinstance(e, ast.Unary):
+        s = "-" + _expr(e.operand, 3, tail)
+        return f"({s})" if ctx > 3 else s
+    if isinstance(e, ast.Reduce):
+        args = list(e.indices) + [f"{o.name}={o.value}" for o in e.options]
+        operand = _expr(e.operand, 2, True)
+        if operand.startswith("-"):
+            operand = f"({operand})"
+        s = f"{e.op}({', '.join(args)}) {operand}"
+        return f"({s})" if (not tail or ctx > 2) else s
+    if isinstance(e, ast.Binary):
+        p = _PREC[e.op]
+        # a left operand is always followed by the operator; at multiplicative strength that matters
+        lhs = _expr(e.lhs, p, tail=(p == 1))
+        rhs = _expr(e.rhs, p + 1, tail=tail or ctx < 2)
+        s = f"{lhs} {e.op} {rhs}"
+        return f"({s})" if p < ctx else s
+    raise TypeError(f"not an expression: {e!r}")
+
+
+def _dim(d: ast.Dim) -> str:
+    return str(d.value)
+
+
+def print_decl(d: ast.Decl) -> str:
+    s = f"{d.role} {d.name} : {d.dtype}"
+    if d.shape is not None:
+        s += "[" + ", ".join(_dim(x) for x in d.shape) + "]"
+    if d.layout:
+        s += f" {d.layout}"
+    if d.default is not None:
+        s += f" = {d.default.text}"
+    return s
+
+
+def print_stmt(s: ast.Stmt) -> str:
+    ann = f" : {s.dtype}" if s.dtype else ""
+    return f"{s.target}[{', '.join(s.indices)}]{ann} = {print_expr(s.value)}"
+
+
+def print_program(p: ast.Program) -> str:
+    out: list[str] = []
+    for t in p.targets:
+        out.append("target " + ", ".join(t.archs))
+        out.append("")
+    for k in p.kernels:
+        out.append(f"kernel {k.name} {{")
+        out.extend("  " + print_decl(d) for d in k.decls)
+        out.extend("  " + print_stmt(s) for s in k.stmts)
+        out.append("}")
+        out.append("")
+    for sc in p.schedules:
+        head = f"schedule {sc.kernel}" + (f" for {sc.arch}" if sc.arch else "")
+        body = "  ".join(f"{st.key} = {st.text}" for st in sc.settings)
+        out.append(f"{head} {{ {body} }}" if body else f"{head} {{ }}")
+    return "\n".join(out).rstrip() + "\n"
