@@ -1,0 +1,168 @@
+"""Canonicalisation passes over the dataflow graph: copy elimination, constant folding, common
+subexpression merging, dead-node removal and GEMM recognition (operand layouts absorb transposes)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import networkx as nx
+
+from .graph import OpNode, op, operands, uses
+
+
+def _rewire(g: nx.DiGraph, old, new, relabel=None) -> None:
+    """Point every consumer of `old` at `new`; relabel(labels) maps the labels consumers used for
+    old's axes to the labels they must use for new's axes."""
+    for v in list(g.successors(old)):
+        for pos, labels in uses(g, old, v):
+            new_labels = relabel(labels) if relabel else labels
+            if g.has_edge(new, v):
+                g.edges[new, v]["uses"] += ((pos, new_labels),)
+            else:
+                g.add_edge(new, v, uses=((pos, new_labels),))
+        g.remove_edge(old, v)
+
+
+def remove_copies(g: nx.DiGraph) -> int:
+    """Drop `copy` nodes (a statement that only renames a value); consumers read the source."""
+    count = 0
+    for n in list(nx.topological_sort(g)):
+        o = op(g, n)
+        if o.kind != "elementwise" or o.fn != "copy":
+            continue
+        (src, read_labels), = operands(g, n)
+        pos_in_copy = {a: i for i, a in enumerate(o.axes)}
+
+        def relabel(labels, read_labels=read_labels, pos_in_copy=pos_in_copy):
+            return tuple(labels[pos_in_copy[r]] for r in read_labels)
+        _rewire(g, n, src, relabel)
+        src_op = op(g, src)
+        if o.name and src_op.name is None and src_op.kind not in ("input", "param", "const"):
+            g.nodes[src]["op"] = replace(src_op, name=o.name)
+        g.remove_node(n)
+        count += 1
+    return count
+
+
+_FOLD = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b if b != 0 else math.copysign(math.inf, a) if a else math.nan,
+    "neg": lambda a: -a, "maximum": max, "minimum": min, "abs": abs,
+    "exp": math.exp, "tanh": math.tanh,
+}
+
+
+def fold_constants(g: nx.DiGraph) -> int:
+    """Evaluate elementwise nodes whose operands are all constants."""
+    count = 0
+    for n in list(nx.topological_sort(g)):
+        o = op(g, n)
+        if o.kind != "elementwise" or o.fn not in _FOLD or o.axes:
+            continue
+        ins = operands(g, n)
+        if not ins or not all(op(g, u).kind == "const" for u, _ in ins):
+            continue
+        try:
+            value = _FOLD[o.fn](*[op(g, u).value for u, _ in ins])
+        except (OverflowError, ValueError):
+            continue
+        for u, _ in ins:
+            if g.has_edge(u, n):
+                g.remove_edge(u, n)
+        g.nodes[n]["op"] = OpNode("const", o.dtype, (), (), value=value, span=o.span)
+        count += 1
+    remove_dead(g)
+    return count
+
+
+def _key(g: nx.DiGraph, n):
+    o = op(g, n)
+    ins = tuple(sorted((pos, u, labels) for u in g.predecessors(n) for pos, labels in uses(g, u, n)))
+    return (replace(o, name=None, span=None), ins)
+
+
+def merge_common_subexpressions(g: nx.DiGraph) -> int:
+    """Merge nodes computing the same op on the same operands (constants included)."""
+    seen: dict = {}
+    count = 0
+    for n in list(nx.topological_sort(g)):
+        o = op(g, n)
+        if o.kind in ("input", "param", "output"):
+            continue
+        k = _key(g, n)
+        if k in seen:
+            keep = seen[k]
+            _rewire(g, n, keep)
+            if o.name and op(g, keep).name is None:
+                g.nodes[keep]["op"] = replace(op(g, keep), name=o.name)
+            g.remove_node(n)
+            count += 1
+        else:
+            seen[k] = n
+    return count
+
+
+def remove_dead(g: nx.DiGraph) -> int:
+    """Remove nodes that no output depends on (inputs and params are kept: they are the signature)."""
+    live: set = set()
+    for n in g.nodes:
+        if op(g, n).kind == "output":
+            live.add(n)
+            live |= nx.ancestors(g, n)
+    dead = [n for n in g.nodes if n not in live and op(g, n).kind not in ("input", "param")]
+    g.remove_nodes_from(dead)
+    return len(dead)
+
+
+@dataclass(frozen=True)
+class GemmInfo:
+    """A contraction recognised as (batched) GEMM: D[batch.., m, n] = sum_k A[.., m, k] B[.., k, n]."""
+    a: str                       # producer node of the A operand
+    b: str
+    m: str                       # labels
+    n: str
+    k: str
+    batch: tuple[str, ...]
+    a_layout: str                # "row": k contiguous in A; "col": m contiguous
+    b_layout: str                # "row": n contiguous in B; "col": k contiguous
+
+
+def _storage_order(g: nx.DiGraph, node, labels: tuple[str, ...]) -> tuple[str, ...]:
+    """The labels of a value's axes from outermost to innermost in memory."""
+    o = op(g, node)
+    order = list(labels)
+    if o.kind == "input" and o.layout == "col":
+        order[-2], order[-1] = order[-1], order[-2]
+    return tuple(order)
+
+
+def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
+    """Recognise a contraction node as a GEMM; return the reason when it is not one."""
+    o = op(g, n)
+    if o.kind != "contraction":
+        return "not a contraction"
+    if len(o.reduced) != 1:
+        return f"it reduces over {len(o.reduced)} indices; a GEMM reduces over one"
+    if len(o.axes) < 2:
+        return "its result has fewer than two axes"
+    (ua, la), (ub, lb) = operands(g, n)
+    k = o.reduced[0]
+    m, nn = o.axes[-2], o.axes[-1]
+    batch = o.axes[:-2]
+    if m in lb and m not in la:
+        (ua, la), (ub, lb) = (ub, lb), (ua, la)
+    if set(la) != set(batch) | {m, k} or set(lb) != set(batch) | {k, nn}:
+        return "its operands are not [batch.., m, k] and [batch.., k, n]"
+    sa, sb = _storage_order(g, ua, la), _storage_order(g, ub, lb)
+    if sa[:len(batch)] != batch or sb[:len(batch)] != batch:
+        return "batch axes are not the outermost axes of every operand in the same order"
+    a_layout = "row" if sa[-1] == k else "col"
+    b_layout = "row" if sb[-1] == nn else "col"
+    return GemmInfo(ua, ub, m, nn, k, tuple(batch), a_layout, b_layout)
+
+
+def canonicalize(g: nx.DiGraph) -> dict[str, int]:
+    """Run every canonicalisation pass; returns how much each one changed."""
+    stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
+             "dead": remove_dead(g)}
+    return stats

@@ -1,0 +1,223 @@
+"""The dataflow graph: typed AST -> networkx.DiGraph with one node per tensor op.
+
+Every node carries an `OpNode` under the key "op".  Node values are tensors whose axes are named
+by index labels (`OpNode.axes`); an edge (u, v) says v reads u's value, and its "uses" attribute
+lists, per operand position of v, the labels v uses for u's axes (u.axes[i] is read as uses[..][1][i]).
+Labels are local to a statement, so a value defined as acc[m, n] and read as acc[i, j] has an edge
+with labels (i, j).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+
+from kspec.spec_lang.check import (CheckedKernel, DimValue, TAccess, TBinary, TCall, TCast, TConst, TExpr,
+                                   TReduce, TScalar, TSoftmax, TUnary)
+from kspec.spec_lang.errors import KspecError, KspecInternalError, Span
+
+KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax",
+         "cast", "output")
+_BINARY_FN = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
+
+
+@dataclass(frozen=True)
+class OpNode:
+    kind: str
+    dtype: str
+    axes: tuple[str, ...]                 # index labels of the value, in storage order
+    shape: tuple[DimValue, ...]           # extent per axis
+    fn: str = ""                          # elementwise function / reduction op
+    name: str | None = None               # the spec tensor this node defines or stands for
+    reduced: tuple[str, ...] = ()         # contraction / reduction: labels reduced away
+    reduced_shape: tuple[DimValue, ...] = ()
+    value: float | int | None = None      # const
+    causal: str | None = None             # softmax: the query label of a causal mask
+    layout: str = "row"                   # input/output storage layout
+    span: Span | None = field(default=None, compare=False)
+
+    def label(self) -> str:
+        ax = f"[{', '.join(self.axes)}]" if self.axes else ""
+        if self.kind in ("input", "param", "output"):
+            return f"{self.kind} {self.name}{ax} : {self.dtype}"
+        if self.kind == "const":
+            return f"const {self.value}"
+        if self.kind in ("contraction", "reduction"):
+            return f"{self.kind} {self.fn}({', '.join(self.reduced)}){ax} : {self.dtype}"
+        if self.kind == "softmax":
+            c = f", causal={self.causal}" if self.causal else ""
+            return f"softmax({self.fn}{c}){ax} : {self.dtype}"
+        tag = f" ={self.name}" if self.name else ""
+        return f"{self.kind} {self.fn}{ax} : {self.dtype}{tag}"
+
+
+def op(g: nx.DiGraph, n) -> OpNode:
+    return g.nodes[n]["op"]
+
+
+def uses(g: nx.DiGraph, u, v) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    return g.edges[u, v]["uses"]
+
+
+def operands(g: nx.DiGraph, v) -> list[tuple[object, tuple[str, ...]]]:
+    """v's operands in position order: (producer node, labels v uses for its axes)."""
+    found = []
+    for u in g.predecessors(v):
+        for pos, labels in uses(g, u, v):
+            found.append((pos, u, labels))
+    return [(u, labels) for _, u, labels in sorted(found, key=lambda t: t[0])]
+
+
+class _Builder:
+    def __init__(self, kernel: CheckedKernel):
+        self.k = kernel
+        self.g = nx.DiGraph(kernel=kernel.name)
+        self.ids = itertools.count()
+        self.defined: dict[str, object] = {}       # tensor name -> node
+        self.extent: dict[str, DimValue] = {}
+
+    def add(self, o: OpNode, inputs: list[tuple[object, tuple[str, ...]]] = ()) -> str:
+        n = f"n{next(self.ids)}"
+        self.g.add_node(n, op=o)
+        for pos, (u, labels) in enumerate(inputs):
+            if self.g.has_edge(u, n):
+                self.g.edges[u, n]["uses"] += ((pos, tuple(labels)),)
+            else:
+                self.g.add_edge(u, n, uses=((pos, tuple(labels)),))
+        return n
+
+    def build(self) -> nx.DiGraph:
+        k = self.k
+        for t in k.tensors:
+            if t.role == "in":
+                axes = tuple(f"d{i}" for i in range(t.rank))
+                self.defined[t.name] = self.add(OpNode("input", t.dtype, axes, t.shape, name=t.name,
+                                                       layout=t.layout, span=t.span))
+            elif t.role == "param":
+                self.defined[t.name] = self.add(OpNode("param", t.dtype, (), (), name=t.name,
+                                                       value=t.default, span=t.span))
+        for s in k.stmts:
+            self.extent = dict(s.extents)
+            root = self.store(self.expr(s.value), s)
+            self.defined[s.target] = root
+            info = k.tensor(s.target)
+            if info.role == "out":
+                self.add(OpNode("output", info.dtype, tuple(f"d{i}" for i in range(info.rank)), info.shape,
+                                name=info.name, layout=info.layout, span=info.span), [(root, s.indices)])
+        return self.g
+
+    def store(self, value: tuple[str, tuple[str, ...]], s) -> str:
+        """A node holding the statement's value with the target's dtype, index order and name."""
+        node, labels = value
+        o = op(self.g, node)
+        if o.kind in ("input", "param", "const") or o.name is not None or labels != o.axes:
+            # the value is another tensor (read under new labels): copy it, so each name has a node
+            node = self.add(OpNode("elementwise", o.dtype, labels, self.shape(labels) if labels else (),
+                                   fn="copy", span=s.span), [(node, labels)])
+            o = op(self.g, node)
+        if o.dtype != s.dtype:
+            node = self.add(OpNode("cast", s.dtype, o.axes, o.shape, fn=f"cast:{s.dtype}", span=s.span),
+                            [(node, o.axes)])
+            o = op(self.g, node)
+        if set(o.axes) != set(s.indices):
+            # the left side has indices the value does not use: broadcast
+            node = self.add(OpNode("broadcast", o.dtype, tuple(s.indices), self.shape(s.indices),
+                                   fn="broadcast", span=s.span), [(node, o.axes)])
+            o = op(self.g, node)
+        if o.axes != tuple(s.indices):
+            o = _reorder(o, tuple(s.indices))    # storage order = the left side's index order
+        self.g.nodes[node]["op"] = replace(o, name=s.target)
+        return node
+
+    def shape(self, axes) -> tuple[DimValue, ...]:
+        return tuple(self.extent[a] for a in axes)
+
+    def expr(self, e: TExpr) -> tuple[str, tuple[str, ...]]:
+        """Build e's nodes; return (node, the labels under which e reads that node's axes)."""
+        if isinstance(e, TConst):
+            return self.node(OpNode("const", e.dtype, (), (), value=e.value, span=e.span))
+        if isinstance(e, TScalar):
+            return self.defined[e.name], ()
+        if isinstance(e, TAccess):
+            return self.defined[e.tensor], tuple(e.indices)
+        if isinstance(e, TUnary):
+            return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn="neg", span=e.span),
+                             [self.read(e.operand, e.free)])
+        if isinstance(e, TBinary):
+            return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn=_BINARY_FN[e.op],
+                                    span=e.span), [self.read(e.lhs, e.free), self.read(e.rhs, e.free)])
+        if isinstance(e, TCall):
+            return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn=e.fn, span=e.span),
+                             [self.read(a, e.free) for a in e.args])
+        if isinstance(e, TCast):
+            return self.node(OpNode("cast", e.dtype, e.free, self.shape(e.free), fn=f"cast:{e.dtype}", span=e.span),
+                             [self.read(e.operand, e.free)])
+        if isinstance(e, TSoftmax):
+            return self.node(OpNode("softmax", e.dtype, e.free, self.shape(e.free), fn=e.axis, causal=e.causal,
+                                    span=e.span), [self.expr(e.operand)])
+        if isinstance(e, TReduce):
+            inner = e.operand
+            red_shape = tuple(self.extent[i] for i in e.indices)
+            if e.op == "sum" and isinstance(inner, TBinary) and inner.op == "*" and \
+                    all(i in inner.lhs.free and i in inner.rhs.free for i in e.indices):
+                return self.node(OpNode("contraction", e.dtype, e.free, self.shape(e.free), fn="sum",
+                                        reduced=e.indices, reduced_shape=red_shape, span=e.span),
+                                 [self.expr(inner.lhs), self.expr(inner.rhs)])
+            return self.node(OpNode("reduction", e.dtype, e.free, self.shape(e.free), fn=e.op, reduced=e.indices,
+                                    reduced_shape=red_shape, span=e.span), [self.expr(inner)])
+        raise KspecInternalError(f"cannot build a graph node for {type(e).__name__}")
+
+    def node(self, o: OpNode, inputs=()) -> tuple[str, tuple[str, ...]]:
+        n = self.add(o, list(inputs))
+        return n, o.axes
+
+    def read(self, e: TExpr, consumer_axes) -> tuple[str, tuple[str, ...]]:
+        """e as an elementwise operand of a consumer over `consumer_axes`: tensors that do not cover
+        every consumer axis are broadcast by an explicit node (scalars are not)."""
+        node, labels = self.expr(e)
+        o = op(self.g, node)
+        if o.kind in ("param", "const") or set(labels) == set(consumer_axes):
+            return node, labels
+        b = self.add(OpNode("broadcast", o.dtype, tuple(consumer_axes), self.shape(consumer_axes),
+                            fn="broadcast", span=e.span), [(node, labels)])
+        return b, tuple(consumer_axes)
+
+
+def _reorder(o: OpNode, axes: tuple[str, ...]) -> OpNode:
+    pos = {a: i for i, a in enumerate(o.axes)}
+    return replace(o, axes=axes, shape=tuple(o.shape[pos[a]] for a in axes))
+
+
+def build_graph(kernel: CheckedKernel) -> nx.DiGraph:
+    """Build the (validated) dataflow graph of one checked kernel."""
+    g = _Builder(kernel).build()
+    validate(g)
+    return g
+
+
+def validate(g: nx.DiGraph) -> None:
+    """Structural invariants: acyclic, operand labels match the producer's rank, every spec tensor has
+    one producer, outputs are sinks fed once."""
+    if not nx.is_directed_acyclic_graph(g):
+        raise KspecInternalError("the dataflow graph has a cycle")
+    names: dict[str, object] = {}
+    for n, data in g.nodes(data=True):
+        o: OpNode = data["op"]
+        if o.kind not in KINDS:
+            raise KspecInternalError(f"node {n} has unknown kind {o.kind}")
+        if len(o.axes) != len(o.shape):
+            raise KspecInternalError(f"node {n}: {len(o.axes)} axes but {len(o.shape)} extents")
+        if o.name and o.kind != "output":
+            if o.name in names:
+                raise KspecInternalError(f"tensor {o.name} has two producers: {names[o.name]} and {n}")
+            names[o.name] = n
+        for u in g.predecessors(n):
+            for _, labels in uses(g, u, n):
+                if len(labels) != len(op(g, u).axes):
+                    raise KspecInternalError(f"edge {u}->{n}: {len(labels)} labels for a rank-{len(op(g, u).axes)} value")
+        if o.kind == "output":
+            if g.out_degree(n) or g.in_degree(n) != 1:
+                raise KspecInternalError(f"output node {n} must have exactly one producer and no consumers")
+        if o.kind in ("input", "param", "const") and g.in_degree(n):
+            raise KspecInternalError(f"{o.kind} node {n} has producers")
