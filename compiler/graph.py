@@ -177,8 +177,8 @@ class _Builder:
         every consumer axis are broadcast by an explicit node (scalars are not)."""
         node, labels = self.expr(e)
         o = op(self.g, node)
-        if o.kind in ("param", "const") or set(labels) == set(consumer_axes):
-            return node, labels
+        if not labels or set(labels) == set(consumer_axes):
+            return node, labels          # scalars are broadcast implicitly
         b = self.add(OpNode("broadcast", o.dtype, tuple(consumer_axes), self.shape(consumer_axes),
                             fn="broadcast", span=e.span), [(node, labels)])
         return b, tuple(consumer_axes)
