@@ -1,0 +1,232 @@
+"""Execute a scheduled kernel on numpy, plan by plan.
+
+Semantics (shared with every GPU backend): each graph node's value is computed in f32 (int64 for
+integers) and rounded to the node's dtype; contractions accumulate in f32 (i32) over operands in
+their storage precision (tf32 operands rounded to tf32).  Because rounding is per node, a fused and
+an unfused schedule of the same graph give bit-identical results.
+"""
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import networkx as nx
+import numpy as np
+
+from kspec.compiler import KernelSchedule, op, operands, plan_kernel
+from kspec.spec_lang import CheckedKernel, CheckedProgram, KspecError, load_spec
+
+from .numerics import FUNCTIONS, divide, is_int, round_tf32, storage_dtype, to_compute, to_storage
+
+
+class KspecReferenceError(KspecError):
+    """Wrong arguments to a reference callable."""
+
+
+def _align(value: np.ndarray, labels: tuple[str, ...], axes: tuple[str, ...]) -> np.ndarray:
+    """View `value` (axes named `labels`) with axes ordered as `axes`, size-1 for missing ones."""
+    if not labels:
+        return value
+    perm = sorted(range(len(labels)), key=lambda i: axes.index(labels[i]))
+    v = np.transpose(value, perm)
+    present = [labels[i] for i in perm]
+    shape = [v.shape[present.index(a)] if a in present else 1 for a in axes]
+    return v.reshape(shape)
+
+
+def _softmax(x: np.ndarray, axis: int, causal_axis: int | None) -> np.ndarray:
+    x = x.astype(np.float32)
+    if causal_axis is not None:
+        q = np.arange(x.shape[causal_axis]).reshape([-1 if d == causal_axis else 1 for d in range(x.ndim)])
+        k = np.arange(x.shape[axis]).reshape([-1 if d == axis else 1 for d in range(x.ndim)])
+        x = np.where(k > q, np.float32(-np.inf), x)
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(s > 0, e / s, 0).astype(np.float32)
+
+
+def _letters(labels) -> dict[str, str]:
+    return {l: string.ascii_letters[i] for i, l in enumerate(labels)}
+
+
+def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np.ndarray:
+    """The value of node n (in its dtype's storage) from its operands' values."""
+    o = op(g, n)
+    ins = operands(g, n)
+    if o.kind == "const":
+        return to_storage(np.asarray(o.value), o.dtype) if not is_int(o.dtype) else np.asarray(o.value)
+    if o.kind == "contraction":
+        (ua, la), (ub, lb) = ins
+        letters = _letters(list(dict.fromkeys(la + lb + o.axes)))
+        a, b = values[ua], values[ub]
+        prep = []
+        for x, u in ((a, ua), (b, ub)):
+            x = to_compute(x)
+            if op(g, u).dtype == "tf32":
+                x = round_tf32(x)
+            prep.append(x)
+        spec = f"{''.join(letters[l] for l in la)},{''.join(letters[l] for l in lb)}->" \
+               f"{''.join(letters[l] for l in o.axes)}"
+        return to_storage(np.einsum(spec, *prep, optimize=True), o.dtype)
+    if o.kind == "reduction":
+        (u, labels), = ins
+        x = to_compute(values[u])
+        x = _align(x, labels, o.axes + o.reduced)
+        red = tuple(range(len(o.axes), len(o.axes) + len(o.reduced)))
+        fn = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}[o.fn]
+        out = fn(x, axis=red)
+        return to_storage(out, o.dtype)
+    if o.kind == "softmax":
+        (u, labels), = ins
+        x = _align(to_compute(values[u]), labels, o.axes)
+        causal = o.axes.index(o.causal) if o.causal else None
+        return to_storage(_softmax(x, o.axes.index(o.fn), causal), o.dtype)
+    if o.kind in ("elementwise", "broadcast", "cast"):
+        args = [_align(to_compute(values[u]), labels, o.axes) for u, labels in ins]
+        if o.kind == "broadcast" or o.fn == "copy" or o.kind == "cast":
+            out = args[0]
+        elif o.fn == "div":
+            out = divide(*args)
+        else:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                out = FUNCTIONS[o.fn](*args)
+        if o.axes:
+            out = np.broadcast_to(out, tuple(d if isinstance(d, int) else sizes[d] for d in o.shape))
+        return to_storage(out, o.dtype)
+    raise KspecError(f"the reference backend cannot execute {o.kind} nodes")
+
+
+def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Mapping[str, float],
+            sizes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """Run every plan in order; return the outputs by name."""
+    g = sched.graph
+    buffers: dict[str, np.ndarray] = {}
+    for b in sched.buffers.values():
+        if b.kind == "input":
+            buffers[b.name] = inputs[b.name]
+        elif b.kind == "param":
+            buffers[b.name] = np.asarray(params[b.name], dtype=storage_dtype(b.dtype))
+    for plan in sched.plans:
+        values: dict = {}
+        for n in plan.group.nodes:
+            for u in g.predecessors(n):
+                if u not in plan.group.nodes and op(g, u).kind != "const":
+                    values[u] = buffers[sched.value_buffer[u]]
+        sub = g.subgraph(plan.group.nodes)
+        for n in nx.topological_sort(sub):
+            for u in g.predecessors(n):
+                if op(g, u).kind == "const" and u not in values:
+                    values[u] = eval_node(g, u, values, sizes)
+            values[n] = eval_node(g, n, values, sizes)
+        for n in plan.group.nodes:
+            name = sched.value_buffer.get(n)
+            if name is not None and sched.buffers[name].kind in ("output", "intermediate"):
+                buffers[name] = values[n]
+            for s in g.successors(n):
+                so = op(g, s)
+                if so.kind == "output":
+                    buffers[so.name] = np.ascontiguousarray(to_storage(values[n], so.dtype))
+    return {t.name: buffers[t.name] for t in sched.kernel.outputs}
+
+
+@dataclass
+class ReferenceKernel:
+    """A spec kernel as a numpy callable: `fn(A=a, B=b, alpha=2.0) -> {"D": d}`."""
+    kernel: CheckedKernel
+    fused: bool = True
+
+    def __post_init__(self):
+        self.schedule = plan_kernel(self.kernel, fuse_ops=self.fused)
+
+    def __repr__(self) -> str:
+        ins = ", ".join(t.describe() for t in self.kernel.inputs + self.kernel.params)
+        outs = ", ".join(t.describe() for t in self.kernel.outputs)
+        return f"<kspec reference kernel {self.kernel.name}({ins}) -> ({outs})>"
+
+    def bind(self, arrays: Mapping[str, object]) -> tuple[dict, dict, dict]:
+        """Check the arguments; return (inputs in storage dtype, params, sizes)."""
+        k = self.kernel
+        known = {t.name for t in k.inputs + k.params}
+        for name in arrays:
+            if name not in known:
+                raise KspecReferenceError(f"{k.name}: unknown argument '{name}'",
+                                          hint=f"arguments: {', '.join(sorted(known))}")
+        sizes: dict[str, int] = dict(k.bindings)
+        where: dict[str, str] = {s: "the spec" for s in sizes}
+        inputs: dict[str, np.ndarray] = {}
+        for t in k.inputs:
+            if t.name not in arrays:
+                raise KspecReferenceError(f"{k.name}: missing input '{t.name}' ({t.describe()})")
+            a = np.asarray(arrays[t.name])
+            if a.ndim != t.rank:
+                raise KspecReferenceError(f"argument '{t.name}': expected rank {t.rank} ({t.describe()}), "
+                                          f"got shape {a.shape}")
+            if is_int(t.dtype) != (a.dtype.kind in "iub"):
+                raise KspecReferenceError(f"argument '{t.name}': expected {t.dtype} values, got a {a.dtype} array")
+            for dim, extent in zip(t.shape, a.shape):
+                if isinstance(dim, int):
+                    if extent != dim:
+                        raise KspecReferenceError(f"argument '{t.name}': expected shape "
+                                                  f"[{', '.join(map(str, t.shape))}], got {list(a.shape)}")
+                elif dim in sizes and sizes[dim] != extent:
+                    raise KspecReferenceError(f"argument '{t.name}': {dim} = {extent}, but {dim} = {sizes[dim]} "
+                                              f"from {where[dim]}")
+                else:
+                    sizes[dim] = extent
+                    where[dim] = f"argument '{t.name}'"
+            inputs[t.name] = to_storage(a, t.dtype) if a.dtype != storage_dtype(t.dtype) else a
+        params: dict[str, float] = {}
+        for t in k.params:
+            v = arrays.get(t.name, t.default)
+            if v is None:
+                raise KspecReferenceError(f"{k.name}: missing param '{t.name}' ({t.dtype}, no default)")
+            if not np.isscalar(v) and np.ndim(v) != 0:
+                raise KspecReferenceError(f"param '{t.name}' is a scalar, got shape {np.shape(v)}")
+            params[t.name] = float(v) if not is_int(t.dtype) else int(v)
+        return inputs, params, sizes
+
+    def __call__(self, **arrays) -> dict[str, np.ndarray]:
+        inputs, params, sizes = self.bind(arrays)
+        return execute(self.schedule, inputs, params, sizes)
+
+
+class ReferenceModule:
+    """Every kernel of a spec as a `ReferenceKernel` attribute."""
+
+    def __init__(self, program: CheckedProgram, fused: bool = True):
+        self.program = program
+        self.kernels = {k.name: ReferenceKernel(k, fused) for k in program.kernels}
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["kernels"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __repr__(self) -> str:
+        return f"<kspec reference module {self.program.file}: {', '.join(self.kernels)}>"
+
+
+def reference(spec_or_path, kernel: str | None = None, *, fused: bool = True):
+    """`kspec.reference(path_or_program, kernel=None)`: a numpy callable for one kernel of a spec
+    (the only one, or `kernel`), taking arrays by name and returning outputs by name.  A spec with
+    several kernels and no `kernel=` gives a module with one callable per kernel."""
+    if isinstance(spec_or_path, CheckedProgram):
+        program = spec_or_path
+    elif isinstance(spec_or_path, (str, Path)) and (Path(spec_or_path).suffix == ".kspec" or Path(spec_or_path).exists()):
+        program = load_spec(spec_or_path)
+    elif isinstance(spec_or_path, str):
+        program = load_spec(spec_or_path, is_text=True)
+    else:
+        raise KspecError(f"kspec.reference takes a spec path, spec text or CheckedProgram, "
+                         f"not {type(spec_or_path).__name__}")
+    if kernel is not None:
+        return ReferenceKernel(program.kernel(kernel), fused)
+    if len(program.kernels) == 1:
+        return ReferenceKernel(program.kernels[0], fused)
+    return ReferenceModule(program, fused)
