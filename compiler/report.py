@@ -1,0 +1,153 @@
+"""Printable forms of the compiler's stages: the graph, the fused plan, the cost table, and graph
+exports (dot, json, svg via Graphviz) with fused groups drawn as clusters."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import networkx as nx
+
+from kspec.spec_lang.errors import KspecError
+
+from .cost import CostReport
+from .graph import op
+from .schedule import KernelSchedule
+
+
+def _order(n) -> int:
+    return int(str(n)[1:])
+
+
+def format_graph(g: nx.DiGraph) -> str:
+    lines = []
+    for n in nx.lexicographical_topological_sort(g, key=_order):
+        ins = []
+        for u in sorted(g.predecessors(n), key=_order):
+            for pos, labels in g.edges[u, n]["uses"]:
+                ins.append(f"{u}[{', '.join(labels)}]" if labels else str(u))
+        src = f" <- {', '.join(ins)}" if ins else ""
+        lines.append(f"  {n:>4}  {op(g, n).label()}{src}")
+    return "\n".join(lines)
+
+
+def _group_desc(sched: KernelSchedule, plan) -> list[str]:
+    g = sched.graph
+    out = []
+    info = plan.info
+    if plan.kind == "gemm":
+        batch = f"batched over [{', '.join(info.batch)}], " if info.batch else ""
+        out.append(f"      GEMM {batch}A={op(g, info.a).name or info.a} ({info.a_layout}), "
+                   f"B={op(g, info.b).name or info.b} ({info.b_layout}), m={info.m} n={info.n} k={info.k}")
+        epi = sorted((n for n in plan.group.nodes if n != plan.group.anchor and op(g, n).kind != "const"), key=_order)
+        if epi:
+            out.append("      epilogue: " + "; ".join(op(g, n).label() for n in epi))
+    elif plan.kind == "attention":
+        out.append(f"      fused attention: Q={op(g, info.q).name}, K={op(g, info.k).name}, V={op(g, info.v).name}, "
+                   f"softmax over {info.key}{', causal' if info.causal else ''}; "
+                   f"the [{', '.join(info.batch + (info.query, info.key))}] scores stay on chip")
+    else:
+        out.append("      ops: " + "; ".join(op(g, n).label() for n in sorted(plan.group.nodes, key=_order)
+                                            if op(g, n).kind != "const"))
+    return out
+
+
+def format_plan(sched: KernelSchedule) -> str:
+    lines = [f"kernel {sched.kernel.name}: {len(sched.plans)} fused kernel{'s' if len(sched.plans) != 1 else ''}"]
+    for p in sched.plans:
+        lines.append(f"  [{p.id}] {p.kind}: reads {', '.join(p.reads) or '-'} -> writes {', '.join(p.writes)}")
+        lines.extend(_group_desc(sched, p))
+        for arch, cfg in p.configs.items():
+            if cfg.source != "n/a":
+                lines.append(f"      {arch}: {cfg.describe()}")
+    inter = sched.intermediates
+    if inter:
+        lines.append("  global intermediates:")
+        for b in inter:
+            first, last = sched.liveness[b.name]
+            slot = sched.reuse[b.name]
+            reuse = f", reuses {slot}" if slot != b.name else ""
+            lines.append(f"    {b.describe()}  live plans {first}..{last}{reuse}")
+    if sched.fusion.notes:
+        lines.append("  notes:")
+        lines.extend(f"    - {n}" for n in sched.fusion.notes)
+    return "\n".join(lines)
+
+
+def _si(x: float, unit: str) -> str:
+    for div, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {p}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def format_cost(c: CostReport) -> str:
+    sizes = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
+    lines = [f"  cost model at {sizes}:", f"    {'kernel':<28} {'kind':<11} {'FLOPs':>12} {'DRAM bytes':>12}"]
+    for p in c.plans:
+        lines.append(f"    {p.plan:<28} {p.kind:<11} {_si(p.flops, 'FLOP'):>12} {_si(p.bytes, 'B'):>12}")
+    lines.append(f"    {'fused total':<28} {len(c.plans):<11} {_si(c.fused_flops, 'FLOP'):>12} {_si(c.fused_bytes, 'B'):>12}")
+    lines.append(f"    {'unfused (one kernel per op)':<28} {c.unfused_kernels:<11} {_si(c.unfused_flops, 'FLOP'):>12} "
+                 f"{_si(c.unfused_bytes, 'B'):>12}")
+    saved = c.unfused_bytes - c.fused_bytes
+    lines.append(f"    fused/unfused DRAM bytes: {c.bytes_ratio:.3f}  ({_si(saved, 'B')} saved)")
+    return "\n".join(lines)
+
+
+def to_dot(sched: KernelSchedule) -> str:
+    g = sched.graph
+    where = {n: p for p in sched.plans for n in p.group.nodes}
+    lines = [f'digraph "{_esc(sched.kernel.name)}" {{', "  rankdir=TB;", '  node [fontname="monospace", fontsize=10];']
+    for p in sched.plans:
+        lines.append(f'  subgraph "cluster_{p.id}" {{')
+        lines.append(f'    label="{_esc(p.id)} ({p.kind})"; style=rounded; color=blue;')
+        for n in sorted(p.group.nodes, key=_order):
+            lines.append(f'    {n} [label="{_esc(op(g, n).label())}", shape=box];')
+        lines.append("  }")
+    for n in sorted(g.nodes, key=_order):
+        if n not in where:
+            shape = "ellipse" if op(g, n).kind in ("input", "param", "output") else "box"
+            lines.append(f'  {n} [label="{_esc(op(g, n).label())}", shape={shape}];')
+    for u, v in g.edges:
+        labels = [",".join(l) for _, l in g.edges[u, v]["uses"]]
+        lines.append(f'  {u} -> {v} [label="{_esc(" ".join(labels))}"];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _esc(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def to_json(sched: KernelSchedule, c: CostReport | None = None) -> str:
+    g = sched.graph
+    doc = {
+        "kernel": sched.kernel.name,
+        "nodes": [{"id": n, "kind": op(g, n).kind, "fn": op(g, n).fn, "dtype": op(g, n).dtype,
+                   "axes": list(op(g, n).axes), "shape": list(op(g, n).shape), "name": op(g, n).name}
+                  for n in sorted(g.nodes, key=_order)],
+        "edges": [{"from": u, "to": v, "uses": [{"pos": p, "labels": list(l)} for p, l in g.edges[u, v]["uses"]]}
+                  for u, v in g.edges],
+        "plans": [{"id": p.id, "kind": p.kind, "nodes": sorted(p.group.nodes, key=_order), "reads": list(p.reads),
+                   "writes": list(p.writes),
+                   "configs": {a: {"tile": cfg.tile, "cluster": cfg.cluster, "stages": cfg.stages, "source": cfg.source}
+                               for a, cfg in p.configs.items()}} for p in sched.plans],
+        "notes": sched.fusion.notes,
+    }
+    if c is not None:
+        doc["cost"] = {"sizes": c.sizes, "fused_bytes": c.fused_bytes, "unfused_bytes": c.unfused_bytes,
+                       "fused_flops": c.fused_flops, "unfused_kernels": c.unfused_kernels,
+                       "bytes_ratio": c.bytes_ratio}
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def to_svg(dot: str) -> bytes:
+    exe = shutil.which("dot")
+    if exe is None:
+        raise KspecError("drawing SVG needs Graphviz's `dot` program, which is not installed",
+                         hint="install Graphviz (e.g. `apt-get install graphviz`), or write "
+                              "`--format dot` and render it elsewhere")
+    r = subprocess.run([exe, "-Tsvg"], input=dot.encode(), capture_output=True, timeout=120)
+    if r.returncode != 0:
+        raise KspecError(f"Graphviz failed: {r.stderr.decode(errors='replace').strip()[:500]}")
+    return r.stdout
