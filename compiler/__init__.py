@@ -19,8 +19,8 @@ from .schedule import ARCHS, ArchConfig, Buffer, KernelPlan, KernelSchedule, sch
 
 def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, attention_supported=None,
                 fuse_ops: bool = True) -> KernelSchedule:
-    """The whole compiler pipeline for one kernel.  attention_supported(AttentionInfo) -> reason or
-    None lets a backend veto fused attention (the unfused plan is used, with the reason noted).
+    """The whole compiler pipeline for one kernel.  attention_supported(graph, AttentionInfo) -> reason
+    or None lets a backend veto fused attention (the unfused plan is used, with the reason noted).
     fuse_ops=False gives one kernel per op (the unfused baseline)."""
     g = build_graph(kernel)
     canonicalize(g)
@@ -43,6 +43,8 @@ def unfused(g) -> FusionResult:
             continue
         if n in taken:
             continue
+        if o.kind == "broadcast" and any(op(g, s).kind != "output" for s in g.successors(n)):
+            continue    # a view: it rides with its consumer below, as the cost model's baseline assumes
         kind = "gemm" if o.kind == "contraction" and isinstance(gemm_info(g, n), GemmInfo) else \
             o.kind if o.kind in ("contraction", "reduction", "softmax") else "elementwise"
         nodes = {n} | {a for a in nx.ancestors(g, n) if is_scalar_expr(g, a) and is_operator(g, a)
@@ -50,6 +52,12 @@ def unfused(g) -> FusionResult:
         taken |= nodes
         info = gemm_info(g, n) if kind == "gemm" else None
         res.groups.append(Group(f"g{len(res.groups)}", kind, nodes, n, info))
+    for n in reversed(list(nx.topological_sort(g))):
+        if op(g, n).kind == "broadcast" and n not in taken:
+            consumer = next(s for s in sorted(g.successors(n), key=lambda s: int(str(s)[1:])) if op(g, s).kind != "output")
+            grp = next(grp for grp in res.groups if consumer in grp.nodes)
+            grp.nodes.add(n)
+            taken.add(n)
     for grp in res.groups:
         for n in list(grp.nodes):
             for u in g.predecessors(n):

@@ -31,6 +31,11 @@ def remove_copies(g: nx.DiGraph) -> int:
         if o.kind != "elementwise" or o.fn != "copy":
             continue
         (src, read_labels), = operands(g, n)
+        feeds_output = any(op(g, v).kind == "output" for v in g.successors(n))
+        if feeds_output and (op(g, src).kind in ("input", "param", "const") or read_labels != o.axes):
+            # an output stores its producer's value in the producer's axis order: a copy of an
+            # input, or a transposing copy, is the kernel that writes that output
+            continue
         pos_in_copy = {a: i for i, a in enumerate(o.axes)}
 
         def relabel(labels, read_labels=read_labels, pos_in_copy=pos_in_copy):
@@ -161,8 +166,32 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     return GemmInfo(ua, ub, m, nn, k, tuple(batch), a_layout, b_layout)
 
 
+def split_shared_broadcasts(g: nx.DiGraph) -> int:
+    """Give every consumer of a broadcast its own broadcast node.  A broadcast is a free view of its
+    source; shared (e.g. after CSE) it would tie its consumers into one kernel or force the expanded
+    tensor through memory.  Output consumers stay with the original (named) node."""
+    count = 0
+    ids = max((int(str(n)[1:]) for n in g.nodes if str(n)[1:].isdigit()), default=-1) + 1
+    for n in list(nx.topological_sort(g)):
+        o = op(g, n)
+        consumers = sorted(g.successors(n), key=lambda v: (op(g, v).kind != "output", str(v)))
+        if o.kind != "broadcast" or len(consumers) < 2:
+            continue
+        (src, labels), = operands(g, n)
+        for v in consumers[1:]:
+            new = f"n{ids}"
+            ids += 1
+            g.add_node(new, op=replace(o, name=None))
+            g.add_edge(src, new, uses=((0, labels),))
+            g.add_edge(new, v, uses=g.edges[n, v]["uses"])
+            g.remove_edge(n, v)
+            count += 1
+    return count
+
+
 def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     """Run every canonicalisation pass; returns how much each one changed."""
     stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
              "dead": remove_dead(g)}
+    stats["broadcasts_split"] = split_shared_broadcasts(g)
     return stats

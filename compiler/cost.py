@@ -69,6 +69,8 @@ def _node_flops(g: nx.DiGraph, n, sizes) -> int:
 
 
 def _buffer_bytes(b: Buffer, sizes) -> int:
+    if b.kind == "param":
+        return 0     # scalars are passed by value in the launch parameters, not read from DRAM
     return _numel(b.shape, sizes) * DTYPE_BYTES[b.dtype]
 
 

@@ -115,7 +115,7 @@ def _scaled_value(g: nx.DiGraph, n):
 
 
 def fuse_attention(g: nx.DiGraph, res: FusionResult,
-                   supported: Callable[[AttentionInfo], str | None] | None = None) -> None:
+                   supported: Callable[[nx.DiGraph, AttentionInfo], str | None] | None = None) -> None:
     """contraction(e) -> [scale] -> softmax(j) -> contraction(j) becomes one attention group."""
     for sm in [n for n in nx.topological_sort(g) if op(g, n).kind == "softmax"]:
         o = op(g, sm)
@@ -167,7 +167,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if o.causal is not None and o.causal != query:
             res.notes.append(f"attention at {sm}: not fused: causal index '{o.causal}' is not the query index")
             continue
-        why = supported(info) if supported else None
+        why = supported(g, info) if supported else None
         if why:
             res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
             continue

@@ -219,5 +219,9 @@ def validate(g: nx.DiGraph) -> None:
         if o.kind == "output":
             if g.out_degree(n) or g.in_degree(n) != 1:
                 raise KspecInternalError(f"output node {n} must have exactly one producer and no consumers")
+            (u, labels), = operands(g, n)
+            if labels != op(g, u).axes or op(g, u).kind in ("input", "param", "const"):
+                # outputs store their producer's value as it is: transposes and copies are op nodes
+                raise KspecInternalError(f"output node {n} must store an op's value in its axis order")
         if o.kind in ("input", "param", "const") and g.in_degree(n):
             raise KspecInternalError(f"{o.kind} node {n} has producers")

@@ -2,7 +2,7 @@
 writes, global intermediates with liveness (and buffer reuse), and per-arch tile/cluster/stages.
 
 Tile heuristic (when the spec gives no `schedule` hint), by arch and operand width:
-  sm90a  16-bit: 128x128x64, cluster 1x1x1 (2x1x1 when M is a literal >= 4096)
+  sm90a  16-bit: 128x128x64 on a 2x1x1 cluster (TMA multicast of B across the pair)
          8-bit:  128x128x128;  tf32: 128x128x32
          M literal <= 64: tile M 64
   sm100a 16-bit: 256x128x64 on a 2x1x1 cluster (2-SM tcgen05 MMA); 8-bit 256x128x128; tf32 256x128x32
@@ -110,8 +110,7 @@ def _heuristic(plan: KernelPlan, dtype: str, arch: str, g) -> ArchConfig:
     small = isinstance(m_extent, int)
     if arch == "sm90a":
         tile_m = 64 if small and m_extent <= 64 else 128
-        cluster = (2, 1, 1) if small and m_extent >= 4096 else (1, 1, 1)
-        return ArchConfig((tile_m, 128, k_tile), cluster, None, "heuristic")
+        return ArchConfig((tile_m, 128, k_tile), (2, 1, 1), None, "heuristic")
     if small and m_extent <= 128:
         return ArchConfig((128, 128, k_tile), (1, 1, 1), None, "heuristic")
     return ArchConfig((256, 128, k_tile), (2, 1, 1), None, "heuristic")

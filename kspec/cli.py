@@ -223,7 +223,80 @@ def _register_run(sub) -> None:
     p.set_defaults(func=cmd_run)
 
 
-_EXTRA_COMMANDS: list = [_register_graph, _register_run]
+def cmd_compile(args) -> int:
+    from pathlib import Path
+
+    from kspec.compile import Progress, compile_spec, emit_spec, write_emitted
+    prog = load_spec(args.file)
+    archs = _archs(args.arch, prog)
+    if args.emit_only:
+        emitted = emit_spec(args.file, archs, args.kernel)
+        if args.output is None and args.print:
+            for plist in emitted.plans.values():
+                for ep in plist:
+                    print(f"// ===== {ep.label} =====")
+                    print(ep.emitted.source)
+            return 0
+        for p in write_emitted(emitted, args.output or "build", Path(args.file).stem):
+            print(f"wrote {p}")
+        return 0
+    import time
+    t0 = time.monotonic()
+    out = compile_spec(args.file, archs, args.output or "build", args.kernel, args.jobs,
+                       progress=Progress(enabled=not args.quiet))
+    print(f"wrote {out}  ({time.monotonic() - t0:.1f}s)")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from kspec.inspect_artifact import inspect_artifact
+    print(inspect_artifact(args.artifact, sass=args.sass, arch=args.arch))
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from kspec.backends.build import CompileCache
+    cache = CompileCache()
+    if args.action == "info":
+        info = cache.info()
+        for k, v in info.items():
+            print(f"{k}: {v}")
+    else:
+        n = cache.clear()
+        print(f"cleared {cache.root}" + (f" ({n} entries)" if isinstance(n, int) else ""))
+    return 0
+
+
+def _register_compile(sub) -> None:
+    p = sub.add_parser("compile", help="compile a spec into an artifact of CUTLASS kernels",
+                       description="Plan, emit and compile every kernel of a spec for each arch (nvcc, cached "
+                                   "and in parallel) into OUT/<spec stem>/ with a manifest.json.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--arch", help="comma-separated archs: sm90a, sm100a (default: the spec's target, else both)")
+    p.add_argument("-o", "--output", metavar="OUT", help="output directory (default: build)")
+    p.add_argument("--kernel", help="only this kernel of the spec")
+    p.add_argument("-j", "--jobs", type=int, default=None,
+                   help="parallel nvcc processes (default: cores, bounded by free memory)")
+    p.add_argument("--emit-only", action="store_true", help="write the generated C++ instead of compiling")
+    p.add_argument("--print", action="store_true", help="with --emit-only and no -o: print the C++ to stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    p.set_defaults(func=cmd_compile)
+
+    i = sub.add_parser("inspect", help="show registers, shared memory and SASS of a compiled artifact",
+                       description="Per kernel and arch: registers, shared memory, launch configuration and a "
+                                   "SASS summary (tensor-core MMA, TMA and other instruction counts).")
+    i.add_argument("artifact", metavar="ARTIFACT")
+    i.add_argument("--sass", action="store_true", help="dump the full SASS")
+    i.add_argument("--arch", help="only this arch")
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("cache", help="show or clear the compile cache",
+                       description="The compile cache lives in $KSPEC_CACHE_DIR (default ~/.cache/kspec).")
+    c.add_argument("action", choices=("info", "clear"))
+    c.set_defaults(func=cmd_cache)
+
+
+_EXTRA_COMMANDS: list = [_register_graph, _register_compile, _register_run]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,222 @@
+"""`kspec compile`: spec -> plans -> descriptors -> C++ -> nvcc (cached, parallel) -> artifact.
+
+    compile_spec(path, archs, out_dir)       the whole job; returns the artifact directory
+    emit_spec(path, archs)                   everything up to the C++ (no nvcc)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import kspec
+from kspec.backends.desc import ARCHS, EmittedKernel
+from kspec.backends.lower import LoweredPlan, attention_veto, lower
+from kspec.compiler import KernelSchedule, plan_kernel
+from kspec.spec_lang import CheckedProgram, KspecError, load_spec
+
+
+@dataclass(frozen=True)
+class EmittedPlan:
+    lowered: LoweredPlan
+    emitted: EmittedKernel
+
+    @property
+    def label(self) -> str:
+        return f"kernel {self.lowered.plan.id} on {self.lowered.arch.replace('sm', 'sm_')}"
+
+
+@dataclass
+class EmittedSpec:
+    program: CheckedProgram
+    archs: tuple[str, ...]
+    schedules: list[KernelSchedule]
+    plans: dict[str, list[EmittedPlan]]      # plan id -> one per arch (in `archs` order)
+
+
+def emit_backend(desc) -> EmittedKernel:
+    from kspec.backends.desc import AttentionDesc, GemmDesc
+    if isinstance(desc, GemmDesc):
+        from kspec.backends.cutlass.gemm import emit_gemm
+        return emit_gemm(desc)
+    if isinstance(desc, AttentionDesc):
+        from kspec.backends.cutlass.fmha import emit_attention
+        return emit_attention(desc)
+    from kspec.backends.generic import emit_generic
+    return emit_generic(desc)
+
+
+def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None) -> EmittedSpec:
+    """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
+    before nvcc runs."""
+    program = load_spec(path)
+    archs = tuple(archs or program.targets or ARCHS)
+    veto = attention_veto(archs)
+    kernels = [program.kernel(kernel)] if kernel else list(program.kernels)
+    schedules = [plan_kernel(k, archs, veto) for k in kernels]
+    plans: dict[str, list[EmittedPlan]] = {}
+    for sched in schedules:
+        for p in sched.plans:
+            plans[p.id] = []
+            for arch in archs:
+                lp = lower(sched, p, arch)
+                try:
+                    em = emit_backend(lp.desc)
+                except KspecError as e:
+                    if e.span is None and not e.message.startswith("kernel "):
+                        raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
+                                         op_span(sched, p), e.hint, program.source) from None
+                    raise
+                plans[p.id].append(EmittedPlan(lp, em))
+    return EmittedSpec(program, archs, schedules, plans)
+
+
+def op_span(sched: KernelSchedule, plan):
+    from kspec.compiler import op
+    return op(sched.graph, plan.group.anchor).span
+
+
+class Progress:
+    """A compact live display of kernel x arch builds (one line per event when not a terminal)."""
+
+    def __init__(self, stream=None, enabled: bool = True):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.t0 = time.monotonic()
+
+    def __call__(self, ev) -> None:
+        if not self.enabled:
+            return
+        total = time.monotonic() - self.t0
+        if ev.kind == "start":
+            msg = f"[{ev.finished}/{ev.total}] compiling {ev.job.label} ({ev.job.kind})"
+        elif ev.kind == "cached":
+            msg = f"[{ev.finished}/{ev.total}] cached    {ev.job.label} ({ev.job.kind})"
+        elif ev.kind == "done":
+            msg = f"[{ev.finished}/{ev.total}] built     {ev.job.label} ({ev.job.kind}) in {ev.elapsed:.1f}s"
+        else:
+            msg = f"[{ev.finished}/{ev.total}] FAILED    {ev.job.label} ({ev.job.kind}) after {ev.elapsed:.1f}s"
+        print(f"{msg}   [{total:6.1f}s]", file=self.stream, flush=True)
+
+
+def _jobs(emitted: EmittedSpec):
+    from kspec.backends.build import BuildJob
+    from kspec.backends.cutlass.compat import cutlass_version
+    identity = f"nvidia-cutlass {cutlass_version()}"
+    jobs = []
+    for plist in emitted.plans.values():
+        for ep in plist:
+            em = ep.emitted
+            for kind in ("cubin", "host"):
+                jobs.append(BuildJob(ep.label, em.source, em.arch, kind, em.include_dirs, em.flags, identity))
+    return jobs
+
+
+def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = "build",
+                 kernel: str | None = None, jobs: int | None = None, cache=None,
+                 progress: Callable | None = None) -> Path:
+    """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path."""
+    from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, Plan, SpecRef, TensorSpec,
+                                make_binary, write_manifest)
+    from kspec.backends.build import CompileCache, build_all
+    from kspec.backends.cutlass.compat import cutlass_version
+    from kspec.backends.toolchain import find_toolchain
+
+    emitted = emit_spec(path, archs, kernel)
+    toolchain = find_toolchain()
+    cache = cache or CompileCache()
+    build_jobs = _jobs(emitted)
+    results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress)
+    by_job = {(r.job.label, r.job.kind): r for r in results}
+
+    stem = Path(path).stem
+    target = Path(out_dir) / stem
+    staging = Path(out_dir) / f".{stem}.tmp{os.getpid()}"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        entries = []
+        for sched in emitted.schedules:
+            k = sched.kernel
+            plans = []
+            for p in sched.plans:
+                binaries: dict[str, Binary] = {}
+                first = emitted.plans[p.id][0]
+                for ep in emitted.plans[p.id]:
+                    arch = ep.lowered.arch
+                    cubin, host = f"{p.id}.{arch}.cubin", f"{p.id}.{arch}.so"
+                    shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
+                    shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
+                    regs, smem = _resources(staging / cubin, toolchain)
+                    binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
+                                                 registers=regs, smem=smem)
+                    if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
+                        raise KspecError(f"internal: plan {p.id} has a different ABI on {arch}")
+                plans.append(_plan_entry(p, first, binaries))
+            entries.append(KernelEntry(
+                name=k.name,
+                inputs=tuple(TensorSpec(t.name, t.dtype, t.shape, t.layout) for t in k.inputs),
+                outputs=tuple(TensorSpec(t.name, t.dtype, t.shape, t.layout) for t in k.outputs),
+                params=tuple(ParamSpec(t.name, t.dtype, t.default) for t in k.params),
+                intermediates=tuple(TensorSpec(b.name, b.dtype, b.shape, b.layout) for b in sched.intermediates),
+                plans=tuple(plans)))
+        spec_text = emitted.program.source.encode()
+        manifest = Manifest(spec=SpecRef(Path(path).name, hashlib.sha256(spec_text).hexdigest()),
+                            archs=emitted.archs, kernels=tuple(entries),
+                            toolchain={"nvcc": toolchain.version, "cutlass": cutlass_version()},
+                            kspec_version=kspec.__version__)
+        shutil.copyfile(path, staging / Path(path).name)
+        write_manifest(staging, manifest)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _plan_entry(p, ep: EmittedPlan, binaries):
+    from kspec.artifact import Plan
+    lp, em = ep.lowered, ep.emitted
+    names = lp.names
+    dims = dict(lp.dims)
+    return Plan(
+        id=p.id, kind=p.kind if p.kind in ("gemm", "attention") else "elementwise",
+        dims=tuple((role, dims[role]) for role in em.dims),
+        args=tuple(names[a] for a in em.args),
+        scalars=tuple(lp.scalars[s] for s in em.scalars),
+        init={names[n]: v for n, v in em.init},
+        alignment={names[n]: a for n, a in em.alignment},
+        binaries=binaries)
+
+
+def _resources(cubin: Path, toolchain) -> tuple[int | None, int | None]:
+    """Registers and static shared memory of the entry point, when cuobjdump is available."""
+    from kspec.backends.inspect import sass_summary
+    if toolchain.cuobjdump is None:
+        return None, None
+    try:
+        k = sass_summary(cubin, toolchain).kernel("kspec_kernel")
+    except (KspecError, KeyError):
+        return None, None
+    return k.registers, k.shared_bytes
+
+
+def write_emitted(emitted: EmittedSpec, out_dir: str | Path, stem: str) -> list[Path]:
+    """`--emit-only`: write each plan's C++ per arch under out_dir/<stem>/."""
+    d = Path(out_dir) / stem
+    d.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for pid, plist in emitted.plans.items():
+        for ep in plist:
+            p = d / f"{pid}.{ep.lowered.arch}.cu"
+            p.write_text(ep.emitted.source)
+            paths.append(p)
+    return paths

@@ -1,0 +1,39 @@
+"""`kspec inspect`: what a compiled artifact holds, per kernel plan and arch: launch facts from the
+manifest, registers, shared memory and a SASS summary (tensor-core MMA, TMA and other counts)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kspec.artifact import read_manifest
+from kspec.backends.inspect import dump_sass, format_summary, sass_summary
+from kspec.backends.toolchain import find_toolchain
+from kspec.spec_lang.errors import KspecError
+
+
+def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = None) -> str:
+    d = Path(path)
+    m = read_manifest(d)
+    if arch is not None and arch.replace("sm_", "sm") not in m.archs:
+        raise KspecError(f"{d} has no binaries for {arch}", hint=f"it has: {', '.join(m.archs)}")
+    toolchain = find_toolchain()
+    toolchain.require_inspect_tools()
+    lines = [f"artifact {d}: spec {m.spec.file}, archs {', '.join(m.archs)}, "
+             f"kspec {m.kspec_version}, " + ", ".join(f"{k} {v}" for k, v in m.toolchain.items())]
+    for k in m.kernels:
+        sig = ", ".join(f"{t.name}: {t.describe()}" for t in k.inputs)
+        outs = ", ".join(f"{t.name}: {t.describe()}" for t in k.outputs)
+        lines.append(f"kernel {k.name}({sig}) -> ({outs}): {len(k.plans)} plan{'s' if len(k.plans) != 1 else ''}")
+        for p in k.plans:
+            lines.append(f"  plan {p.id} [{p.kind}] args {', '.join(p.args)}"
+                         + (f"; scalars {', '.join(map(str, p.scalars))}" if p.scalars else ""))
+            for a, b in p.binaries.items():
+                if arch is not None and a != arch.replace("sm_", "sm"):
+                    continue
+                cfg = " ".join(f"{key}={v}" for key, v in b.config.items() if key != "cutlass")
+                lines.append(f"    {a}: {cfg}")
+                s = sass_summary(d / b.cubin, toolchain)
+                for line in format_summary(s).splitlines()[1:]:
+                    lines.append("    " + line)
+                if sass:
+                    lines.append(dump_sass(d / b.cubin, toolchain))
+    return "\n".join(lines)
