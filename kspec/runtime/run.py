@@ -1,0 +1,70 @@
+"""`kspec run` on a GPU: compile (or load) an artifact, run each kernel on random inputs and compare
+every output with the numpy reference backend."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kspec.spec_lang import KspecError, load_spec
+
+# max |gpu - ref| / max(1, max |ref|) allowed per output dtype (the reference rounds per node, the
+# GPU keeps epilogue values in registers and accumulates in a different order)
+TOLERANCE = {"f32": 2e-3, "tf32": 2e-3, "f16": 1e-2, "bf16": 3e-2, "f8e4m3": 1.3e-1, "f8e5m2": 2.6e-1,
+             "i8": 0.0, "i32": 0.0}
+
+
+def relative_error(got, ref) -> float:
+    g = np.asarray(got, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    finite = np.isfinite(r)
+    if not np.array_equal(np.isfinite(g), finite):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return float(np.max(np.abs(g[finite] - r[finite])) / max(1.0, float(np.max(np.abs(r[finite])))))
+
+
+def run_on_gpu(args, sizes: dict[str, int]) -> int:
+    from kspec.backends.reference import reference
+    from kspec.cli import random_inputs
+    from kspec.runtime import cuda_available, from_numpy, load
+
+    ok, why = cuda_available()
+    if not ok:
+        raise KspecError(f"no CUDA device: {why}",
+                         hint="use `kspec run FILE --reference` to run the numpy reference on the CPU")
+    path = Path(args.file)
+    if path.is_dir():
+        artifact = path
+        specs = list(path.glob("*.kspec"))
+        if not specs:
+            raise KspecError(f"{path} holds no copy of its spec, so there is no reference to compare with")
+        spec_path = specs[0]
+    else:
+        from kspec.cli import _archs
+        from kspec.compile import Progress, compile_spec
+        spec_path = path
+        artifact = compile_spec(path, _archs(args.arch, load_spec(path)), args.output or "build", args.kernel,
+                                progress=Progress())
+    program = load_spec(spec_path)
+    mod = load(artifact)
+    status = 0
+    for name in mod.kernels:
+        if args.kernel and name != args.kernel:
+            continue
+        k = program.kernel(name)
+        host = random_inputs(k, sizes, args.seed)
+        want = reference(program, name)(**host)
+        dev = {n: from_numpy(a) for n, a in host.items()}
+        got = getattr(mod, name)(**dev)
+        print(f"kernel {name}:")
+        for out in k.outputs:
+            err = relative_error(got[out.name].to_numpy() if hasattr(got[out.name], "to_numpy")
+                                 else np.asarray(got[out.name].cpu()), want[out.name])
+            tol = TOLERANCE[out.dtype]
+            verdict = "ok" if err <= tol else "MISMATCH"
+            if err > tol:
+                status = 1
+            print(f"  {out.name}: max relative error {err:.3g} (tolerance {tol:g}) {verdict}")
+    return status
