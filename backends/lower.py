@@ -256,9 +256,30 @@ def _head_dim(g, info: AttentionInfo) -> int:
     return _label_extent(g, info.qk, info.q, info.head)
 
 
+CUTLASS_OPERANDS = ("f16", "bf16", "tf32", "f8e4m3", "f8e5m2")
+
+
+def cutlass_can_run(sched: KernelSchedule, plan: KernelPlan) -> str | None:
+    """Why a GEMM plan's operands rule out CUTLASS (None if they do not)."""
+    g = sched.graph
+    a, b = op(g, plan.info.a).dtype, op(g, plan.info.b).dtype
+    if a not in CUTLASS_OPERANDS or b not in CUTLASS_OPERANDS:
+        return f"operands {a} x {b}: CUTLASS GEMMs take {', '.join(CUTLASS_OPERANDS)}"
+    if a != b and not (a in ("f8e4m3", "f8e5m2") and b in ("f8e4m3", "f8e5m2")):
+        return f"mixed operands {a} x {b}"
+    return None
+
+
 def lower(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:
     if plan.kind == "gemm":
-        return lower_gemm(sched, plan, arch)
+        why = cutlass_can_run(sched, plan)
+        if why is None:
+            return lower_gemm(sched, plan, arch)
+        from .generic import lower_generic
+        note = f"{plan.id}: {why}; compiled as a plain CUDA kernel"
+        if note not in sched.fusion.notes:
+            sched.fusion.notes.append(note)
+        return lower_generic(sched, plan, arch)
     if plan.kind == "attention":
         return lower_attention(sched, plan, arch)
     from .generic import lower_generic

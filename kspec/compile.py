@@ -39,6 +39,49 @@ class EmittedSpec:
     plans: dict[str, list[EmittedPlan]]      # plan id -> one per arch (in `archs` order)
 
 
+def _generator_identity() -> str:
+    """Hash of the code generators' own source: an emitted kernel is reused only while they are unchanged."""
+    import kspec.backends as backends
+    h = hashlib.sha256(kspec.__version__.encode())
+    root = Path(backends.__file__).parent
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+_GENERATOR_ID: list[str] = []
+
+
+def emit_cached(desc, cache_root: Path | None) -> EmittedKernel:
+    """emit_backend(desc), memoised on disk: planning through cutlass_cppgen costs seconds per kernel,
+    and a warm `kspec compile` should not pay it.  Entries are JSON, written atomically."""
+    import json
+    import tempfile
+    from dataclasses import asdict
+    if cache_root is None:
+        return emit_backend(desc)
+    if not _GENERATOR_ID:
+        from kspec.backends.cutlass.compat import cutlass_version
+        _GENERATOR_ID.append(_generator_identity() + cutlass_version())
+    key = hashlib.sha256((_GENERATOR_ID[0] + repr(desc)).encode()).hexdigest()
+    path = cache_root / "emit" / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        fields = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+                  for k, v in data.items()}
+        return EmittedKernel(**fields)
+    except (OSError, ValueError, TypeError):
+        pass
+    em = emit_backend(desc)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(em), f)
+    os.replace(tmp, path)
+    return em
+
+
 def emit_backend(desc) -> EmittedKernel:
     from kspec.backends.desc import AttentionDesc, GemmDesc
     if isinstance(desc, GemmDesc):
@@ -51,7 +94,8 @@ def emit_backend(desc) -> EmittedKernel:
     return emit_generic(desc)
 
 
-def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None) -> EmittedSpec:
+def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None,
+              cache_root: Path | None = None) -> EmittedSpec:
     """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
     before nvcc runs."""
     program = load_spec(path)
@@ -66,7 +110,7 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
             for arch in archs:
                 lp = lower(sched, p, arch)
                 try:
-                    em = emit_backend(lp.desc)
+                    em = emit_cached(lp.desc, cache_root)
                 except KspecError as e:
                     if e.span is None and not e.message.startswith("kernel "):
                         raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
@@ -127,9 +171,9 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     from kspec.backends.cutlass.compat import cutlass_version
     from kspec.backends.toolchain import find_toolchain
 
-    emitted = emit_spec(path, archs, kernel)
-    toolchain = find_toolchain()
     cache = cache or CompileCache()
+    emitted = emit_spec(path, archs, kernel, cache.root)
+    toolchain = find_toolchain()
     build_jobs = _jobs(emitted)
     results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress)
     by_job = {(r.job.label, r.job.kind): r for r in results}

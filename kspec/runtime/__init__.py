@@ -1,1 +1,22 @@
-"""Load compiled artifacts and launch their kernels through cuda-python."""
+"""Load compiled artifacts and launch their kernels through cuda-python.
+
+    mod = kspec.load("out/gemm")            # works without a GPU
+    out = mod.gemm_bias_relu(A, B, bias)    # -> {"D": tensor}
+
+See `kspec.runtime.module` for the calling convention (streams, outputs, capture) and
+`kspec.runtime.tensors` for the accepted tensor kinds.
+"""
+from kspec.runtime.driver import DeviceArray, from_numpy
+from kspec.runtime.errors import KspecRuntimeError
+from kspec.runtime.module import Binding, Kernel, Module, load
+from kspec.runtime.tensors import DeviceBuffer
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(True, "") when cuda.bindings initialises and sees a device, else (False, why).  Never raises."""
+    from kspec.runtime import driver
+    return driver.get().available()
+
+
+__all__ = ["load", "Module", "Kernel", "Binding", "DeviceBuffer", "DeviceArray", "from_numpy",
+           "KspecRuntimeError", "cuda_available"]

@@ -1,0 +1,352 @@
+"""Plain CUDA C++ for plans that are not GEMMs or fused attention: elementwise chains, reductions,
+softmax, and contractions CUTLASS cannot take (several reduced indices, mixed or f32 operands).
+
+One thread per output element (per row for softmax); every node's value is rounded to its dtype,
+exactly as the numpy reference does, so these kernels match the reference to function accuracy.
+The source follows backends/ABI.md: a `Params` struct by value, `kspec_kernel`, and host glue.
+Spec names never appear: buffers are `t0`, `t1`, ... and values `v0`, `v1`, ...
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import networkx as nx
+
+from kspec.compiler import KernelPlan, KernelSchedule, op, operands
+
+from .desc import EmittedKernel
+from .lower import KspecLoweringError, LoweredPlan, _Names
+
+BLOCK = 256
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+_CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float", "tf32": "float", "f8e4m3": "__nv_fp8_e4m3",
+          "f8e5m2": "__nv_fp8_e5m2", "i8": "int8_t", "i32": "int32_t"}
+_INT = ("i8", "i32")
+
+
+@dataclass(frozen=True)
+class GenericDesc:
+    """A generated plain-CUDA kernel: `body` is the per-thread code over sanitized names."""
+    name: str
+    arch: str
+    body: str
+    args: tuple[str, ...]             # buffer identifiers in pointer order
+    scalars: tuple[str, ...]
+    dims: tuple[str, ...]             # d0, d1, ...: extents of the iteration space, then reduced axes
+    threads: str                      # C expression for the number of threads needed
+
+
+def _round(dtype: str, expr: str) -> str:
+    """The C expression rounding a float/long long value to `dtype` and back (reference semantics)."""
+    if dtype in ("f32", "tf32"):
+        return f"(float)({expr})"
+    if dtype in _INT:
+        lo, hi = (-128, 127) if dtype == "i8" else (-2147483648, 2147483647)
+        return f"kspec_sat({expr}, {lo}LL, {hi}LL)"
+    return f"(float)({_CTYPE[dtype]}((float)({expr})))"
+
+
+def _load(dtype: str, ptr: str, offset: str) -> str:
+    if dtype in _INT:
+        return f"(long long)(({_CTYPE[dtype]}*){ptr})[{offset}]"
+    return f"(float)(((const {_CTYPE[dtype]}*){ptr})[{offset}])"
+
+
+def _store(dtype: str, ptr: str, offset: str, value: str) -> str:
+    if dtype in _INT:
+        return f"(({_CTYPE[dtype]}*){ptr})[{offset}] = ({_CTYPE[dtype]}){value};"
+    return f"(({_CTYPE[dtype]}*){ptr})[{offset}] = {_CTYPE[dtype]}((float)({value}));"
+
+
+_FN = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "kspec_div({0}, {1})", "neg": "(-{0})",
+    "relu": "kspec_max({0}, 0)", "gelu": "(0.5f * {0} * (1.0f + erff({0} * 0.70710678118654752f)))",
+    "gelu_tanh": "(0.5f * {0} * (1.0f + tanhf(0.7978845608028654f * ({0} + 0.044715f * {0} * {0} * {0}))))",
+    "silu": "({0} / (1.0f + expf(-{0})))", "sigmoid": "(1.0f / (1.0f + expf(-{0})))", "tanh": "tanhf({0})",
+    "exp": "expf({0})", "log": "logf({0})", "sqrt": "sqrtf({0})", "rsqrt": "rsqrtf({0})", "abs": "kspec_abs({0})",
+    "maximum": "kspec_max({0}, {1})", "minimum": "kspec_min({0}, {1})",
+    "clamp": "kspec_min(kspec_max({0}, {1}), {2})",
+}
+
+
+class _Gen:
+    def __init__(self, sched: KernelSchedule, plan: KernelPlan, arch: str):
+        self.s, self.plan, self.arch, self.g = sched, plan, arch, sched.graph
+        self.names = _Names()
+        self.scalars: dict[str, object] = {}
+        self.dim_of: dict[str, str] = {}          # label -> d<i>
+        self.dim_values: list[tuple[str, object]] = []
+        self.lines: list[str] = []
+
+    def dim(self, label: str, extent) -> str:
+        if label not in self.dim_of:
+            d = f"d{len(self.dim_of)}"
+            self.dim_of[label] = d
+            self.dim_values.append((d, extent))
+        return self.dim_of[label]
+
+    def ptr(self, buffer: str) -> str:
+        return self.names(buffer)
+
+    def offset(self, buffer: str, labels: tuple[str, ...]) -> str:
+        """Element offset of buffer[labels] from the index variables i_<d>."""
+        b = self.s.buffers[buffer]
+        order = list(range(len(labels)))
+        if b.layout == "col" and len(order) >= 2:
+            order[-1], order[-2] = order[-2], order[-1]
+        terms, stride = [], "1LL"
+        for axis in reversed(order):
+            d = self.dim_of[labels[axis]]
+            terms.append(f"i_{d} * {stride}")
+            stride = f"{stride} * p.dim[{d[1:]}]"
+        return " + ".join(reversed(terms)) or "0"
+
+    def value(self, n, labels: tuple[str, ...], local: dict) -> str:
+        """C expression of node n's value read under `labels` (in-group values are locals)."""
+        if n in local:
+            return local[n]
+        o = op(self.g, n)
+        if o.kind == "const":
+            v = o.value
+            if o.dtype in _INT:
+                return f"{int(v)}LL"
+            if isinstance(v, float) and not math.isfinite(v):
+                return "(-INFINITY)" if v < 0 else ("INFINITY" if v > 0 else "NAN")
+            return f"{float(v)!r}f"
+        if o.kind == "param":
+            c = self.names(o.name)
+            self.scalars[c] = o.name
+            return f"(float)p.scalar[{{{c}}}]" if o.dtype not in _INT else f"(long long)p.scalar[{{{c}}}]"
+        buf = self.s.value_buffer[n]
+        return _load(self.s.buffers[buf].dtype, f"p.ptr[{{{self.ptr(buf)}}}]", self.offset(buf, labels))
+
+    def node_expr(self, n, local: dict) -> str:
+        o = op(self.g, n)
+        args = [self.value(u, labels, local) for u, labels in operands(self.g, n)]
+        if o.kind in ("broadcast", "cast") or o.fn == "copy":
+            return args[0]
+        if o.fn not in _FN:
+            raise KspecLoweringError(f"the CUDA backend has no implementation of '{o.fn}'", o.span)
+        return _FN[o.fn].format(*args)
+
+
+def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str) -> list[str]:
+    out = [f"long long r_ = {linear};"]
+    for label in reversed(labels):
+        d = gen.dim_of[label]
+        out.append(f"long long i_{d} = r_ % p.dim[{d[1:]}]; r_ /= p.dim[{d[1:]}];")
+    return out
+
+
+def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:
+    g = sched.graph
+    gen = _Gen(sched, plan, arch)
+    nodes = [n for n in nx.topological_sort(g.subgraph(plan.group.nodes)) if op(g, n).kind != "const"]
+    leaving = [n for n in nodes if any(s not in plan.group.nodes for s in g.successors(n))]
+    root = leaving[-1] if leaving else nodes[-1]
+    ro = op(g, root)
+    space = ro.axes if ro.kind != "softmax" else tuple(a for a in ro.axes if a != ro.fn)
+    # the iteration space; a contraction/reduction/softmax adds its loop axes after it
+    for label, ext in zip(ro.axes, ro.shape):
+        gen.dim(label, ext)
+    body: list[str] = []
+    threads = " * ".join(f"p.dim[{gen.dim_of[l][1:]}]" for l in space) or "1LL"
+    body.append(f"long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
+    body.append(f"if (tid >= {threads}) return;")
+    body += _index_decode(gen, space, "tid")
+    kinds = {op(g, n).kind for n in nodes}
+    if len(nodes) == 1 and ro.kind == "softmax":
+        _softmax_body(gen, root, body)
+    else:
+        local: dict = {}
+        for n in nodes:
+            o = op(g, n)
+            v = f"v{len(local)}"
+            ctype = "long long" if o.dtype in _INT else "float"
+            if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
+                body.extend(_reduce_into(gen, n, v))
+            elif o.kind in ("elementwise", "broadcast", "cast") and (set(o.axes) == set(space) or not o.axes):
+                body.append(f"{ctype} {v} = {_round(o.dtype, gen.node_expr(n, local))};")
+            else:
+                raise KspecLoweringError(f"plan {plan.id}: the CUDA backend cannot run a "
+                                         f"{'+'.join(sorted(kinds))} group", o.span)
+            local[n] = v
+        for n in leaving:
+            _stores(gen, n, local[n], body)
+    names = gen.names
+    args = tuple(sorted({c for c in names.to_c.values() if c not in gen.scalars}, key=lambda c: int(c[1:])))
+    scalars = tuple(sorted(gen.scalars, key=lambda c: int(c[1:])))
+    text = "\n".join("    " + line for line in body)
+    for i, c in enumerate(args):
+        text = text.replace(f"{{{c}}}", str(i))
+    for i, c in enumerate(scalars):
+        text = text.replace(f"{{{c}}}", str(i))
+    desc = GenericDesc(name=f"k_{plan.id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
+                       dims=tuple(d for d, _ in gen.dim_values), threads=threads)
+    return LoweredPlan(plan, arch, desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
+
+
+def _stores(gen: _Gen, n, value: str, body: list[str]) -> None:
+    g, s = gen.g, gen.s
+    o = op(g, n)
+    targets = [s.value_buffer[n]] + [op(g, x).name for x in g.successors(n)
+                                     if op(g, x).kind == "output" and op(g, x).name != s.value_buffer[n]]
+    for t in targets:
+        labels = o.axes
+        for x in g.successors(n):
+            if op(g, x).kind == "output" and op(g, x).name == t:
+                labels = operands(g, x)[0][1]
+        b = s.buffers[t]
+        body.append(_store(b.dtype, f"p.ptr[{{{gen.ptr(t)}}}]", gen.offset(t, labels), value))
+
+
+def _reduce_into(gen: _Gen, n, var: str) -> list[str]:
+    """Code computing reduction/contraction node n at the current output index into `var`."""
+    g = gen.g
+    o = op(g, n)
+    for label, ext in zip(o.reduced, o.reduced_shape):
+        gen.dim(label, ext)
+    ins = operands(g, n)
+    acc_t = "long long" if o.dtype in _INT else "float"
+    if o.kind == "contraction":
+        (ua, la), (ub, lb) = ins
+        term = f"{gen.value(ua, la, {})} * {gen.value(ub, lb, {})}"
+        init, update = "0", "{a} += {t};"
+    else:
+        (u, labels), = ins
+        term = gen.value(u, labels, {})
+        init = {"sum": "0", "mean": "0", "max": "-INFINITY" if acc_t == "float" else "LLONG_MIN",
+                "min": "INFINITY" if acc_t == "float" else "LLONG_MAX"}[o.fn]
+        update = {"sum": "{a} += {t};", "mean": "{a} += {t};", "max": "{a} = kspec_max({a}, {t});",
+                  "min": "{a} = kspec_min({a}, {t});"}[o.fn]
+    acc = f"acc_{var}"
+    out = [f"{acc_t} {acc} = {init};"]
+    inner = [update.format(a=acc, t=term)]
+    for label in reversed(o.reduced):
+        d = gen.dim_of[label]
+        inner = [f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{"] + ["  " + x for x in inner] + ["}"]
+    out += inner
+    if o.kind == "reduction" and o.fn == "mean":
+        count = " * ".join(f"(float)p.dim[{gen.dim_of[l][1:]}]" for l in o.reduced)
+        out.append(f"{acc} = {acc} / ({count});")
+    out.append(f"{acc_t} {var} = {_round(o.dtype, acc)};")
+    return out
+
+
+def _softmax_body(gen: _Gen, n, body: list[str]) -> None:
+    g = gen.g
+    o = op(g, n)
+    (u, labels), = operands(g, n)
+    axis = o.fn
+    d = gen.dim_of[axis]
+    x = gen.value(u, labels, {})
+    mask = ""
+    if o.causal:
+        mask = f"if (i_{d} > i_{gen.dim_of[o.causal]}) continue; "
+    loop = f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{ "
+    body.append("float mx = -INFINITY, sum = 0.0f;")
+    body.append(loop + mask + f"mx = fmaxf(mx, {x}); }}")
+    body.append("if (mx == -INFINITY) mx = 0.0f;")
+    body.append(loop + mask + f"sum += expf({x} - mx); }}")
+    body.append(loop)
+    body.append(f"  float e = {'(i_' + d + ' > i_' + gen.dim_of[o.causal] + ') ? 0.0f : ' if o.causal else ''}expf({x} - mx);")
+    body.append(f"  float v0 = {_round(o.dtype, 'sum > 0.0f ? e / sum : 0.0f')};")
+    st: list[str] = []
+    _stores(gen, n, "v0", st)
+    body.extend("  " + s for s in st)
+    body.append("}")
+
+
+_PRELUDE = r"""#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <climits>
+#include <cmath>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+struct Params {
+  void* ptr[%(nptr)d];
+  long long dim[%(ndim)d];
+  double scalar[%(nscalar)d];
+};
+"""
+
+_DEVICE = r"""
+#if defined(KSPEC_DEVICE)
+__device__ __forceinline__ float kspec_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ float kspec_min(float a, float b) { return fminf(a, b); }
+__device__ __forceinline__ long long kspec_max(long long a, long long b) { return a > b ? a : b; }
+__device__ __forceinline__ long long kspec_min(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ float kspec_abs(float a) { return fabsf(a); }
+__device__ __forceinline__ long long kspec_abs(long long a) { return a < 0 ? -a : a; }
+__device__ __forceinline__ float kspec_div(float a, float b) { return a / b; }
+__device__ __forceinline__ long long kspec_div(long long a, long long b) { return b == 0 ? 0 : a / b; }
+__device__ __forceinline__ long long kspec_sat(long long v, long long lo, long long hi) { return v < lo ? lo : v > hi ? hi : v; }
+__device__ __forceinline__ long long kspec_sat(float v, long long lo, long long hi) {
+  return kspec_sat((long long)rintf(fminf(fmaxf(v, (float)lo), (float)hi)), lo, hi);
+}
+
+extern "C" __global__ void __launch_bounds__(%(block)d) kspec_kernel(const Params p) {
+%(body)s
+}
+#endif  // KSPEC_DEVICE
+"""
+
+_HOST = r"""
+#if defined(KSPEC_HOST)
+extern "C" int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap) {
+  (void)dims; (void)err; (void)err_cap;
+  *bytes = 0;
+  return 0;
+}
+
+extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
+                             void* workspace, int32_t device, int32_t sm_count,
+                             void* params, uint64_t params_cap, uint64_t* params_size,
+                             uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],
+                             uint32_t* smem_bytes, char* err, uint64_t err_cap) {
+  (void)workspace; (void)device; (void)sm_count;
+  Params p;
+  std::memset(&p, 0, sizeof(p));
+  for (int i = 0; i < %(nptr_real)d; ++i) {
+    if (ptrs[i] == nullptr) { std::snprintf(err, err_cap, "tensor argument %%d is a null pointer", i); return 1; }
+    p.ptr[i] = ptrs[i];
+  }
+  for (int i = 0; i < %(ndim_real)d; ++i) {
+    if (dims[i] < 0) { std::snprintf(err, err_cap, "size %%d is negative", i); return 1; }
+    p.dim[i] = dims[i];
+  }
+  for (int i = 0; i < %(nscalar_real)d; ++i) p.scalar[i] = scalars[i];
+  if (params_cap < sizeof(Params)) { std::snprintf(err, err_cap, "parameter buffer too small"); return 1; }
+  std::memcpy(params, &p, sizeof(Params));
+  *params_size = sizeof(Params);
+  long long threads = %(threads)s;
+  long long blocks = (threads + %(block)d - 1) / %(block)d;
+  if (blocks > 2147483647LL) { std::snprintf(err, err_cap, "problem too large for one launch"); return 1; }
+  grid[0] = (uint32_t)(blocks > 0 ? blocks : 0); grid[1] = 1; grid[2] = 1;
+  block[0] = %(block)d; block[1] = 1; block[2] = 1;
+  cluster[0] = 1; cluster[1] = 1; cluster[2] = 1;
+  *smem_bytes = 0;
+  return 0;
+}
+#endif  // KSPEC_HOST
+"""
+
+
+def emit_generic(desc: GenericDesc) -> EmittedKernel:
+    for name in (desc.name, *desc.args, *desc.scalars, *desc.dims):
+        if not _IDENT.match(name):
+            raise KspecLoweringError(f"invalid identifier {name!r} in generated kernel")
+    sizes = {"nptr": max(1, len(desc.args)), "ndim": max(1, len(desc.dims)), "nscalar": max(1, len(desc.scalars)),
+             "nptr_real": len(desc.args), "ndim_real": len(desc.dims), "nscalar_real": len(desc.scalars),
+             "block": BLOCK, "body": desc.body, "threads": desc.threads.replace("p.dim", "p.dim")}
+    source = (f"// Generated by kspec: plain CUDA kernel '{desc.name}' for {desc.arch}. Do not edit.\n"
+              + _PRELUDE % sizes + _DEVICE % sizes + _HOST % sizes)
+    return EmittedKernel(name=desc.name, arch=desc.arch, source=source, include_dirs=(),
+                         flags=("-std=c++17", "-O3"), dims=desc.dims, args=desc.args, scalars=desc.scalars,
+                         alignment=tuple((a, 1) for a in desc.args), config=(("kind", "generic"), ("block", str(BLOCK))))

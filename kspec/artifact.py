@@ -1,0 +1,566 @@
+"""The compiled-artifact format: `manifest.json` and the binaries beside it (format version 1).
+
+This module owns the manifest's dataclasses, their JSON form, structural validation, and the
+integrity check of the binaries.  The compile driver builds a `Manifest` and calls
+`write_manifest(dir, manifest)`; `kspec.load` calls `read_manifest(dir)`.  Every problem is a
+`KspecArtifactError` whose message names the offending file.
+
+Layout of an artifact directory::
+
+    OUT/<spec stem>/manifest.json
+    OUT/<spec stem>/<plan id>.<arch>.cubin      device code (backends/ABI.md)
+    OUT/<spec stem>/<plan id>.<arch>.so         host glue   (backends/ABI.md)
+
+`manifest.json`, format version 1::
+
+    {
+      "format": "kspec-artifact", "format_version": 1, "kspec_version": "0.1.0",
+      "spec": {"file": "gemm.kspec", "sha256": "<hex of the spec text>"},
+      "toolchain": {"nvcc": "13.0.88", "cutlass": "4.2.0.0"},     # free-form name -> version
+      "archs": ["sm90a", "sm100a"],            # every plan has a binary for every arch listed
+      "kernels": [{                            # one per spec kernel
+        "name": "gemm_bias_relu",              # a Python identifier; the Module attribute
+        "inputs":  [{"name": "A", "dtype": "f16", "shape": ["M", "K"], "layout": "row"}, ...],
+        "outputs": [{"name": "D", "dtype": "f16", "shape": ["M", "N"], "layout": "row"}],
+        "params":  [{"name": "alpha", "dtype": "f32", "default": 1.0}],   # default may be null
+        "intermediates": [{"name": "t3", "dtype": "f32", "shape": ["M", "N"], "layout": "row"}],
+        "plans": [{                            # launched in this order on one stream
+          "id": "gemm_bias_relu_0", "kind": "gemm",          # gemm | attention | elementwise
+          "dims": [["M", "M"], ["N", "N"], ["K", "K"], ["L", 1]],
+          "args": ["A", "B", "bias", "D"],
+          "scalars": ["alpha"],
+          "init": {"rowmax": "neg_inf"},
+          "alignment": {"A": 16, "B": 16, "D": 16},
+          "binaries": {"sm90a": {
+              "cubin": "gemm_bias_relu_0.sm90a.cubin", "host": "gemm_bias_relu_0.sm90a.so",
+              "sha256": {"cubin": "<hex>", "host": "<hex>"},
+              "symbol": "kspec_kernel",
+              "config": {"tile": "128x128x64"},  # informational (kspec inspect)
+              "registers": 168, "smem": 0}}     # informational; may be null
+        }]
+      }]
+    }
+
+Meaning of the fields
+- Names (kernels, tensors, params) are identifiers (`[A-Za-z_][A-Za-z0-9_]*`), unique within a
+  kernel across inputs, outputs, params and intermediates.  `stream` is reserved: it is the
+  runtime's stream keyword.  Kernel names are also not Python keywords, since they are attributes.
+- dtype: one of f16, bf16, f32, tf32, f8e4m3, f8e5m2, i8, i32 (tf32 tensors are stored as f32).
+- shape: each extent is a size symbol (an identifier, bound at call time from the arguments) or a
+  non-negative int literal.  Every symbol used anywhere must occur in some input or output shape.
+- layout fixes the strides, in elements, from the shape:
+  `row` = C-contiguous (the last axis has stride 1);
+  `col` = the last two axes swapped: a column-major matrix with any batch axes outermost, i.e.
+  for shape [..., R, C] the strides are [..., R*C, 1, R].  `col` needs rank >= 2.
+  Axes of extent 1 may have any stride.
+- plans[*].dims: the ABI's size roles in ABI order (see backends/desc.py `EmittedKernel.dims`),
+  each a symbol, an int, or a list of them whose product is the value (a flattened batch [B, H]);
+  each mapped to a size symbol of the kernel or an int literal; the loader passes their values to
+  `kspec_workspace_size`/`kspec_prepare` in this order.
+- plans[*].args: tensor names (inputs, outputs, intermediates) in ABI pointer order.
+- plans[*].scalars: in ABI order, each a param name or a number literal (a folded constant);
+  passed to the host glue as doubles.
+- plans[*].init: tensors (outputs or intermediates) the loader fills before this plan's launch:
+  "zero" or "neg_inf" (-inf for floats; the most negative value for ints and f8e4m3).
+- plans[*].alignment: required byte alignment of the data pointer of a tensor argument; every
+  non-unit stride of that tensor, in bytes, must be a multiple of it too (row pitches).
+- intermediates: global buffers written by one plan and read by a later one; the loader allocates
+  them per call, stream-ordered.
+- binaries: file names are relative to the artifact directory and stay inside it; sha256 is the
+  hex digest of each file, checked by `read_manifest`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import keyword
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from kspec.backends.desc import ARCHS
+from kspec.spec_lang.errors import KspecError
+
+FORMAT = "kspec-artifact"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+DTYPES: tuple[str, ...] = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2", "i8", "i32")
+LAYOUTS: tuple[str, ...] = ("row", "col")
+PLAN_KINDS: tuple[str, ...] = ("gemm", "attention", "elementwise")
+INIT_KINDS: tuple[str, ...] = ("zero", "neg_inf")
+RESERVED_NAMES: frozenset[str] = frozenset({"stream"})
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+Extent = Union[str, int]          # a size symbol or an int literal
+ScalarRef = Union[str, float, int]  # a param name or a folded constant
+
+
+class KspecArtifactError(KspecError):
+    """A compiled artifact that cannot be used: unreadable, malformed, of another format version,
+    or with binaries missing or altered since it was written."""
+
+
+@dataclass(frozen=True)
+class SpecRef:
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[Extent, ...]
+    layout: str = "row"
+
+    def strides(self, extents: tuple[int, ...]) -> tuple[int, ...]:
+        """Strides in elements of a tensor of this layout with the given extents."""
+        return layout_strides(extents, self.layout)
+
+    def describe(self) -> str:
+        dims = ", ".join(str(e) for e in self.shape)
+        lay = "" if self.layout == "row" else f" {self.layout}"
+        return f"{self.dtype}[{dims}]{lay}"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    dtype: str
+    default: float | int | None = None
+
+
+@dataclass(frozen=True)
+class Binary:
+    cubin: str
+    host: str
+    sha256: dict[str, str]                     # {"cubin": hex, "host": hex}
+    symbol: str = "kspec_kernel"
+    config: dict[str, str] = field(default_factory=dict)
+    registers: int | None = None
+    smem: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    id: str
+    kind: str
+    dims: tuple[tuple[str, Union[Extent, tuple[Extent, ...]]], ...]
+    args: tuple[str, ...]
+    scalars: tuple[ScalarRef, ...] = ()
+    init: dict[str, str] = field(default_factory=dict)
+    alignment: dict[str, int] = field(default_factory=dict)
+    binaries: dict[str, Binary] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    params: tuple[ParamSpec, ...] = ()
+    intermediates: tuple[TensorSpec, ...] = ()
+    plans: tuple[Plan, ...] = ()
+
+    def tensor(self, name: str) -> TensorSpec | None:
+        for t in (*self.inputs, *self.outputs, *self.intermediates):
+            if t.name == name:
+                return t
+        return None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    spec: SpecRef
+    archs: tuple[str, ...]
+    kernels: tuple[KernelEntry, ...]
+    toolchain: dict[str, str] = field(default_factory=dict)
+    kspec_version: str = "0.1.0"
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def kernel(self, name: str) -> KernelEntry | None:
+        return next((k for k in self.kernels if k.name == name), None)
+
+
+def layout_strides(extents: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """Element strides of a dense tensor: row = C-contiguous; col = last two axes swapped."""
+    n = len(extents)
+    order = list(range(n))                  # axes from outermost to innermost in memory
+    if layout == "col" and n >= 2:
+        order[-1], order[-2] = order[-2], order[-1]
+    strides = [0] * n
+    step = 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= max(int(extents[axis]), 1)
+    return tuple(strides)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def make_binary(directory: str | os.PathLike, cubin: str, host: str, *, symbol: str = "kspec_kernel",
+                config: dict[str, str] | None = None, registers: int | None = None,
+                smem: int | None = None) -> Binary:
+    """A `Binary` for two files already written into `directory` (names relative to it), with
+    their digests computed now.  The compile driver calls this after nvcc."""
+    d = Path(directory)
+    return Binary(cubin=cubin, host=host,
+                  sha256={"cubin": sha256_file(d / cubin), "host": sha256_file(d / host)},
+                  symbol=symbol, config=dict(config or {}), registers=registers, smem=smem)
+
+
+# ---------------------------------------------------------------------------------- JSON form
+
+def _tensor_json(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
+
+
+def _binary_json(b: Binary) -> dict[str, Any]:
+    return {"cubin": b.cubin, "host": b.host, "sha256": dict(b.sha256), "symbol": b.symbol,
+            "config": dict(b.config), "registers": b.registers, "smem": b.smem}
+
+
+def _plan_json(p: Plan) -> dict[str, Any]:
+    return {"id": p.id, "kind": p.kind, "dims": [[r, list(v) if isinstance(v, tuple) else v] for r, v in p.dims], "args": list(p.args),
+            "scalars": list(p.scalars), "init": dict(p.init), "alignment": dict(p.alignment),
+            "binaries": {a: _binary_json(b) for a, b in p.binaries.items()}}
+
+
+def manifest_to_json(m: Manifest) -> dict[str, Any]:
+    return {
+        "format": m.format, "format_version": m.format_version, "kspec_version": m.kspec_version,
+        "spec": {"file": m.spec.file, "sha256": m.spec.sha256},
+        "toolchain": dict(m.toolchain),
+        "archs": list(m.archs),
+        "kernels": [{
+            "name": k.name,
+            "inputs": [_tensor_json(t) for t in k.inputs],
+            "outputs": [_tensor_json(t) for t in k.outputs],
+            "params": [{"name": p.name, "dtype": p.dtype, "default": p.default} for p in k.params],
+            "intermediates": [_tensor_json(t) for t in k.intermediates],
+            "plans": [_plan_json(p) for p in k.plans],
+        } for k in m.kernels],
+    }
+
+
+class _Reader:
+    """Decodes the JSON tree into dataclasses; every complaint names the file and the JSON path."""
+
+    def __init__(self, file: str):
+        self.file = file
+
+    def fail(self, where: str, msg: str) -> KspecArtifactError:
+        return KspecArtifactError(f"{self.file}: {where}: {msg}" if where else f"{self.file}: {msg}",
+                                  hint="rebuild the artifact with `kspec compile`")
+
+    def get(self, obj: Any, key: str, where: str, kind: type | tuple[type, ...], optional=False,
+            default: Any = None) -> Any:
+        if not isinstance(obj, dict):
+            raise self.fail(where, "expected a JSON object")
+        if key not in obj:
+            if optional:
+                return default
+            raise self.fail(where, f"missing field '{key}'")
+        v = obj[key]
+        if optional and v is None:
+            return default
+        # bool is an int in Python; a JSON true is never a valid number here
+        if not isinstance(v, kind) or (isinstance(v, bool) and bool not in _as_tuple(kind)):
+            raise self.fail(f"{where}.{key}", f"expected {_kind_name(kind)}, got {json.dumps(v)[:60]}")
+        return v
+
+    def ident(self, v: Any, where: str) -> str:
+        if not isinstance(v, str) or not _IDENT.match(v):
+            raise self.fail(where, f"{json.dumps(v)[:60]} is not a valid identifier")
+        return v
+
+    def extent(self, v: Any, where: str) -> Extent:
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise self.fail(where, f"extent must be a size symbol or an int, got {json.dumps(v)[:60]}")
+        if isinstance(v, int):
+            if v < 0:
+                raise self.fail(where, f"extent must be non-negative, got {v}")
+            return v
+        return self.ident(v, where)
+
+    def tensor(self, obj: Any, where: str) -> TensorSpec:
+        name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
+        where = f"{where}({name})"
+        dtype = self.get(obj, "dtype", where, str)
+        if dtype not in DTYPES:
+            raise self.fail(where, f"unknown dtype '{dtype}' (known: {', '.join(DTYPES)})")
+        shape = self.get(obj, "shape", where, list)
+        ext = tuple(self.extent(e, f"{where}.shape[{i}]") for i, e in enumerate(shape))
+        layout = self.get(obj, "layout", where, str, optional=True, default="row")
+        if layout not in LAYOUTS:
+            raise self.fail(where, f"unknown layout '{layout}' (known: row, col)")
+        if layout == "col" and len(ext) < 2:
+            raise self.fail(where, "layout 'col' needs a tensor of rank >= 2")
+        return TensorSpec(name, dtype, ext, layout)
+
+    def param(self, obj: Any, where: str) -> ParamSpec:
+        name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
+        where = f"{where}({name})"
+        dtype = self.get(obj, "dtype", where, str)
+        if dtype not in DTYPES:
+            raise self.fail(where, f"unknown dtype '{dtype}'")
+        default = self.get(obj, "default", where, (int, float), optional=True)
+        if isinstance(default, float) and not math.isfinite(default) and dtype in ("i8", "i32"):
+            raise self.fail(where, "integer param with a non-finite default")
+        return ParamSpec(name, dtype, default)
+
+    def binary(self, obj: Any, where: str) -> Binary:
+        files = {}
+        for key in ("cubin", "host"):
+            files[key] = _check_relpath(self, self.get(obj, key, where, str), f"{where}.{key}")
+        digests = self.get(obj, "sha256", where, dict)
+        sha = {}
+        for key in ("cubin", "host"):
+            d = self.get(digests, key, f"{where}.sha256", str)
+            if not _HEX64.match(d):
+                raise self.fail(f"{where}.sha256.{key}", "expected a lowercase hex sha256 digest")
+            sha[key] = d
+        symbol = self.ident(self.get(obj, "symbol", where, str, optional=True, default="kspec_kernel"),
+                            f"{where}.symbol")
+        config = self.get(obj, "config", where, dict, optional=True, default={})
+        registers = self.get(obj, "registers", where, int, optional=True)
+        smem = self.get(obj, "smem", where, int, optional=True)
+        return Binary(files["cubin"], files["host"], sha, symbol,
+                      {str(k): str(v) for k, v in config.items()}, registers, smem)
+
+    def plan(self, obj: Any, where: str, kernel: "_KernelScope", archs: tuple[str, ...]) -> Plan:
+        pid = self.ident(self.get(obj, "id", where, str), f"{where}.id")
+        where = f"{where}({pid})"
+        kind = self.get(obj, "kind", where, str)
+        if kind not in PLAN_KINDS:
+            raise self.fail(where, f"unknown plan kind '{kind}' (known: {', '.join(PLAN_KINDS)})")
+        dims = []
+        for i, d in enumerate(self.get(obj, "dims", where, list)):
+            if not (isinstance(d, list) and len(d) == 2 and isinstance(d[0], str)):
+                raise self.fail(f"{where}.dims[{i}]", "expected [role, symbol-or-int]")
+            if isinstance(d[1], list):       # a product of extents, e.g. a flattened batch [B, H]
+                v = tuple(self.extent(e, f"{where}.dims[{i}]") for e in d[1])
+                if not v:
+                    raise self.fail(f"{where}.dims[{i}]", "an empty product of extents")
+            else:
+                v = self.extent(d[1], f"{where}.dims[{i}]")
+            for sym in (v if isinstance(v, tuple) else (v,)):
+                if isinstance(sym, str) and sym not in kernel.bindable:
+                    raise self.fail(f"{where}.dims[{i}]",
+                                    f"size symbol '{sym}' occurs in no input or output shape")
+            dims.append((d[0], v))
+        args = tuple(self.ident(a, f"{where}.args[{i}]")
+                     for i, a in enumerate(self.get(obj, "args", where, list)))
+        for a in args:
+            if a not in kernel.tensors:
+                raise self.fail(f"{where}.args", f"'{a}' is not a tensor of kernel '{kernel.name}'")
+        scalars: list[ScalarRef] = []
+        for i, s in enumerate(self.get(obj, "scalars", where, list, optional=True, default=[])):
+            if isinstance(s, bool) or not isinstance(s, (str, int, float)):
+                raise self.fail(f"{where}.scalars[{i}]", "expected a param name or a number")
+            if isinstance(s, str) and s not in kernel.params:
+                raise self.fail(f"{where}.scalars[{i}]", f"'{s}' is not a param of kernel '{kernel.name}'")
+            scalars.append(s)
+        init = self.get(obj, "init", where, dict, optional=True, default={})
+        for name, how in init.items():
+            if name not in kernel.writable:
+                raise self.fail(f"{where}.init", f"'{name}' is not an output or intermediate")
+            if how not in INIT_KINDS:
+                raise self.fail(f"{where}.init.{name}", f"unknown init '{how}' (known: zero, neg_inf)")
+        alignment = self.get(obj, "alignment", where, dict, optional=True, default={})
+        for name, a in alignment.items():
+            if name not in args:
+                raise self.fail(f"{where}.alignment", f"'{name}' is not an argument of this plan")
+            if isinstance(a, bool) or not isinstance(a, int) or a <= 0 or a & (a - 1):
+                raise self.fail(f"{where}.alignment.{name}", "expected a positive power of two")
+        bins_obj = self.get(obj, "binaries", where, dict)
+        binaries = {}
+        for arch, b in bins_obj.items():
+            if arch not in archs:
+                raise self.fail(f"{where}.binaries", f"binary for '{arch}', which is not in archs {list(archs)}")
+            binaries[arch] = self.binary(b, f"{where}.binaries.{arch}")
+        for arch in archs:
+            if arch not in binaries:
+                raise self.fail(f"{where}.binaries", f"no binary for arch '{arch}'")
+        return Plan(pid, kind, tuple(dims), args, tuple(scalars), dict(init), dict(alignment), binaries)
+
+    def kernel(self, obj: Any, where: str, archs: tuple[str, ...]) -> KernelEntry:
+        name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
+        if keyword.iskeyword(name):
+            raise self.fail(where, f"kernel name '{name}' is a Python keyword")
+        where = f"{where}({name})"
+        groups = {}
+        for key in ("inputs", "outputs", "intermediates"):
+            items = self.get(obj, key, where, list, optional=(key == "intermediates"), default=[])
+            groups[key] = tuple(self.tensor(t, f"{where}.{key}[{i}]") for i, t in enumerate(items))
+        params = tuple(self.param(p, f"{where}.params[{i}]")
+                       for i, p in enumerate(self.get(obj, "params", where, list, optional=True, default=[])))
+        if not groups["outputs"]:
+            raise self.fail(where, "a kernel needs at least one output")
+        seen: set[str] = set()
+        for n in [t.name for g in groups.values() for t in g] + [p.name for p in params]:
+            if n in seen:
+                raise self.fail(where, f"name '{n}' is used twice")
+            if n in RESERVED_NAMES:
+                raise self.fail(where, f"name '{n}' is reserved by the runtime (the stream keyword)")
+            seen.add(n)
+        scope = _KernelScope(name, groups["inputs"], groups["outputs"], groups["intermediates"], params)
+        for t in groups["intermediates"]:
+            for e in t.shape:
+                if isinstance(e, str) and e not in scope.bindable:
+                    raise self.fail(f"{where}.intermediates({t.name})",
+                                    f"size symbol '{e}' occurs in no input or output shape")
+        plans = tuple(self.plan(p, f"{where}.plans[{i}]", scope, archs)
+                      for i, p in enumerate(self.get(obj, "plans", where, list)))
+        if not plans:
+            raise self.fail(where, "a kernel needs at least one plan")
+        return KernelEntry(name, groups["inputs"], groups["outputs"], params, groups["intermediates"], plans)
+
+    def manifest(self, obj: Any) -> Manifest:
+        if not isinstance(obj, dict):
+            raise self.fail("", "the manifest is not a JSON object")
+        fmt = obj.get("format")
+        if fmt != FORMAT:
+            raise self.fail("", f"not a kspec artifact (format {json.dumps(fmt)}, expected \"{FORMAT}\")")
+        ver = obj.get("format_version")
+        if ver != FORMAT_VERSION:
+            newer = isinstance(ver, int) and not isinstance(ver, bool) and ver > FORMAT_VERSION
+            raise KspecArtifactError(
+                f"{self.file}: unsupported artifact format version {json.dumps(ver)} "
+                f"(this kspec reads version {FORMAT_VERSION})",
+                hint="upgrade kspec to load it" if newer else "rebuild the artifact with `kspec compile`")
+        kver = self.get(obj, "kspec_version", "", str)
+        spec_obj = self.get(obj, "spec", "", dict)
+        spec = SpecRef(self.get(spec_obj, "file", "spec", str), self.get(spec_obj, "sha256", "spec", str))
+        toolchain = self.get(obj, "toolchain", "", dict, optional=True, default={})
+        archs_list = self.get(obj, "archs", "", list)
+        for a in archs_list:
+            if a not in ARCHS:
+                raise self.fail("archs", f"unknown arch {json.dumps(a)} (known: {', '.join(ARCHS)})")
+        if not archs_list or len(set(archs_list)) != len(archs_list):
+            raise self.fail("archs", "expected a non-empty list of distinct archs")
+        archs = tuple(archs_list)
+        kernels = tuple(self.kernel(k, f"kernels[{i}]", archs)
+                        for i, k in enumerate(self.get(obj, "kernels", "", list)))
+        names = [k.name for k in kernels]
+        if len(set(names)) != len(names):
+            raise self.fail("kernels", "two kernels have the same name")
+        return Manifest(spec, archs, kernels, {str(k): str(v) for k, v in toolchain.items()}, kver)
+
+
+@dataclass
+class _KernelScope:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    intermediates: tuple[TensorSpec, ...]
+    param_specs: tuple[ParamSpec, ...]
+
+    def __post_init__(self):
+        self.tensors = {t.name for t in (*self.inputs, *self.outputs, *self.intermediates)}
+        self.writable = {t.name for t in (*self.outputs, *self.intermediates)}
+        self.params = {p.name for p in self.param_specs}
+        self.bindable = {e for t in (*self.inputs, *self.outputs) for e in t.shape if isinstance(e, str)}
+
+
+def _as_tuple(kind) -> tuple:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}
+    return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
+
+
+def _check_relpath(reader: _Reader, name: str, where: str) -> str:
+    # binaries must stay inside the artifact directory: a manifest is data, not a path to anywhere
+    p = Path(name)
+    if not name or p.is_absolute() or ".." in p.parts or "\\" in name:
+        raise reader.fail(where, f"binary path {json.dumps(name)} must be relative and inside the artifact")
+    return name
+
+
+# ------------------------------------------------------------------------------ read / write
+
+def manifest_from_json(obj: Any, file: str = MANIFEST_NAME) -> Manifest:
+    """Validate a decoded manifest tree and build the dataclasses (no file checks)."""
+    return _Reader(file).manifest(obj)
+
+
+def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
+    """Validate `manifest` and write `<directory>/manifest.json` atomically (temp file + rename).
+    The binaries must already be in `directory`; their digests are checked before writing."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    obj = manifest_to_json(manifest)
+    path = d / MANIFEST_NAME
+    checked = manifest_from_json(json.loads(json.dumps(obj)), str(path))  # what a reader will see
+    verify_binaries(d, checked)
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o644)          # mkstemp creates 0600; an artifact is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def read_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest:
+    """Read and validate `<directory>/manifest.json` (or a path to the manifest itself); with
+    `verify`, also check that every binary exists and matches its recorded sha256."""
+    p = Path(directory)
+    path = p if p.is_file() else p / MANIFEST_NAME
+    if not path.is_file():
+        where = f"{p}: no such artifact directory" if not p.exists() else f"{path}: file not found"
+        raise KspecArtifactError(f"{where}", hint="build one with `kspec compile FILE -o OUT`")
+    try:
+        text = path.read_text(encoding="utf-8")
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise KspecArtifactError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}",
+                                 hint="rebuild the artifact with `kspec compile`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise KspecArtifactError(f"{path}: cannot read: {e}") from None
+    m = manifest_from_json(obj, str(path))
+    if verify:
+        verify_binaries(path.parent, m)
+    return m
+
+
+def verify_binaries(directory: str | os.PathLike, manifest: Manifest) -> None:
+    """Every binary file exists and has the digest the manifest records."""
+    d = Path(directory)
+    checked: dict[str, str] = {}
+    for k in manifest.kernels:
+        for plan in k.plans:
+            for arch, b in plan.binaries.items():
+                for key, name in (("cubin", b.cubin), ("host", b.host)):
+                    f = d / name
+                    what = f"binary of plan '{plan.id}' for {arch}"
+                    if name not in checked:
+                        if not f.is_file():
+                            raise KspecArtifactError(f"{f}: missing ({key} {what})",
+                                                     hint="rebuild the artifact with `kspec compile`")
+                        checked[name] = sha256_file(f)
+                    if checked[name] != b.sha256[key]:
+                        raise KspecArtifactError(
+                            f"{f}: sha256 mismatch ({key} {what}): the file was modified after the "
+                            f"manifest was written", hint="rebuild the artifact with `kspec compile`")

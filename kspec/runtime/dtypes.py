@@ -1,0 +1,87 @@
+"""kspec dtypes as the runtime sees them: storage size and their names in torch, DLPack and the
+CUDA array interface, and the bit patterns `init` fills use."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kspec.runtime.errors import KspecRuntimeError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str                     # kspec name
+    itemsize: int
+    typestr: str | None           # __cuda_array_interface__ typestr; None where numpy has none
+    dlpack: tuple[int, int]       # (DLDataTypeCode, bits)
+    torch: str                    # attribute of the torch module
+    neg_inf: int                  # bit pattern of -inf (or the most negative finite value)
+
+
+# tf32 is an f32 tensor in memory that the kernel reads with tf32 precision.
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("f16", 2, "<f2", (2, 16), "float16", 0xFC00),
+    DType("bf16", 2, None, (4, 16), "bfloat16", 0xFF80),
+    DType("f32", 4, "<f4", (2, 32), "float32", 0xFF800000),
+    DType("tf32", 4, "<f4", (2, 32), "float32", 0xFF800000),
+    DType("f8e4m3", 1, None, (10, 8), "float8_e4m3fn", 0xFE),    # e4m3fn has no inf: -448
+    DType("f8e5m2", 1, None, (12, 8), "float8_e5m2", 0xFC),
+    DType("i8", 1, "|i1", (0, 8), "int8", 0x80),
+    DType("i32", 4, "<i4", (0, 32), "int32", 0x80000000),
+)}
+
+# What an argument's memory can be, whatever the spec calls it (tf32 tensors are f32 storage).
+STORAGE = {"tf32": "f32"}
+
+_FROM_TYPESTR = {"<f2": "f16", "<f4": "f32", "|i1": "i8", "<i1": "i8", "<i4": "i32",
+                 "|u1": "u8", "<f8": "f64", "<i8": "i64", "<i2": "i16"}
+_FROM_DLPACK = {(2, 16): "f16", (4, 16): "bf16", (2, 32): "f32", (10, 8): "f8e4m3", (12, 8): "f8e5m2",
+                (0, 8): "i8", (0, 32): "i32", (2, 64): "f64", (0, 64): "i64", (1, 8): "u8",
+                (0, 16): "i16", (6, 8): "bool"}
+_FROM_TORCH = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "f8e4m3",
+               "float8_e5m2": "f8e5m2", "int8": "i8", "int32": "i32", "float64": "f64",
+               "int64": "i64", "uint8": "u8", "int16": "i16", "bool": "bool"}
+# ml_dtypes/numpy names accepted by DeviceBuffer besides kspec names
+_ALIASES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
+            "float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2", "int8": "i8", "int32": "i32"}
+
+
+def storage(name: str) -> str:
+    return STORAGE.get(name, name)
+
+
+def itemsize(name: str) -> int:
+    return DTYPES[name].itemsize
+
+
+def from_typestr(typestr: str) -> str:
+    """kspec name of a CUDA-array-interface typestr (or a descriptive foreign name)."""
+    return _FROM_TYPESTR.get(typestr, f"typestr {typestr!r}")
+
+
+def from_dlpack(code: int, bits: int, lanes: int) -> str:
+    if lanes != 1:
+        return f"vector dtype (code {code}, {bits} bits x {lanes})"
+    return _FROM_DLPACK.get((code, bits), f"DLPack dtype (code {code}, {bits} bits)")
+
+
+def from_torch(dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return _FROM_TORCH.get(name, name)
+
+
+def normalize(dtype) -> str:
+    """A dtype given by the user (kspec name, numpy/ml_dtypes dtype or its name, torch dtype)."""
+    if isinstance(dtype, str):
+        if dtype in DTYPES:
+            return dtype
+        if dtype in _ALIASES:
+            return _ALIASES[dtype]
+    else:
+        name = str(dtype).removeprefix("torch.")
+        if name in _ALIASES:
+            return _ALIASES[name]
+        for attr in ("name", "__name__"):       # numpy dtypes, numpy/ml_dtypes scalar types
+            nm = getattr(dtype, attr, None)
+            if isinstance(nm, str) and nm in _ALIASES:
+                return _ALIASES[nm]
+    raise KspecRuntimeError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")

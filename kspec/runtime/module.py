@@ -1,0 +1,562 @@
+"""`kspec.load(path) -> Module`: one Python callable per spec kernel of a compiled artifact.
+
+Calling a kernel, `mod.gemm(A, B, bias, D=None, alpha=1.0, stream=None) -> dict[str, tensor]`:
+1. the driver must initialise and report a device, else `KspecRuntimeError("no CUDA device: ...")`;
+2. `Kernel.check(...)` validates every argument without touching the GPU (also callable on its
+   own, e.g. to test argument handling on a machine without a GPU) and returns a `Binding`;
+3. the binary for the device's compute capability is chosen (9.0 -> sm90a, 10.0 -> sm100a), the
+   cubin is loaded once per context, missing outputs are allocated, and the plans are launched in
+   order on the caller's stream.
+
+Inputs are positional or keyword; outputs and params are keywords.  The result is a dict of
+every output by name (passed ones are returned as given, allocated ones as torch tensors when
+torch is already imported by the caller, else `DeviceArray`s).
+
+Stream: `stream=` (an int handle, a `CUstream`, a torch/cupy stream or any `__cuda_stream__`
+object); else torch's current stream when an argument is a torch tensor; else the NULL stream.
+Nothing synchronises.  Workspace and intermediates are taken from the stream-ordered pool
+(`cuMemAllocAsync`) and returned right after the last plan is queued (`cuMemFreeAsync`), so a
+call is capture-safe: under CUDA graph capture they become graph allocation/free nodes.  Call a
+kernel once before capturing so its cubin and host glue are loaded outside the capture, and pass
+outputs explicitly when capturing (an output allocated during capture is graph memory).
+"""
+from __future__ import annotations
+
+import inspect
+import keyword
+import math
+import numbers
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strides, read_manifest
+from kspec.backends.desc import ARCH_CC
+from kspec.runtime import driver as _driver
+from kspec.runtime import dtypes
+from kspec.runtime.errors import KspecRuntimeError
+from kspec.runtime.glue import HostGlue, Prepared
+from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
+
+_SCRATCH_ALIGN = 256
+_CC_ARCH = {(cc // 10, cc % 10): arch for arch, cc in ARCH_CC.items()}
+
+
+def load(path: str | Path, verify: bool = True) -> "Module":
+    """Load a compiled artifact directory (or its manifest.json).  Works without a GPU."""
+    p = Path(path)
+    manifest = read_manifest(p, verify=verify)
+    root = p if p.is_dir() else p.parent
+    # a class per artifact so that help(mod) lists its kernels
+    doc = "\n\n".join(describe_kernel(k, tuple(manifest.archs)) for k in manifest.kernels)
+    cls = type("Module", (Module,), {"__doc__": f"kspec artifact {root}\n\n{doc}", "__module__": "kspec.runtime"})
+    return cls(root, manifest)
+
+
+def _stream_handle(stream: Any) -> int:
+    if isinstance(stream, bool):
+        raise KspecRuntimeError("stream: expected a CUDA stream, got a bool")
+    if isinstance(stream, int):
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        v = proto() if callable(proto) else proto
+        return int(v[1])
+    for attr in ("cuda_stream", "ptr", "handle"):     # torch, cupy, cuda.core
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    try:
+        return int(stream)                           # cuda.bindings CUstream
+    except (TypeError, ValueError):
+        raise KspecRuntimeError(f"stream: expected a CUDA stream handle, got {type(stream).__name__}") from None
+
+
+@dataclass
+class Binding:
+    """A validated call: what every argument is and every size symbol's value."""
+    kernel: KernelEntry
+    views: dict[str, TensorView]                 # passed inputs and outputs
+    passed: dict[str, Any]                       # the caller's objects, by name
+    allocate: tuple[str, ...]                    # outputs the runtime allocates
+    sizes: dict[str, int]
+    params: dict[str, float | int]
+    stream: int
+    device: int | None
+    uses_torch: bool
+    strides: dict[str, tuple[int, ...]] = field(default_factory=dict)   # of allocated tensors
+
+    def extents(self, spec: TensorSpec) -> tuple[int, ...]:
+        return tuple(e if isinstance(e, int) else self.sizes[e] for e in spec.shape)
+
+    def dims(self, plan: Plan) -> list[int]:
+        def value(v):
+            if isinstance(v, tuple):
+                return math.prod(value(x) for x in v)
+            return v if isinstance(v, int) else self.sizes[v]
+        return [value(v) for _, v in plan.dims]
+
+    def scalars(self, plan: Plan) -> list[float]:
+        return [float(self.params[s]) if isinstance(s, str) else float(s) for s in plan.scalars]
+
+
+class Kernel:
+    """One spec kernel of a loaded artifact; call it like a function (see the module docstring)."""
+
+    def __init__(self, module: "Module", entry: KernelEntry):
+        self._module = module
+        self.entry = entry
+        self.name = entry.name
+        self.__doc__ = describe_kernel(entry, module.archs)
+        sig = _signature(entry)
+        if sig is not None:
+            self.__signature__ = sig
+
+    def __repr__(self) -> str:
+        return f"<kspec kernel {_call_line(self.entry)}>"
+
+    # ------------------------------------------------------------------ validation (no GPU)
+    def check(self, *args, stream: Any = None, **kwargs) -> Binding:
+        """Validate a call's arguments against the compiled signature, without a GPU."""
+        k = self.entry
+        objs, params = self._assign(args, kwargs)
+        uses_torch = any(is_torch_tensor(o) for o in objs.values())
+        views: dict[str, TensorView] = {}
+        # DLPack producers need the stream; torch's current stream needs a device: read torch
+        # tensors first (no stream needed), then resolve the stream, then everything else.
+        for name, obj in objs.items():
+            if is_torch_tensor(obj):
+                views[name] = as_view(obj, f"argument '{name}'", 0)
+        handle = self._resolve_stream(stream, views, uses_torch)
+        for name, obj in objs.items():
+            if name not in views:
+                views[name] = as_view(obj, f"argument '{name}'", handle)
+
+        specs = {t.name: t for t in (*k.inputs, *k.outputs)}
+        sizes: dict[str, int] = {}
+        origin: dict[str, str] = {}
+        for name, view in views.items():
+            self._check_tensor(specs[name], view, sizes, origin, is_output=name not in _names(k.inputs))
+        device = self._check_devices(views)
+        allocate = tuple(t.name for t in k.outputs if t.name not in views)
+        for t in (*(specs[n] for n in allocate), *k.intermediates):
+            for e in t.shape:
+                if isinstance(e, str) and e not in sizes:
+                    what = "output" if t.name in specs else "intermediate"
+                    raise KspecRuntimeError(
+                        f"cannot determine size '{e}' of {what} '{t.name}' ({t.describe()}) from the "
+                        f"arguments", hint=f"pass '{t.name}' explicitly" if t.name in specs else None)
+        for plan in k.plans:
+            for role, v in plan.dims:
+                for sym in (v if isinstance(v, tuple) else (v,)):
+                    if isinstance(sym, str) and sym not in sizes:
+                        raise KspecRuntimeError(f"cannot determine size '{sym}' (plan '{plan.id}', role {role})")
+        b = Binding(k, views, objs, allocate, sizes, params, handle, device, uses_torch)
+        for t in (*(specs[n] for n in allocate), *k.intermediates):
+            b.strides[t.name] = layout_strides(b.extents(t), t.layout)
+        self._check_alignment(b)
+        self._check_overlap(b)
+        return b
+
+    def _assign(self, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, float | int]]:
+        k = self.entry
+        inputs = _names(k.inputs)
+        outputs = _names(k.outputs)
+        pspecs = {p.name: p for p in k.params}
+        if len(args) > len(inputs):
+            raise KspecRuntimeError(
+                f"{k.name}() takes {len(inputs)} positional input(s) ({', '.join(inputs)}), got {len(args)}",
+                hint="pass outputs and params by keyword")
+        objs: dict[str, Any] = dict(zip(inputs, args))
+        raw_params: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in objs:
+                raise KspecRuntimeError(f"{k.name}(): argument '{key}' given twice")
+            if key in inputs or key in outputs:
+                if value is not None or key in inputs:
+                    objs[key] = value
+            elif key in pspecs:
+                raw_params[key] = value
+            else:
+                known = ", ".join([*inputs, *outputs, *pspecs, "stream"])
+                raise KspecRuntimeError(f"{k.name}(): unexpected argument '{key}' (expected one of: {known})")
+        for name in inputs:
+            if name not in objs:
+                spec = next(t for t in k.inputs if t.name == name)
+                raise KspecRuntimeError(f"{k.name}(): missing input '{name}' ({spec.describe()})")
+            if objs[name] is None:
+                raise KspecRuntimeError(f"argument '{name}': expected a tensor, got None")
+        params: dict[str, float | int] = {}
+        for name, p in pspecs.items():
+            v = raw_params.get(name)
+            if v is None:
+                if p.default is None:
+                    raise KspecRuntimeError(f"{k.name}(): missing parameter '{name}' ({p.dtype}, no default)")
+                v = p.default
+            params[name] = _check_scalar(name, p.dtype, v)
+        return objs, params
+
+    def _resolve_stream(self, stream: Any, torch_views: dict[str, TensorView], uses_torch: bool) -> int:
+        if stream is not None:
+            return _stream_handle(stream)
+        if uses_torch and torch_views:
+            torch = sys.modules["torch"]
+            dev = next(iter(torch_views.values())).device or 0
+            return int(torch.cuda.current_stream(dev).cuda_stream)
+        return 0
+
+    @staticmethod
+    def _check_tensor(spec: TensorSpec, v: TensorView, sizes: dict[str, int], origin: dict[str, str],
+                      is_output: bool) -> None:
+        what = f"argument '{spec.name}'"
+        want = dtypes.storage(spec.dtype)
+        if v.dtype != want:
+            shown = spec.dtype if want == spec.dtype else f"{want} (storage of {spec.dtype})"
+            raise KspecRuntimeError(f"{what}: expected {shown}, got {v.dtype}")
+        if len(v.shape) != len(spec.shape):
+            raise KspecRuntimeError(f"{what}: expected rank {len(spec.shape)} ({spec.describe()}), got "
+                                    f"rank {len(v.shape)} with shape {tuple(v.shape)}")
+        for axis, (e, n) in enumerate(zip(spec.shape, v.shape)):
+            if isinstance(e, int):
+                if n != e:
+                    raise KspecRuntimeError(f"{what}: dimension {axis} must be {e}, got {n} "
+                                            f"(shape {tuple(v.shape)}, expected {spec.describe()})")
+            elif e in sizes:
+                if sizes[e] != n:
+                    raise KspecRuntimeError(f"{what}: dimension {axis} ({e}) is {n}, but '{origin[e]}' "
+                                            f"has {e} = {sizes[e]}")
+            else:
+                sizes[e], origin[e] = n, spec.name
+        if v.numel:
+            want_strides = layout_strides(tuple(v.shape), spec.layout)
+            for axis, n in enumerate(v.shape):
+                if n > 1 and v.strides[axis] != want_strides[axis]:
+                    raise KspecRuntimeError(
+                        f"{what}: expected {spec.layout} layout, i.e. strides {want_strides} (elements) for "
+                        f"shape {tuple(v.shape)}, got strides {tuple(v.strides)}",
+                        hint=_layout_hint(spec))
+        if is_output and v.readonly:
+            raise KspecRuntimeError(f"{what}: output is read-only")
+
+    @staticmethod
+    def _check_devices(views: dict[str, TensorView]) -> int | None:
+        first: tuple[str, int] | None = None
+        for name, v in views.items():
+            if v.device is None:
+                continue
+            if first is None:
+                first = (name, v.device)
+            elif v.device != first[1]:
+                raise KspecRuntimeError(f"argument '{name}': on cuda:{v.device}, but '{first[0]}' is on "
+                                        f"cuda:{first[1]}; all tensors must be on one CUDA device")
+        return first[1] if first else None
+
+    @staticmethod
+    def _check_alignment(b: Binding) -> None:
+        k = b.kernel
+        for plan in k.plans:
+            for name, align in plan.alignment.items():
+                spec = k.tensor(name)
+                item = dtypes.itemsize(spec.dtype)
+                view = b.views.get(name)
+                if view is not None:
+                    what, shape, strides = f"argument '{name}'", view.shape, view.strides
+                    if view.ptr % align:
+                        raise KspecRuntimeError(
+                            f"{what}: data pointer 0x{view.ptr:x} is not {align}-byte aligned "
+                            f"(plan '{plan.id}' requires it)", hint="pass a tensor that starts at an aligned address (not an offset view)")
+                else:
+                    role = "output" if name in _names(k.outputs) else "intermediate"
+                    what, shape, strides = f"{role} '{name}'", b.extents(spec), b.strides[name]
+                for axis, (n, s) in enumerate(zip(shape, strides)):
+                    if n > 1 and s != 1 and (s * item) % align:
+                        sym = spec.shape[axis]
+                        inner = [spec.shape[i] for i, st in enumerate(strides) if st == 1 and shape[i] > 1]
+                        hint = (f"make {inner[0]} a multiple of {max(align // item, 1)}" if inner and
+                                isinstance(inner[0], str) else None)
+                        raise KspecRuntimeError(
+                            f"{what}: stride of dimension {axis} ({sym}) is {s} elements = {s * item} bytes, "
+                            f"not a multiple of the {align}-byte alignment plan '{plan.id}' requires",
+                            hint=hint)
+
+    @staticmethod
+    def _check_overlap(b: Binding) -> None:
+        k = b.kernel
+        outs = [n for n in _names(k.outputs) if n in b.views]
+        ranges = {n: v.byte_range() for n, v in b.views.items()}
+        for i, o in enumerate(outs):
+            ro = ranges[o]
+            if ro is None:
+                continue
+            others = [n for n in outs[:i]] + [n for n in _names(k.inputs)]
+            for other in others:
+                r = ranges[other]
+                if r is not None and ro[0] < r[1] and r[0] < ro[1]:
+                    kind = "output" if other in outs else "input"
+                    raise KspecRuntimeError(f"argument '{o}': output overlaps {kind} '{other}' in memory; "
+                                            f"outputs must not alias other arguments")
+
+    # ------------------------------------------------------------------ launch (GPU)
+    def __call__(self, *args, stream: Any = None, **kwargs) -> dict[str, Any]:
+        drv = _driver.get()
+        drv.require_device()
+        b = self.check(*args, stream=stream, **kwargs)
+        return self._module._launch(drv, b)
+
+
+class Module:
+    """A loaded artifact: `.kernels` (names), `.archs`, and one `Kernel` attribute per spec kernel
+    (also reachable as `module["name"]`)."""
+
+    def __init__(self, root: Path, manifest: Manifest):
+        self.path = Path(root)
+        self.manifest = manifest
+        self.archs: tuple[str, ...] = tuple(manifest.archs)
+        self.kernels: tuple[str, ...] = tuple(k.name for k in manifest.kernels)
+        # a class per kernel so that help(mod.name) shows that kernel's signature and arguments
+        self._kernels = {k.name: type(k.name, (Kernel,), {"__doc__": describe_kernel(k, self.archs),
+                                                          "__module__": "kspec.runtime"})(self, k)
+                         for k in manifest.kernels}
+        self._glue: dict[tuple[str, str], HostGlue] = {}
+        self._images: dict[tuple[str, str], bytes] = {}
+
+    def __getattr__(self, name: str) -> Kernel:
+        kernels = self.__dict__.get("_kernels", {})
+        if name in kernels:
+            return kernels[name]
+        raise AttributeError(f"artifact {self.__dict__.get('path')} has no kernel '{name}' "
+                             f"(kernels: {', '.join(kernels) or 'none'})")
+
+    def __getitem__(self, name: str) -> Kernel:
+        try:
+            return self._kernels[name]
+        except KeyError:
+            raise KeyError(f"no kernel '{name}' (kernels: {', '.join(self._kernels)})") from None
+
+    def __dir__(self):
+        return [*super().__dir__(), *self._kernels]
+
+    def __repr__(self) -> str:
+        lines = [f"<kspec module {self.path} ({self.manifest.spec.file}; archs {', '.join(self.archs)})"]
+        lines += ["  " + _call_line(k) for k in self.manifest.kernels]
+        return "\n".join(lines) + ">"
+
+    # ------------------------------------------------------------------ binaries
+    def glue(self, plan: Plan, arch: str) -> HostGlue:
+        key = (plan.id, arch)
+        if key not in self._glue:
+            self._glue[key] = HostGlue(self.path / plan.binaries[arch].host, f"plan '{plan.id}' ({arch})")
+        return self._glue[key]
+
+    def image(self, plan: Plan, arch: str) -> bytes:
+        key = (plan.id, arch)
+        if key not in self._images:
+            self._images[key] = (self.path / plan.binaries[arch].cubin).read_bytes()
+        return self._images[key]
+
+    def arch_for(self, cc: tuple[int, int], name: str, ordinal: int) -> str:
+        arch = _CC_ARCH.get(cc)
+        if arch is None or arch not in self.archs:
+            have = ", ".join(f"{a} (compute capability {ARCH_CC[a] // 10}.{ARCH_CC[a] % 10})" for a in self.archs)
+            why = (f"the artifact has no {arch} binary" if arch else
+                   f"kspec compiles only for {', '.join(_CC_ARCH.values())}")
+            raise KspecRuntimeError(
+                f"cuda:{ordinal} ({name}, compute capability {cc[0]}.{cc[1]}) cannot run this artifact: "
+                f"{why}; it has binaries for {have}",
+                hint=f"recompile with `kspec compile --arch {arch}`" if arch else None)
+        return arch
+
+    # ------------------------------------------------------------------ one call
+    def _launch(self, drv, b: Binding) -> dict[str, Any]:
+        k = b.kernel
+        stream = b.stream
+        device, ctx = self._place(drv, b)
+        major, minor, sms, dev_name = drv.facts(device)
+        arch = self.arch_for((major, minor), dev_name, device)
+        with drv.current(ctx):
+            for name, v in b.views.items():
+                if v.device is None:
+                    on = drv.pointer_device(v.ptr, f"argument '{name}'")
+                    if on != device:
+                        raise KspecRuntimeError(f"argument '{name}': on cuda:{on}, but the call runs on "
+                                                f"cuda:{device}; all tensors must be on one CUDA device")
+            capturing = drv.is_capturing(stream)
+            if not capturing:
+                for v in b.views.values():
+                    if v.stream is not None and _same_stream(v.stream, stream) is False:
+                        drv.order_after(int(v.stream), stream)
+            results, ptrs = self._outputs(drv, b, device, ctx)
+            glues = [self.glue(p, arch) for p in k.plans]
+            ws_sizes = [g.workspace_size(b.dims(p)) for g, p in zip(glues, k.plans)]
+            # one scratch block: every intermediate, then one workspace reused by the plans in turn
+            offsets, total = {}, 0
+            for t in k.intermediates:
+                offsets[t.name] = total
+                total += _round_up(_nbytes(b.extents(t), b.strides[t.name], t.dtype), _SCRATCH_ALIGN)
+            ws_offset, ws_bytes = total, max(ws_sizes, default=0)
+            total += ws_bytes
+            scratch = drv.alloc_async(total, stream, f"{k.name} scratch") if total else 0
+            try:
+                for name, off in offsets.items():
+                    ptrs[name] = scratch + off
+                for plan, glue, ws in zip(k.plans, glues, ws_sizes):
+                    self._run_plan(drv, b, plan, arch, glue, ctx, ptrs,
+                                   scratch + ws_offset if ws else 0, ws, device, sms)
+            finally:
+                if scratch:
+                    drv.free_async(scratch, stream)
+        return results
+
+    def _place(self, drv, b: Binding):
+        """The device and context of the call: the tensors' device, the stream's context when it
+        is a user stream (its device must match), else the primary context."""
+        sctx = drv.stream_context(b.stream)
+        sdev = drv.context_device(sctx) if sctx is not None else None
+        device = b.device
+        if device is None:
+            device = sdev if sdev is not None else drv.current_device()
+        if device is None:
+            device = 0
+        if sdev is not None and sdev != device:
+            raise KspecRuntimeError(f"stream: belongs to cuda:{sdev}, but the tensors are on cuda:{device}")
+        return device, (sctx if sctx is not None else drv.primary_context(device))
+
+    def _outputs(self, drv, b: Binding, device: int, ctx) -> tuple[dict[str, Any], dict[str, int]]:
+        k = b.kernel
+        ptrs = {n: v.ptr for n, v in b.views.items()}
+        results: dict[str, Any] = {}
+        torch = sys.modules.get("torch")
+        use_torch = torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_available()
+        for t in k.outputs:
+            if t.name in b.passed:
+                results[t.name] = b.passed[t.name]
+                continue
+            shape, strides = b.extents(t), b.strides[t.name]
+            if use_torch:
+                out = torch.empty_strided(shape, strides, dtype=getattr(torch, dtypes.DTYPES[t.dtype].torch),
+                                          device=f"cuda:{device}")
+                if int(torch.cuda.current_stream(device).cuda_stream) != b.stream:
+                    # the caching allocator must not hand the block out again before our stream is done
+                    out.record_stream(torch.cuda.ExternalStream(b.stream, device=f"cuda:{device}"))
+                ptrs[t.name] = int(out.data_ptr())
+            else:
+                out = _driver.DeviceArray(shape, t.dtype, strides, device=device, stream=b.stream, _ctx=ctx)
+                ptrs[t.name] = out.ptr
+            results[t.name] = out
+        return results, ptrs
+
+    def _run_plan(self, drv, b: Binding, plan: Plan, arch: str, glue: HostGlue, ctx, ptrs: dict[str, int],
+                  workspace: int, ws_bytes: int, device: int, sms: int) -> None:
+        k = b.kernel
+        what = f"plan '{plan.id}' ({arch})"
+        for name, how in plan.init.items():
+            spec = k.tensor(name)
+            d = dtypes.DTYPES[spec.dtype]
+            count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
+            if count:
+                pattern = 0 if how == "zero" else d.neg_inf
+                drv.fill(ptrs[name], pattern, d.itemsize, count, b.stream, f"'{name}' of {what}")
+        if ws_bytes:
+            # the ABI's prepare has no stream to clear a workspace on; semaphores expect zeros
+            drv.fill(workspace, 0, 1, ws_bytes, b.stream, f"the workspace of {what}")
+        prepared: Prepared = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
+                                          workspace, device, sms)
+        if 0 in prepared.grid:
+            return                                   # empty problem: nothing to launch
+        binary = plan.binaries[arch]
+        func = drv.function(ctx, (id(self), plan.id, arch), self.image(plan, arch), binary.symbol, what)
+        want = drv.param_size(func)
+        if want is not None and want != prepared.params_size:
+            raise KspecRuntimeError(f"{what}: the host glue built a {prepared.params_size}-byte parameter "
+                                    f"block but the kernel takes {want} bytes; the artifact is inconsistent",
+                                    hint="rebuild the artifact with `kspec compile`")
+        if prepared.smem_bytes:
+            drv.set_dynamic_smem(func, prepared.smem_bytes, what)
+        drv.launch(func, prepared.grid, prepared.block, prepared.cluster, prepared.smem_bytes, b.stream,
+                   prepared.params_ptr, what)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def _names(specs) -> list[str]:
+    return [t.name for t in specs]
+
+
+def _strides_of(b: Binding, name: str) -> tuple[int, ...]:
+    return b.views[name].strides if name in b.views else b.strides[name]
+
+
+def _nbytes(shape, strides, dtype: str) -> int:
+    item = dtypes.itemsize(dtype)
+    if math.prod(shape) == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * item
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _same_stream(a: int, b: int) -> bool:
+    norm = lambda s: 1 if s in (0, 1) else s     # NULL and CU_STREAM_LEGACY are the same stream
+    return norm(int(a)) == norm(int(b))
+
+
+def _check_scalar(name: str, dtype: str, v: Any) -> float | int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise KspecRuntimeError(f"parameter '{name}': expected a Python number ({dtype}), got {type(v).__name__}")
+    if dtype in ("i8", "i32"):
+        if not float(v).is_integer():
+            raise KspecRuntimeError(f"parameter '{name}': expected an integer ({dtype}), got {v!r}")
+        return int(v)
+    return float(v)
+
+
+def _layout_hint(spec: TensorSpec) -> str:
+    if spec.layout == "col":
+        return f"pass '{spec.name}' column-major, e.g. x.transpose(-1, -2).contiguous().transpose(-1, -2) in torch"
+    return f"pass a contiguous tensor, e.g. {spec.name}.contiguous() in torch"
+
+
+def _call_line(k: KernelEntry) -> str:
+    parts = [f"{t.name}: {t.describe()}" for t in k.inputs]
+    parts += [f"{t.name}: {t.describe()} = None" for t in k.outputs]
+    parts += [f"{p.name}: {p.dtype}" + ("" if p.default is None else f" = {p.default!r}") for p in k.params]
+    outs = ", ".join(t.name for t in k.outputs)
+    return f"{k.name}({', '.join(parts)}, stream=None) -> {{{outs}}}"
+
+
+def describe_kernel(k: KernelEntry, archs: tuple[str, ...]) -> str:
+    """The text `help()` and the docs show for a kernel."""
+    width = max([len(t.name) for t in (*k.inputs, *k.outputs)] + [len(p.name) for p in k.params] + [1])
+    lines = [_call_line(k), ""]
+    lines.append("Inputs:")
+    lines += [f"  {t.name:<{width}}  {t.describe()}" for t in k.inputs]
+    lines.append("Outputs (allocated when not passed; all returned in a dict by name):")
+    lines += [f"  {t.name:<{width}}  {t.describe()}" for t in k.outputs]
+    if k.params:
+        lines.append("Params:")
+        lines += [f"  {p.name:<{width}}  {p.dtype}" + ("  (required)" if p.default is None else f" = {p.default!r}")
+                  for p in k.params]
+    symbols = sorted({e for t in (*k.inputs, *k.outputs) for e in t.shape if isinstance(e, str)})
+    if symbols:
+        lines.append(f"Sizes {', '.join(symbols)} are bound from the arguments' shapes.")
+    lines.append("Layouts: row = C-contiguous; col = last two axes swapped (column-major matrices).")
+    lines.append(f"Plans: {', '.join(f'{p.id} ({p.kind})' for p in k.plans)}; archs: {', '.join(archs)}.")
+    lines.append("stream: int handle, CUstream, torch/cupy stream; default: torch's current stream "
+                 "for torch tensors, else the NULL stream.")
+    return "\n".join(lines)
+
+
+def _signature(k: KernelEntry) -> inspect.Signature | None:
+    names = [*_names(k.inputs), *_names(k.outputs), *(p.name for p in k.params)]
+    if any(keyword.iskeyword(n) or not n.isidentifier() for n in names):
+        return None
+    P = inspect.Parameter
+    params = [P(t.name, P.POSITIONAL_OR_KEYWORD, annotation=t.describe()) for t in k.inputs]
+    params += [P(t.name, P.KEYWORD_ONLY, default=None, annotation=t.describe()) for t in k.outputs]
+    params += [P(p.name, P.KEYWORD_ONLY, default=P.empty if p.default is None else p.default, annotation=p.dtype)
+               for p in k.params]
+    params.append(P("stream", P.KEYWORD_ONLY, default=None))
+    return inspect.Signature(params, return_annotation="dict[str, tensor]")
