@@ -257,13 +257,13 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
             continue
         if uo.kind == "broadcast":
             (src, slabels), = operands(g, u)
+            # (a per-batch vector, e.g. s[b], has no epilogue load: the backend loads rows/columns)
             if op(g, src).kind == "input" and len(slabels) == 1 and slabels[0] in (gi.m, gi.n):
-                continue
-            if op(g, src).kind == "input" and set(slabels) == gemm_axes - {gi.m, gi.n} | set(slabels) and \
-                    len(slabels) == 1:
                 continue
             return "it broadcasts a value that is not a row or column vector input"
         if set(labels) == gemm_axes and tuple(labels[-2:]) == (gi.m, gi.n):
+            if uo.kind == "input" and uo.layout == "col":
+                return f"operand {uo.name} is column-major; an epilogue reads full tensors row-major"
             continue  # a full tensor (e.g. a residual) read row-major
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
     return None
@@ -276,12 +276,23 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
         merged = None
+        candidates: list[Group] = []
         for u in g.predecessors(n):
             grp = res.group_of(u)
-            if grp is not None and grp.kind == "elementwise" and set(op(g, grp.anchor).axes) == set(o.axes):
+            if grp is not None and grp.kind == "elementwise" and set(op(g, grp.anchor).axes) == set(o.axes) \
+                    and grp not in candidates:
+                candidates.append(grp)
+        for grp in candidates:
+            # n joins its producers' groups; where it reads several (e.g. a chain and a broadcast
+            # of an input), they become one kernel when that is legal
+            if merged is None:
                 if legal_group(g, grp.nodes | {n}) is None:
                     merged = grp
-                    break
+            elif legal_group(g, merged.nodes | grp.nodes | {n}) is None:
+                merged.nodes |= grp.nodes
+                res.groups.remove(grp)
+                for i, other in enumerate(res.groups):
+                    other.id = f"g{i}"      # ids stay unique for groups created later
         if merged is not None:
             merged.nodes.add(n)
             merged.anchor = n

@@ -97,7 +97,10 @@ class _Builder:
             elif t.role == "param":
                 self.defined[t.name] = self.add(OpNode("param", t.dtype, (), (), name=t.name,
                                                        value=t.default, span=t.span))
+        defined_indices: dict[str, tuple[str, ...]] = {}
         for s in k.stmts:
+            s = unify_labels(s, defined_indices)
+            defined_indices[s.target] = s.indices
             self.extent = dict(s.extents)
             root = self.store(self.expr(s.value), s)
             self.defined[s.target] = root
@@ -182,6 +185,59 @@ class _Builder:
         b = self.add(OpNode("broadcast", o.dtype, tuple(consumer_axes), self.shape(consumer_axes),
                             fn="broadcast", span=e.span), [(node, labels)])
         return b, tuple(consumer_axes)
+
+
+def _accesses(e: TExpr):
+    if isinstance(e, TAccess):
+        yield e
+    for f in ("operand", "lhs", "rhs"):
+        c = getattr(e, f, None)
+        if isinstance(c, TExpr):
+            yield from _accesses(c)
+    for c in getattr(e, "args", ()):
+        yield from _accesses(c)
+
+
+def _all_labels(s) -> set[str]:
+    return {i for i, _ in s.extents} | set(s.indices)
+
+
+def _rename_expr(e: TExpr, m: dict[str, str]) -> TExpr:
+    r = lambda xs: tuple(m.get(x, x) for x in xs)  # noqa: E731
+    changes: dict = {"free": r(e.free)}
+    if isinstance(e, TAccess):
+        changes["indices"] = r(e.indices)
+    if isinstance(e, TReduce):
+        changes["indices"] = r(e.indices)
+    if isinstance(e, TSoftmax):
+        changes["axis"] = m.get(e.axis, e.axis)
+        changes["causal"] = m.get(e.causal, e.causal) if e.causal else None
+    for f in ("operand", "lhs", "rhs"):
+        c = getattr(e, f, None)
+        if isinstance(c, TExpr):
+            changes[f] = _rename_expr(c, m)
+    if isinstance(e, TCall):
+        changes["args"] = tuple(_rename_expr(a, m) for a in e.args)
+    return replace(e, **changes)
+
+
+def unify_labels(s, defined: dict[str, tuple[str, ...]]):
+    """Rename a statement's index labels after those that defined the values it reads, so that
+    `D[i, j] = relu(acc[i, j])` uses acc's own labels (m, n) and fuses like one expression.
+    A label is renamed only where that cannot clash with another label of the statement."""
+    used = _all_labels(s)
+    m: dict[str, str] = {}
+    for acc in _accesses(s.value):
+        for mine, theirs in zip(acc.indices, defined.get(acc.tensor, ())):
+            if mine in m or mine == theirs or theirs in m.values():
+                continue
+            if theirs in used and theirs not in m:
+                continue
+            m[mine] = theirs
+    if not m:
+        return s
+    return replace(s, indices=tuple(m.get(i, i) for i in s.indices), value=_rename_expr(s.value, m),
+                   extents=tuple((m.get(i, i), d) for i, d in s.extents))
 
 
 def _reorder(o: OpNode, axes: tuple[str, ...]) -> OpNode:

@@ -242,6 +242,9 @@ class _Checker:
                 if ck is not None:
                     kernels.append(_with_schedules(ck, schedules.get(k.name, ())))
             targets = self.check_targets()
+            if not p.kernels:
+                self.error(f"{p.file} defines no kernels", None,
+                           "a spec file holds one or more `kernel NAME { ... }` blocks")
         except _TooMany:
             self.diags.append(Diagnostic(f"too many errors; stopping after {MAX_ERRORS}", None))
         if self.diags:
@@ -347,6 +350,7 @@ class _KernelChecker:
         self.symbol_literal: dict[str, tuple[int, Span | None]] = {}
         self.defined_at: dict[str, int] = {}     # temps/outputs -> statement number
         self.written: dict[str, Span | None] = {}
+        self.failed: set[str] = set()
 
     def error(self, *a, **kw):
         self.p.error(*a, **kw)
@@ -365,7 +369,8 @@ class _KernelChecker:
                 if ts is not None:
                     stmts.append(ts)
             except _Abort:
-                pass
+                # later uses of a name whose definition failed are not errors of their own
+                self.failed.add(s.target)
         for t in list(self.tensors.values()):
             if t.role == "out" and t.name not in self.written:
                 self.error(f"output '{t.name}' is never written", self.decl_spans.get(t.name),
@@ -380,6 +385,8 @@ class _KernelChecker:
 
     # ---- declarations ----
     def declare(self, d: ast.Decl):
+        # After an error the declaration is still registered as well as it can be, so the
+        # statements that use it are checked too instead of each reporting "unknown name".
         if d.name in self.tensors:
             prev = self.decl_spans[d.name]
             self.error(f"'{d.name}' is declared twice", d.name_span or d.span,
@@ -389,20 +396,17 @@ class _KernelChecker:
             if d.shape is not None:
                 self.error(f"param '{d.name}' has a shape; params are scalars", d.span,
                            f"declare a tensor with `in {d.name} : {d.dtype}[...]`")
-                return
-            if d.layout:
+            elif d.layout:
                 self.error(f"param '{d.name}' is a scalar and has no layout", d.span)
-                return
             default = None
             if d.default is not None:
-                default = d.default.value
-                if d.dtype in INT_DTYPES and isinstance(default, float):
+                if d.dtype in INT_DTYPES and isinstance(d.default.value, float):
                     self.error(f"param '{d.name}' is {d.dtype} but its default {d.default.text} is not an integer",
                                d.default.span)
-                    return
-                if abs(default) > 3.4e38:
-                    self.error(f"default {d.default.text} does not fit in {d.dtype}", d.default.span)
-                    return
+                elif not _fits(d.default.value, d.dtype):
+                    self.error(f"default {_abbrev(d.default.text)} does not fit in {d.dtype}", d.default.span)
+                else:
+                    default = d.default.value
             info = TensorInfo(d.name, "param", d.dtype, (), "row", default, d.span)
         else:
             if d.shape is None:
@@ -411,7 +415,6 @@ class _KernelChecker:
                 return
             if d.default is not None:
                 self.error(f"only params take a default value", d.default.span)
-                return
             shape: list[DimValue] = []
             for dim in d.shape:
                 if dim.is_symbol:
@@ -422,11 +425,9 @@ class _KernelChecker:
                     v = int(dim.value)
                     if v < 1 or v >= MAX_LITERAL_DIM:
                         self.error(f"dimension {v} is out of range (1 to {MAX_LITERAL_DIM - 1})", dim.span)
-                        return
                     shape.append(v)
             if d.layout == "col" and len(shape) < 2:
                 self.error(f"'{d.name}' has rank {len(shape)}; layout col needs rank 2 or more", d.span)
-                return
             info = TensorInfo(d.name, d.role, d.dtype, tuple(shape), d.layout or "row", None, d.span)
         self.tensors[d.name] = info
         self.decl_spans[d.name] = d.name_span or d.span
@@ -493,7 +494,7 @@ class _KernelChecker:
 
     def check_store(self, src: str, dst: str, name: str, s: ast.Stmt):
         if is_float(src) != is_float(dst):
-            self.error(f"cannot store a {src} value into {dst} '{name}' without a cast", s.value.span,
+            self.error(f"cannot store {_a(src)} value into {dst} '{name}' without a cast", s.value.span,
                        f"write `{dst}(...)` around the value to convert explicitly", abort=True)
 
     # ---- expressions ----
@@ -501,10 +502,10 @@ class _KernelChecker:
         if isinstance(e, ast.Num):
             if isinstance(e.value, int):
                 if abs(e.value) >= 1 << 63:
-                    self.error(f"integer literal {e.text} is too large", e.span, abort=True)
+                    self.error(f"integer literal {_abbrev(e.text)} is too large", e.span, abort=True)
                 return TConst("i32", (), e.span, e.value, True)
             if e.value != e.value or abs(e.value) == float("inf") or abs(e.value) > 3.4e38:
-                self.error(f"number {e.text} does not fit in f32", e.span, abort=True)
+                self.error(f"number {_abbrev(e.text)} does not fit in f32", e.span, abort=True)
             return TConst("f32", (), e.span, e.value, True)
         if isinstance(e, ast.Name):
             t = self.lookup(e.name, e.span, stmt_no, future)
@@ -549,6 +550,8 @@ class _KernelChecker:
         raise TypeError(e)
 
     def lookup(self, name: str, span, stmt_no: int, future) -> TensorInfo:
+        if name in self.failed and name not in self.tensors:
+            raise _Abort()
         t = self.tensors.get(name)
         if t is not None and (t.role in ("in", "param") or name in self.written):
             return t
@@ -627,7 +630,8 @@ class _KernelChecker:
             seen.add(ix)
             if ix not in operand.free:
                 self.error(f"'{e.op}({ix})' reduces over '{ix}', which its operand does not use", sp or e.span,
-                           abort=True)
+                           f"indices of the operand: {', '.join(operand.free)}" if operand.free else
+                           "the operand has no indices", abort=True)
             if ix in env.lhs_indices:
                 self.error(f"index '{ix}' is reduced but also appears on the left side", sp or e.span,
                            f"remove '{ix}' from the left side, or do not reduce over it", abort=True)
@@ -651,12 +655,12 @@ class _KernelChecker:
             return "f32" if "f32" in (a, b) else a
         if weak_b:
             if is_float(b) and not is_float(a):
-                self.error(f"a floating-point literal is combined with a {a} value", eb.span,
+                self.error(f"a floating-point literal is combined with {_a(a)} value", eb.span,
                            f"convert explicitly: `f32(...)`", abort=True)
             return _arith(a)
         if weak_a:
             if is_float(a) and not is_float(b):
-                self.error(f"a floating-point literal is combined with a {b} value", ea.span,
+                self.error(f"a floating-point literal is combined with {_a(b)} value", ea.span,
                            "convert explicitly: `f32(...)`", abort=True)
             return _arith(b)
         if a == b:
@@ -705,7 +709,8 @@ class _IndexEnv:
                 return
             if fixed[0] == lit:
                 return
-            kc.error(f"dimension {sym} is {lit} here but {fixed[0]} elsewhere", span, abort=True)
+            kc.error(f"dimension {sym} is {lit} here but {fixed[0]} elsewhere", span,
+                     f"{sym} was fixed to {fixed[0]} at line {fixed[1].line}" if fixed[1] else None, abort=True)
         if isinstance(pdim, str) and isinstance(dim, str):
             fa, fb = kc.symbol_literal.get(pdim), kc.symbol_literal.get(dim)
             if fa and fb and fa[0] == fb[0]:
@@ -714,6 +719,28 @@ class _IndexEnv:
                      f"use one dimension name for both (e.g. {pdim})", abort=True)
         kc.error(f"index '{ix}' has size {dim} in {where} but {pdim} in {pwhere}", span,
                  "conflicting literal sizes", abort=True)
+
+
+# the largest finite value of each dtype, and the integer ranges
+_DTYPE_MAX = {"f8e4m3": 448.0, "f8e5m2": 57344.0, "f16": 65504.0, "bf16": 3.3895e38, "tf32": 3.4028e38,
+              "f32": 3.4028e38}
+_INT_RANGE = {"i8": (-128, 127), "i32": (-(1 << 31), (1 << 31) - 1)}
+
+
+def _fits(value: float | int, dtype: str) -> bool:
+    if dtype in _INT_RANGE:
+        lo, hi = _INT_RANGE[dtype]
+        return lo <= value <= hi
+    return abs(value) <= _DTYPE_MAX[dtype]
+
+
+def _a(dtype: str) -> str:
+    """The article for a dtype as spoken: "an f16", "an i32", "a bf16", "a tf32"."""
+    return f"an {dtype}" if dtype[:1] in "fi" else f"a {dtype}"
+
+
+def _abbrev(text: str, limit: int = 24) -> str:
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-6:]} ({len(text)} characters)"
 
 
 def _uniq(xs) -> tuple[str, ...]:

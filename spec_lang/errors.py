@@ -28,9 +28,11 @@ class Diagnostic:
         where = f"{self.span}: " if self.span else ""
         out = [f"{where}error: {self.message}"]
         if self.span and self.source is not None:
-            lines = self.source.splitlines()
+            # split on '\n' only: spans count lines the way Lark does, and str.splitlines() would
+            # also break at '\f', '\x1c', '\u2028', ... (legal inside comments)
+            lines = self.source.split("\n")
             if 1 <= self.span.line <= len(lines):
-                text = lines[self.span.line - 1].expandtabs(1)
+                text = lines[self.span.line - 1].rstrip("\r").expandtabs(1)
                 out.append("    " + text)
                 width = 1
                 if self.span.end_line == self.span.line and self.span.end_col > self.span.col:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import functools
+import re
 from importlib import resources
 from pathlib import Path
 
 import lark
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer_NonRecursive, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from . import ast
@@ -27,11 +28,26 @@ _KEYWORD_GROUPS = [
     ({"SM90A", "SM100A"}, "an arch (sm90a, sm100a)"),
 ]
 
+# Deeper expressions than this are refused up front: the checker, the printer and every later stage
+# recurse over expressions (a few frames a level), and a RecursionError must never reach the user.
+# Real specs nest well under 20 levels.
+MAX_NESTING = 100
+# Longer integer literals are refused before int() (Python refuses > 4300 digits with ValueError).
+MAX_INT_DIGITS = 40
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+
 
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
     grammar = resources.files("kspec.spec_lang").joinpath("kspec.lark").read_text()
     return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+@functools.lru_cache(maxsize=1)
+def reserved_words() -> frozenset[str]:
+    """Every keyword of the grammar (`in`, `sum`, `f16`, ...): none of them can be used as a name."""
+    return frozenset(t.pattern.value for t in _parser().terminals
+                     if t.pattern.type == "str" and _NAME_RE.fullmatch(t.pattern.value))
 
 
 def _expected_words(expected: set[str]) -> list[str]:
@@ -58,12 +74,28 @@ def _token_desc(tok: Token) -> str:
     return f"'{tok.value}'"
 
 
-class _Build(Transformer):
-    """Lark tree -> AST.  Spans come from the tree's propagated positions."""
+class _Build(Transformer_NonRecursive):
+    """Lark tree -> AST.  Spans come from the tree's propagated positions.  Non-recursive, so a
+    deep tree cannot overflow the Python stack here (MAX_NESTING protects the later stages)."""
 
     def __init__(self, file: str):
         super().__init__()
         self.file = file
+
+    def _name(self, tok: Token) -> str:
+        """A NAME token's text.  The contextual lexer lets a keyword through as a NAME wherever the
+        keyword itself cannot occur (`in in : f16[M]`), so reserved words are refused here."""
+        text = str(tok)
+        if text in reserved_words():
+            raise KspecError(f"'{text}' is a reserved word and cannot be used as a name", self._span(tok),
+                             f"choose another name, e.g. `{text}_`")
+        return text
+
+    def _int(self, tok: Token) -> int:
+        text = str(tok)
+        if len(text.lstrip("0")) > MAX_INT_DIGITS:
+            raise KspecError(f"integer literal {_abbrev(text)} is too large", self._span(tok))
+        return int(text)
 
     def _span(self, meta_or_tok) -> Span | None:
         m = meta_or_tok
@@ -88,7 +120,7 @@ class _Build(Transformer):
     @v_args(inline=True)
     def number(self, tok):
         text = str(tok)
-        value = int(text) if tok.type == "INT" else float(text)
+        value = self._int(tok) if tok.type == "INT" else float(text)
         return ast.Num(value, text, self._span(tok))
 
     @v_args(meta=True)
@@ -106,14 +138,14 @@ class _Build(Transformer):
     def default(self, num): return num
 
     @v_args(inline=True)
-    def dim_sym(self, tok): return ast.Dim(str(tok), self._span(tok))
+    def dim_sym(self, tok): return ast.Dim(self._name(tok), self._span(tok))
 
     @v_args(inline=True)
-    def dim_lit(self, tok): return ast.Dim(int(str(tok)), self._span(tok))
+    def dim_lit(self, tok): return ast.Dim(self._int(tok), self._span(tok))
 
     def shape(self, children): return tuple(children)
 
-    def index_list(self, children): return [(str(t), self._span(t)) for t in children]
+    def index_list(self, children): return [(self._name(t), self._span(t)) for t in children]
 
     @v_args(inline=True)
     def annotation(self, dt): return ("annotation", dt)
@@ -123,11 +155,11 @@ class _Build(Transformer):
     def access(self, meta, children):
         name = children[0]
         idx = children[1] if len(children) > 1 else []
-        return ast.Access(str(name), tuple(i for i, _ in idx), self._span(meta), tuple(s for _, s in idx))
+        return ast.Access(self._name(name), tuple(i for i, _ in idx), self._span(meta), tuple(s for _, s in idx))
 
     @v_args(meta=True)
     def name_ref(self, meta, children):
-        return ast.Name(str(children[0]), self._span(meta))
+        return ast.Name(self._name(children[0]), self._span(meta))
 
     @v_args(meta=True)
     def binop(self, meta, children):
@@ -146,16 +178,16 @@ class _Build(Transformer):
 
     @v_args(meta=True)
     def kwarg(self, meta, children):
-        return ast.KwArg(str(children[0]), str(children[1]), self._span(meta))
+        return ast.KwArg(self._name(children[0]), self._name(children[1]), self._span(meta))
 
     @v_args(meta=True)
     def call(self, meta, children):
-        fn = children[0]
+        fn = self._name(children[0])
         args = children[1] if len(children) > 1 else []
         for a in args:
             if isinstance(a, ast.KwArg):
                 raise KspecError(f"function '{fn}' takes no keyword arguments", a.span)
-        return ast.Call(str(fn), tuple(args), self._span(meta), self._span(fn))
+        return ast.Call(fn, tuple(args), self._span(meta), self._span(children[0]))
 
     @v_args(meta=True)
     def cast(self, meta, children):
@@ -197,7 +229,7 @@ class _Build(Transformer):
                 layout = r
             elif isinstance(r, ast.Num):
                 default = r
-        return ast.Decl(role, str(name), dt, shape, layout, default, self._span(meta), self._span(name))
+        return ast.Decl(role, self._name(name), dt, shape, layout, default, self._span(meta), self._span(name))
 
     @v_args(meta=True)
     def stmt(self, meta, children):
@@ -209,7 +241,7 @@ class _Build(Transformer):
                 idx = r
             elif isinstance(r, tuple) and r[0] == "annotation":
                 dt = r[1]
-        return ast.Stmt(str(target), tuple(i for i, _ in idx), dt, value, self._span(meta),
+        return ast.Stmt(self._name(target), tuple(i for i, _ in idx), dt, value, self._span(meta),
                         tuple(s for _, s in idx))
 
     @v_args(meta=True)
@@ -217,20 +249,23 @@ class _Build(Transformer):
         name, *items = children
         decls = tuple(i for i in items if isinstance(i, ast.Decl))
         stmts = tuple(i for i in items if isinstance(i, ast.Stmt))
-        return ast.Kernel(str(name), decls, stmts, self._span(meta), self._span(name))
+        return ast.Kernel(self._name(name), decls, stmts, self._span(meta), self._span(name))
 
     @v_args(inline=True)
     def shape3(self, tok):
-        return (tuple(int(x) for x in str(tok).split("x")), str(tok))
+        parts = str(tok).split("x")
+        if any(len(x.lstrip("0")) > MAX_INT_DIGITS for x in parts):
+            raise KspecError(f"shape {_abbrev(str(tok))} has a size that is too large", self._span(tok))
+        return (tuple(int(x) for x in parts), str(tok))
 
     @v_args(inline=True)
     def int_value(self, tok):
-        return (int(str(tok)), str(tok))
+        return (self._int(tok), str(tok))
 
     @v_args(meta=True)
     def setting(self, meta, children):
         key, (value, text) = children
-        return ast.Setting(str(key), value, text, self._span(meta))
+        return ast.Setting(self._name(key), value, text, self._span(meta))
 
     @v_args(meta=True)
     def schedule(self, meta, children):
@@ -242,7 +277,7 @@ class _Build(Transformer):
                 arch = c
             else:
                 settings.append(c)
-        return ast.Schedule(str(name), arch, tuple(settings), self._span(meta), self._span(name))
+        return ast.Schedule(self._name(name), arch, tuple(settings), self._span(meta), self._span(name))
 
     @v_args(meta=True)
     def target_decl(self, meta, children):
@@ -252,27 +287,40 @@ class _Build(Transformer):
         return children
 
 
+def _end_position(source: str) -> tuple[int, int]:
+    """Line and column just after the last non-blank character (lines count '\\n' only, as Lark does)."""
+    idx = len(source.rstrip())
+    line = source.count("\n", 0, idx) + 1
+    col = idx - (source.rfind("\n", 0, idx) + 1) + 1
+    return line, col
+
+
 def _syntax_error(e: UnexpectedInput, source: str, file: str) -> KspecError:
-    line, col = e.line, e.column
     if isinstance(e, UnexpectedCharacters):
+        line, col = e.line, e.column
         ch = source[e.pos_in_stream] if 0 <= e.pos_in_stream < len(source) else "?"
         span = Span(file, line, col, line, col + 1)
         hint = None
         if ch == ";":
             hint = "statements need no terminator; remove the ';'"
+        elif ch == "@":
+            hint = "a matrix product is written in index notation: `sum(k) A[m, k] * B[k, n]`"
         elif not ch.isascii():
             hint = "kspec source is ASCII: names are letters, digits and '_'"
         return KspecError(f"unexpected character {ch!r}", span, hint, source)
     if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
-        lines = source.splitlines() or [""]
-        line = len(lines)
-        col = len(lines[-1]) + 1
-        expected = _expected_words(set(getattr(e, "expected", ()) or getattr(e, "accepts", ()) or ()))
+        line, col = _end_position(source)
+        # `accepts` (what the parser really takes here) is exact; `expected` is the LALR state's superset
+        expected = _expected_words(set(getattr(e, "accepts", ()) or getattr(e, "expected", ()) or ()))
+        missing = _missing_operand(source, len(source), None, file)
+        if missing is not None:
+            return missing
         msg = "unexpected end of file"
         if expected:
             msg += "; expected " + _join_or(expected)
         hint = "is a closing '}' missing?" if source.count("{") > source.count("}") else None
-        return KspecError(msg, Span(file, line, col, line, col + 1), hint, source)
+        # zero width: the position after the last character, which has no character to underline
+        return KspecError(msg, Span(file, line, col, line, col), hint, source)
     assert isinstance(e, UnexpectedToken)
     tok = e.token
     expected = _expected_words(set(e.accepts or e.expected or ()))
@@ -280,19 +328,93 @@ def _syntax_error(e: UnexpectedInput, source: str, file: str) -> KspecError:
     if expected:
         msg += "; expected " + _join_or(expected)
     span = Span(file, tok.line, tok.column, tok.end_line or tok.line, tok.end_column or tok.column + 1)
-    hint = _syntax_hint(tok, e)
-    return KspecError(msg, span, hint, source)
+    start = tok.start_pos if tok.start_pos is not None else len(source)
+    missing = _missing_operand(source, start, tok, file)
+    if missing is not None:
+        return missing
+    return KspecError(msg, span, _syntax_hint(tok, e, source, start), source)
 
 
-def _syntax_hint(tok: Token, e: UnexpectedToken) -> str | None:
-    prev = getattr(e, "token_history", None)
-    if tok.type in ("IN", "OUT", "PARAM", "ROW", "COL", "SUM", "MAX", "MIN", "MEAN", "SOFTMAX",
-                    "F16", "BF16", "F32", "TF32", "F8E4M3", "F8E5M2", "I8", "I32", "KERNEL", "SCHEDULE",
-                    "TARGET", "FOR", "SM90A", "SM100A") and "NAME" in (e.accepts or set()):
+def _syntax_hint(tok: Token, e: UnexpectedToken, source: str, start: int) -> str | None:
+    if tok.type != "NAME" and str(tok) in reserved_words() and "NAME" in (e.accepts or e.expected or set()):
         return f"'{tok.value}' is a reserved word; choose another name"
-    if prev and prev[-1].type == "RPAR" and tok.type in ("NAME",):
-        return "a reduction is written `sum(k) A[m, k] * B[k, n]` (sum, max, min, mean, softmax)"
-    return None
+    # `in sum : f16[M]` lexes; the reserved word only fails where it is used: `sum[m]`, `in[m] = ...`
+    word = _last_word(source[max(0, start - 200):start])
+    if word in reserved_words():
+        # a reduction or a dtype must be followed by '(': anything else means it was meant as a name
+        needs_paren = word in ast.REDUCERS + ast.NORMALIZERS + ast.DTYPES
+        if tok.type in ("LSQB", "EQUAL", "COLON") or (needs_paren and tok.type != "LPAR"):
+            return f"'{word}' is a reserved word and cannot be used as a name; choose another name"
+    return _after_reducer_hint(source, start, tok)
+
+
+def _last_word(text: str) -> str | None:
+    """The name that `text` ends with (trailing blanks ignored), if it ends with one."""
+    text = text.rstrip()
+    m = re.search(r"[A-Za-z_0-9]+$", text[-65:])
+    if m is None or len(m.group(0)) > 64 or m.group(0)[0].isdigit():
+        return None
+    return m.group(0)
+
+
+def _reducer_before(source: str, pos: int) -> tuple[str, int, int] | None:
+    """If the text before `pos` ends with `sum(...)` (or max, min, mean, softmax), outside a
+    comment: (the word, its start offset, the offset after its ')')."""
+    lo = max(0, pos - 4000)
+    before = source[lo:pos].rstrip()
+    if not before.endswith(")"):
+        return None
+    end = lo + len(before)
+    depth = 0
+    for i in range(len(before) - 1, -1, -1):
+        c = before[i]
+        if c == ")":
+            depth += 1
+        elif c == "(":
+            depth -= 1
+            if depth == 0:
+                break
+    else:
+        return None
+    word = _last_word(before[:i])
+    if word not in ("sum", "max", "min", "mean", "softmax"):
+        return None
+    start = lo + len(before[:i].rstrip()) - len(word)
+    if "#" in source[source.rfind("\n", 0, start) + 1:start]:
+        return None
+    return word, start, end
+
+
+def _missing_operand(source: str, pos: int, tok: Token | None, file: str) -> KspecError | None:
+    """`max(a, b)` and `sum(k)` with nothing after it: report it at the reduction, not at whatever
+    token (often the next line's '}') the parser happened to stop at."""
+    found = _reducer_before(source, pos)
+    if found is None or (tok is not None and tok.type == "MINUS"):
+        return None
+    word, start, end = found
+    line = source.count("\n", 0, start) + 1
+    col = start - (source.rfind("\n", 0, start) + 1) + 1
+    end_line = source.count("\n", 0, end) + 1
+    end_col = end - (source.rfind("\n", 0, end) + 1) + 1
+    return KspecError(f"'{word}(...)' is a reduction and must be followed by the expression it reduces",
+                      Span(file, line, col, end_line, end_col), _after_reducer_hint(source, pos, tok), source)
+
+
+def _after_reducer_hint(source: str, pos: int, tok: Token | None) -> str | None:
+    """A hint for an error right after `max(...)`, `sum(...)` and friends: the usual mistakes are
+    `max(a, b)` (elementwise maximum), a missing operand, and an operand starting with '-'."""
+    found = _reducer_before(source, pos)
+    if found is None:
+        return None
+    word = found[0]
+    if tok is not None and tok.type == "MINUS":
+        return f"the operand of {word}(...) cannot start with '-'; write `{word}(...) (-x)`"
+    if word in ("max", "min"):
+        return (f"`{word}(i) x` reduces over index i; for the elementwise {word} of two values "
+                f"write `{word}imum(a, b)`")
+    if word == "softmax":
+        return "softmax is written `softmax(j) s[i, j]`"
+    return f"a reduction is written `{word}(k) A[m, k] * B[k, n]`: index names in parentheses, then the operand"
 
 
 def _join_or(words: list[str]) -> str:
@@ -303,20 +425,48 @@ def _join_or(words: list[str]) -> str:
     return ", ".join(words[:-1]) + " or " + words[-1]
 
 
+def _abbrev(text: str, limit: int = 24) -> str:
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-6:]} ({len(text)} characters)"
+
+
+def _check_nesting(tree: lark.Tree, file: str, source: str) -> None:
+    """Refuse trees deeper than MAX_NESTING, iteratively (a recursive walk would itself overflow)."""
+    stack: list[tuple[lark.Tree, int, lark.Tree | None]] = [(tree, 0, None)]
+    while stack:
+        node, depth, stmt = stack.pop()
+        if node.data == "stmt":
+            stmt, depth = node, 0     # levels count from the statement: its right side is level 1
+        if depth > MAX_NESTING:
+            meta = (stmt if stmt is not None else node).meta
+            span = None if getattr(meta, "empty", True) else \
+                Span(file, meta.line, meta.column, meta.end_line, meta.end_column)
+            raise KspecError(f"expression is nested too deeply (more than {MAX_NESTING} levels)", span,
+                             "split it into several statements with intermediate names", source)
+        for c in node.children:
+            if isinstance(c, lark.Tree):
+                # lists are no level of their own: `gelu(x)` nests x one level deep
+                stack.append((c, depth if c.data in ("arg_list", "index_list") else depth + 1, stmt))
+
+
 def parse(source: str, file: str = "<string>") -> ast.Program:
     """Parse kspec source text into an `ast.Program` (no semantic checks)."""
     try:
         tree = _parser().parse(source)
     except UnexpectedInput as e:
         raise _syntax_error(e, source, file) from None
+    _check_nesting(tree, file, source)
+    too_deep = KspecError("expression is nested too deeply", None,
+                          "split it into several statements with intermediate names", source)
     try:
         items = _Build(file).transform(tree)
     except lark.exceptions.VisitError as e:
         if isinstance(e.orig_exc, KspecError):
             raise e.orig_exc.with_source(source) from None
+        if isinstance(e.orig_exc, RecursionError):
+            raise too_deep from None
         raise
     except RecursionError:
-        raise KspecError("expression nested too deeply", Span(file, 1, 1, 1, 2), source=source) from None
+        raise too_deep from None
     kernels = tuple(i for i in items if isinstance(i, ast.Kernel))
     schedules = tuple(i for i in items if isinstance(i, ast.Schedule))
     targets = tuple(i for i in items if isinstance(i, ast.Target))
@@ -326,7 +476,7 @@ def parse(source: str, file: str = "<string>") -> ast.Program:
 def parse_file(path: str | Path) -> ast.Program:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")      # editors on Windows like to start with a BOM
     except FileNotFoundError:
         raise KspecError(f"no such file: {p}") from None
     except UnicodeDecodeError as e:

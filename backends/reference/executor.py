@@ -180,6 +180,10 @@ class ReferenceKernel:
                     sizes[dim] = extent
                     where[dim] = f"argument '{t.name}'"
             inputs[t.name] = to_storage(a, t.dtype) if a.dtype != storage_dtype(t.dtype) else a
+        unbound = [s for s in k.symbols if s not in sizes]
+        if unbound:
+            raise KspecReferenceError(f"{k.name}: size {', '.join(unbound)} cannot be inferred from the inputs",
+                                      hint="every size symbol of an output must also size an input")
         params: dict[str, float] = {}
         for t in k.params:
             v = arrays.get(t.name, t.default)
@@ -218,7 +222,7 @@ def reference(spec_or_path, kernel: str | None = None, *, fused: bool = True):
     several kernels and no `kernel=` gives a module with one callable per kernel."""
     if isinstance(spec_or_path, CheckedProgram):
         program = spec_or_path
-    elif isinstance(spec_or_path, (str, Path)) and (Path(spec_or_path).suffix == ".kspec" or Path(spec_or_path).exists()):
+    elif isinstance(spec_or_path, Path) or (isinstance(spec_or_path, str) and _looks_like_path(spec_or_path)):
         program = load_spec(spec_or_path)
     elif isinstance(spec_or_path, str):
         program = load_spec(spec_or_path, is_text=True)
@@ -230,3 +234,13 @@ def reference(spec_or_path, kernel: str | None = None, *, fused: bool = True):
     if len(program.kernels) == 1:
         return ReferenceKernel(program.kernels[0], fused)
     return ReferenceModule(program, fused)
+
+
+def _looks_like_path(text: str) -> bool:
+    """A spec path rather than spec text (text has a `{`; long text is not a legal file name)."""
+    if "{" in text or "\n" in text:
+        return False
+    try:
+        return Path(text).suffix == ".kspec" or Path(text).exists()
+    except (OSError, ValueError):
+        return False

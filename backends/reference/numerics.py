@@ -47,7 +47,8 @@ def to_storage(x, dtype: str) -> np.ndarray:
     if dtype in ("f8e4m3",):
         # e4m3fn has no infinity: saturate to the largest finite value like the hardware's satfinite
         x = np.clip(np.asarray(x, dtype=np.float32), -448.0, 448.0)
-    return np.asarray(x).astype(STORAGE[dtype])
+    with np.errstate(over="ignore"):      # out-of-range values become inf, as on the GPU
+        return np.asarray(x).astype(STORAGE[dtype])
 
 
 def to_compute(x) -> np.ndarray:

@@ -1,0 +1,515 @@
+"""Compiling generated CUDA sources with nvcc: a content-addressed compile cache and a parallel
+build driver.
+
+A `BuildJob` is one nvcc invocation (one source, one arch, one kind of output: a device `cubin`
+or the host-glue `.so`, see ABI.md).  `CompileCache` stores each result under the sha256 of
+everything that determines the binary, so an unchanged kernel is never compiled twice;
+`build_all` compiles the missing ones in parallel, bounded by cores and memory.
+
+Cache layout (root = `$KSPEC_CACHE_DIR`, default `~/.cache/kspec`):
+    <root>/<key[:2]>/<key>/kernel.cubin|kernel.so   the binary
+                           kernel.cu                the source it was built from
+                           build.log                nvcc's command and output (warnings)
+                           meta.json                sha256 of the binary, label, arch, seconds, toolchain
+    <root>/logs/            logs of failed builds (named in the error message)
+    <root>/locks/, tmp/     per-key lock files; entries being written (renamed into place)
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Literal, Sequence
+
+from kspec.spec_lang.errors import KspecError
+
+from .toolchain import Toolchain
+
+# Bump when the key material or the entry layout changes: old entries are then simply never hit.
+CACHE_FORMAT = 1
+# Peak resident memory of one nvcc compiling a CUTLASS 3.x kernel (measured 2-4 GB).
+NVCC_BYTES = int(3.5 * 2**30)
+
+_NVCC_ARCH = {"sm90a": "sm_90a", "sm100a": "sm_100a"}
+_KIND_FLAGS = {
+    "cubin": ("-DKSPEC_DEVICE", "-cubin"),
+    "host": ("-DKSPEC_HOST", "-Xcompiler", "-fPIC", "-shared"),
+}
+_OUTPUT_NAME = {"cubin": "kernel.cubin", "host": "kernel.so"}
+_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class BackendBuildError(KspecError):
+    """nvcc rejected generated code.  The message names the kernel and arch and the saved log;
+    `log_path` is that file, `failures` every failed (job, log) of the build."""
+
+    def __init__(self, message: str, hint: str | None = None, log_path: Path | None = None,
+                 failures: Sequence[tuple["BuildJob", Path]] = ()):
+        super().__init__(message, hint=hint)
+        self.log_path = log_path
+        self.failures = list(failures)
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """One nvcc run.  label is for messages ("kernel gemm_bias_relu on sm_100a").
+    include_identity stands for the *contents* of include_dirs in the cache key (e.g.
+    "nvidia-cutlass 4.2.0.0"); when empty, the include paths themselves are keyed."""
+    label: str
+    source: str
+    arch: Literal["sm90a", "sm100a"]
+    kind: Literal["cubin", "host"] = "cubin"
+    include_dirs: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    include_identity: str = ""
+
+    def __post_init__(self) -> None:
+        if self.arch not in _NVCC_ARCH:
+            raise KspecError(f"unknown arch '{self.arch}' for {self.label}",
+                             hint="use one of: " + ", ".join(_NVCC_ARCH))
+        if self.kind not in _KIND_FLAGS:
+            raise ValueError(f"BuildJob kind must be 'cubin' or 'host', not {self.kind!r}")
+        # Lists are accepted for convenience; tuples keep the job hashable.
+        object.__setattr__(self, "include_dirs", tuple(str(d) for d in self.include_dirs))
+        object.__setattr__(self, "flags", tuple(self.flags))
+
+    @property
+    def output_name(self) -> str:
+        return _OUTPUT_NAME[self.kind]
+
+    def nvcc_command(self, nvcc: os.PathLike | str, src: str, out: str,
+                     link_flags: Sequence[str] = ()) -> list[str]:
+        """The nvcc command line; link_flags (host kind only) locate the toolkit's libraries and
+        are not part of the cache key (they depend on where the toolkit is, not on the binary)."""
+        extra = list(link_flags) if self.kind == "host" else []
+        return [str(nvcc), *_KIND_FLAGS[self.kind], f"-arch={_NVCC_ARCH[self.arch]}",
+                *(f"-I{d}" for d in self.include_dirs), *self.flags, *extra, "-o", out, src]
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """A built (or found) binary.  seconds: wall time spent on it by this call;
+    compile_seconds: what nvcc took when the entry was built."""
+    job: BuildJob
+    path: Path
+    cached: bool
+    seconds: float
+    log: Path
+    key: str
+    compile_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class BuildEvent:
+    """Progress of `build_all`.  kind: "start" (nvcc started), "done" (built), "cached"
+    (found in the cache), "failed".  elapsed: seconds since this job started."""
+    kind: Literal["start", "done", "cached", "failed"]
+    label: str
+    elapsed: float
+    job: BuildJob
+    finished: int      # jobs finished so far (after this event)
+    total: int
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0     # compiled
+    corrupt: int = 0    # entries that failed verification and were rebuilt
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _NvccRunner:
+    """Runs nvcc processes and can terminate all of them (Ctrl-C during a build)."""
+
+    def __init__(self) -> None:
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self.cancelled = threading.Event()
+
+    def run(self, cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> int:
+        with open(log, "ab") as out:
+            with self._lock:
+                if self.cancelled.is_set():
+                    raise _Cancelled()
+                # Own session: cancel_all can stop nvcc with its cicc/ptxas children.
+                proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                self._procs.add(proc)
+            try:
+                rc = proc.wait()
+            finally:
+                with self._lock:
+                    self._procs.discard(proc)
+        if self.cancelled.is_set():
+            raise _Cancelled()
+        return rc
+
+    def cancel_all(self) -> None:
+        self.cancelled.set()
+        with self._lock:
+            for p in self._procs:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+class CompileCache:
+    """Content-addressed store of compiled binaries (see the module docstring for the layout).
+    Safe to share between threads and between processes."""
+
+    def __init__(self, root: os.PathLike | str | None = None):
+        if root is None:
+            root = os.environ.get("KSPEC_CACHE_DIR") or "~/.cache/kspec"
+        self.root = Path(root).expanduser()
+        self.stats = CacheStats()
+        self._stats_lock = threading.Lock()
+
+    # ---- keys and entries ----
+
+    def key(self, job: BuildJob, toolchain: Toolchain) -> str:
+        """sha256 over everything that determines the binary (not the label)."""
+        material = {
+            "format": CACHE_FORMAT,
+            "source": job.source,
+            "arch": job.arch,
+            "kind": job.kind,
+            "flags": list(job.flags),
+            "includes": job.include_identity or [os.path.abspath(d) for d in job.include_dirs],
+            "nvcc": toolchain.version,
+        }
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+    def entry_dir(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    def lookup(self, job: BuildJob, toolchain: Toolchain) -> BuildResult | None:
+        """The verified cached result for `job`, or None.  A corrupt entry is removed (and
+        counted in stats.corrupt) so the next build replaces it."""
+        t0 = time.monotonic()
+        key = self.key(job, toolchain)
+        meta = self._verified_meta(key, job)
+        if meta is None:
+            return None
+        d = self.entry_dir(key)
+        return BuildResult(job, d / job.output_name, True, time.monotonic() - t0, d / "build.log", key,
+                           float(meta.get("seconds", 0.0)))
+
+    def _verified_meta(self, key: str, job: BuildJob) -> dict | None:
+        d = self.entry_dir(key)
+        if not d.exists():
+            return None
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            data = (d / job.output_name).read_bytes()
+            ok = (meta.get("format") == CACHE_FORMAT and meta.get("key") == key
+                  and hashlib.sha256(data).hexdigest() == meta.get("sha256"))
+        except (OSError, ValueError, AttributeError):
+            ok = False
+        if ok:
+            return meta
+        self._discard(d)
+        with self._stats_lock:
+            self.stats.corrupt += 1
+        return None
+
+    def _discard(self, d: Path) -> None:
+        """Move an entry out of the way atomically, then delete it (readers never see half)."""
+        trash = self._tmp_root() / f"discard-{d.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(d, trash)
+        except FileNotFoundError:
+            return      # another process discarded it first
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _tmp_root(self) -> Path:
+        p = self.root / "tmp"
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    @contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        """An exclusive per-key lock across processes, so one compiles and the others wait
+        and then reuse its entry instead of compiling the same kernel again."""
+        locks = self.root / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / f"{key}.lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    # ---- building ----
+
+    def build(self, job: BuildJob, toolchain: Toolchain, *, _runner: _NvccRunner | None = None,
+              _on_start: Callable[[], None] | None = None) -> BuildResult:
+        """The cached binary for `job`, compiling it first if needed.
+        Raises BackendBuildError (with a saved log) when nvcc fails."""
+        t0 = time.monotonic()
+        hit = self.lookup(job, toolchain)
+        if hit is None:
+            key = self.key(job, toolchain)
+            with self._locked(key):
+                hit = self.lookup(job, toolchain)      # another process may have built it meanwhile
+                if hit is None:
+                    if _on_start:
+                        _on_start()
+                    result = self._compile(job, toolchain, key, _runner or _NvccRunner(), t0)
+                    with self._stats_lock:
+                        self.stats.misses += 1
+                    return result
+        with self._stats_lock:
+            self.stats.hits += 1
+        return BuildResult(job, hit.path, True, time.monotonic() - t0, hit.log, hit.key, hit.compile_seconds)
+
+    def _compile(self, job: BuildJob, tc: Toolchain, key: str, runner: _NvccRunner, t0: float) -> BuildResult:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self._tmp_root()))
+        try:
+            src, log = tmp / "kernel.cu", tmp / "build.log"
+            src.write_text(job.source)
+            cmd = job.nvcc_command(tc.nvcc, src.name, job.output_name, tc.host_link_flags())
+            log.write_text(f"# {job.label}\n# nvcc {tc.version} ({tc.nvcc})\n$ {shlex.join(cmd)}\n")
+            started = time.monotonic()
+            rc = runner.run(cmd, tc.env(), tmp, log)
+            seconds = time.monotonic() - started
+            out = tmp / job.output_name
+            if rc != 0 or not out.is_file():
+                raise self._failure(job, key, rc, log, src)
+            meta = {"format": CACHE_FORMAT, "key": key, "label": job.label, "arch": job.arch,
+                    "kind": job.kind, "sha256": hashlib.sha256(out.read_bytes()).hexdigest(),
+                    "bytes": out.stat().st_size, "seconds": round(seconds, 3),
+                    "toolchain": tc.describe(), "flags": list(job.flags),
+                    "include_identity": job.include_identity, "created": time.time()}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            dest = self._install(tmp, key, job)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)    # gone after a successful rename
+        return BuildResult(job, dest / job.output_name, False, time.monotonic() - t0, dest / "build.log",
+                           key, seconds)
+
+    def _install(self, tmp: Path, key: str, job: BuildJob) -> Path:
+        dest = self.entry_dir(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                os.rename(tmp, dest)         # atomic: readers see no entry or a whole one
+                return dest
+            except OSError:
+                # Someone installed first without our lock (e.g. an older kspec): keep theirs if good.
+                if self._verified_meta(key, job) is not None:
+                    return dest
+        raise KspecError(f"cannot write the compile cache entry {dest}",
+                         hint="check permissions of KSPEC_CACHE_DIR, or clear it with `kspec cache clear`")
+
+    def _failure(self, job: BuildJob, key: str, rc: int, log: Path, src: Path) -> BackendBuildError:
+        logs = self.root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.label).strip("_")[:80] or "build"
+        saved = logs / f"{stem}-{key[:12]}.log"
+        text = log.read_text(errors="replace")
+        saved.write_text(text + f"\n# nvcc exit status {rc}\n")
+        shutil.copyfile(src, saved.with_suffix(".cu"))
+        first = _first_error(text)
+        hint = ("this is a bug in kspec's code generation (the generated C++ did not compile); "
+                "please report it with the log and source")
+        if first:
+            hint = f"first error: {first}\n        {hint}"
+        return BackendBuildError(f"backend failed for {job.label} (nvcc exit {rc}); full log: {saved}",
+                                 hint=hint, log_path=saved, failures=[(job, saved)])
+
+    # ---- maintenance ----
+
+    def _entry_dirs(self) -> Iterator[Path]:
+        if not self.root.is_dir():
+            return
+        for top in self.root.iterdir():
+            if top.is_dir() and re.fullmatch(r"[0-9a-f]{2}", top.name):
+                for d in top.iterdir():
+                    if d.is_dir() and _KEY_RE.match(d.name):
+                        yield d
+
+    def info(self) -> dict:
+        """{"root", "entries", "bytes", "failed_logs"} of what is on disk now."""
+        entries = total = 0
+        for d in self._entry_dirs():
+            entries += 1
+            total += sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        logs = self.root / "logs"
+        n_logs = sum(1 for f in logs.glob("*.log")) if logs.is_dir() else 0
+        return {"root": str(self.root), "entries": entries, "bytes": total, "failed_logs": n_logs}
+
+    def clear(self) -> int:
+        """Remove every entry, failed-build log, lock and temp dir; returns the entries removed.
+        Only kspec's own folders are touched, whatever else lives under the root."""
+        n = 0
+        for d in list(self._entry_dirs()):
+            self._discard(d)
+            n += 1
+        if self.root.is_dir():
+            for top in self.root.iterdir():
+                if top.is_dir() and (top.name in ("logs", "locks", "tmp") or re.fullmatch(r"[0-9a-f]{2}", top.name)):
+                    shutil.rmtree(top, ignore_errors=True)
+        return n
+
+
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if line.startswith(("#", "$")):
+            continue
+        if re.search(r"\berror\b", line, re.I):
+            return line.strip()[:300]
+    return ""
+
+
+def default_parallelism() -> int:
+    """nvcc processes to run at once: `$KSPEC_JOBS` if set, else the usable cores bounded by
+    available memory at ~3.5 GB per CUTLASS nvcc (so a big build does not swap or get OOM-killed)."""
+    env = os.environ.get("KSPEC_JOBS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    avail = _mem_available()
+    by_mem = cores if avail is None else int(avail // NVCC_BYTES)
+    return max(1, min(cores, by_mem))
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def build_all(jobs: Sequence[BuildJob], toolchain: Toolchain, cache: CompileCache | None = None,
+              max_parallel: int | None = None,
+              progress: Callable[[BuildEvent], None] | None = None) -> list[BuildResult]:
+    """Build every job (in parallel, cached) and return results in the order of `jobs`.
+
+    progress, if given, is called with a BuildEvent for every start/done/cached/failed; calls
+    are serialized, so it need not be thread-safe.  If nvcc fails, jobs not yet started are
+    cancelled, those running finish (their results are cached for the next try), and a
+    BackendBuildError for the first failure is raised.  On Ctrl-C running nvcc processes are
+    terminated.
+    """
+    cache = cache or CompileCache()
+    for arch in sorted({j.arch for j in jobs}):
+        toolchain.check_arch(arch)
+    keys = [cache.key(j, toolchain) for j in jobs]
+    unique: dict[str, BuildJob] = {}
+    for k, j in zip(keys, jobs):
+        unique.setdefault(k, j)
+
+    done_by_key: dict[str, BuildResult] = {}
+    lock = threading.Lock()
+    finished = [0]
+
+    def emit(kind: str, job: BuildJob, t0: float) -> None:
+        if progress is None:
+            return
+        with lock:
+            if kind in ("done", "cached", "failed"):
+                finished[0] += 1
+            progress(BuildEvent(kind, job.label, time.monotonic() - t0, job, finished[0], len(unique)))
+
+    todo: dict[str, BuildJob] = {}
+    for k, j in unique.items():
+        t0 = time.monotonic()
+        hit = cache.lookup(j, toolchain)
+        if hit is not None:
+            with cache._stats_lock:
+                cache.stats.hits += 1
+            done_by_key[k] = hit
+            emit("cached", j, t0)
+        else:
+            todo[k] = j
+
+    runner = _NvccRunner()
+
+    def work(job: BuildJob) -> BuildResult:
+        t0 = time.monotonic()
+        try:
+            r = cache.build(job, toolchain, _runner=runner, _on_start=lambda: emit("start", job, t0))
+        except BackendBuildError:
+            emit("failed", job, t0)
+            raise
+        emit("cached" if r.cached else "done", job, t0)
+        return r
+
+    failures: list[BackendBuildError] = []
+    if todo:
+        workers = max(1, min(max_parallel or default_parallelism(), len(todo)))
+        pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kspec-nvcc")
+        futures = {pool.submit(work, j): k for k, j in todo.items()}
+        try:
+            for fut in cf.as_completed(futures):
+                try:
+                    done_by_key[futures[fut]] = fut.result()
+                except cf.CancelledError:
+                    continue
+                except BackendBuildError as e:
+                    failures.append(e)
+                    for f in futures:       # queued jobs are dropped; running ones finish
+                        f.cancel()
+                except _Cancelled:
+                    continue
+        except BaseException:
+            runner.cancel_all()
+            for f in futures:
+                f.cancel()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+
+    if failures:
+        first = failures[0]
+        all_failed = [jf for e in failures for jf in e.failures]
+        message = first.message
+        if len(all_failed) > 1:
+            message += f" (and {len(all_failed) - 1} more failed: " + \
+                       ", ".join(j.label for j, _ in all_failed[1:]) + ")"
+        raise BackendBuildError(message, hint=first.hint, log_path=first.log_path, failures=all_failed)
+    return [done_by_key[k] for k in keys]
+
+
+def tree_identity(*dirs: os.PathLike | str) -> str:
+    """A cheap identity of the files under `dirs` (relative path, size, mtime), for
+    BuildJob.include_identity when no package version pins the headers."""
+    h = hashlib.sha256()
+    for d in dirs:
+        base = Path(d)
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            for name in sorted(filenames):
+                p = Path(dirpath) / name
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                h.update(f"{p.relative_to(base)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()

@@ -1,0 +1,43 @@
+"""Shared fixtures: the shipped specs, and kernels compiled once per session through the real
+pipeline (nvcc results live in the compile cache, so later runs and other tests reuse them)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ROOT / "specs"
+SHIPPED = sorted(p.stem for p in SPECS.glob("*.kspec"))
+
+
+def test_cache_root() -> Path:
+    """KSPEC_TEST_CACHE_DIR, else the user's compile cache: CUTLASS kernels cost a minute each."""
+    root = os.environ.get("KSPEC_TEST_CACHE_DIR") or os.environ.get("KSPEC_CACHE_DIR") or "~/.cache/kspec"
+    return Path(root).expanduser()
+
+
+test_cache_root.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture(scope="session")
+def kernel_cache():
+    from kspec.backends.build import CompileCache
+    return CompileCache(test_cache_root())
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory, kernel_cache):
+    """compiled(stem, archs=("sm90a", "sm100a")) -> artifact directory of specs/<stem>.kspec."""
+    out = tmp_path_factory.mktemp("artifacts")
+    done: dict = {}
+
+    def get(stem: str, archs: tuple[str, ...] = ("sm90a", "sm100a")) -> Path:
+        key = (stem, tuple(archs))
+        if key not in done:
+            from kspec.compile import compile_spec
+            done[key] = compile_spec(SPECS / f"{stem}.kspec", tuple(archs), out / "-".join(archs),
+                                     cache=kernel_cache)
+        return done[key]
+    return get

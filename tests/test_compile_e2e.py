@@ -1,0 +1,159 @@
+"""The whole pipeline on shipped specs: emission for every spec and arch (fast), and real nvcc
+builds of a fused-epilogue GEMM and of fused attention for sm_90a and sm_100a (cached)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SHIPPED, SPECS
+
+from kspec.compile import emit_spec
+
+ARCHS = ("sm90a", "sm100a")
+
+
+@pytest.fixture(scope="module")
+def emitted():
+    return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS) for stem in SHIPPED}
+
+
+@pytest.mark.parametrize("stem", SHIPPED)
+def test_every_shipped_spec_emits_one_kernel_per_arch(emitted, stem):
+    e = emitted[stem]
+    assert len(e.plans) == 1, f"{stem} should fuse into one kernel"
+    (plist,) = e.plans.values()
+    assert [p.lowered.arch for p in plist] == list(ARCHS)
+    for p in plist:
+        src = p.emitted.source
+        assert 'extern "C" __global__' in src and "kspec_kernel" in src
+        assert "kspec_prepare" in src and "kspec_workspace_size" in src
+        # spec names never reach C++: arguments are generated identifiers
+        assert all(a.startswith("t") and a[1:].isdigit() for a in p.emitted.args)
+
+
+GEMM_SPECS = ["gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "batched_gemm", "gemm_rowmax", "fp8_gemm_scaled"]
+
+
+@pytest.mark.parametrize("stem", GEMM_SPECS)
+def test_gemm_specs_name_the_arch_builder_and_dtypes(emitted, stem):
+    (plist,) = emitted[stem].plans.values()
+    sm90, sm100 = (p.emitted.source for p in plist)
+    assert "cutlass::arch::Sm90" in sm90 and "cutlass::arch::Sm100" not in sm90
+    assert "cutlass::arch::Sm100" in sm100
+    for src in (sm90, sm100):
+        assert "CollectiveBuilder" in src
+    dtype = {"batched_gemm": "cutlass::bfloat16_t", "fp8_gemm_scaled": "cutlass::float_e4m3_t"}.get(stem, "cutlass::half_t")
+    assert dtype in sm90 and dtype in sm100
+
+
+def test_epilogue_nodes_appear_in_the_evt(emitted):
+    (plist,) = emitted["gemm_bias_gelu_residual"].plans.values()
+    for p in plist:
+        src = p.emitted.source
+        assert "GELU" in src or "gelu" in src.lower()
+        assert "Sm90RowBroadcast" in src        # bias[n]
+        assert "Sm90SrcFetch" in src or "Sm90AuxLoad" in src   # the residual R
+        assert "Sm90ScalarBroadcast" in src     # alpha
+    (plist,) = emitted["gemm_rowmax"].plans.values()
+    for p in plist:
+        assert "Sm90ColReduction" in p.emitted.source   # rowmax[m]: reduce over n, one value per row
+        assert dict(p.emitted.init) and set(dict(p.emitted.init).values()) == {"neg_inf"}
+
+
+def test_attention_specs_instantiate_fmha(emitted):
+    for stem, causal in (("attention", False), ("attention_causal", True)):
+        (plist,) = emitted[stem].plans.values()
+        sm90, sm100 = (p.emitted.source for p in plist)
+        assert "FmhaBuilder" in sm90
+        assert "Sm100FmhaFwdKernelTmaWarpspecialized" in sm100
+        assert ("KspecCausalResidualFusion," in sm90 or "KspecCausalResidualFusion>" in sm90) == causal
+        assert ("CausalMask" in sm100) == causal
+        for p in plist:
+            cfg = dict(p.emitted.config)
+            assert cfg["head_dim"] == ("64" if causal else "128")
+            assert ("causal" in cfg["mask"]) == causal
+
+
+def test_emit_only_cli_writes_sources(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(SPECS / "gemm_bias_relu.kspec"), "--emit-only",
+                        "-o", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    files = sorted(p.name for p in (tmp_path / "gemm_bias_relu").iterdir())
+    assert files == ["gemm_bias_relu_0.sm100a.cu", "gemm_bias_relu_0.sm90a.cu"]
+
+
+def test_bad_plan_fails_before_nvcc(tmp_path):
+    spec = tmp_path / "bad.kspec"
+    spec.write_text("kernel g {\n  in A : f16[M, K]\n  in B : f16[K, N]\n  out D : f16[M, N]\n"
+                    "  D[m, n] = sum(k) A[m, k] * B[k, n]\n}\nschedule g { tile = 64x8x16 }\n")
+    r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(spec), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, env={**__import__("os").environ, "KSPEC_NVCC": "/nonexistent"})
+    assert r.returncode == 1
+    assert "not a CUTLASS configuration" in r.stderr and "nearest valid choices" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ real builds (nvcc)
+
+def _sass(path):
+    from kspec.backends.inspect import sass_summary
+    return sass_summary(path).kernel("kspec_kernel")
+
+
+@pytest.mark.nvcc
+def test_gemm_bias_relu_compiles_for_both_archs_with_tensor_cores(compiled):
+    art = compiled("gemm_bias_relu")
+    m = json.loads((art / "manifest.json").read_text())
+    (plan,) = m["kernels"][0]["plans"]
+    assert plan["args"] == ["A", "B", "bias", "D"]
+    sm90 = _sass(art / plan["binaries"]["sm90a"]["cubin"])
+    sm100 = _sass(art / plan["binaries"]["sm100a"]["cubin"])
+    assert sm90.count("HGMMA") > 0 and sm90.count("UTMALDG") > 0
+    assert sm100.count("UTCHMMA") > 0 and sm100.count("LDTM") > 0
+
+
+@pytest.mark.nvcc
+def test_attention_compiles_to_one_fused_kernel_per_arch(compiled):
+    art = compiled("attention")
+    m = json.loads((art / "manifest.json").read_text())
+    (kernel,) = m["kernels"]
+    (plan,) = kernel["plans"]
+    assert plan["kind"] == "attention" and kernel["intermediates"] == []
+    sm90 = _sass(art / plan["binaries"]["sm90a"]["cubin"])
+    sm100 = _sass(art / plan["binaries"]["sm100a"]["cubin"])
+    assert sm90.count("HGMMA") > 0 and sm90.count("MUFU.EX2") > 0
+    assert sm100.count("UTCHMMA") > 0 and sm100.count("MUFU.EX2") > 0
+
+
+@pytest.mark.nvcc
+def test_second_compile_is_a_cache_hit(compiled, kernel_cache, tmp_path, monkeypatch):
+    compiled("gemm_bias_relu")
+    from kspec.backends import build
+    from kspec.compile import compile_spec
+
+    def no_nvcc(*a, **k):
+        raise AssertionError("nvcc ran on a warm cache")
+    monkeypatch.setattr(build.CompileCache, "build", no_nvcc)
+    t0 = time.monotonic()
+    compile_spec(SPECS / "gemm_bias_relu.kspec", ARCHS, tmp_path, cache=kernel_cache)
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.nvcc
+def test_compiled_artifact_loads_and_inspects_without_a_gpu(compiled):
+    import kspec
+    from kspec.inspect_artifact import inspect_artifact
+    from kspec.runtime import cuda_available
+    art = compiled("gemm_bias_relu")
+    mod = kspec.load(art)
+    assert mod.kernels == ("gemm_bias_relu",) and mod.archs == ARCHS
+    assert "A: f16[M, K]" in repr(mod)
+    text = inspect_artifact(art)
+    assert "HGMMA" in text and "UTCHMMA" in text
+    if not cuda_available()[0]:
+        with pytest.raises(kspec.KspecError, match="no CUDA device"):
+            mod.gemm_bias_relu(A=None, B=None, bias=None)

@@ -1,0 +1,416 @@
+"""Fusion passes: which nodes end up in which kernel group, and the notes saying why something did
+not fuse.  Groups are compared as (kind, sorted node labels) so node ids do not matter."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from kspec.compiler import AttentionInfo, build_graph, canonicalize, fuse, op, plan_kernel, unfused
+from kspec.compiler.fusion import is_operator, legal_group
+from kspec.spec_lang import load_spec
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+def kernel_of(src: str):
+    return load_spec(src, is_text=True).kernels[0]
+
+
+def fused(src: str, supported=None):
+    g = build_graph(kernel_of(src))
+    canonicalize(g)
+    return g, fuse(g, supported)
+
+
+def groups(g, res) -> list[tuple[str, list[str]]]:
+    return [(grp.kind, sorted(op(g, n).label() for n in grp.nodes if op(g, n).kind != "const"))
+            for grp in res.groups]
+
+
+def check_partition(g, res):
+    """Every operator node is in exactly one group, and the groups run in a valid order."""
+    seen: dict = {}
+    for grp in res.groups:
+        for n in grp.nodes:
+            assert n not in seen, f"{n} in two groups"
+            seen[n] = grp.id
+    assert {n for n in g if is_operator(g, n)} == set(seen)
+    pos = {grp.id: i for i, grp in enumerate(res.groups)}
+    for u, v in g.edges:
+        if u in seen and v in seen:
+            assert pos[seen[u]] <= pos[seen[v]]
+
+
+GEMM_HEAD = """kernel c {
+  in A : f16[M, K]
+  in B : f16[K, N] col
+"""
+
+
+# ---------------------------------------------------------------- GEMM epilogues
+
+def test_epilogue_chain_with_row_and_column_vectors_scales_residual_clamp_cast():
+    g, res = fused(GEMM_HEAD + """
+  in bn : f16[N]
+  in bm : f32[M]
+  in sr : f32[M]
+  in R  : f16[M, N]
+  out D : f16[M, N]
+  acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  D[m, n] = clamp(sr[m] * (acc[m, n] + bn[n] + bm[m]) + R[m, n], -1.0, 1.0)
+}""")
+    check_partition(g, res)
+    assert groups(g, res) == [("gemm", sorted([
+        "contraction sum(k)[m, n] : f32",
+        "broadcast broadcast[m, n] : f32", "broadcast broadcast[m, n] : f16", "broadcast broadcast[m, n] : f32",
+        "elementwise add[m, n] : f32", "elementwise add[m, n] : f32", "elementwise mul[m, n] : f32",
+        "elementwise add[m, n] : f32", "elementwise clamp[m, n] : f32", "cast cast:f16[m, n] : f16 =D"]))]
+    assert res.notes == []
+    # both clamp bounds were folded into the kernel as constants
+    (grp,) = res.groups
+    assert sorted(op(g, n).value for n in grp.nodes if op(g, n).kind == "const") == [-1.0, 1.0]
+
+
+@pytest.mark.parametrize("spec", ["gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "fp8_gemm_scaled",
+                                  "batched_gemm"])
+def test_shipped_gemm_specs_are_one_gemm_group(spec):
+    g, res = fused((SPECS / f"{spec}.kspec").read_text())
+    check_partition(g, res)
+    assert [grp.kind for grp in res.groups] == ["gemm"]
+    assert {n for n in g if is_operator(g, n)} == res.groups[0].nodes
+    assert res.notes == []
+
+
+def test_aux_store_intermediate_that_is_also_an_output():
+    src = GEMM_HEAD + """
+  in bn : f16[N]
+  out Y : f32[M, N]
+  out D : f16[M, N]
+  acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  Y[m, n] = acc[m, n] + bn[n]
+  D[m, n] = relu(Y[m, n])
+}"""
+    g, res = fused(src)
+    assert groups(g, res) == [("gemm", sorted([
+        "contraction sum(k)[m, n] : f32", "broadcast broadcast[m, n] : f16", "elementwise add[m, n] : f32 =Y",
+        "elementwise relu[m, n] : f32", "cast cast:f16[m, n] : f16 =D"]))]
+    sched = plan_kernel(kernel_of(src))
+    (plan,) = sched.plans
+    assert plan.writes == ("Y", "D") and plan.reads == ("A", "B", "bn")
+    assert sched.intermediates == []
+
+
+def test_epilogue_row_max_is_fused():
+    g, res = fused((SPECS / "gemm_rowmax.kspec").read_text())
+    assert groups(g, res) == [("gemm", sorted([
+        "contraction sum(k)[m, n] : f32", "broadcast broadcast[m, n] : f32", "elementwise add[m, n] : f32 =y",
+        "cast cast:f16[m, n] : f16 =D", "reduction max(n)[m] : f32"]))]
+    assert res.notes == []
+
+
+def test_epilogue_column_sum_fused_but_mean_and_min_are_not():
+    g, res = fused(GEMM_HEAD + """
+  out D : f16[M, N]
+  out cs : f32[N]
+  out mn : f32[M]
+  out me : f32[N]
+  acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  D[m, n] = acc[m, n]
+  cs[n] = sum(m) acc[m, n]
+  mn[m] = min(n) acc[m, n]
+  me[n] = mean(m) acc[m, n]
+}""")
+    check_partition(g, res)
+    assert groups(g, res) == [
+        ("gemm", sorted(["contraction sum(k)[m, n] : f32", "cast cast:f16[m, n] : f16 =D", "reduction sum(m)[n] : f32"])),
+        ("reduction", ["reduction min(n)[m] : f32"]),
+        ("reduction", ["reduction mean(m)[n] : f32"])]
+    c = [n for n in g if op(g, n).kind == "contraction"][0]
+    assert res.notes == [
+        f"reduction min(n)[m] : f32 not fused into the GEMM at {c}: 'min' reductions are not fused into "
+        "epilogues (only max and sum)",
+        f"reduction mean(m)[n] : f32 not fused into the GEMM at {c}: 'mean' reductions are not fused into "
+        "epilogues (only max and sum)"]
+
+
+def test_reduction_over_the_batch_axis_is_not_fused():
+    g, res = fused("""kernel c {
+  in A : bf16[L, M, K]
+  in B : bf16[L, K, N]
+  out D : f32[L, M, N]
+  out bs : f32[M, N]
+  acc[b, m, n] : f32 = sum(k) A[b, m, k] * B[b, k, n]
+  D[b, m, n] = acc[b, m, n]
+  bs[m, n] = sum(b) acc[b, m, n]
+}""")
+    assert groups(g, res) == [("gemm", ["contraction sum(k)[b, m, n] : f32"]),
+                              ("reduction", ["reduction sum(b)[m, n] : f32"])]
+    assert len(res.notes) == 1
+    assert res.notes[0].endswith("an epilogue reduction must reduce over the GEMM's row or column axis")
+
+
+def test_elementwise_op_over_another_iteration_space_is_not_fused():
+    g, res = fused(GEMM_HEAD + """
+  in X : f32[M, N, P]
+  out D : f32[M, N, P]
+  acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  D[m, n, p] = acc[m, n] * X[m, n, p]
+}""")
+    assert groups(g, res) == [("gemm", ["contraction sum(k)[m, n] : f32"]),
+                              ("elementwise", ["broadcast broadcast[m, n, p] : f32", "elementwise mul[m, n, p] : f32 =D"])]
+    assert len(res.notes) == 1
+    assert res.notes[0].endswith("its iteration space [m, n, p] differs from the GEMM's")
+
+
+def test_consumer_that_also_needs_a_non_fusable_value_of_the_gemm_is_not_fused():
+    # D reads acc and log(acc); log cannot join the epilogue, so D joining would be a cycle
+    g, res = fused(GEMM_HEAD + """
+  out D : f32[M, N]
+  acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  t[m, n] = log(acc[m, n])
+  D[m, n] = acc[m, n] + t[m, n]
+}""")
+    check_partition(g, res)
+    assert groups(g, res) == [("gemm", ["contraction sum(k)[m, n] : f32"]),
+                              ("elementwise", ["elementwise add[m, n] : f32 =D", "elementwise log[m, n] : f32 =t"])]
+    c = [n for n in g if op(g, n).kind == "contraction"][0]
+    assert res.notes == [
+        f"elementwise log[m, n] : f32 =t not fused into the GEMM at {c}: 'log' has no epilogue implementation",
+        f"elementwise add[m, n] : f32 =D not fused into the GEMM at {c}: fusing would create a cycle between kernels"]
+
+
+def test_consumer_of_a_non_epilogue_reduction_is_not_fused():
+    g, res = fused(GEMM_HEAD + """
+  out D : f32[M, N]
+  acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  r[m] = mean(n) acc[m, n]
+  D[m, n] = acc[m, n] - r[m]
+}""")
+    assert [k for k, _ in groups(g, res)] == ["gemm", "reduction", "elementwise"]
+    assert any("it broadcasts a value that is not a row or column vector input" in n for n in res.notes)
+
+
+def test_batched_epilogue_rejects_a_matrix_broadcast_over_the_batch():
+    g, res = fused("""kernel c {
+  in A : bf16[L, M, K]
+  in B : bf16[L, K, N]
+  in R : f32[M, N]
+  out D : f32[L, M, N]
+  D[b, m, n] = sum(k) A[b, m, k] * B[b, k, n] + R[m, n]
+}""")
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("it broadcasts a value that is not a row or column vector input" in n for n in res.notes)
+
+
+def test_gemms_sharing_a_bias_each_load_it():
+    # CSE merges the two identical bias broadcasts; each GEMM must still get its own (a broadcast
+    # is a free view), or the second GEMM would read a materialised [M, N] bias from the first
+    src = GEMM_HEAD + """
+  in C : f16[K, N] col
+  in bias : f16[N]
+  out D : f16[M, N]
+  out E : f16[M, N]
+  D[m, n] = sum(k) A[m, k] * B[k, n] + bias[n]
+  E[m, n] = sum(k) A[m, k] * C[k, n] + bias[n]
+}"""
+    g, res = fused(src)
+    check_partition(g, res)
+    epi = sorted(["contraction sum(k)[m, n] : f32", "broadcast broadcast[m, n] : f16", "elementwise add[m, n] : f32"])
+    assert groups(g, res) == [("gemm", sorted(epi + ["cast cast:f16[m, n] : f16 =D"])),
+                              ("gemm", sorted(epi + ["cast cast:f16[m, n] : f16 =E"]))]
+    sched = plan_kernel(kernel_of(src))
+    assert sched.intermediates == []
+    assert [set(p.reads) for p in sched.plans] == [{"A", "B", "bias"}, {"A", "C", "bias"}]
+
+
+def test_elementwise_only_spec_is_one_elementwise_kernel():
+    g, res = fused("""kernel ew {
+  param a : f32 = 0.5
+  in x : f16[M, N]
+  in y : f16[M, N]
+  in r : f16[N]
+  out z : f16[M, N]
+  t[m, n] = silu(x[m, n] * a) + y[m, n]
+  z[m, n] = t[m, n] * r[n] - 1.0
+}""")
+    check_partition(g, res)
+    assert [k for k, _ in groups(g, res)] == ["elementwise"]
+    assert {n for n in g if is_operator(g, n)} == res.groups[0].nodes
+
+
+def test_elementwise_groups_split_by_iteration_space():
+    g, res = fused("""kernel ew {
+  in x : f32[M, N]
+  out s : f32[M]
+  out z : f32[M, N]
+  t[m, n] = exp(x[m, n])
+  s[m] = sum(n) t[m, n]
+  z[m, n] = t[m, n] / s[m]
+}""")
+    check_partition(g, res)
+    assert groups(g, res) == [("elementwise", ["elementwise exp[m, n] : f32 =t"]),
+                              ("reduction", ["reduction sum(n)[m] : f32"]),
+                              ("elementwise", ["broadcast broadcast[m, n] : f32", "elementwise div[m, n] : f32 =z"])]
+
+
+def test_legal_group_detects_paths_leaving_and_reentering():
+    g, _ = fused(GEMM_HEAD + """
+  out D : f32[M, N]
+  acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  t[m, n] = log(acc[m, n])
+  D[m, n] = acc[m, n] + t[m, n]
+}""")
+    c = [n for n in g if op(g, n).kind == "contraction"][0]
+    lg = [n for n in g if op(g, n).fn == "log"][0]
+    add = [n for n in g if op(g, n).fn == "add"][0]
+    assert legal_group(g, {c, add}) == "fusing would create a cycle between kernels"
+    assert legal_group(g, {c, lg, add}) is None
+    assert legal_group(g, {lg, add}) is None
+
+
+# ---------------------------------------------------------------- attention
+
+ATTN_S_OUT = """kernel attn {
+  param scale : f32 = 0.125
+  in  Q : f16[B, H, S, 64]
+  in  K : f16[B, H, T, 64]
+  in  V : f16[B, H, T, 64]
+  out O : f16[B, H, S, 64]
+  out s : f32[B, H, S, T]
+  s[b, h, i, j] = scale * sum(e) Q[b, h, i, e] * K[b, h, j, e]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h, j, e]
+}"""
+
+UNFUSED_ATTENTION = [("gemm", sorted(["contraction sum(e)[b, h, i, j] : f32", "elementwise mul[b, h, i, j] : f32 =s"])),
+                     ("softmax", ["softmax(j)[b, h, i, j] : f32"]),
+                     ("gemm", sorted(["contraction sum(j)[b, h, i, e] : f32", "cast cast:f16[b, h, i, e] : f16 =O"]))]
+
+
+@pytest.mark.parametrize("spec, causal, dtype", [("attention", False, "f16"), ("attention_causal", True, "bf16")])
+def test_shipped_attention_is_recognised(spec, causal, dtype):
+    g, res = fused((SPECS / f"{spec}.kspec").read_text())
+    check_partition(g, res)
+    assert [grp.kind for grp in res.groups] == ["attention"]
+    (grp,) = res.groups
+    assert {n for n in g if is_operator(g, n)} == grp.nodes
+    info: AttentionInfo = grp.info
+    assert grp.anchor == info.qk
+    assert (op(g, info.q).name, op(g, info.k).name, op(g, info.v).name) == ("Q", "K", "V")
+    assert (info.batch, info.query, info.key, info.head, info.causal) == (("b", "h"), "i", "j", "e", causal)
+    assert [op(g, n).fn for n in info.scale] == ["mul"]
+    assert op(g, info.softmax).kind == "softmax" and op(g, info.pv).reduced == ("j",)
+    assert res.notes == []
+
+
+def test_score_matrix_that_is_an_output_is_not_attention():
+    g, res = fused(ATTN_S_OUT)
+    check_partition(g, res)
+    assert [k for k, _ in groups(g, res)] == ["gemm", "softmax", "gemm"]
+    assert groups(g, res) == UNFUSED_ATTENTION
+    sm = [n for n in g if op(g, n).kind == "softmax"][0]
+    assert res.notes[0] == (f"attention at {sm}: not fused: the score matrix (s) is used elsewhere, "
+                            "so it must be written to memory")
+
+
+def test_attention_vetoed_by_the_backend_gives_the_unfused_plan():
+    seen = []
+
+    def veto(g, info):
+        seen.append(info)
+        return "no FMHA kernel for head dim 128 here"
+
+    g, res = fused((SPECS / "attention.kspec").read_text(), veto)
+    assert len(seen) == 1 and isinstance(seen[0], AttentionInfo)
+    check_partition(g, res)
+    assert groups(g, res) == UNFUSED_ATTENTION
+    sm = [n for n in g if op(g, n).kind == "softmax"][0]
+    assert f"attention at {sm}: not fused (no FMHA kernel for head dim 128 here); using the unfused plan" in res.notes
+    # a callback that accepts keeps the fused kernel
+    g, res = fused((SPECS / "attention.kspec").read_text(), lambda g, info: None)
+    assert [grp.kind for grp in res.groups] == ["attention"]
+
+
+def test_softmax_not_followed_by_a_contraction_is_not_attention():
+    g, res = fused("""kernel sm {
+  in  Q : f16[S, 64]
+  in  K : f16[T, 64]
+  out P : f32[S, T]
+  s[i, j] : f32 = sum(e) Q[i, e] * K[j, e]
+  P[i, j] = softmax(j) s[i, j]
+}""")
+    assert [k for k, _ in groups(g, res)] == ["gemm", "softmax"]
+    assert any("not attention (its result is not consumed by one contraction)" in n for n in res.notes)
+
+
+# ---------------------------------------------------------------- the unfused baseline
+
+def test_unfused_is_one_group_per_op_with_views_and_scalars_riding_along():
+    k = load_spec(SPECS / "gemm_bias_gelu_residual.kspec").kernels[0]
+    g = build_graph(k)
+    canonicalize(g)
+    res = unfused(g)
+    check_partition(g, res)
+    assert groups(g, res) == [
+        ("gemm", ["contraction sum(k)[m, n] : f32"]),
+        ("elementwise", ["elementwise mul[m, n] : f32"]),
+        ("elementwise", ["broadcast broadcast[m, n] : f16", "elementwise add[m, n] : f32"]),
+        ("elementwise", ["elementwise gelu[m, n] : f32 =h"]),
+        ("elementwise", ["elementwise add[m, n] : f32"]),
+        ("elementwise", ["cast cast:f16[m, n] : f16 =D"])]
+    k = load_spec(SPECS / "fp8_gemm_scaled.kspec").kernels[0]
+    g = build_graph(k)
+    canonicalize(g)
+    res = unfused(g)
+    # scale_a * scale_b is a scalar expression evaluated inside the kernel that uses it
+    assert groups(g, res) == [("gemm", ["contraction sum(k)[m, n] : f32"]),
+                              ("elementwise", ["elementwise mul : f32", "elementwise mul[m, n] : f32"]),
+                              ("elementwise", ["cast cast:bf16[m, n] : bf16 =D"])]
+
+
+@pytest.mark.parametrize("spec", sorted(p.stem for p in SPECS.glob("*.kspec")))
+def test_fused_and_unfused_partition_every_shipped_spec(spec):
+    k = load_spec(SPECS / f"{spec}.kspec").kernels[0]
+    g = build_graph(k)
+    canonicalize(g)
+    check_partition(g, fuse(g))
+    check_partition(g, unfused(g))
+    assert nx.is_directed_acyclic_graph(g)
+
+
+def test_column_major_residual_is_not_fused():
+    g, res = fused(GEMM_HEAD + """
+  in R : f16[M, N] col
+  out D : f16[M, N]
+  D[m, n] = sum(k) A[m, k] * B[k, n] + R[m, n]
+}""")
+    check_partition(g, res)
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any(n.endswith("operand R is column-major; an epilogue reads full tensors row-major") for n in res.notes)
+
+
+def test_transposed_residual_read_is_not_fused():
+    g, res = fused(GEMM_HEAD + """
+  in R : f16[N, M]
+  out D : f16[M, N]
+  D[m, n] = sum(k) A[m, k] * B[k, n] + R[n, m]
+}""")
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("operand R is not a row/column vector, scalar or full [m, n] tensor" in n for n in res.notes)
+
+
+def test_batched_epilogue_takes_row_vectors_but_not_per_batch_vectors():
+    head = """kernel c {
+  in A : bf16[L, M, K]
+  in B : bf16[L, K, N]
+  in bias : f32[N]
+  in s : f32[L]
+  out D : f32[L, M, N]
+"""
+    g, res = fused(head + "  D[b, m, n] = sum(k) A[b, m, k] * B[b, k, n] + bias[n]\n}")
+    assert [k for k, _ in groups(g, res)] == ["gemm"] and res.notes == []
+    g, res = fused(head + "  D[b, m, n] = s[b] * sum(k) A[b, m, k] * B[b, k, n]\n}")
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("it broadcasts a value that is not a row or column vector input" in n for n in res.notes)

@@ -1,0 +1,475 @@
+"""The dataflow graph and its canonicalisation: structure of every shipped spec, validate()'s
+invariants, copy/constant/CSE/dead-code passes and GEMM recognition (operand layouts)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from kspec.compiler import GemmInfo, OpNode, build_graph, canonicalize, gemm_info, op, operands, validate
+from kspec.compiler.canon import fold_constants, merge_common_subexpressions, remove_copies, remove_dead
+from kspec.spec_lang import KspecInternalError, load_spec
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+def kernel_of(src: str):
+    return load_spec(src, is_text=True).kernels[0]
+
+
+def graph_of(src: str, canon: bool = True) -> nx.DiGraph:
+    g = build_graph(kernel_of(src))
+    if canon:
+        canonicalize(g)
+        validate(g)
+    return g
+
+
+def ordered(g) -> list:
+    return sorted(g.nodes, key=lambda n: int(str(n)[1:]))
+
+
+def labels(g) -> list[str]:
+    return [op(g, n).label() for n in ordered(g)]
+
+
+def only(g, kind: str, fn: str | None = None):
+    found = [n for n in g.nodes if op(g, n).kind == kind and (fn is None or op(g, n).fn == fn)]
+    assert len(found) == 1, (kind, fn, labels(g))
+    return found[0]
+
+
+# ---------------------------------------------------------------- shipped specs
+
+# After canonicalisation: nodes in creation order as (label, shape), and edges as
+# (producer index, consumer index, uses) with uses = ((operand position, labels), ...).
+SHIPPED = {
+    "attention": (
+        [("param scale : f32", ()),
+         ("input Q[d0, d1, d2, d3] : f16", ('B', 'H', 'S', 128)),
+         ("input K[d0, d1, d2, d3] : f16", ('B', 'H', 'T', 128)),
+         ("input V[d0, d1, d2, d3] : f16", ('B', 'H', 'T', 128)),
+         ("contraction sum(e)[b, h, i, j] : f32", ('B', 'H', 'S', 'T')),
+         ("elementwise mul[b, h, i, j] : f32 =s", ('B', 'H', 'S', 'T')),
+         ("softmax(j)[b, h, i, j] : f32", ('B', 'H', 'S', 'T')),
+         ("contraction sum(j)[b, h, i, e] : f32", ('B', 'H', 'S', 128)),
+         ("cast cast:f16[b, h, i, e] : f16 =O", ('B', 'H', 'S', 128)),
+         ("output O[d0, d1, d2, d3] : f16", ('B', 'H', 'S', 128))],
+        [(0, 5, ((0, ()),)),
+         (1, 4, ((0, ('b', 'h', 'i', 'e')),)),
+         (2, 4, ((1, ('b', 'h', 'j', 'e')),)),
+         (3, 7, ((1, ('b', 'h', 'j', 'e')),)),
+         (4, 5, ((1, ('b', 'h', 'i', 'j')),)),
+         (5, 6, ((0, ('b', 'h', 'i', 'j')),)),
+         (6, 7, ((0, ('b', 'h', 'i', 'j')),)),
+         (7, 8, ((0, ('b', 'h', 'i', 'e')),)),
+         (8, 9, ((0, ('b', 'h', 'i', 'e')),))]),
+    "attention_causal": (
+        [("param scale : f32", ()),
+         ("input Q[d0, d1, d2, d3] : bf16", ('B', 'H', 'S', 64)),
+         ("input K[d0, d1, d2, d3] : bf16", ('B', 'H', 'S', 64)),
+         ("input V[d0, d1, d2, d3] : bf16", ('B', 'H', 'S', 64)),
+         ("contraction sum(e)[b, h, i, j] : f32", ('B', 'H', 'S', 'S')),
+         ("elementwise mul[b, h, i, j] : f32 =s", ('B', 'H', 'S', 'S')),
+         ("softmax(j, causal=i)[b, h, i, j] : f32", ('B', 'H', 'S', 'S')),
+         ("contraction sum(j)[b, h, i, e] : f32", ('B', 'H', 'S', 64)),
+         ("cast cast:bf16[b, h, i, e] : bf16 =O", ('B', 'H', 'S', 64)),
+         ("output O[d0, d1, d2, d3] : bf16", ('B', 'H', 'S', 64))],
+        [(0, 5, ((0, ()),)),
+         (1, 4, ((0, ('b', 'h', 'i', 'e')),)),
+         (2, 4, ((1, ('b', 'h', 'j', 'e')),)),
+         (3, 7, ((1, ('b', 'h', 'j', 'e')),)),
+         (4, 5, ((1, ('b', 'h', 'i', 'j')),)),
+         (5, 6, ((0, ('b', 'h', 'i', 'j')),)),
+         (6, 7, ((0, ('b', 'h', 'i', 'j')),)),
+         (7, 8, ((0, ('b', 'h', 'i', 'e')),)),
+         (8, 9, ((0, ('b', 'h', 'i', 'e')),))]),
+    "batched_gemm": (
+        [("input A[d0, d1, d2] : bf16", ('L', 'M', 'K')),
+         ("input B[d0, d1, d2] : bf16", ('L', 'K', 'N')),
+         ("contraction sum(k)[b, m, n] : f32", ('L', 'M', 'N')),
+         ("cast cast:bf16[b, m, n] : bf16 =C", ('L', 'M', 'N')),
+         ("output C[d0, d1, d2] : bf16", ('L', 'M', 'N'))],
+        [(0, 2, ((0, ('b', 'm', 'k')),)),
+         (1, 2, ((1, ('b', 'k', 'n')),)),
+         (2, 3, ((0, ('b', 'm', 'n')),)),
+         (3, 4, ((0, ('b', 'm', 'n')),))]),
+    "fp8_gemm_scaled": (
+        [("param scale_a : f32", ()),
+         ("param scale_b : f32", ()),
+         ("input A[d0, d1] : f8e4m3", ('M', 'K')),
+         ("input B[d0, d1] : f8e4m3", ('K', 'N')),
+         ("contraction sum(k)[m, n] : f32", ('M', 'N')),
+         ("elementwise mul : f32", ()),
+         ("elementwise mul[m, n] : f32", ('M', 'N')),
+         ("cast cast:bf16[m, n] : bf16 =D", ('M', 'N')),
+         ("output D[d0, d1] : bf16", ('M', 'N'))],
+        [(0, 5, ((0, ()),)),
+         (1, 5, ((1, ()),)),
+         (2, 4, ((0, ('m', 'k')),)),
+         (3, 4, ((1, ('k', 'n')),)),
+         (4, 6, ((1, ('m', 'n')),)),
+         (5, 6, ((0, ()),)),
+         (6, 7, ((0, ('m', 'n')),)),
+         (7, 8, ((0, ('m', 'n')),))]),
+    "gemm": (
+        [("input A[d0, d1] : f16", ('M', 'K')),
+         ("input B[d0, d1] : f16", ('K', 'N')),
+         ("contraction sum(k)[m, n] : f32", ('M', 'N')),
+         ("cast cast:f16[m, n] : f16 =D", ('M', 'N')),
+         ("output D[d0, d1] : f16", ('M', 'N'))],
+        [(0, 2, ((0, ('m', 'k')),)),
+         (1, 2, ((1, ('k', 'n')),)),
+         (2, 3, ((0, ('m', 'n')),)),
+         (3, 4, ((0, ('m', 'n')),))]),
+    "gemm_bias_gelu_residual": (
+        [("param alpha : f32", ()),
+         ("input A[d0, d1] : f16", ('M', 'K')),
+         ("input B[d0, d1] : f16", ('K', 'N')),
+         ("input bias[d0] : f16", ('N',)),
+         ("input R[d0, d1] : f16", ('M', 'N')),
+         ("contraction sum(k)[m, n] : f32", ('M', 'N')),
+         ("elementwise mul[m, n] : f32", ('M', 'N')),
+         ("broadcast broadcast[m, n] : f16", ('M', 'N')),
+         ("elementwise add[m, n] : f32", ('M', 'N')),
+         ("elementwise gelu[m, n] : f32 =h", ('M', 'N')),
+         ("elementwise add[m, n] : f32", ('M', 'N')),
+         ("cast cast:f16[m, n] : f16 =D", ('M', 'N')),
+         ("output D[d0, d1] : f16", ('M', 'N'))],
+        [(0, 6, ((0, ()),)),
+         (1, 5, ((0, ('m', 'k')),)),
+         (2, 5, ((1, ('k', 'n')),)),
+         (3, 7, ((0, ('n',)),)),
+         (4, 10, ((1, ('m', 'n')),)),
+         (5, 6, ((1, ('m', 'n')),)),
+         (6, 8, ((0, ('m', 'n')),)),
+         (7, 8, ((1, ('m', 'n')),)),
+         (8, 9, ((0, ('m', 'n')),)),
+         (9, 10, ((0, ('m', 'n')),)),
+         (10, 11, ((0, ('m', 'n')),)),
+         (11, 12, ((0, ('m', 'n')),))]),
+    "gemm_bias_relu": (
+        [("input A[d0, d1] : f16", ('M', 'K')),
+         ("input B[d0, d1] : f16", ('K', 'N')),
+         ("input bias[d0] : f16", ('N',)),
+         ("contraction sum(k)[m, n] : f32", ('M', 'N')),
+         ("broadcast broadcast[m, n] : f16", ('M', 'N')),
+         ("elementwise add[m, n] : f32", ('M', 'N')),
+         ("elementwise relu[m, n] : f32", ('M', 'N')),
+         ("cast cast:f16[m, n] : f16 =D", ('M', 'N')),
+         ("output D[d0, d1] : f16", ('M', 'N'))],
+        [(0, 3, ((0, ('m', 'k')),)),
+         (1, 3, ((1, ('k', 'n')),)),
+         (2, 4, ((0, ('n',)),)),
+         (3, 5, ((0, ('m', 'n')),)),
+         (4, 5, ((1, ('m', 'n')),)),
+         (5, 6, ((0, ('m', 'n')),)),
+         (6, 7, ((0, ('m', 'n')),)),
+         (7, 8, ((0, ('m', 'n')),))]),
+    "gemm_rowmax": (
+        [("input A[d0, d1] : f16", ('M', 'K')),
+         ("input B[d0, d1] : f16", ('K', 'N')),
+         ("input bias[d0] : f32", ('N',)),
+         ("contraction sum(k)[m, n] : f32", ('M', 'N')),
+         ("broadcast broadcast[m, n] : f32", ('M', 'N')),
+         ("elementwise add[m, n] : f32 =y", ('M', 'N')),
+         ("cast cast:f16[m, n] : f16 =D", ('M', 'N')),
+         ("output D[d0, d1] : f16", ('M', 'N')),
+         ("reduction max(n)[m] : f32", ('M',)),
+         ("output rowmax[d0] : f32", ('M',))],
+        [(0, 3, ((0, ('m', 'k')),)),
+         (1, 3, ((1, ('k', 'n')),)),
+         (2, 4, ((0, ('n',)),)),
+         (3, 5, ((0, ('m', 'n')),)),
+         (4, 5, ((1, ('m', 'n')),)),
+         (5, 6, ((0, ('m', 'n')),)),
+         (5, 8, ((0, ('m', 'n')),)),
+         (6, 7, ((0, ('m', 'n')),)),
+         (8, 9, ((0, ('m',)),))]),
+}
+
+
+def test_every_shipped_spec_is_covered():
+    assert {p.stem for p in SPECS.glob("*.kspec")} == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_graph_structure(name):
+    k = load_spec(SPECS / f"{name}.kspec").kernels[0]
+    g = build_graph(k)
+    canonicalize(g)
+    validate(g)
+    want_nodes, want_edges = SHIPPED[name]
+    nodes = ordered(g)
+    assert [(op(g, n).label(), op(g, n).shape) for n in nodes] == want_nodes
+    idx = {n: i for i, n in enumerate(nodes)}
+    assert sorted((idx[u], idx[v], g.edges[u, v]["uses"]) for u, v in g.edges) == want_edges
+    # inputs keep their declared layout; every spec tensor names exactly one node
+    for t in k.inputs:
+        (n,) = [n for n in g if op(g, n).kind == "input" and op(g, n).name == t.name]
+        assert op(g, n).layout == t.layout and op(g, n).dtype == t.dtype and op(g, n).shape == t.shape
+    for t in k.outputs:
+        (n,) = [n for n in g if op(g, n).kind == "output" and op(g, n).name == t.name]
+        (src, lab), = operands(g, n)
+        assert op(g, src).name == t.name and lab == op(g, src).axes
+
+
+def test_named_values_and_reduction_fields():
+    g = graph_of((SPECS / "gemm_rowmax.kspec").read_text())
+    red = only(g, "reduction")
+    assert (op(g, red).name, op(g, red).fn, op(g, red).reduced, op(g, red).reduced_shape) == ("rowmax", "max", ("n",), ("N",))
+    c = only(g, "contraction")
+    assert (op(g, c).name, op(g, c).reduced, op(g, c).reduced_shape) == ("acc", ("k",), ("K",))
+    g = graph_of((SPECS / "attention_causal.kspec").read_text())
+    sm = only(g, "softmax")
+    assert (op(g, sm).name, op(g, sm).fn, op(g, sm).causal) == ("p", "j", "i")
+
+
+def test_raw_graph_has_the_copy_that_canonicalisation_removes():
+    g = build_graph(load_spec(SPECS / "gemm.kspec").kernels[0])
+    assert "elementwise copy[m, n] : f32" in labels(g)
+    stats = canonicalize(g)
+    assert stats["copies"] == 1
+    assert not [n for n in g if op(g, n).fn == "copy"]
+    # the cast now reads the contraction directly
+    cast = only(g, "cast")
+    ((src, lab),) = operands(g, cast)
+    assert op(g, src).kind == "contraction" and lab == ("m", "n")
+
+
+# ---------------------------------------------------------------- validate()
+
+def _gemm_graph():
+    return graph_of((SPECS / "gemm_bias_relu.kspec").read_text())
+
+
+def _break_cycle(g):
+    g.add_edge(only(g, "cast"), only(g, "contraction"), uses=((2, ("m", "n")),))
+
+
+def _break_kind(g):
+    n = only(g, "elementwise", "relu")
+    g.nodes[n]["op"] = OpNode("mystery", "f32", ("m", "n"), ("M", "N"))
+
+
+def _break_rank(g):
+    n = only(g, "elementwise", "relu")
+    o = op(g, n)
+    g.nodes[n]["op"] = OpNode(o.kind, o.dtype, o.axes, ("M",), fn=o.fn)
+
+
+def _break_two_producers(g):
+    n = only(g, "elementwise", "relu")
+    o = op(g, n)
+    g.nodes[n]["op"] = OpNode(o.kind, o.dtype, o.axes, o.shape, fn=o.fn, name="D")
+
+
+def _break_labels(g):
+    u, v = only(g, "contraction"), only(g, "elementwise", "add")
+    g.edges[u, v]["uses"] = ((0, ("m",)),)
+
+
+def _break_output_consumer(g):
+    g.add_node("n99", op=OpNode("elementwise", "f16", ("d0", "d1"), ("M", "N"), fn="relu"))
+    g.add_edge(only(g, "output"), "n99", uses=((0, ("d0", "d1")),))
+
+
+def _break_input_producer(g):
+    bias = [n for n in g if op(g, n).name == "bias"][0]
+    g.add_node("n99", op=OpNode("const", "f32", (), (), value=1.0))
+    g.add_edge("n99", bias, uses=((0, ()),))
+
+
+def _break_transposed_output(g):
+    out = only(g, "output")
+    (src, _), = operands(g, out)
+    g.edges[src, out]["uses"] = ((0, ("n", "m")),)
+
+
+@pytest.mark.parametrize("breaker, message", [
+    (_break_cycle, "cycle"),
+    (_break_kind, "unknown kind mystery"),
+    (_break_rank, "2 axes but 1 extents"),
+    (_break_two_producers, "tensor D has two producers"),
+    (_break_labels, "1 labels for a rank-2 value"),
+    (_break_output_consumer, "exactly one producer and no consumers"),
+    (_break_input_producer, "input node"),
+    (_break_transposed_output, "in its axis order"),
+])
+def test_validate_rejects_broken_graphs(breaker, message):
+    g = _gemm_graph()
+    validate(g)
+    breaker(g)
+    with pytest.raises(KspecInternalError, match=message):
+        validate(g)
+
+
+# ---------------------------------------------------------------- canonicalisation
+
+def test_constants_are_folded():
+    g = graph_of("""kernel c { in x : f32[M, N]
+      out y : f32[M, N]
+      y[m, n] = 2.0 * 3.0 * x[m, n] }""")
+    assert labels(g) == ["input x[d0, d1] : f32", "const 6.0", "elementwise mul[m, n] : f32 =y",
+                         "output y[d0, d1] : f32"]
+    g = graph_of("""kernel c { in x : f32[M]
+      out y : f32[M]
+      y[m] = x[m] * ((1.0 + 2.0) * -(4.0 - 1.5)) + maximum(2.0, 5.0) / 2.0 }""")
+    consts = sorted(op(g, n).value for n in g if op(g, n).kind == "const")
+    assert consts == [-7.5, 2.5]
+    assert sorted(op(g, n).fn for n in g if op(g, n).kind == "elementwise") == ["add", "mul"]
+
+
+def test_fold_constants_counts_and_keeps_params():
+    g = graph_of("""kernel c { param a : f32 = 2.0
+      in x : f32[M]
+      out y : f32[M]
+      y[m] = a * 3.0 * x[m] }""", canon=False)
+    remove_copies(g)
+    assert fold_constants(g) == 0          # a param is a runtime value: a*3 is not folded
+    assert any(op(g, n).kind == "param" for n in g)
+    assert [op(g, n).label() for n in ordered(g) if op(g, n).kind == "elementwise"] == \
+        ["elementwise mul : f32", "elementwise mul[m] : f32 =y"]
+
+
+def test_common_subexpressions_are_merged():
+    g = graph_of("""kernel c { in a : f32[M, N]
+      out y : f32[M, N]
+      y[m, n] = gelu(a[m, n]) + gelu(a[m, n]) }""")
+    gelu = only(g, "elementwise", "gelu")
+    add = only(g, "elementwise", "add")
+    assert g.edges[gelu, add]["uses"] == ((0, ("m", "n")), (1, ("m", "n")))
+    assert labels(g) == ["input a[d0, d1] : f32", "elementwise gelu[m, n] : f32",
+                         "elementwise add[m, n] : f32 =y", "output y[d0, d1] : f32"]
+
+
+def test_cse_keeps_different_operand_orders_apart():
+    g = graph_of("""kernel c { in a : f32[M, N]
+      in b : f32[M, N]
+      out y : f32[M, N]
+      y[m, n] = (a[m, n] - b[m, n]) * (b[m, n] - a[m, n]) }""", canon=False)
+    assert merge_common_subexpressions(g) == 0
+    assert len([n for n in g if op(g, n).fn == "sub"]) == 2
+
+
+def test_dead_statements_are_removed():
+    g = graph_of("""kernel c { in a : f32[M, N]
+      in unused : f32[M]
+      out y : f32[M, N]
+      t[m, n] = exp(a[m, n])
+      r[m] = sum(n) a[m, n]
+      y[m, n] = relu(a[m, n]) }""", canon=False)
+    assert remove_copies(g) == 0
+    assert remove_dead(g) == 2             # exp and the sum; inputs stay (they are the signature)
+    assert labels(g) == ["input a[d0, d1] : f32", "input unused[d0] : f32", "elementwise relu[m, n] : f32 =y",
+                         "output y[d0, d1] : f32"]
+
+
+def test_copy_of_an_input_into_an_output_is_kept():
+    g = graph_of("""kernel c { in a : f32[M, N]
+      out y : f32[N, M]
+      out z : f32[M, N]
+      y[n, m] = a[m, n]
+      z[m, n] = a[m, n] }""")
+    copies = sorted(op(g, n).label() for n in g if op(g, n).fn == "copy")
+    assert copies == ["elementwise copy[m, n] : f32 =z", "elementwise copy[n, m] : f32 =y"]
+
+
+def test_transposing_copy_into_an_output_is_kept():
+    g = graph_of("""kernel c { in a : f32[M, N]
+      out d : f32[M, N]
+      out e : f32[N, M]
+      d[m, n] = exp(a[m, n])
+      e[n, m] = d[m, n] }""")
+    copy = only(g, "elementwise", "copy")
+    assert op(g, copy).axes == ("n", "m") and op(g, copy).name == "e"
+    ((src, lab),) = operands(g, copy)
+    assert op(g, src).fn == "exp" and lab == ("m", "n")
+
+
+# ---------------------------------------------------------------- GEMM recognition
+
+def _gemm(src: str) -> GemmInfo | str:
+    g = graph_of(src)
+    return g, gemm_info(g, only(g, "contraction"))
+
+
+@pytest.mark.parametrize("la, lb, a_layout, b_layout", [
+    ("", "", "row", "row"), ("", " col", "row", "col"), (" col", "", "col", "row"), (" col", " col", "col", "col")])
+def test_gemm_operand_layouts(la, lb, a_layout, b_layout):
+    g, gi = _gemm(f"""kernel c {{ in A : f16[M, K]{la}
+      in B : f16[K, N]{lb}
+      out D : f32[M, N]
+      D[m, n] = sum(k) A[m, k] * B[k, n] }}""")
+    assert isinstance(gi, GemmInfo)
+    assert (op(g, gi.a).name, op(g, gi.b).name, gi.m, gi.n, gi.k, gi.batch) == ("A", "B", "m", "n", "k", ())
+    assert (gi.a_layout, gi.b_layout) == (a_layout, b_layout)
+
+
+@pytest.mark.parametrize("la, lb, a_layout, b_layout", [
+    ("", "", "col", "col"), (" col", " col", "row", "row"), (" col", "", "row", "col")])
+def test_gemm_transposed_accesses_flip_layouts(la, lb, a_layout, b_layout):
+    g, gi = _gemm(f"""kernel c {{ in A : f16[K, M]{la}
+      in B : f16[N, K]{lb}
+      out D : f32[M, N]
+      D[m, n] = sum(k) A[k, m] * B[n, k] }}""")
+    assert (op(g, gi.a).name, op(g, gi.b).name, gi.m, gi.n, gi.k) == ("A", "B", "m", "n", "k")
+    assert (gi.a_layout, gi.b_layout) == (a_layout, b_layout)
+
+
+def test_gemm_operands_in_either_order():
+    g, gi = _gemm("""kernel c { in A : f16[M, K]
+      in B : f16[K, N] col
+      out D : f32[M, N]
+      D[m, n] = sum(k) B[k, n] * A[m, k] }""")
+    assert (op(g, gi.a).name, op(g, gi.b).name, gi.a_layout, gi.b_layout) == ("A", "B", "row", "col")
+
+
+def test_gemm_with_transposed_result_swaps_roles():
+    # D[n, m] = (A B)^T = B^T A^T: the GEMM's rows are n and its A operand is B
+    g, gi = _gemm("""kernel c { in A : f16[M, K]
+      in B : f16[K, N]
+      out D : f32[N, M]
+      D[n, m] = sum(k) A[m, k] * B[k, n] }""")
+    assert (op(g, gi.a).name, op(g, gi.b).name, gi.m, gi.n) == ("B", "A", "n", "m")
+    assert (gi.a_layout, gi.b_layout) == ("col", "col")
+
+
+def test_batched_gemm():
+    g, gi = _gemm((SPECS / "batched_gemm.kspec").read_text())
+    assert (gi.batch, gi.m, gi.n, gi.k, gi.a_layout, gi.b_layout) == (("b",), "m", "n", "k", "row", "row")
+    g, gi = _gemm("""kernel c { in A : f16[L, M, K]
+      in B : f16[L, N, K]
+      out D : f32[L, M, N]
+      D[b, m, n] = sum(k) A[b, m, k] * B[b, n, k] }""")
+    assert (gi.batch, gi.b_layout) == (("b",), "col")
+    g, gi = _gemm("""kernel c { in A : f16[L, M, K] col
+      in B : f16[L, K, N]
+      out D : f32[L, M, N]
+      D[b, m, n] = sum(k) A[b, m, k] * B[b, k, n] }""")
+    assert (gi.batch, gi.a_layout) == (("b",), "col")
+
+
+@pytest.mark.parametrize("src, reason", [
+    ("""kernel c { in A : f16[M, K, J]
+      in B : f16[K, J, N]
+      out D : f32[M, N]
+      D[m, n] = sum(k, j) A[m, k, j] * B[k, j, n] }""", "it reduces over 2 indices; a GEMM reduces over one"),
+    ("""kernel c { in A : f16[M, K]
+      in x : f16[K]
+      out y : f32[M]
+      y[m] = sum(k) A[m, k] * x[k] }""", "its result has fewer than two axes"),
+    ("""kernel c { in A : f16[M, L, K]
+      in B : f16[L, K, N]
+      out D : f32[L, M, N]
+      D[b, m, n] = sum(k) A[m, b, k] * B[b, k, n] }""",
+     "batch axes are not the outermost axes of every operand in the same order"),
+    ("""kernel c { in A : f16[M, N, K]
+      in B : f16[K, N]
+      out D : f32[M, N]
+      D[m, n] = sum(k) A[m, n, k] * B[k, n] }""", "its operands are not [batch.., m, k] and [batch.., k, n]"),
+])
+def test_non_gemm_contractions_give_a_reason(src, reason):
+    _, gi = _gemm(src)
+    assert gi == reason

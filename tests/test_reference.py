@@ -1,0 +1,384 @@
+"""The numpy reference backend against independent numpy code written here (float64 math, then
+rounded to the declared dtype), fused and unfused schedules agreeing bit for bit, dtype handling
+and argument errors."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kspec.backends.reference import KspecReferenceError, ReferenceKernel, ReferenceModule, reference
+from kspec.spec_lang import KspecError, load_spec
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+F16, BF16, E4M3 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+RTOL = {F16: 2e-3, BF16: 1.6e-2, np.dtype(np.float32): 1e-5}
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def rand(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_close(got, want, dtype):
+    """got (in `dtype`) matches the float64 `want` to a rounding of `dtype` (and of f32 sums)."""
+    assert got.dtype == np.dtype(dtype)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(f64(got), want, rtol=RTOL[np.dtype(dtype)], atol=RTOL[np.dtype(dtype)] * scale * 1e-2)
+
+
+def run_both(path_or_src, **args):
+    """Run the fused and the unfused schedule; they must agree bit for bit."""
+    a = reference(path_or_src)(**args)
+    b = reference(path_or_src, fused=False)(**args)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        assert a[k].tobytes() == b[k].tobytes(), f"fused and unfused differ in {k}"
+    return a
+
+
+# ---------------------------------------------------------------- every shipped spec
+
+def test_gemm():
+    rng = np.random.default_rng(1)
+    A, B = rand(rng, (33, 40), F16), rand(rng, (40, 17), F16)
+    out = run_both(SPECS / "gemm.kspec", A=A, B=B)
+    assert list(out) == ["D"]
+    assert_close(out["D"], f64(A) @ f64(B), F16)
+
+
+def test_gemm_bias_relu():
+    rng = np.random.default_rng(2)
+    A, B, bias = rand(rng, (32, 48), F16), rand(rng, (48, 24), F16), rand(rng, (24,), F16)
+    out = run_both(SPECS / "gemm_bias_relu.kspec", A=A, B=B, bias=bias)
+    want = np.maximum(f64(A) @ f64(B) + f64(bias)[None, :], 0.0)
+    assert_close(out["D"], want, F16)
+    assert (f64(out["D"]) >= 0).all() and (out["D"] == 0).any()
+
+
+@pytest.mark.parametrize("alpha", [None, 0.75])
+def test_gemm_bias_gelu_residual(alpha):
+    rng = np.random.default_rng(3)
+    A, B = rand(rng, (40, 64), F16, 0.3), rand(rng, (64, 24), F16, 0.3)
+    bias, R = rand(rng, (24,), F16), rand(rng, (40, 24), F16)
+    args = dict(A=A, B=B, bias=bias, R=R)
+    if alpha is not None:
+        args["alpha"] = alpha
+    out = run_both(SPECS / "gemm_bias_gelu_residual.kspec", **args)
+    x = (1.0 if alpha is None else alpha) * (f64(A) @ f64(B)) + f64(bias)[None, :]
+    want = 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))) + f64(R)
+    assert_close(out["D"], want, F16)
+
+
+def test_gemm_rowmax():
+    rng = np.random.default_rng(4)
+    A, B = rand(rng, (24, 32), F16), rand(rng, (32, 40), F16)
+    bias = rand(rng, (40,), np.float32)
+    out = run_both(SPECS / "gemm_rowmax.kspec", A=A, B=B, bias=bias)
+    y = f64(A) @ f64(B) + f64(bias)[None, :]
+    assert_close(out["D"], y, F16)
+    assert_close(out["rowmax"], y.max(axis=1), np.float32)
+    assert out["rowmax"].shape == (24,)
+
+
+def test_fp8_gemm_scaled():
+    rng = np.random.default_rng(5)
+    A, B = rand(rng, (16, 64), E4M3, 2.0), rand(rng, (64, 32), E4M3, 2.0)
+    out = run_both(SPECS / "fp8_gemm_scaled.kspec", A=A, B=B, scale_a=0.5, scale_b=0.25)
+    assert_close(out["D"], 0.125 * (f64(A) @ f64(B)), BF16)
+    # defaults are 1.0
+    out = reference(SPECS / "fp8_gemm_scaled.kspec")(A=A, B=B)
+    assert_close(out["D"], f64(A) @ f64(B), BF16)
+
+
+def test_batched_gemm():
+    rng = np.random.default_rng(6)
+    A, B = rand(rng, (3, 20, 16), BF16), rand(rng, (3, 16, 12), BF16)
+    out = run_both(SPECS / "batched_gemm.kspec", A=A, B=B)
+    want = np.stack([f64(A[b]) @ f64(B[b]) for b in range(3)])
+    assert_close(out["C"], want, BF16)
+
+
+def naive_attention(Q, K, V, scale, causal):
+    Q, K, V = f64(Q), f64(K), f64(V)
+    Bn, H, S, _ = Q.shape
+    T = K.shape[2]
+    O = np.zeros(Q.shape[:3] + (V.shape[3],))
+    for b in range(Bn):
+        for h in range(H):
+            for i in range(S):
+                scores = [scale * float(Q[b, h, i] @ K[b, h, j]) for j in range(T)]
+                if causal:
+                    scores = [s if j <= i else -math.inf for j, s in enumerate(scores)]
+                m = max(scores)
+                w = [math.exp(s - m) for s in scores]
+                tot = sum(w)
+                O[b, h, i] = sum((w[j] / tot) * V[b, h, j] for j in range(T))
+    return O
+
+
+def test_attention():
+    rng = np.random.default_rng(7)
+    Q, K, V = rand(rng, (2, 2, 12, 128), F16), rand(rng, (2, 2, 20, 128), F16), rand(rng, (2, 2, 20, 128), F16)
+    out = run_both(SPECS / "attention.kspec", Q=Q, K=K, V=V)
+    assert_close(out["O"], naive_attention(Q, K, V, 0.08838834764831845, False), F16)
+    out = reference(SPECS / "attention.kspec")(Q=Q, K=K, V=V, scale=0.3)
+    assert_close(out["O"], naive_attention(Q, K, V, 0.3, False), F16)
+
+
+def test_attention_causal():
+    rng = np.random.default_rng(8)
+    Q, K, V = (rand(rng, (1, 3, 16, 64), BF16) for _ in range(3))
+    out = run_both(SPECS / "attention_causal.kspec", Q=Q, K=K, V=V)
+    want = naive_attention(Q, K, V, 0.125, True)
+    assert_close(out["O"], want, BF16)
+    # the first query sees only the first key
+    np.testing.assert_array_equal(out["O"][:, :, 0], V[:, :, 0])
+
+
+def test_every_shipped_spec_has_a_reference_test():
+    tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
+              "batched_gemm", "attention", "attention_causal"}
+    assert {p.stem for p in SPECS.glob("*.kspec")} == tested
+
+
+# ---------------------------------------------------------------- other kernels
+
+def test_transposed_outputs_and_copies():
+    src = """kernel t {
+  in A : f16[M, K]
+  in B : f16[K, N]
+  in X : f32[M, N]
+  out Dt : f32[N, M]
+  out Xt : f32[N, M]
+  out Xc : f32[M, N]
+  out E  : f32[M, N]
+  out Et : f32[N, M]
+  Dt[n, m] = sum(k) A[m, k] * B[k, n]
+  Xt[n, m] = X[m, n]
+  Xc[m, n] = X[m, n]
+  E[m, n] = exp(X[m, n])
+  Et[n, m] = E[m, n]
+}"""
+    rng = np.random.default_rng(9)
+    A, B, X = rand(rng, (5, 7), F16), rand(rng, (7, 3), F16), rand(rng, (5, 3), np.float32)
+    out = run_both(src, A=A, B=B, X=X)
+    assert_close(out["Dt"], (f64(A) @ f64(B)).T, np.float32)
+    np.testing.assert_array_equal(out["Xt"], X.T)
+    np.testing.assert_array_equal(out["Xc"], X)
+    np.testing.assert_array_equal(out["Et"], out["E"].T)
+    assert_close(out["E"], np.exp(f64(X)), np.float32)
+
+
+def test_reductions_softmax_and_broadcasts():
+    src = """kernel r {
+  in x : f32[M, N]
+  in w : f32[N]
+  out s : f32[M]
+  out mn : f32[N]
+  out me : f32[M]
+  out p : f32[M, N]
+  s[m] = sum(n) x[m, n] * w[n]
+  mn[n] = min(m) x[m, n]
+  me[m] = mean(n) x[m, n]
+  p[m, n] = softmax(n) x[m, n] - me[m]
+}"""
+    rng = np.random.default_rng(10)
+    x, w = rand(rng, (6, 9), np.float32), rand(rng, (9,), np.float32)
+    out = run_both(src, x=x, w=w)
+    X = f64(x)
+    assert_close(out["s"], X @ f64(w), np.float32)
+    assert_close(out["mn"], X.min(axis=0), np.float32)
+    assert_close(out["me"], X.mean(axis=1), np.float32)
+    e = np.exp(X - X.max(axis=1, keepdims=True))
+    assert_close(out["p"], e / e.sum(axis=1, keepdims=True) - X.mean(axis=1, keepdims=True), np.float32)
+
+
+def test_elementwise_functions():
+    src = """kernel f {
+  in x : f32[N]
+  out a : f32[N]
+  out b : f32[N]
+  out c : f32[N]
+  out d : f32[N]
+  a[i] = silu(x[i]) + sigmoid(x[i]) * tanh(x[i])
+  b[i] = clamp(x[i], -0.5, 0.25) + abs(x[i]) - maximum(x[i], 0.0) + minimum(x[i], 0.0)
+  c[i] = gelu_tanh(x[i])
+  d[i] = exp(x[i]) / 2.0 - sqrt(abs(x[i])) + rsqrt(abs(x[i]) + 1.0) + log(abs(x[i]) + 1.0)
+}"""
+    x = np.linspace(-3, 3, 25).astype(np.float32)
+    out = run_both(src, x=x)
+    X = f64(x)
+    sig = 1 / (1 + np.exp(-X))
+    assert_close(out["a"], X * sig + sig * np.tanh(X), np.float32)
+    assert_close(out["b"], np.clip(X, -0.5, 0.25) + np.abs(X) - np.maximum(X, 0) + np.minimum(X, 0), np.float32)
+    assert_close(out["c"], 0.5 * X * (1 + np.tanh(math.sqrt(2 / math.pi) * (X + 0.044715 * X ** 3))), np.float32)
+    assert_close(out["d"], np.exp(X) / 2 - np.sqrt(np.abs(X)) + 1 / np.sqrt(np.abs(X) + 1) + np.log(np.abs(X) + 1),
+                 np.float32)
+
+
+# ---------------------------------------------------------------- dtypes
+
+def test_outputs_have_the_declared_dtypes():
+    src = """kernel d {
+  in x : f32[N]
+  out h : f16[N]
+  out b : bf16[N]
+  out e : f8e4m3[N]
+  out g : f8e5m2[N]
+  out f : f32[N]
+  h[i] = x[i] * 1000.0
+  b[i] = x[i] * 1000.0
+  e[i] = x[i] * 1000.0
+  g[i] = x[i] * 1000.0
+  f[i] = x[i] * 1000.0
+}"""
+    x = np.array([0.001, -0.25, 0.3, 70.0, -1e3], dtype=np.float32)
+    out = run_both(src, x=x)
+    assert {k: v.dtype for k, v in out.items()} == {"h": F16, "b": BF16, "e": E4M3,
+                                                   "g": np.dtype(ml_dtypes.float8_e5m2), "f": np.dtype(np.float32)}
+    want = f64(x) * 1000.0
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(out["h"], want.astype(np.float32).astype(F16))  # 7e4 -> inf in f16
+    assert np.isinf(out["h"][3]) and np.isinf(out["h"][4])
+    np.testing.assert_array_equal(out["b"], want.astype(np.float32).astype(BF16))
+    # e4m3fn has no infinity: out-of-range values saturate to +-448
+    assert f64(out["e"]).tolist()[3:] == [448.0, -448.0]
+    assert f64(out["e"])[0] == 1.0
+
+
+def test_inputs_are_rounded_to_their_declared_storage():
+    rng = np.random.default_rng(11)
+    A32, B32 = rng.standard_normal((8, 16)), rng.standard_normal((16, 4))
+    fn = reference(SPECS / "gemm.kspec")
+    from_f64 = fn(A=A32, B=B32)["D"]
+    from_f16 = fn(A=A32.astype(F16), B=B32.astype(F16))["D"]
+    assert from_f64.tobytes() == from_f16.tobytes()
+    # fp8 inputs saturate at +-448 instead of turning into NaN
+    fp8 = reference(SPECS / "fp8_gemm_scaled.kspec")
+    A = np.zeros((1, 16), np.float32)
+    A[0, 0] = 1000.0
+    B = np.ones((16, 1), np.float32)
+    assert f64(fp8(A=A, B=B)["D"])[0, 0] == 448.0
+
+
+def test_integer_gemm_is_exact():
+    src = """kernel q {
+  param z : i32 = 3
+  in A : i8[M, K]
+  in B : i8[K, N]
+  out C : i32[M, N]
+  out F : f32[M, N]
+  C[m, n] = sum(k) A[m, k] * B[k, n] + z
+  F[m, n] = f32(C[m, n]) / 2.0
+}"""
+    rng = np.random.default_rng(12)
+    A = rng.integers(-128, 128, (5, 300)).astype(np.int8)
+    B = rng.integers(-128, 128, (300, 4)).astype(np.int8)
+    out = run_both(src, A=A, B=B, z=-7)
+    want = A.astype(np.int64) @ B.astype(np.int64) - 7
+    assert out["C"].dtype == np.int32
+    np.testing.assert_array_equal(out["C"], want)
+    np.testing.assert_array_equal(out["F"], (want / 2).astype(np.float32))
+
+
+def test_tf32_operands_are_rounded_before_the_mma():
+    src = """kernel t {
+  in A : tf32[M, K]
+  in B : tf32[K, N]
+  out C : f32[M, N]
+  out S : f32[M, K]
+  C[m, n] = sum(k) A[m, k] * B[k, n]
+  S[m, k] = A[m, k] + 0.0
+}"""
+    A = np.full((2, 2), 1 + 2.0 ** -12, np.float32)        # not representable with 10 mantissa bits
+    B = np.ones((2, 2), np.float32)
+    out = reference(src)(A=A, B=B)
+    np.testing.assert_array_equal(out["C"], np.full((2, 2), 2.0, np.float32))
+    np.testing.assert_array_equal(out["S"], A)               # elementwise math is f32
+
+
+# ---------------------------------------------------------------- arguments
+
+GEMM = SPECS / "gemm.kspec"
+A_, B_ = np.ones((4, 8), F16), np.ones((8, 5), F16)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(A=A_), "gemm: missing input 'B' (B: f16[K, N] col)"),
+    (dict(A=A_, B=B_, C=A_), "gemm: unknown argument 'C'"),
+    (dict(A=A_[0], B=B_), "argument 'A': expected rank 2 (A: f16[M, K]), got shape (8,)"),
+    (dict(A=A_, B=np.ones((7, 5), F16)), "argument 'B': K = 7, but K = 8 from argument 'A'"),
+    (dict(A=A_.astype(np.int32), B=B_), "argument 'A': expected f16 values, got a int32 array"),
+])
+def test_argument_errors(args, message):
+    with pytest.raises(KspecReferenceError) as e:
+        reference(GEMM)(**args)
+    assert isinstance(e.value, KspecError)
+    assert e.value.message == message
+
+
+def test_more_argument_errors():
+    q = """kernel q { param z : i32
+  in A : i8[M, 4]
+  out C : i32[M]
+  C[m] = sum(k) A[m, k] + z }"""
+    fn = reference(q)
+    A = np.ones((3, 4), np.int8)
+    with pytest.raises(KspecReferenceError, match="missing param 'z' \\(i32, no default\\)"):
+        fn(A=A)
+    with pytest.raises(KspecReferenceError, match="param 'z' is a scalar, got shape \\(2,\\)"):
+        fn(A=A, z=np.array([1, 2]))
+    with pytest.raises(KspecReferenceError, match="expected shape \\[M, 4\\], got \\[3, 5\\]"):
+        fn(A=np.ones((3, 5), np.int8), z=1)
+    with pytest.raises(KspecReferenceError, match="expected i8 values, got a float32 array"):
+        fn(A=A.astype(np.float32), z=1)
+    np.testing.assert_array_equal(fn(A=A, z=np.int32(2))["C"], [6, 6, 6])
+    with pytest.raises(KspecReferenceError, match="unknown argument 'alpha'") as e:
+        reference(GEMM)(A=A_, B=B_, alpha=1.0)
+    assert e.value.hint == "arguments: A, B"
+
+
+def test_size_known_only_from_an_output_is_an_error():
+    fn = reference("""kernel c { in A : f32[M, N]
+  out D : f32[M, N, P]
+  D[m, n, p] = A[m, n] * 2.0 }""")
+    with pytest.raises(KspecReferenceError, match="size P cannot be inferred from the inputs"):
+        fn(A=np.ones((2, 3), np.float32))
+
+
+def test_reference_api_forms():
+    prog = load_spec(GEMM)
+    for spec in (GEMM, str(GEMM), GEMM.read_text(), prog):
+        fn = reference(spec)
+        assert isinstance(fn, ReferenceKernel) and fn.kernel.name == "gemm"
+    assert repr(reference(GEMM)) == "<kspec reference kernel gemm(A: f16[M, K], B: f16[K, N] col) -> (D: f16[M, N])>"
+    two = """kernel a { in x : f32[N]
+  out y : f32[N]
+  y[i] = x[i] * 2.0 }
+kernel b { in x : f32[N]
+  out y : f32[N]
+  y[i] = x[i] + 1.0 }"""
+    mod = reference(two)
+    assert isinstance(mod, ReferenceModule)
+    x = np.arange(3, dtype=np.float32)
+    np.testing.assert_array_equal(mod.a(x=x)["y"], [0, 2, 4])
+    np.testing.assert_array_equal(mod.b(x=x)["y"], [1, 2, 3])
+    np.testing.assert_array_equal(reference(two, "b")(x=x)["y"], [1, 2, 3])
+    with pytest.raises(AttributeError):
+        mod.c
+    with pytest.raises(KspecError, match="no kernel named 'c'"):
+        reference(two, "c")
+    with pytest.raises(KspecError, match="not int"):
+        reference(42)

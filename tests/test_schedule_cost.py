@@ -1,0 +1,236 @@
+"""Scheduling (plan order, reads/writes, intermediates, liveness, slot reuse, tile configs) and the
+cost model (FLOPs and DRAM bytes, fused against one kernel per op), checked against sizes worked
+out by hand."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kspec.compiler import cost, op, plan_kernel
+from kspec.spec_lang import load_spec
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+def kernel_of(src: str):
+    return load_spec(src, is_text=True).kernels[0]
+
+
+def shipped(name: str):
+    return load_spec(SPECS / f"{name}.kspec").kernels[0]
+
+
+def assert_dependency_order(sched):
+    """Every buffer a plan reads is an input/param or was written by an earlier plan."""
+    written: set = set()
+    for p in sched.plans:
+        for b in p.reads:
+            kind = sched.buffers[b].kind
+            assert kind in ("input", "param") or b in written, (p.id, b)
+        written |= set(p.writes)
+    assert {t.name for t in sched.kernel.outputs} <= written
+
+
+@pytest.mark.parametrize("spec", sorted(p.stem for p in SPECS.glob("*.kspec")))
+@pytest.mark.parametrize("fuse_ops", [True, False])
+def test_plans_run_in_dependency_order(spec, fuse_ops):
+    sched = plan_kernel(shipped(spec), fuse_ops=fuse_ops)
+    assert_dependency_order(sched)
+    assert [p.id for p in sched.plans] == [f"{spec}_{i}" for i in range(len(sched.plans))]
+
+
+def test_fused_gemm_reads_and_writes():
+    sched = plan_kernel(shipped("gemm_bias_gelu_residual"))
+    (p,) = sched.plans
+    assert (p.kind, set(p.reads), p.writes) == ("gemm", {"A", "B", "alpha", "bias", "R"}, ("D",))
+    assert sched.intermediates == [] and sched.liveness == {} and sched.reuse == {}
+    assert {b.name: b.kind for b in sched.buffers.values()} == {
+        "alpha": "param", "A": "input", "B": "input", "bias": "input", "R": "input", "D": "output"}
+    assert sched.buffers["B"].layout == "col" and sched.buffers["D"].shape == ("M", "N")
+
+
+def test_vetoed_attention_plans_intermediates_and_liveness():
+    sched = plan_kernel(shipped("attention"), attention_supported=lambda g, info: "vetoed")
+    g = sched.graph
+    assert [p.kind for p in sched.plans] == ["gemm", "softmax", "gemm"]
+    (s_buf,) = sched.plans[0].writes
+    (p_buf,) = sched.plans[1].writes
+    assert op(g, sched.buffers[s_buf].node).name == "s" and op(g, sched.buffers[p_buf].node).name == "p"
+    assert set(sched.plans[0].reads) == {"Q", "K", "scale"}
+    assert sched.plans[1].reads == (s_buf,)
+    assert set(sched.plans[2].reads) == {p_buf, "V"} and sched.plans[2].writes == ("O",)
+    assert {b.name: (b.dtype, b.shape) for b in sched.intermediates} == {
+        s_buf: ("f32", ("B", "H", "S", "T")), p_buf: ("f32", ("B", "H", "S", "T"))}
+    assert sched.liveness == {s_buf: (0, 1), p_buf: (1, 2)}
+    # p is written while s is still being read: no reuse
+    assert sched.reuse == {s_buf: s_buf, p_buf: p_buf}
+
+
+CHAIN = """kernel chain {
+  in  x : f32[M, N]
+  out y : f32[M, N]
+  out r : f32[M]
+  a[m, n] = softmax(n) x[m, n]
+  b[m, n] = softmax(n) a[m, n]
+  c[m, n] = softmax(n) b[m, n]
+  r[m] = max(n) b[m, n]
+  y[m, n] = softmax(n) c[m, n]
+}"""
+
+
+def test_intermediates_with_disjoint_lifetimes_share_a_slot():
+    sched = plan_kernel(kernel_of(CHAIN))
+    g = sched.graph
+    assert [p.kind for p in sched.plans] == ["softmax", "softmax", "softmax", "reduction", "softmax"]
+    assert_dependency_order(sched)
+    by_name = {op(g, b.node).name: b.name for b in sched.intermediates}
+    assert set(by_name) == {"a", "b", "c"}
+    a, b, c = by_name["a"], by_name["b"], by_name["c"]
+    assert sched.liveness == {a: (0, 1), b: (1, 3), c: (2, 4)}
+    # a dies at plan 1; c is first written at plan 2 with the same dtype and shape
+    assert sched.reuse == {a: a, b: b, c: a}
+
+
+def test_slots_are_not_shared_across_shapes_or_dtypes():
+    sched = plan_kernel(kernel_of("""kernel chain {
+  in  x : f32[M, N]
+  out y : f32[M]
+  a[m, n] = softmax(n) x[m, n]
+  s[m] = sum(n) a[m, n]
+  t[m] = f16(s[m])
+  u[m, n] = softmax(n) x[m, n] * t[m]
+  y[m] = max(n) u[m, n]
+}"""))
+    g = sched.graph
+    by_name = {op(g, b.node).name: b for b in sched.intermediates}
+    for b in by_name.values():
+        assert sched.reuse[b.name] == b.name or \
+            (sched.buffers[sched.reuse[b.name]].dtype, sched.buffers[sched.reuse[b.name]].shape) == (b.dtype, b.shape)
+    assert sched.reuse[by_name["s"].name] == by_name["s"].name
+
+
+# ---------------------------------------------------------------- tile configs
+
+def test_schedule_hint_for_one_arch_wins_over_the_heuristic():
+    sched = plan_kernel(shipped("gemm_bias_gelu_residual"))
+    (p,) = sched.plans
+    h90, h100 = p.configs["sm90a"], p.configs["sm100a"]
+    assert (h90.tile, h90.cluster, h90.stages, h90.source) == ((128, 128, 64), (2, 1, 1), None, "hint")
+    assert h100.source == "heuristic" and h100.tile[2] == 64
+
+
+def test_generic_and_per_arch_hints_combine_field_by_field():
+    src = """kernel g {
+  in A : f16[M, K]
+  in B : f16[K, N] col
+  out D : f16[M, N]
+  D[m, n] = sum(k) A[m, k] * B[k, n]
+}
+schedule g { tile = 64x64x32  stages = 3 }
+schedule g for sm100a { tile = 256x128x64  cluster = 4x1x1 }"""
+    (p,) = plan_kernel(kernel_of(src)).plans
+    c90, c100 = p.configs["sm90a"], p.configs["sm100a"]
+    assert (c90.tile, c90.stages, c90.source) == ((64, 64, 32), 3, "hint")
+    assert c90.cluster == plan_kernel(kernel_of(src.split("schedule")[0])).plans[0].configs["sm90a"].cluster
+    assert (c100.tile, c100.cluster, c100.stages, c100.source) == ((256, 128, 64), (4, 1, 1), 3, "hint")
+    assert c100.describe() == "tile 256x128x64, cluster 4x1x1, stages 3 (hint)"
+
+
+def test_only_requested_archs_are_configured_and_non_gemm_plans_have_no_tile():
+    sched = plan_kernel(kernel_of(CHAIN), archs=("sm100a",))
+    for p in sched.plans:
+        assert list(p.configs) == ["sm100a"]
+        assert (p.configs["sm100a"].tile, p.configs["sm100a"].source) == (None, "n/a")
+
+
+@pytest.mark.parametrize("dtype, k_tile", [("f16", 64), ("bf16", 64), ("f8e4m3", 128), ("tf32", 32)])
+def test_heuristic_k_tile_follows_operand_width(dtype, k_tile):
+    src = f"""kernel g {{
+  in A : {dtype}[M, K]
+  in B : {dtype}[K, N] col
+  out D : f32[M, N]
+  D[m, n] = sum(k) A[m, k] * B[k, n]
+}}"""
+    (p,) = plan_kernel(kernel_of(src)).plans
+    for arch in ("sm90a", "sm100a"):
+        assert p.configs[arch].source == "heuristic" and p.configs[arch].tile[2] == k_tile
+
+
+def test_heuristic_small_literal_m():
+    (p,) = plan_kernel(kernel_of("""kernel g {
+  in A : f16[64, K]
+  in B : f16[K, N] col
+  out D : f16[64, N]
+  D[m, n] = sum(k) A[m, k] * B[k, n]
+}""")).plans
+    assert p.configs["sm90a"].tile[0] == 64
+    assert p.configs["sm100a"].tile[0] == 128 and p.configs["sm100a"].cluster == (1, 1, 1)
+
+
+# ---------------------------------------------------------------- cost model
+
+def test_gemm_bias_gelu_residual_cost_at_4096():
+    M = N = K = 4096
+    c = cost(plan_kernel(shipped("gemm_bias_gelu_residual")), {"M": M, "N": N, "K": K})
+    f16, f32 = 2, 4
+    # fused: read A, B, bias, R once, write D once (alpha travels in the launch parameters)
+    fused = f16 * (M * K + K * N + N + M * N) + f16 * M * N
+    # unfused, one kernel per op:
+    unfused = (f16 * (M * K + K * N) + f32 * M * N        # acc = A @ B
+               + f32 * M * N + f32 * M * N                # alpha * acc
+               + f32 * M * N + f16 * N + f32 * M * N      # + bias[n] (the broadcast is a view)
+               + f32 * M * N + f32 * M * N                # gelu
+               + f32 * M * N + f16 * M * N + f32 * M * N  # + R
+               + f32 * M * N + f16 * M * N)               # cast to f16 into D
+    assert [(p.kind, p.bytes) for p in c.plans] == [("gemm", fused)]
+    assert (c.fused_bytes, c.unfused_bytes, c.unfused_kernels) == (fused, unfused, 6)
+    assert c.bytes_ratio == fused / unfused
+    assert c.bytes_ratio == pytest.approx((8 * 4096 + 2) / (48 * 4096 + 2), rel=1e-12)
+    assert c.bytes_ratio < 0.17
+    flops = 2 * M * N * K + 4 * M * N                     # mul, add, gelu, add
+    assert c.fused_flops == c.unfused_flops == flops
+    assert c.sizes == {"M": M, "N": N, "K": K}
+
+
+@pytest.mark.parametrize("spec, dt, e", [("attention", 2, 128), ("attention_causal", 2, 64)])
+def test_fused_attention_bytes_never_include_the_score_matrix(spec, dt, e):
+    B, H, S, T = 2, 16, 4096, 4096
+    sizes = {"B": B, "H": H, "S": S, "T": T}
+    c = cost(plan_kernel(shipped(spec)), sizes)
+    T_ = T if spec == "attention" else S
+    qkvo = dt * B * H * (S * e + 2 * T_ * e + S * e)
+    assert [(p.kind, p.bytes) for p in c.plans] == [("attention", qkvo)]
+    scores = B * H * S * T_ * 4
+    assert c.fused_bytes < scores
+    # unfused: QK^T writes S, scale reads/writes it, softmax reads/writes it, PV reads it
+    assert c.unfused_bytes >= qkvo + 6 * scores
+    assert c.fused_flops == 2 * B * H * S * T_ * e * 2 + B * H * S * T_ + 5 * B * H * S * T_
+
+
+@pytest.mark.parametrize("spec", sorted(p.stem for p in SPECS.glob("*.kspec")))
+def test_unfused_schedule_costs_the_unfused_baseline(spec):
+    sizes = {"M": 512, "N": 256, "K": 128, "B": 2, "H": 4, "S": 128, "T": 256, "L": 3}
+    k = shipped(spec)
+    base = cost(plan_kernel(k), sizes)
+    flat = cost(plan_kernel(k, fuse_ops=False), sizes)
+    assert flat.fused_bytes == base.unfused_bytes
+    assert len(flat.plans) == base.unfused_kernels
+    assert flat.fused_flops == base.fused_flops
+    # a scalar expression (fp8's scale_a * scale_b) is one FLOP inside a kernel, not a kernel of its own
+    g = plan_kernel(k).graph
+    scalar_ops = sum(1 for n in g if op(g, n).kind == "elementwise" and not op(g, n).axes)
+    assert base.unfused_flops == base.fused_flops - scalar_ops
+    assert base.fused_bytes <= base.unfused_bytes
+
+
+def test_cost_uses_literal_bindings_and_default_sizes():
+    k = kernel_of("""kernel g {
+  in A : f16[M, 64]
+  in B : f16[K, N] col
+  out D : f16[M, N]
+  D[m, n] = sum(k) A[m, k] * B[k, n]
+}""")
+    c = cost(plan_kernel(k), {"M": 8, "K": 999})
+    assert c.sizes == {"M": 8, "K": 64, "N": 1024}      # K is bound to 64 by unification
+    assert c.fused_bytes == 2 * (8 * 64 + 64 * 1024 + 8 * 1024)
