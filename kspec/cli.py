@@ -41,10 +41,10 @@ def cmd_check(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kspec", description="Compile declarative kernel specs (.kspec) "
+    p = _Parser(prog="kspec", description="Compile declarative kernel specs (.kspec) "
                                 "to fused CUTLASS kernels for Hopper (sm_90a) and Blackwell (sm_100a).")
     p.add_argument("--version", action="version", version=f"kspec {kspec.__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     c = sub.add_parser("check", help="parse and check spec files", description="Parse and check spec files; "
@@ -125,7 +125,9 @@ def cmd_graph(args) -> int:
     if args.format == "dot":
         _emit(to_dot(scheds[0]), args.output)
     elif args.format == "json":
-        _emit("".join(to_json(s, cost(s, sizes)) for s in scheds), args.output)
+        docs = [to_json(s, cost(s, sizes)).strip() for s in scheds]
+        # one kernel: its document; several: a JSON list of them
+        _emit(docs[0] + "\n" if len(docs) == 1 else "[\n" + ",\n".join(docs) + "\n]\n", args.output)
     elif args.format == "svg":
         if not args.output:
             raise KspecError("--format svg needs -o PATH")
@@ -297,6 +299,14 @@ def _register_compile(sub) -> None:
 
 
 _EXTRA_COMMANDS: list = [_register_graph, _register_compile, _register_run]
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes exit 1 like every other user error (2 is reserved for internal errors)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,3 +41,16 @@ def compiled(tmp_path_factory, kernel_cache):
                                      cache=kernel_cache)
         return done[key]
     return get
+
+
+def build_emitted(em, cache) -> tuple[Path, Path, float]:
+    """Compile an EmittedKernel (device cubin + host glue) through the build layer and its cache;
+    returns (cubin, host .so, seconds nvcc took when the entries were built)."""
+    from kspec.backends.build import BuildJob, build_all
+    from kspec.backends.cutlass.compat import cutlass_version
+    from kspec.backends.toolchain import find_toolchain
+    identity = f"nvidia-cutlass {cutlass_version()}"
+    jobs = [BuildJob(f"test kernel {em.name} on {em.arch}", em.source, em.arch, kind, em.include_dirs, em.flags,
+                     identity) for kind in ("cubin", "host")]
+    cubin, host = build_all(jobs, find_toolchain(), cache)
+    return cubin.path, host.path, cubin.compile_seconds + host.compile_seconds
