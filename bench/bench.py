@@ -1,0 +1,201 @@
+"""kspec benchmark: shipped specs at realistic sizes against torch baselines, measured in one run.
+
+    python bench/bench.py [--quick] [--only gemm,attention] [--reps 50]
+
+For every case it prints kspec's time and TFLOP/s (or GB/s) and ratios against, in the same run:
+torch.matmul (cuBLAS), the torch eager sequence of unfused ops, torch.compile of that sequence
+(when it works here), and for attention torch's scaled_dot_product_attention on the flash backend.
+Timing: warm-up, CUDA events around each call, an L2 flush (a 256 MiB write) before each call,
+median of --reps calls.  Without a CUDA device (or without torch) it says so and exits 0.
+This is not a test: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ROOT / "specs"
+
+
+def _device_arch(torch) -> str | None:
+    major, minor = torch.cuda.get_device_capability()
+    return {(9, 0): "sm90a", (10, 0): "sm100a"}.get((major, minor))
+
+
+class Timer:
+    def __init__(self, torch, reps: int):
+        self.torch = torch
+        self.reps = reps
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn) -> float:
+        """Median milliseconds of fn() over reps calls, each after an L2 flush."""
+        torch = self.torch
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.reps):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+def _compiled(torch, fn):
+    try:
+        c = torch.compile(fn)
+        c()
+        return c
+    except Exception as e:  # noqa: BLE001 - torch.compile is optional here
+        print(f"    (torch.compile unavailable: {type(e).__name__}: {str(e)[:80]})")
+        return None
+
+
+def _load(stem: str, arch: str, out: Path):
+    import kspec
+    from kspec.compile import Progress, compile_spec
+    art = compile_spec(SPECS / f"{stem}.kspec", (arch,), out, progress=Progress())
+    return getattr(kspec.load(art), stem)
+
+
+def _report(name: str, flops: float, bytes_: float, ms: dict[str, float | None]) -> None:
+    k = ms["kspec"]
+    line = f"  {name:<44} kspec {k:8.3f} ms  {flops / k / 1e9:7.1f} TFLOP/s  {bytes_ / k / 1e6:7.1f} GB/s"
+    print(line)
+    for base, t in ms.items():
+        if base != "kspec" and t is not None:
+            print(f"    vs {base:<24} {t:8.3f} ms   kspec speed-up x{t / k:5.2f}")
+
+
+def bench_gemm(torch, timer, arch, out, quick):
+    sizes = [4096] if quick else [4096, 8192]
+    f = _load("gemm", arch, out)
+    for n in sizes:
+        a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.float16).t()      # col-major B[K, N]
+        d = torch.empty(n, n, device="cuda", dtype=torch.float16)
+        ms = {"kspec": timer(lambda: f(A=a, B=b, D=d)), "torch.matmul": timer(lambda: torch.matmul(a, b, out=d))}
+        _report(f"gemm f16 {n}^3", 2 * n ** 3, 3 * n * n * 2, ms)
+
+
+def bench_epilogue(torch, timer, arch, out, quick):
+    import torch.nn.functional as F
+    f = _load("gemm_bias_gelu_residual", arch, out)
+    n = 4096 if quick else 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16).t()
+    bias = torch.randn(n, device="cuda", dtype=torch.float16)
+    r = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    d = torch.empty(n, n, device="cuda", dtype=torch.float16)
+
+    def eager():
+        acc = torch.matmul(a, b).float()
+        return (F.gelu(1.0 * acc + bias.float()) + r.float()).half()
+    ms = {"kspec": timer(lambda: f(A=a, B=b, bias=bias, R=r, D=d)),
+          "torch.matmul alone": timer(lambda: torch.matmul(a, b)),
+          "torch eager (unfused)": timer(eager)}
+    c = _compiled(torch, eager)
+    ms["torch.compile"] = timer(c) if c else None
+    _report(f"gemm+bias+gelu+residual f16 {n}^3", 2 * n ** 3, 4 * n * n * 2, ms)
+
+
+def bench_batched(torch, timer, arch, out, quick):
+    f = _load("batched_gemm", arch, out)
+    L, n = (8, 2048) if quick else (16, 4096)
+    a = torch.randn(L, n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(L, n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(L, n, n, device="cuda", dtype=torch.bfloat16)
+    ms = {"kspec": timer(lambda: f(A=a, B=b, C=c)), "torch.bmm": timer(lambda: torch.bmm(a, b, out=c))}
+    _report(f"batched gemm bf16 {L}x{n}^3", 2 * L * n ** 3, 3 * L * n * n * 2, ms)
+
+
+def bench_fp8(torch, timer, arch, out, quick):
+    if not hasattr(torch, "float8_e4m3fn"):
+        print("  fp8: this torch has no float8_e4m3fn; skipped")
+        return
+    f = _load("fp8_gemm_scaled", arch, out)
+    n = 4096 if quick else 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    d = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    one = torch.ones((), device="cuda")
+    ms = {"kspec": timer(lambda: f(A=a, B=b, D=d, scale_a=1.0, scale_b=1.0))}
+    try:
+        ms["torch._scaled_mm"] = timer(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    except Exception as e:  # noqa: BLE001
+        print(f"    (torch._scaled_mm unavailable: {str(e)[:80]})")
+    _report(f"fp8 e4m3 gemm {n}^3", 2 * n ** 3, n * n * 4, ms)
+
+
+def bench_attention(torch, timer, arch, out, quick):
+    import torch.nn.functional as F
+    f = _load("attention", arch, out)
+    B, H, S, E = (4, 16, 2048, 128) if quick else (4, 16, 8192, 128)
+    q, k, v = (torch.randn(B, H, S, E, device="cuda", dtype=torch.float16) for _ in range(3))
+    o = torch.empty_like(q)
+    scale = E ** -0.5
+    ms = {"kspec": timer(lambda: f(Q=q, K=k, V=v, O=o, scale=scale))}
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ms["sdpa (flash)"] = timer(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale))
+    except Exception as e:  # noqa: BLE001
+        print(f"    (sdpa flash backend unavailable: {str(e)[:80]})")
+
+    def eager():
+        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        return torch.matmul(torch.softmax(s, -1).half(), v)
+    if S <= 4096:
+        ms["torch eager (unfused)"] = timer(eager)
+    _report(f"attention f16 B{B} H{H} S{S} E{E}", 4 * B * H * S * S * E, 4 * B * H * S * E * 2, ms)
+
+
+CASES = {"gemm": bench_gemm, "epilogue": bench_epilogue, "batched": bench_batched, "fp8": bench_fp8,
+         "attention": bench_attention}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    ap.add_argument("--only", help="comma-separated cases: " + ", ".join(CASES))
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("-o", "--output", default=str(ROOT / "build" / "bench"), help="artifact directory")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("bench: torch is not installed; the baselines need it. Nothing measured.")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench: no CUDA device; nothing measured.")
+        return 0
+    arch = _device_arch(torch)
+    if arch is None:
+        print(f"bench: device capability {torch.cuda.get_device_capability()} is neither sm_90 nor sm_100; "
+              "kspec compiles for sm90a and sm100a only. Nothing measured.")
+        return 0
+    print(f"bench on {torch.cuda.get_device_name()} ({arch}), torch {torch.__version__}, reps {args.reps}")
+    timer = Timer(torch, args.reps)
+    chosen = args.only.split(",") if args.only else list(CASES)
+    for name in chosen:
+        if name not in CASES:
+            print(f"unknown case {name}; cases: {', '.join(CASES)}")
+            return 1
+        print(f"{name}:")
+        try:
+            CASES[name](torch, timer, arch, Path(args.output), args.quick)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other cases
+            print(f"  {name} failed: {type(e).__name__}: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Every shipped spec on a real GPU against the numpy reference (skipped without a device).
+
+Kernels are compiled for the device's arch only, through the shared compile cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import SHIPPED, SPECS
+
+from kspec.cli import random_inputs
+from kspec.runtime.run import TOLERANCE, relative_error
+from kspec.spec_lang import load_spec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
+
+
+def _device_arch() -> str | None:
+    from kspec.runtime import cuda_available
+    ok, why = cuda_available()
+    if not ok:
+        pytest.skip(f"no CUDA device: {why}")
+    from cuda.bindings import driver as cu
+    _, dev = cu.cuDeviceGet(0)
+    _, major = cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+    _, minor = cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+    arch = {(9, 0): "sm90a", (10, 0): "sm100a"}.get((major, minor))
+    if arch is None:
+        pytest.skip(f"device is sm_{major}{minor}; kspec targets sm_90a and sm_100a")
+    return arch
+
+
+SIZES = {"M": 256, "N": 384, "K": 192, "L": 3, "B": 2, "H": 3, "S": 256, "T": 384}
+ODD = {"M": 200, "N": 136, "K": 72, "L": 2, "B": 1, "H": 2, "S": 136, "T": 200}
+
+
+def _run(compiled, stem, sizes, pass_outputs=False, seed=0):
+    import kspec
+    from kspec.backends.reference import reference
+    from kspec.runtime import DeviceArray, from_numpy
+    arch = _device_arch()
+    mod = kspec.load(compiled(stem, (arch,)))
+    prog = load_spec(SPECS / f"{stem}.kspec")
+    k = prog.kernels[0]
+    host = random_inputs(k, sizes, seed)
+    want = reference(prog)(**host)
+    args = {n: from_numpy(a) for n, a in host.items()}
+    if pass_outputs:
+        for t in k.outputs:
+            args[t.name] = DeviceArray(want[t.name].shape, t.dtype)
+    got = getattr(mod, stem)(**args)
+    for t in k.outputs:
+        if pass_outputs:
+            assert got[t.name] is args[t.name]
+        err = relative_error(got[t.name].to_numpy(), want[t.name])
+        assert err <= TOLERANCE[t.dtype], f"{stem}.{t.name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("stem", SHIPPED)
+def test_shipped_spec_matches_reference(compiled, stem):
+    _run(compiled, stem, SIZES)
+
+
+@pytest.mark.parametrize("stem", ["gemm_bias_gelu_residual", "gemm_rowmax", "attention", "attention_causal"])
+def test_odd_sizes(compiled, stem):
+    _run(compiled, stem, ODD, seed=1)
+
+
+@pytest.mark.parametrize("stem", ["gemm_bias_relu", "attention"])
+def test_outputs_passed_in(compiled, stem):
+    _run(compiled, stem, SIZES, pass_outputs=True, seed=2)
