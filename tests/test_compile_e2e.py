@@ -157,3 +157,58 @@ def test_compiled_artifact_loads_and_inspects_without_a_gpu(compiled):
     if not cuda_available()[0]:
         with pytest.raises(kspec.KspecError, match="no CUDA device"):
             mod.gemm_bias_relu(A=None, B=None, bias=None)
+
+
+FALLBACK = """
+kernel attn80 {
+  param scale : f32 = 0.1118
+  in  Q : f16[B, H, S, 80]
+  in  K : f16[B, H, T, 80]
+  in  V : f16[B, H, T, 80]
+  out O : f16[B, H, S, 80]
+  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[b, h, j, e]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h, j, e]
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fallback(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fallback") / "attn80.kspec"
+    path.write_text(FALLBACK)
+    return path, emit_spec(path, ARCHS)
+
+
+def test_unsupported_head_dim_falls_back_to_the_unfused_plan(fallback):
+    _, e = fallback
+    (sched,) = e.schedules
+    assert [p.kind for p in sched.plans] == ["gemm", "softmax", "gemm"]
+    assert any("not fused" in n and "not 80" in n for n in sched.fusion.notes)
+    # scores go through memory as intermediates (with liveness), and every plan emits on both archs
+    assert {b.name.split("_")[0] for b in sched.intermediates} == {"s", "p"}
+    kinds = [[dict(p.emitted.config).get("kind", "cutlass") for p in plist] for plist in e.plans.values()]
+    assert kinds == [["cutlass", "cutlass"], ["generic", "generic"], ["generic", "generic"]]
+    # the first GEMM is batched over (b, h): its L dimension is the product B*H
+    first = next(iter(e.plans.values()))[0]
+    assert dict(first.lowered.dims)["L"] == ("B", "H")
+
+
+def test_kspec_graph_reports_the_fallback(fallback):
+    path, _ = fallback
+    r = subprocess.run([sys.executable, "-m", "kspec", "graph", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "3 fused kernels" in r.stdout and "using the unfused plan" in r.stdout
+
+
+@pytest.mark.nvcc
+def test_generic_kernels_of_the_fallback_compile(fallback, kernel_cache):
+    from conftest import build_emitted
+    from kspec.backends.inspect import sass_summary
+    _, e = fallback
+    for plist in list(e.plans.values())[1:]:
+        for p in plist:
+            cubin, so, _ = build_emitted(p.emitted, kernel_cache)
+            k = sass_summary(cubin).kernel("kspec_kernel")
+            assert k.instructions > 0
+            assert "kspec_prepare" in subprocess.run(["nm", "-D", str(so)], capture_output=True, text=True).stdout
