@@ -96,7 +96,11 @@ class BuildJob:
         """The nvcc command line; link_flags (host kind only) locate the toolkit's libraries and
         are not part of the cache key (they depend on where the toolkit is, not on the binary)."""
         extra = list(link_flags) if self.kind == "host" else []
-        return [str(nvcc), *_KIND_FLAGS[self.kind], f"-arch={_NVCC_ARCH[self.arch]}",
+        sm = _NVCC_ARCH[self.arch]
+        # host glue needs no PTX: `-arch=sm_90a` would also run a compute_90a pass (~30% of the
+        # host build); -gencode asks for the one SASS target only
+        arch = [f"-arch={sm}"] if self.kind == "cubin" else ["-gencode", f"arch=compute_{sm[3:]},code={sm}"]
+        return [str(nvcc), *_KIND_FLAGS[self.kind], *arch,
                 *(f"-I{d}" for d in self.include_dirs), *self.flags, *extra, "-o", out, src]
 
 
