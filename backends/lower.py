@@ -59,8 +59,7 @@ def _batch_extent(sched: KernelSchedule, node, labels) -> object:
 
 def _fail(sched: KernelSchedule, plan: KernelPlan, arch: str, msg: str, hint: str | None = None):
     span = op(sched.graph, plan.group.anchor).span
-    raise KspecLoweringError(f"kernel {sched.kernel.name} (plan {plan.id}) on {arch}: {msg}", span, hint,
-                             sched.kernel_source if hasattr(sched, "kernel_source") else None)
+    raise KspecLoweringError(f"kernel {sched.kernel.name} (plan {plan.id}) on {arch}: {msg}", span, hint)
 
 
 def lower_gemm(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:

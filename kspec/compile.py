@@ -17,7 +17,7 @@ from typing import Callable
 import kspec
 from kspec.backends.desc import ARCHS, EmittedKernel
 from kspec.backends.lower import LoweredPlan, attention_veto, lower
-from kspec.compiler import KernelSchedule, plan_kernel
+from kspec.compiler import KernelSchedule, op, plan_kernel
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 
 
@@ -108,21 +108,17 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
         for p in sched.plans:
             plans[p.id] = []
             for arch in archs:
-                lp = lower(sched, p, arch)
                 try:
+                    lp = lower(sched, p, arch)
                     em = emit_cached(lp.desc, cache_root)
                 except KspecError as e:
                     if e.span is None and not e.message.startswith("kernel "):
+                        # a backend message about a descriptor: say which kernel and arch, and where
                         raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
-                                         op_span(sched, p), e.hint, program.source) from None
-                    raise
+                                         op(sched.graph, p.group.anchor).span, e.hint, program.source) from None
+                    raise e.with_source(program.source)
                 plans[p.id].append(EmittedPlan(lp, em))
     return EmittedSpec(program, archs, schedules, plans)
-
-
-def op_span(sched: KernelSchedule, plan):
-    from kspec.compiler import op
-    return op(sched.graph, plan.group.anchor).span
 
 
 class Progress:
