@@ -80,6 +80,12 @@ def is_scalar_expr(g: nx.DiGraph, n) -> bool:
         all(is_scalar_expr(g, u) for u in g.predecessors(n))
 
 
+def same_point(g: nx.DiGraph, u, labels: tuple[str, ...]) -> bool:
+    """A consumer reading u under `labels` reads u's value at its own iteration point (u's axes
+    are named the same), so a fused kernel can pass the value in a register."""
+    return tuple(labels) == op(g, u).axes or not op(g, u).axes
+
+
 def legal_group(g: nx.DiGraph, nodes: set) -> str | None:
     """None if `nodes` can run as one kernel, else why not: no path may leave the group and come
     back (that would need another kernel in the middle of this one)."""
@@ -251,6 +257,8 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
         if u in group:
             if op(g, u).kind == "reduction":
                 return "it consumes an epilogue reduction, which is only complete after the kernel"
+            if not same_point(g, u, labels):
+                return f"it reads {op(g, u).name or u} at another element (a transposed or permuted read)"
             continue
         uo = op(g, u)
         if is_scalar_expr(g, u):
@@ -277,10 +285,10 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
             continue
         merged = None
         candidates: list[Group] = []
-        for u in g.predecessors(n):
+        for u, labels in operands(g, n):
             grp = res.group_of(u)
             if grp is not None and grp.kind == "elementwise" and set(op(g, grp.anchor).axes) == set(o.axes) \
-                    and grp not in candidates:
+                    and grp not in candidates and same_point(g, u, labels):
                 candidates.append(grp)
         for grp in candidates:
             # n joins its producers' groups; where it reads several (e.g. a chain and a broadcast

@@ -414,3 +414,33 @@ def test_batched_epilogue_takes_row_vectors_but_not_per_batch_vectors():
     g, res = fused(head + "  D[b, m, n] = s[b] * sum(k) A[b, m, k] * B[b, k, n]\n}")
     assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
     assert any("it broadcasts a value that is not a row or column vector input" in n for n in res.notes)
+
+
+def test_statements_with_other_index_names_still_fuse_into_the_epilogue():
+    # each statement names its indices freely; values read under new names are unified with the
+    # names of the statement that defined them, so the chain is one epilogue
+    g, res = fused("""kernel u {
+      in A : f16[M, K]
+      in B : f16[K, N]
+      in c : f16[M]
+      out D : f16[M, N]
+      acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+      t[i, j] = relu(acc[i, j]) * c[i]
+      D[x, y] = t[x, y] + 1.0
+    }""")
+    assert [grp.kind for grp in res.groups] == ["gemm"]
+    assert res.groups[0].info.m == "m" and res.groups[0].info.n == "n"
+
+
+def test_label_unification_never_merges_distinct_indices():
+    # t is read transposed: i -> n, j -> m would be needed, and the left side uses m already
+    g, res = fused("""kernel v {
+      in A : f16[M, K]
+      in B : f16[K, M]
+      out D : f16[M, M]
+      acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+      D[m, n] = acc[n, m] + acc[m, n]
+    }""")
+    (grp,) = [grp for grp in res.groups if grp.kind == "gemm"]
+    add = [n for n in g.nodes if op(g, n).fn == "add"]
+    assert len(add) == 1 and add[0] not in grp.nodes     # the transposed read is not an epilogue operand
