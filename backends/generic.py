@@ -192,9 +192,7 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
 def _stores(gen: _Gen, n, value: str, body: list[str]) -> None:
     g, s = gen.g, gen.s
     o = op(g, n)
-    targets = [s.value_buffer[n]] + [op(g, x).name for x in g.successors(n)
-                                     if op(g, x).kind == "output" and op(g, x).name != s.value_buffer[n]]
-    for t in targets:
+    for t in s.stores(n):
         labels = o.axes
         for x in g.successors(n):
             if op(g, x).kind == "output" and op(g, x).name == t:

@@ -116,9 +116,7 @@ def lower_gemm(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPla
     leaving = [n for n in sorted(grp, key=lambda x: int(str(x)[1:])) if any(s not in grp for s in g.successors(n))]
     for n in leaving:
         o = op(g, n)
-        targets = [buf[n]] + [op(g, s).name for s in g.successors(n)
-                              if op(g, s).kind == "output" and op(g, s).name != buf[n]]
-        for t in targets:
+        for t in sched.stores(n):
             b_ = sched.buffers[t]
             if o.kind == "reduction":
                 (src, labels), = operands(g, n)
@@ -224,8 +222,10 @@ def lower_attention(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lower
     names = _Names()
     buf = sched.value_buffer
     out_nodes = [n for n in plan.group.nodes if any(s not in plan.group.nodes for s in g.successors(n))]
-    (o_node,) = out_nodes
-    o_buf = sched.buffers[buf[o_node]]
+    stores = [b for n in out_nodes for b in sched.stores(n)]
+    if len(stores) != 1:
+        _fail(sched, plan, arch, "fused attention stores exactly one output O", "compute other values separately")
+    o_buf = sched.buffers[stores[0]]
     dtype = op(g, info.q).dtype
     if o_buf.dtype != dtype:
         _fail(sched, plan, arch, f"the output O is {o_buf.dtype} but Q, K, V are {dtype}",

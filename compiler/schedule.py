@@ -86,9 +86,22 @@ class KernelSchedule:
     liveness: dict[str, tuple[int, int]]         # intermediate -> (first plan writing, last plan reading)
     reuse: dict[str, str]                        # intermediate -> storage slot name
 
+    def stores(self, n) -> list[str]:
+        return stores_of(self.graph, self.value_buffer, n)
+
     @property
     def intermediates(self) -> list[Buffer]:
         return [b for b in self.buffers.values() if b.kind == "intermediate"]
+
+
+def stores_of(g: nx.DiGraph, value_buffer: dict, n) -> list[str]:
+    """Every buffer node n's value is written to: its own buffer (if any) and each output it feeds."""
+    out = [value_buffer[n]] if n in value_buffer else []
+    for s in g.successors(n):
+        so = op(g, s)
+        if so.kind == "output" and so.name not in out:
+            out.append(so.name)
+    return out
 
 
 def _group_values_leaving(g: nx.DiGraph, grp: Group) -> list:
@@ -140,22 +153,23 @@ def schedule(kernel: CheckedKernel, g: nx.DiGraph, fusion: FusionResult,
         if o.kind == "output":
             (src, _), = operands(g, n)
             buffers[o.name] = Buffer(o.name, "output", o.dtype, o.shape, o.layout, src)
-            value_buffer.setdefault(src, o.name)
+            # later kernels read a value from its output only when that holds it in the value's own
+            # axis order (a col-layout or transposed output gets a row-major intermediate as well)
+            if o.layout == "row" and tuple(operands(g, n)[0][1]) == op(g, src).axes:
+                value_buffer.setdefault(src, o.name)
     plans: list[KernelPlan] = []
     for i, grp in enumerate(fusion.groups):
         writes = []
         for n in _group_values_leaving(g, grp):
-            if n not in value_buffer:
+            read_later = any(s not in grp.nodes and op(g, s).kind != "output" for s in g.successors(n))
+            if n not in value_buffer and read_later:
                 o = op(g, n)
                 name = _fresh(f"{o.name or 'tmp'}_{n}", buffers)
                 buffers[name] = Buffer(name, "intermediate", o.dtype, o.shape, "row", n)
                 value_buffer[n] = name
-            writes.append(value_buffer[n])
-            # a value that feeds several outputs is written to each
-            for s in g.successors(n):
-                so = op(g, s)
-                if so.kind == "output" and so.name not in writes:
-                    writes.append(so.name)
+            for b in stores_of(g, value_buffer, n):
+                if b not in writes:
+                    writes.append(b)
         reads = []
         for n in sorted(grp.nodes, key=lambda x: int(str(x)[1:])):
             for u in g.predecessors(n):
