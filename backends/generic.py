@@ -80,6 +80,7 @@ class _Gen:
         self.dim_of: dict[str, str] = {}          # label -> d<i>
         self.dim_values: list[tuple[str, object]] = []
         self.lines: list[str] = []
+        self.inline: set = set()            # in-group nodes recomputed where they are read
 
     def dim(self, label: str, extent) -> str:
         if label not in self.dim_of:
@@ -108,6 +109,8 @@ class _Gen:
         """C expression of node n's value read under `labels` (in-group values are locals)."""
         if n in local:
             return local[n]
+        if n in self.inline:
+            return _round(op(self.g, n).dtype, self.node_expr(n, local))
         o = op(self.g, n)
         if o.kind == "const":
             v = o.value
@@ -158,8 +161,17 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
     body.append(f"if (tid >= {threads}) return;")
     body += _index_decode(gen, space, "tid")
     kinds = {op(g, n).kind for n in nodes}
-    if len(nodes) == 1 and ro.kind == "softmax":
+    loop_nodes = [n for n in nodes if op(g, n).kind in ("softmax", "reduction")]
+    if loop_nodes and (len(loop_nodes) > 1 or leaving != loop_nodes):
+        raise KspecLoweringError(f"plan {plan.id}: the CUDA backend runs one reduction or softmax per kernel, "
+                                 "as the kernel's only result", op(g, loop_nodes[0]).span)
+    # elementwise nodes feeding a reduction/softmax are recomputed inside its loops
+    gen.inline = set(nodes) - set(loop_nodes) if loop_nodes else set()
+    if loop_nodes and ro.kind == "softmax":
         _softmax_body(gen, root, body)
+    elif loop_nodes:
+        body.extend(_reduce_into(gen, root, "v0"))
+        _stores(gen, root, "v0", body)
     else:
         local: dict = {}
         for n in nodes:

@@ -308,6 +308,29 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
             res.groups.append(Group(f"g{len(res.groups)}", "elementwise", {n}, n))
 
 
+def fuse_reduction_prologues(g: nx.DiGraph, res: FusionResult) -> None:
+    """A standalone reduction or softmax absorbs the elementwise kernel that computes its operand
+    (e.g. `mean(c) f32(x[n, c])`), recomputing it per element inside its loops, when nothing else
+    needs that kernel's values."""
+    for grp in [x for x in res.groups if x.kind in ("reduction", "softmax")]:
+        (r,) = grp.nodes
+        ((u, labels),) = operands(g, r)
+        prologue = res.group_of(u)
+        if prologue is None or prologue.kind != "elementwise" or not same_point(g, u, labels):
+            continue
+        if any(s not in prologue.nodes and s != r for n in prologue.nodes for s in g.successors(n)):
+            res.notes.append(f"{op(g, r).label()}: its operand's kernel is not fused in: other kernels "
+                             "read its values too")
+            continue
+        if any(set(op(g, n).axes) - set(op(g, u).axes) for n in prologue.nodes):
+            continue
+        merged = prologue.nodes | {r}
+        if legal_group(g, merged):
+            continue
+        grp.nodes = merged
+        res.groups.remove(prologue)
+
+
 def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
     """Run every fusion pass; every operator node ends in exactly one group, in topological order."""
     res = FusionResult([])
@@ -318,6 +341,7 @@ def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
         o = op(g, n)
         if o.kind in ("contraction", "reduction", "softmax") and not res.group_of(n):
             res.groups.append(Group(f"g{len(res.groups)}", o.kind, {n}, n))
+    fuse_reduction_prologues(g, res)
     # constants are folded into whichever kernel reads them
     for n in g.nodes:
         if op(g, n).kind == "const":

@@ -444,3 +444,25 @@ def test_label_unification_never_merges_distinct_indices():
     (grp,) = [grp for grp in res.groups if grp.kind == "gemm"]
     add = [n for n in g.nodes if op(g, n).fn == "add"]
     assert len(add) == 1 and add[0] not in grp.nodes     # the transposed read is not an epilogue operand
+
+
+def test_reduction_absorbs_the_elementwise_kernel_computing_its_operand():
+    g, res = fused("""kernel r {
+      in X : bf16[N, C]
+      out m : f32[N]
+      m[n] = mean(c) f32(X[n, c]) * 2.0
+    }""")
+    assert [(grp.kind, sorted(op(g, x).kind for x in grp.nodes if op(g, x).kind != "const")) for grp in res.groups] \
+        == [("reduction", ["cast", "elementwise", "reduction"])]
+
+
+def test_reduction_prologue_needed_elsewhere_is_not_absorbed():
+    g, res = fused("""kernel r {
+      in X : f32[N, C]
+      out Y : f32[N, C]
+      out m : f32[N]
+      Y[n, c] = exp(X[n, c])
+      m[n] = sum(c) Y[n, c]
+    }""")
+    assert sorted(grp.kind for grp in res.groups) == ["elementwise", "reduction"]
+    assert any("other kernels read its values too" in note for note in res.notes)
