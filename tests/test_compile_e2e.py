@@ -212,3 +212,38 @@ def test_generic_kernels_of_the_fallback_compile(fallback, kernel_cache):
             k = sass_summary(cubin).kernel("kspec_kernel")
             assert k.instructions > 0
             assert "kspec_prepare" in subprocess.run(["nm", "-D", str(so)], capture_output=True, text=True).stdout
+
+
+GENERIC = """
+kernel ew {
+  in X : bf16[N, C]
+  in g : bf16[C]
+  in Z : f32[N, C]
+  in t : i8[N, C]
+  out Y : bf16[N, C]
+  out m : f32[N]
+  out p : f16[N, C]
+  out q : i32[N, C]
+  Y[n, c] = silu(X[n, c]) * g[c]
+  m[n] = mean(c) f32(X[n, c])
+  p[n, c] = softmax(c) (Z[n, c] * 0.5)
+  q[n, c] = clamp(i32(t[n, c]) * 3, -100, 100)
+}
+"""
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generic_elementwise_reduction_softmax_kernels_compile(tmp_path, kernel_cache, arch):
+    from conftest import build_emitted
+    from kspec.backends.inspect import sass_summary
+    spec = tmp_path / "generic.kspec"
+    spec.write_text(GENERIC)
+    e = emit_spec(spec, (arch,))
+    # the mean absorbs its cast and the softmax its scaling; the softmax's f16 store is its own kernel
+    assert [p.kind for p in e.schedules[0].plans] == ["elementwise", "reduction", "softmax", "elementwise",
+                                                      "elementwise"]
+    for (plan,) in e.plans.values():
+        assert dict(plan.emitted.config)["kind"] == "generic"
+        cubin, so, _ = build_emitted(plan.emitted, kernel_cache)
+        assert sass_summary(cubin).kernel("kspec_kernel").instructions > 0
