@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from kspec.spec_lang.check import CheckedKernel, DimValue, ScheduleHint
+from kspec.spec_lang.check import CheckedKernel, DimValue, ScheduleHint, schedule_parts
 
 from .canon import GemmInfo
 from .fusion import FusionResult, Group, is_operator
@@ -51,14 +51,7 @@ class ArchConfig:
     def describe(self) -> str:
         if self.tile is None and self.cluster is None:
             return "default"
-        parts = []
-        if self.tile:
-            parts.append("tile " + "x".join(map(str, self.tile)))
-        if self.cluster:
-            parts.append("cluster " + "x".join(map(str, self.cluster)))
-        if self.stages:
-            parts.append(f"stages {self.stages}")
-        return ", ".join(parts) + f" ({self.source})"
+        return ", ".join(schedule_parts(self.tile, self.cluster, self.stages, " ")) + f" ({self.source})"
 
 
 @dataclass

@@ -817,6 +817,18 @@ def _texpr_lines(e: TExpr, depth: int) -> list[str]:
     return out
 
 
+def schedule_parts(tile, cluster, stages, sep: str) -> list[str]:
+    """["tile<sep>128x128x64", "cluster<sep>2x1x1", "stages<sep>4"] for the settings present."""
+    parts = []
+    if tile:
+        parts.append(f"tile{sep}" + "x".join(map(str, tile)))
+    if cluster:
+        parts.append(f"cluster{sep}" + "x".join(map(str, cluster)))
+    if stages:
+        parts.append(f"stages{sep}{stages}")
+    return parts
+
+
 def format_typed(program: CheckedProgram) -> str:
     """The typed AST as an indented tree (what `kspec check --ast` prints)."""
     out: list[str] = [f"program {program.file}" + (f"  target {', '.join(program.targets)}" if program.targets else "")]
@@ -833,14 +845,8 @@ def format_typed(program: CheckedProgram) -> str:
             out.append(f"  {s.target}[{', '.join(s.indices)}] : {s.dtype}   ({ext})")
             out.extend(_texpr_lines(s.value, 2))
         for arch, h in k.schedules:
-            parts = []
-            if h.tile:
-                parts.append("tile=" + "x".join(map(str, h.tile)))
-            if h.cluster:
-                parts.append("cluster=" + "x".join(map(str, h.cluster)))
-            if h.stages:
-                parts.append(f"stages={h.stages}")
-            out.append(f"  schedule{' for ' + arch if arch else ''}: {' '.join(parts) or '-'}")
+            text = " ".join(schedule_parts(h.tile, h.cluster, h.stages, "="))
+            out.append(f"  schedule{' for ' + arch if arch else ''}: {text or '-'}")
     return "\n".join(out)
 
 
