@@ -149,7 +149,8 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
     gen = _Gen(sched, plan, arch)
     nodes = [n for n in nx.topological_sort(g.subgraph(plan.group.nodes)) if op(g, n).kind != "const"]
     leaving = [n for n in nodes if any(s not in plan.group.nodes for s in g.successors(n))]
-    root = leaving[-1] if leaving else nodes[-1]
+    softmaxes = [n for n in nodes if op(g, n).kind == "softmax"]
+    root = softmaxes[0] if softmaxes else (leaving[-1] if leaving else nodes[-1])
     ro = op(g, root)
     space = ro.axes if ro.kind != "softmax" else tuple(a for a in ro.axes if a != ro.fn)
     # the iteration space; a contraction/reduction/softmax adds its loop axes after it
@@ -162,13 +163,16 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
     body += _index_decode(gen, space, "tid")
     kinds = {op(g, n).kind for n in nodes}
     loop_nodes = [n for n in nodes if op(g, n).kind in ("softmax", "reduction")]
-    if loop_nodes and (len(loop_nodes) > 1 or leaving != loop_nodes):
+    after = [n for n in nodes if loop_nodes and n in nx.descendants(g, loop_nodes[0])]
+    if loop_nodes and (len(loop_nodes) > 1 or (op(g, loop_nodes[0]).kind == "reduction" and after)):
         raise KspecLoweringError(f"plan {plan.id}: the CUDA backend runs one reduction or softmax per kernel, "
-                                 "as the kernel's only result", op(g, loop_nodes[0]).span)
+                                 "and a reduction as the kernel's only result", op(g, loop_nodes[0]).span)
     # elementwise nodes feeding a reduction/softmax are recomputed inside its loops
-    gen.inline = set(nodes) - set(loop_nodes) if loop_nodes else set()
-    if loop_nodes and ro.kind == "softmax":
-        _softmax_body(gen, root, body)
+    gen.inline = set(nodes) - set(loop_nodes) - set(after) if loop_nodes else set()
+    if loop_nodes and op(g, loop_nodes[0]).kind == "softmax":
+        root = loop_nodes[0]
+        ro = op(g, root)
+        _softmax_body(gen, root, body, after, [n for n in leaving if n == root or n in after])
     elif loop_nodes:
         body.extend(_reduce_into(gen, root, "v0"))
         _stores(gen, root, "v0", body)
@@ -246,7 +250,9 @@ def _reduce_into(gen: _Gen, n, var: str) -> list[str]:
     return out
 
 
-def _softmax_body(gen: _Gen, n, body: list[str]) -> None:
+def _softmax_body(gen: _Gen, n, body: list[str], after=(), stored=()) -> None:
+    """Three passes over the softmax axis: max, sum of exponentials, then each probability (and
+    the elementwise ops fused after it) is computed and stored."""
     g = gen.g
     o = op(g, n)
     (u, labels), = operands(g, n)
@@ -264,8 +270,16 @@ def _softmax_body(gen: _Gen, n, body: list[str]) -> None:
     body.append(loop)
     body.append(f"  float e = {'(i_' + d + ' > i_' + gen.dim_of[o.causal] + ') ? 0.0f : ' if o.causal else ''}expf({x} - mx);")
     body.append(f"  float v0 = {_round(o.dtype, 'sum > 0.0f ? e / sum : 0.0f')};")
+    local = {n: "v0"}
+    for m in after:
+        mo = op(g, m)
+        v = f"v{len(local)}"
+        ctype = "long long" if mo.dtype in _INT else "float"
+        body.append(f"  {ctype} {v} = {_round(mo.dtype, gen.node_expr(m, local))};")
+        local[m] = v
     st: list[str] = []
-    _stores(gen, n, "v0", st)
+    for m in (stored or [n]):
+        _stores(gen, m, local[m], st)
     body.extend("  " + s for s in st)
     body.append("}")
 

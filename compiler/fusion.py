@@ -331,6 +331,33 @@ def fuse_reduction_prologues(g: nx.DiGraph, res: FusionResult) -> None:
         res.groups.remove(prologue)
 
 
+def fuse_softmax_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
+    """A standalone softmax absorbs the elementwise kernels that consume its result element by
+    element over the same axes (e.g. the cast to a f16 output), so the probabilities are stored once."""
+    for grp in [x for x in res.groups if x.kind == "softmax"]:
+        sm = next(n for n in grp.nodes if op(g, n).kind == "softmax")
+        axes = set(op(g, sm).axes)
+        changed = True
+        while changed:
+            changed = False
+            for s in sorted({c for n in grp.nodes for c in g.successors(n)} - grp.nodes, key=_node_order):
+                other = res.group_of(s)
+                if other is None or other.kind != "elementwise":
+                    continue
+                if any(set(op(g, n).axes) != axes for n in other.nodes if op(g, n).kind != "const"):
+                    continue
+                reads = [(u, l) for n in other.nodes for u, l in operands(g, n) if u in grp.nodes]
+                if not all(same_point(g, u, l) for u, l in reads):
+                    continue
+                merged = grp.nodes | other.nodes
+                if legal_group(g, merged):
+                    continue
+                grp.nodes = merged
+                res.groups.remove(other)
+                changed = True
+                break
+
+
 def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
     """Run every fusion pass; every operator node ends in exactly one group, in topological order."""
     res = FusionResult([])
@@ -342,6 +369,7 @@ def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
         if o.kind in ("contraction", "reduction", "softmax") and not res.group_of(n):
             res.groups.append(Group(f"g{len(res.groups)}", o.kind, {n}, n))
     fuse_reduction_prologues(g, res)
+    fuse_softmax_epilogues(g, res)
     # constants are folded into whichever kernel reads them
     for n in g.nodes:
         if op(g, n).kind == "const":

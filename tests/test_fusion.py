@@ -466,3 +466,14 @@ def test_reduction_prologue_needed_elsewhere_is_not_absorbed():
     }""")
     assert sorted(grp.kind for grp in res.groups) == ["elementwise", "reduction"]
     assert any("other kernels read its values too" in note for note in res.notes)
+
+
+def test_softmax_absorbs_its_scaling_and_the_cast_of_its_store():
+    g, res = fused("""kernel s {
+      in X : f32[N, C]
+      out P : f16[N, C]
+      P[n, c] = softmax(c) (X[n, c] * 0.5)
+    }""")
+    (grp,) = res.groups
+    assert grp.kind == "softmax"
+    assert sorted(op(g, x).kind for x in grp.nodes if op(g, x).kind != "const") == ["cast", "elementwise", "softmax"]
