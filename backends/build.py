@@ -370,7 +370,9 @@ class CompileCache:
             n += 1
         if self.root.is_dir():
             for top in self.root.iterdir():
-                if top.is_dir() and (top.name in ("logs", "locks", "tmp") or re.fullmatch(r"[0-9a-f]{2}", top.name)):
+                # emit/ and resources/ hold kspec.compile's memoised generated sources and cubin facts
+                if top.is_dir() and (top.name in ("logs", "locks", "tmp", "emit", "resources")
+                                     or re.fullmatch(r"[0-9a-f]{2}", top.name)):
                     shutil.rmtree(top, ignore_errors=True)
         return n
 

@@ -193,7 +193,7 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                     cubin, host = f"{p.id}.{arch}.cubin", f"{p.id}.{arch}.so"
                     shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
                     shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
-                    regs, smem = _resources(staging / cubin, toolchain)
+                    regs, smem = _resources(staging / cubin, toolchain, cache.root)
                     binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
                                                  registers=regs, smem=smem)
                     if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
@@ -237,15 +237,31 @@ def _plan_entry(p, ep: EmittedPlan, binaries):
         binaries=binaries)
 
 
-def _resources(cubin: Path, toolchain) -> tuple[int | None, int | None]:
-    """Registers and static shared memory of the entry point, when cuobjdump is available."""
+def _resources(cubin: Path, toolchain, cache_root: Path | None = None) -> tuple[int | None, int | None]:
+    """Registers and static shared memory of the entry point, when cuobjdump is available
+    (remembered per cubin digest under the cache root, so a warm compile runs no cuobjdump)."""
+    import json
+
+    from kspec.artifact import sha256_file
     from kspec.backends.inspect import sass_summary
     if toolchain.cuobjdump is None:
         return None, None
+    memo = cache_root / "resources" / f"{sha256_file(cubin)}.json" if cache_root else None
+    if memo is not None and memo.is_file():
+        try:
+            regs, smem = json.loads(memo.read_text())
+            return regs, smem
+        except (ValueError, TypeError):
+            pass
     try:
         k = sass_summary(cubin, toolchain).kernel("kspec_kernel")
     except (KspecError, KeyError):
         return None, None
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps([k.registers, k.shared_bytes]))
+        os.replace(tmp, memo)
     return k.registers, k.shared_bytes
 
 
