@@ -15,7 +15,7 @@ import networkx as nx
 
 from kspec.spec_lang.check import (CheckedKernel, DimValue, TAccess, TBinary, TCall, TCast, TConst, TExpr,
                                    TReduce, TScalar, TSoftmax, TUnary)
-from kspec.spec_lang.errors import KspecError, KspecInternalError, Span
+from kspec.spec_lang.errors import KspecInternalError, Span
 
 KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax",
          "cast", "output")

@@ -20,7 +20,7 @@ import networkx as nx
 from kspec.spec_lang.check import CheckedKernel, DimValue, ScheduleHint, schedule_parts
 
 from .canon import GemmInfo
-from .fusion import FusionResult, Group, is_operator
+from .fusion import FusionResult, Group
 from .graph import op, operands
 
 ARCHS = ("sm90a", "sm100a")

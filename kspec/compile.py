@@ -161,8 +161,8 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None) -> Path:
     """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path."""
-    from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, Plan, SpecRef, TensorSpec,
-                                make_binary, write_manifest)
+    from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
+                                write_manifest)
     from kspec.backends.build import CompileCache, build_all
     from kspec.backends.cutlass.compat import cutlass_version
     from kspec.backends.toolchain import find_toolchain

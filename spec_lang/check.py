@@ -414,7 +414,7 @@ class _KernelChecker:
                            d.span, f"for example `{d.role} {d.name} : {d.dtype}[M, N]`; scalars are `param`s")
                 return
             if d.default is not None:
-                self.error(f"only params take a default value", d.default.span)
+                self.error("only params take a default value", d.default.span)
             shape: list[DimValue] = []
             for dim in d.shape:
                 if dim.is_symbol:
@@ -656,7 +656,7 @@ class _KernelChecker:
         if weak_b:
             if is_float(b) and not is_float(a):
                 self.error(f"a floating-point literal is combined with {_a(a)} value", eb.span,
-                           f"convert explicitly: `f32(...)`", abort=True)
+                           "convert explicitly: `f32(...)`", abort=True)
             return _arith(a)
         if weak_a:
             if is_float(a) and not is_float(b):
@@ -667,7 +667,7 @@ class _KernelChecker:
             return _arith(a)
         if is_float(a) != is_float(b):
             self.error(f"cannot combine {a} and {b} without a cast", span,
-                       f"convert one side explicitly, e.g. `f32(...)`", abort=True)
+                       "convert one side explicitly, e.g. `f32(...)`", abort=True)
         if not is_float(a):
             return "i32"
         ra, rb = _FLOAT_RANK[a], _FLOAT_RANK[b]
