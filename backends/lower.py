@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from kspec.compiler import AttentionInfo, GemmInfo, KernelPlan, KernelSchedule, op, operands
+from kspec.compiler import AttentionInfo, GemmInfo, KernelPlan, KernelSchedule, op, operands, values_leaving
 from kspec.spec_lang.errors import KspecError
 
 from .desc import (Accum, AttentionDesc, Const, EpiExpr, GemmDesc, KernelDesc, Load, Op, Operand,
@@ -113,7 +113,7 @@ def lower_gemm(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPla
 
     stores: list[Store] = []
     reductions: list[ReductionStore] = []
-    leaving = [n for n in sorted(grp, key=lambda x: int(str(x)[1:])) if any(s not in grp for s in g.successors(n))]
+    leaving = values_leaving(g, plan.group)
     for n in leaving:
         o = op(g, n)
         for t in sched.stores(n):
@@ -221,7 +221,7 @@ def lower_attention(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lower
         _fail(sched, plan, arch, why)
     names = _Names()
     buf = sched.value_buffer
-    out_nodes = [n for n in plan.group.nodes if any(s not in plan.group.nodes for s in g.successors(n))]
+    out_nodes = values_leaving(g, plan.group)
     stores = [b for n in out_nodes for b in sched.stores(n)]
     if len(stores) != 1:
         _fail(sched, plan, arch, "fused attention stores exactly one output O", "compute other values separately")

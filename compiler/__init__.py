@@ -14,7 +14,7 @@ from .canon import GemmInfo, canonicalize, gemm_info
 from .cost import CostReport, cost
 from .fusion import AttentionInfo, FusionResult, Group, fuse
 from .graph import OpNode, build_graph, op, operands, validate
-from .schedule import ARCHS, ArchConfig, Buffer, KernelPlan, KernelSchedule, schedule
+from .schedule import ARCHS, ArchConfig, Buffer, KernelPlan, KernelSchedule, schedule, values_leaving
 
 
 def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, attention_supported=None,
@@ -70,4 +70,4 @@ def unfused(g) -> FusionResult:
 
 __all__ = ["ARCHS", "ArchConfig", "AttentionInfo", "Buffer", "CostReport", "FusionResult", "GemmInfo", "Group",
            "KernelPlan", "KernelSchedule", "OpNode", "build_graph", "canonicalize", "cost", "fuse", "gemm_info",
-           "op", "operands", "plan_kernel", "schedule", "unfused", "validate"]
+           "op", "operands", "plan_kernel", "schedule", "unfused", "validate", "values_leaving"]

@@ -97,7 +97,7 @@ def stores_of(g: nx.DiGraph, value_buffer: dict, n) -> list[str]:
     return out
 
 
-def _group_values_leaving(g: nx.DiGraph, grp: Group) -> list:
+def values_leaving(g: nx.DiGraph, grp: Group) -> list:
     """Nodes of the group whose value is needed outside it (by an output or another group)."""
     out = []
     for n in sorted(grp.nodes, key=lambda x: int(str(x)[1:])):
@@ -153,7 +153,7 @@ def schedule(kernel: CheckedKernel, g: nx.DiGraph, fusion: FusionResult,
     plans: list[KernelPlan] = []
     for i, grp in enumerate(fusion.groups):
         writes = []
-        for n in _group_values_leaving(g, grp):
+        for n in values_leaving(g, grp):
             read_later = any(s not in grp.nodes and op(g, s).kind != "output" for s in g.successors(n))
             if n not in value_buffer and read_later:
                 o = op(g, n)
