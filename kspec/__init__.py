@@ -1,12 +1,25 @@
-"""kspec: declarative kernel specs compiled to fused CUTLASS kernels for Hopper and Blackwell.
+"""kspec: declarative kernel specs compiled to fused kernels for Hopper and Blackwell.
 
     kspec.reference(spec, kernel=None)   numpy callables (the semantics; no GPU needed)
     kspec.load(artifact_dir)             compiled kernels as Python callables (cuda-python launch)
+
+Importing kspec is cheap: the compiler, the runtime and the backends load on first use.
 """
 __version__ = "0.1.0"
 
-from kspec.spec_lang.errors import KspecError  # noqa: E402
-from kspec.runtime import load  # noqa: E402
-from kspec.backends.reference import reference  # noqa: E402
+from kspec.core import KspecError, KspecInternalError, KspecRuntimeError  # noqa: E402
 
-__all__ = ["KspecError", "__version__", "load", "reference"]
+
+def load(path, *args, **kwargs):
+    """Load a compiled artifact directory (see `kspec.runtime.load`)."""
+    from kspec.runtime import load as _load
+    return _load(path, *args, **kwargs)
+
+
+def reference(spec, *args, **kwargs):
+    """numpy callables for a spec (see `kspec.backends.reference.reference`)."""
+    from kspec.backends.reference import reference as _reference
+    return _reference(spec, *args, **kwargs)
+
+
+__all__ = ["KspecError", "KspecInternalError", "KspecRuntimeError", "__version__", "load", "reference"]

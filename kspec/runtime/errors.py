@@ -1,8 +1,4 @@
-"""The runtime's user-facing exception."""
-from __future__ import annotations
+"""The runtime's user-facing exception (defined in `kspec.core`, re-exported here)."""
+from kspec.core import KspecRuntimeError
 
-from kspec.spec_lang.errors import KspecError
-
-
-class KspecRuntimeError(KspecError):
-    """A call that cannot run: bad arguments, no usable CUDA device, or a failed launch."""
+__all__ = ["KspecRuntimeError"]

@@ -1,0 +1,213 @@
+"""kspec's dependency-free core: the errors, the arch table, the dtype table, the identifier rule
+and the artifact ABI version with its C prototypes.  Every stage imports these from here; there is
+one copy of each table.  Standard library only: importing this module must stay as cheap as Python.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+REPORT_HINT = "this is a bug in kspec; please report it with the command and spec that triggered it"
+
+
+@dataclass(frozen=True)
+class Span:
+    """A half-open region of a source file; lines and columns are 1-based."""
+    file: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass
+class Diagnostic:
+    message: str
+    span: Span | None = None
+    hint: str | None = None
+    source: str | None = field(default=None, repr=False)
+
+    def render(self) -> str:
+        where = f"{self.span}: " if self.span else ""
+        out = [f"{where}error: {self.message}"]
+        if self.span and self.source is not None:
+            # split on '\n' only: spans count lines the way Lark does, and str.splitlines() would
+            # also break at '\f', '\x1c', '\u2028', ... (legal inside comments)
+            lines = self.source.split("\n")
+            if 1 <= self.span.line <= len(lines):
+                text = lines[self.span.line - 1].rstrip("\r").expandtabs(1)
+                out.append("    " + text)
+                width = 1
+                if self.span.end_line == self.span.line and self.span.end_col > self.span.col:
+                    width = self.span.end_col - self.span.col
+                width = max(1, min(width, len(text) - self.span.col + 2))
+                out.append("    " + " " * (self.span.col - 1) + "^" * width)
+        if self.hint:
+            out.append(f"  hint: {self.hint}")
+        return "\n".join(out)
+
+
+class KspecError(Exception):
+    """A mistake in the user's spec, arguments or environment (CLI exit 1).  Carries one or more
+    diagnostics, each with an optional source span and hint; `str()` renders them the way the CLI
+    prints them."""
+
+    def __init__(self, message: str, span: Span | None = None, hint: str | None = None,
+                 source: str | None = None, diagnostics: list[Diagnostic] | None = None):
+        if diagnostics is None:
+            diagnostics = [Diagnostic(message, span, hint, source)]
+        self.diagnostics = diagnostics
+        first = diagnostics[0]
+        self.message, self.span, self.hint = first.message, first.span, first.hint
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        return "\n".join(d.render() for d in self.diagnostics)
+
+    def with_source(self, source: str) -> "KspecError":
+        for d in self.diagnostics:
+            if d.source is None:
+                d.source = source
+        self.args = (self.render(),)
+        return self
+
+
+class KspecInternalError(Exception):
+    """A bug in kspec itself, never a user mistake: the CLI exits 2 with a report hint and shows
+    the traceback under --debug."""
+
+
+class KspecRuntimeError(KspecError):
+    """A call that cannot run: bad arguments, no usable CUDA device, or a failed launch.  Names the
+    kernel, the argument, what was expected and what was given; raised before any launch."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Archs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arch:
+    name: str                    # kspec spelling: "sm90a"
+    cc: int                      # compute capability major*10 + minor
+    nvcc: str                    # nvcc / ptxas target: "sm_90a"
+    min_nvcc: tuple[int, int]    # oldest CUDA toolkit that targets it
+    family: str                  # "hopper" | "blackwell"
+
+
+ARCH_TABLE: dict[str, Arch] = {a.name: a for a in (
+    Arch("sm90a", 90, "sm_90a", (12, 0), "hopper"),
+    Arch("sm100a", 100, "sm_100a", (12, 8), "blackwell"),
+)}
+ARCHS: tuple[str, ...] = tuple(ARCH_TABLE)
+
+
+def normalize_arch(text: str) -> str:
+    """`sm_90a`, `SM90A`, `sm90a` -> "sm90a"; raises KspecError for an unknown arch."""
+    a = text.strip().lower().replace("sm_", "sm")
+    if a not in ARCH_TABLE:
+        raise KspecError(f"unknown arch '{text.strip()}'", hint=f"archs: {', '.join(ARCHS)}")
+    return a
+
+
+def arch_of_cc(cc: int) -> str | None:
+    """The arch whose cubins run on a device of compute capability `cc` (major*10+minor), or None."""
+    for a in ARCH_TABLE.values():
+        if a.cc == cc:
+            return a.name
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Dtypes
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DType:
+    name: str                    # kspec spelling
+    bits: int                    # storage bits
+    kind: str                    # "float" | "int"
+    storage: str                 # the dtype of the memory holding it (tf32 lives in f32 storage)
+    max_finite: float            # largest finite value
+    rank: int                    # float promotion rank (wider wins); ints use their own rank
+
+    @property
+    def itemsize(self) -> int:
+        return self.bits // 8
+
+
+DTYPE_TABLE: dict[str, DType] = {d.name: d for d in (
+    DType("f16", 16, "float", "f16", 65504.0, 2),
+    DType("bf16", 16, "float", "bf16", 3.3895313892515355e38, 2),
+    DType("f32", 32, "float", "f32", 3.4028234663852886e38, 4),
+    DType("tf32", 32, "float", "f32", 3.4028234663852886e38, 3),
+    DType("f8e4m3", 8, "float", "f8e4m3", 448.0, 1),
+    DType("f8e5m2", 8, "float", "f8e5m2", 57344.0, 1),
+    DType("i8", 8, "int", "i8", 127.0, 1),
+    DType("i32", 32, "int", "i32", 2147483647.0, 2),
+)}
+DTYPES: tuple[str, ...] = tuple(DTYPE_TABLE)
+FLOAT_DTYPES: tuple[str, ...] = tuple(d.name for d in DTYPE_TABLE.values() if d.kind == "float")
+INT_DTYPES: tuple[str, ...] = tuple(d.name for d in DTYPE_TABLE.values() if d.kind == "int")
+FP8_DTYPES: tuple[str, ...] = ("f8e4m3", "f8e5m2")
+
+
+def dtype_bytes(name: str) -> int:
+    return DTYPE_TABLE[name].itemsize
+
+
+def is_int(name: str) -> bool:
+    return DTYPE_TABLE[name].kind == "int"
+
+
+# ---------------------------------------------------------------------------------------------
+# Identifiers
+# ---------------------------------------------------------------------------------------------
+
+IDENT_MAX = 63
+IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,%d}$" % (IDENT_MAX - 1))
+
+
+def is_ident(name: object) -> bool:
+    """A C/Python identifier kspec may put into generated code or a manifest (ASCII, <= 63 chars)."""
+    return isinstance(name, str) and IDENT_RE.match(name) is not None
+
+
+def check_ident(name: object, what: str) -> str:
+    """Generated names are sanitized upstream; refuse anything else as an internal fault."""
+    if not is_ident(name):
+        raise KspecInternalError(f"{what} name {name!r} is not an identifier (names must be mapped before codegen)")
+    return name  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# Artifact ABI
+# ---------------------------------------------------------------------------------------------
+
+# Bumped whenever the host-glue entry points or the manifest's launch fields change meaning.
+ABI_VERSION = 2
+
+WORKSPACE_PROTO = "int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap)"
+PREPARE_PROTO = ("int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,\n"
+                 "                  void* workspace, int32_t device, int32_t sm_count,\n"
+                 "                  void* params, uint64_t params_cap, uint64_t* params_size,\n"
+                 "                  uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],\n"
+                 "                  uint32_t* smem_bytes, char* err, uint64_t err_cap)")
+ABI_VERSION_PROTO = "int kspec_abi_version(void)"
+
+
+def abi_header() -> str:
+    """The C header every host glue source includes (generated; see backends/ABI.md)."""
+    return (f"// kspec host-glue ABI, version {ABI_VERSION} (generated by kspec.core.abi_header)\n"
+            "#pragma once\n#include <stdint.h>\n"
+            f"#define KSPEC_ABI_VERSION {ABI_VERSION}\n"
+            "#ifdef __cplusplus\nextern \"C\" {\n#endif\n"
+            f"{WORKSPACE_PROTO};\n{PREPARE_PROTO};\n{ABI_VERSION_PROTO};\n"
+            "#ifdef __cplusplus\n}\n#endif\n")
