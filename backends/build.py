@@ -519,3 +519,9 @@ def tree_identity(*dirs: os.PathLike | str) -> str:
                     continue
                 h.update(f"{p.relative_to(base)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+def nvcc_jobs(emitted, label: str, identity: str) -> list[BuildJob]:
+    """The two nvcc runs of an emitted kernel (device cubin, host glue; see ABI.md)."""
+    return [BuildJob(label, emitted.source, emitted.arch, kind, emitted.include_dirs, emitted.flags, identity)
+            for kind in ("cubin", "host")]

@@ -230,3 +230,12 @@ def _dedupe(paths: Iterable[Path]) -> list[Path]:
             seen.add(key)
             out.append(p)
     return out
+
+
+def find_toolchain_or_reason() -> str | None:
+    """None when an nvcc toolchain is found, else why not (for `kspec doctor` and backend availability)."""
+    try:
+        find_toolchain()
+    except KspecError as e:
+        return e.message
+    return None

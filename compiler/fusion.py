@@ -10,7 +10,6 @@ not create a cycle between kernels.  Why a node could not join a group is kept i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import networkx as nx
 
@@ -18,9 +17,22 @@ from .canon import GemmInfo, gemm_info
 from .graph import op, operands
 
 OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "const")
-EPILOGUE_FNS = {"add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu", "gelu_tanh", "silu",
-                "sigmoid", "tanh", "exp", "abs", "clamp", "broadcast"}
-EPILOGUE_REDUCTIONS = ("max", "sum")
+
+
+@dataclass(frozen=True)
+class FusionContext:
+    """What fusion may ask about backends: `oracle` (backends.registry.Planner) for the archs being
+    planned.  Without an oracle, fusion is purely structural (every elementwise fn and max/sum
+    reduction may join an epilogue; attention always fuses): the reference executor's view."""
+    oracle: object = None
+    archs: tuple[str, ...] = ()
+    kernel: str = "kernel"
+
+    def epilogue_fns(self) -> frozenset[str] | None:
+        return None if self.oracle is None else self.oracle.epilogue_fns(self.archs)
+
+    def epilogue_reductions(self) -> frozenset[str]:
+        return frozenset(("max", "sum")) if self.oracle is None else self.oracle.epilogue_reductions(self.archs)
 
 
 @dataclass
@@ -120,8 +132,7 @@ def _scaled_value(g: nx.DiGraph, n):
     return tensors[0]
 
 
-def fuse_attention(g: nx.DiGraph, res: FusionResult,
-                   supported: Callable[[nx.DiGraph, AttentionInfo], str | None] | None = None) -> None:
+def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
     """contraction(e) -> [scale] -> softmax(j) -> contraction(j) becomes one attention group."""
     for sm in [n for n in nx.topological_sort(g) if op(g, n).kind == "softmax"]:
         o = op(g, sm)
@@ -173,10 +184,6 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if o.causal is not None and o.causal != query:
             res.notes.append(f"attention at {sm}: not fused: causal index '{o.causal}' is not the query index")
             continue
-        why = supported(g, info) if supported else None
-        if why:
-            res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
-            continue
         nodes = {qk, sm, pv, *scale}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
@@ -185,14 +192,21 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if legal_group(g, nodes):
             res.notes.append(f"attention at {sm}: not fused: {legal_group(g, nodes)}")
             continue
-        res.groups.append(Group(f"g{len(res.groups)}", "attention", nodes, qk, info))
+        group = Group(f"g{len(res.groups)}", "attention", nodes, qk, info)
+        if ctx.oracle is not None:
+            from .ir_build import candidate_ir
+            why = ctx.oracle.can_fuse(candidate_ir(g, group, ctx.kernel), ctx.archs)
+            if why:
+                res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
+                continue
+        res.groups.append(group)
 
 
 def _is_full(g, n, gi: GemmInfo, gemm_axes: set) -> bool:
     return set(op(g, n).axes) == gemm_axes
 
 
-def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
+def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
     """Grow each GEMM's group over the elementwise ops and row/column reductions that consume it."""
     for c in nx.topological_sort(g):
         if op(g, c).kind != "contraction" or res.group_of(c):
@@ -211,7 +225,7 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                 so = op(g, s)
                 if so.kind == "output" or res.group_of(s):
                     continue
-                why = _epilogue_reject(g, s, group, gi, axes)
+                why = _epilogue_reject(g, s, group, gi, axes, ctx)
                 if why:
                     note = f"{so.label()} not fused into the GEMM at {c}: {why}"
                     if note not in res.notes:
@@ -235,11 +249,14 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
 
 
-def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | None:
+def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
+                     ctx: FusionContext = FusionContext()) -> str | None:
     so = op(g, s)
     if so.kind == "reduction":
-        if so.fn not in EPILOGUE_REDUCTIONS:
-            return f"'{so.fn}' reductions are not fused into epilogues (only max and sum)"
+        reductions = ctx.epilogue_reductions()
+        if so.fn not in reductions:
+            return (f"'{so.fn}' reductions are not fused into epilogues "
+                    f"(only {' and '.join(sorted(reductions)) or 'none'})")
         ((src, labels),) = operands(g, s)
         if set(labels) != gemm_axes:
             return "the reduction's operand is not the full GEMM result"
@@ -249,7 +266,8 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
         return None
     if so.kind not in ("elementwise", "broadcast", "cast"):
         return f"{so.kind} ops cannot be fused into an epilogue"
-    if so.kind == "elementwise" and so.fn not in EPILOGUE_FNS:
+    fns = ctx.epilogue_fns()
+    if so.kind == "elementwise" and fns is not None and so.fn not in fns:
         return f"'{so.fn}' has no epilogue implementation"
     if set(so.axes) != gemm_axes:
         return f"its iteration space [{', '.join(so.axes)}] differs from the GEMM's"
@@ -358,11 +376,12 @@ def fuse_softmax_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                 break
 
 
-def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
+def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     """Run every fusion pass; every operator node ends in exactly one group, in topological order."""
+    ctx = ctx or FusionContext()
     res = FusionResult([])
-    fuse_attention(g, res, attention_supported)
-    fuse_epilogues(g, res)
+    fuse_attention(g, res, ctx)
+    fuse_epilogues(g, res, ctx)
     fuse_elementwise(g, res)
     for n in nx.topological_sort(g):
         o = op(g, n)

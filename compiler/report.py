@@ -57,9 +57,8 @@ def format_plan(sched: KernelSchedule) -> str:
     for p in sched.plans:
         lines.append(f"  [{p.id}] {p.kind}: reads {', '.join(p.reads) or '-'} -> writes {', '.join(p.writes)}")
         lines.extend(_group_desc(sched, p))
-        for arch, cfg in p.configs.items():
-            if cfg.source != "n/a":
-                lines.append(f"      {arch}: {cfg.describe()}")
+        for arch, ch in p.choices.items():
+            lines.append(f"      {arch}: {ch.describe()}")
     inter = sched.intermediates
     if inter:
         lines.append("  global intermediates:")
@@ -68,10 +67,17 @@ def format_plan(sched: KernelSchedule) -> str:
             slot = sched.reuse[b.name]
             reuse = f", reuses {slot}" if slot != b.name else ""
             lines.append(f"    {b.describe()}  live plans {first}..{last}{reuse}")
-    if sched.fusion.notes:
+    fallbacks = fallback_notes(sched)
+    if sched.fusion.notes or fallbacks:
         lines.append("  notes:")
-        lines.extend(f"    - {n}" for n in sched.fusion.notes)
+        lines.extend(f"    - {n}" for n in sched.fusion.notes + fallbacks)
     return "\n".join(lines)
+
+
+def fallback_notes(sched: KernelSchedule) -> list[str]:
+    """One line per kernel and arch that runs as a loop-kernel fallback, with the reason."""
+    return [f"FALLBACK {p.id} on {arch}: {ch.fallback}" for p in sched.plans for arch, ch in p.choices.items()
+            if ch.fallback]
 
 
 def _si(x: float, unit: str) -> str:
@@ -100,7 +106,10 @@ def to_dot(sched: KernelSchedule) -> str:
     lines = [f'digraph "{_esc(sched.kernel.name)}" {{', "  rankdir=TB;", '  node [fontname="monospace", fontsize=10];']
     for p in sched.plans:
         lines.append(f'  subgraph "cluster_{p.id}" {{')
-        lines.append(f'    label="{_esc(p.id)} ({p.kind})"; style=rounded; color=blue;')
+        backends = ", ".join(f"{a}: {ch.backend}{' FALLBACK' if ch.fallback else ''}" for a, ch in p.choices.items())
+        color = "red" if any(ch.fallback for ch in p.choices.values()) else "blue"
+        label = _esc(f"{p.id} ({p.kind})") + (f"\\n{_esc(backends)}" if backends else "")
+        lines.append(f'    label="{label}"; style=rounded; color={color};')
         for n in sorted(p.group.nodes, key=_order):
             lines.append(f'    {n} [label="{_esc(op(g, n).label())}", shape=box];')
         lines.append("  }")
@@ -130,9 +139,10 @@ def to_json(sched: KernelSchedule, c: CostReport | None = None) -> str:
                   for u, v in g.edges],
         "plans": [{"id": p.id, "kind": p.kind, "nodes": sorted(p.group.nodes, key=_order), "reads": list(p.reads),
                    "writes": list(p.writes),
-                   "configs": {a: {"tile": cfg.tile, "cluster": cfg.cluster, "stages": cfg.stages, "source": cfg.source}
-                               for a, cfg in p.configs.items()}} for p in sched.plans],
-        "notes": sched.fusion.notes,
+                   "backends": {a: {"backend": ch.backend, "kind": ch.kind, "fallback": ch.fallback,
+                                    "config": dict(ch.config), "rejected": [list(r) for r in ch.rejected]}
+                                for a, ch in p.choices.items()}} for p in sched.plans],
+        "notes": sched.fusion.notes + fallback_notes(sched),
     }
     if c is not None:
         doc["cost"] = {"sizes": c.sizes, "fused_bytes": c.fused_bytes, "unfused_bytes": c.unfused_bytes,

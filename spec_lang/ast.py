@@ -141,7 +141,7 @@ class Kernel:
 @dataclass(frozen=True)
 class Setting:
     key: str
-    value: tuple[int, ...] | int
+    value: tuple[int, ...] | int | str
     text: str
     span: Span | None = _span()
 

@@ -262,6 +262,10 @@ class _Build(Transformer_NonRecursive):
     def int_value(self, tok):
         return (self._int(tok), str(tok))
 
+    @v_args(inline=True)
+    def name_value(self, tok):
+        return (str(tok), str(tok))
+
     @v_args(meta=True)
     def setting(self, meta, children):
         key, (value, text) = children
