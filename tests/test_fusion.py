@@ -7,8 +7,10 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from kspec.compiler import AttentionInfo, build_graph, canonicalize, fuse, op, plan_kernel, unfused
+from kspec.backends.registry import Planner
+from kspec.compiler import FusionContext, KernelIR, build_graph, canonicalize, fuse, op, plan_kernel, unfused
 from kspec.compiler.fusion import is_operator, legal_group
+from kspec.core import ARCHS
 from kspec.spec_lang import load_spec
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -18,10 +20,23 @@ def kernel_of(src: str):
     return load_spec(src, is_text=True).kernels[0]
 
 
-def fused(src: str, supported=None):
+def fused(src: str, oracle=None):
+    """Fuse as `kspec graph` does: asking the real backend registry (or the given oracle)."""
     g = build_graph(kernel_of(src))
     canonicalize(g)
-    return g, fuse(g, supported)
+    return g, fuse(g, FusionContext(oracle or Planner(), ARCHS, "k"))
+
+
+class VetoAttention(Planner):
+    """An oracle whose backends implement no fused attention (records what fusion asked)."""
+
+    def __init__(self, reason):
+        super().__init__()
+        self.reason, self.seen = reason, []
+
+    def can_fuse(self, ir, archs):
+        self.seen.append(ir)
+        return self.reason
 
 
 def groups(g, res) -> list[tuple[str, list[str]]]:
@@ -316,20 +331,17 @@ def test_score_matrix_that_is_an_output_is_not_attention():
 
 
 def test_attention_vetoed_by_the_backend_gives_the_unfused_plan():
-    seen = []
-
-    def veto(g, info):
-        seen.append(info)
-        return "no FMHA kernel for head dim 128 here"
-
+    veto = VetoAttention("no FMHA kernel for head dim 128 here")
     g, res = fused((SPECS / "attention.kspec").read_text(), veto)
-    assert len(seen) == 1 and isinstance(seen[0], AttentionInfo)
+    # fusion asked about a self-contained candidate kernel IR, not the graph
+    assert len(veto.seen) == 1 and isinstance(veto.seen[0], KernelIR) and veto.seen[0].kind == "attention"
+    assert veto.seen[0].attention.head_dims == (128, 128, 128)
     check_partition(g, res)
     assert groups(g, res) == UNFUSED_ATTENTION
     sm = [n for n in g if op(g, n).kind == "softmax"][0]
     assert f"attention at {sm}: not fused (no FMHA kernel for head dim 128 here); using the unfused plan" in res.notes
-    # a callback that accepts keeps the fused kernel
-    g, res = fused((SPECS / "attention.kspec").read_text(), lambda g, info: None)
+    # an oracle that accepts keeps the fused kernel
+    g, res = fused((SPECS / "attention.kspec").read_text(), VetoAttention(None))
     assert [grp.kind for grp in res.groups] == ["attention"]
 
 
