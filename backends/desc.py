@@ -13,7 +13,7 @@ Conventions
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Union
 
 from kspec.core import ARCH_TABLE, ARCHS  # noqa: F401

@@ -22,7 +22,8 @@ SPECS = ROOT / "specs"
 
 def _device_arch(torch) -> str | None:
     major, minor = torch.cuda.get_device_capability()
-    return {(9, 0): "sm90a", (10, 0): "sm100a"}.get((major, minor))
+    from kspec.core import arch_of_cc
+    return arch_of_cc(major * 10 + minor)
 
 
 class Timer:

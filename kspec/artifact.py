@@ -83,19 +83,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from kspec.backends.desc import ARCHS
-from kspec.spec_lang.errors import KspecError
+from kspec.core import ARCHS, DTYPES, IDENT_RE, KspecError
 
 FORMAT = "kspec-artifact"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
-DTYPES: tuple[str, ...] = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2", "i8", "i32")
 LAYOUTS: tuple[str, ...] = ("row", "col")
 PLAN_KINDS: tuple[str, ...] = ("gemm", "attention", "elementwise")
 INIT_KINDS: tuple[str, ...] = ("zero", "neg_inf")
 RESERVED_NAMES: frozenset[str] = frozenset({"stream"})
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 Extent = Union[str, int]          # a size symbol or an int literal
@@ -288,7 +285,7 @@ class _Reader:
         return v
 
     def ident(self, v: Any, where: str) -> str:
-        if not isinstance(v, str) or not _IDENT.match(v):
+        if not isinstance(v, str) or not IDENT_RE.match(v):
             raise self.fail(where, f"{json.dumps(v)[:60]} is not a valid identifier")
         return v
 

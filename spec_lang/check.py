@@ -9,6 +9,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Union
 
+from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES
+
 from . import ast
 from .errors import Diagnostic, KspecError, Span
 from .printer import print_expr
@@ -21,9 +23,7 @@ FUNCTIONS: dict[str, tuple[int, int]] = {
     "tanh": (1, 1), "exp": (1, 1), "log": (1, 1), "sqrt": (1, 1), "rsqrt": (1, 1), "abs": (1, 1),
     "clamp": (3, 3), "maximum": (2, 2), "minimum": (2, 2),
 }
-FLOAT_DTYPES = ("f8e4m3", "f8e5m2", "f16", "bf16", "tf32", "f32")
-INT_DTYPES = ("i8", "i32")
-_FLOAT_RANK = {"f8e4m3": 1, "f8e5m2": 1, "f16": 2, "bf16": 2, "tf32": 3, "f32": 3}
+_FLOAT_RANK = {d.name: d.rank for d in DTYPE_TABLE.values() if d.kind == "float"}
 SCHEDULE_KEYS = ("tile", "cluster", "stages", "backend")
 MAX_LITERAL_DIM = 1 << 31
 

@@ -8,7 +8,7 @@ import networkx as nx
 import pytest
 
 from kspec.backends.registry import Planner
-from kspec.compiler import FusionContext, KernelIR, build_graph, canonicalize, fuse, op, plan_kernel, unfused
+from kspec.compiler import AttentionInfo, FusionContext, KernelIR, build_graph, canonicalize, fuse, op, plan_kernel, unfused
 from kspec.compiler.fusion import is_operator, legal_group
 from kspec.core import ARCHS
 from kspec.spec_lang import load_spec

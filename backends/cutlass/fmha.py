@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 from kspec.backends.desc import AttentionDesc, Const, EmittedKernel, Load
-from kspec.spec_lang.errors import KspecError
+from kspec.core import KspecError, KspecInternalError, check_ident
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 _ELEMENT_CPP = {"f16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 
@@ -129,8 +127,7 @@ def choose_attention_tile(arch: str, dtype: str, head_dim: int) -> tuple[int, in
 # ---------------------------------------------------------------------------------------------
 
 def _check_ident(what: str, name: str) -> None:
-    if not isinstance(name, str) or not _IDENT.match(name):
-        raise AttentionLoweringError(f"internal: {what} {name!r} is not a sanitized identifier")
+    check_ident(name, what)
 
 
 def _validate(desc: AttentionDesc) -> tuple[int, int, int]:
@@ -142,7 +139,7 @@ def _validate(desc: AttentionDesc) -> tuple[int, int, int]:
             raise AttentionLoweringError(
                 f"fused attention needs contiguous [B, H, S|T, E] ('row') tensors; {role} is '{op.layout}'")
     if desc.o.name in (desc.q.name, desc.k.name, desc.v.name):
-        raise AttentionLoweringError("internal: attention output aliases an input")
+        raise KspecInternalError("attention output aliases an input")
     if len({desc.q.dtype, desc.k.dtype, desc.v.dtype}) != 1:
         raise AttentionLoweringError(
             f"fused attention needs Q, K, V of one dtype, got {desc.q.dtype}, {desc.k.dtype}, {desc.v.dtype}")
@@ -154,7 +151,7 @@ def _validate(desc: AttentionDesc) -> tuple[int, int, int]:
     elif isinstance(desc.scale, Const):
         const_scale = float(desc.scale.value)
     else:
-        raise AttentionLoweringError(f"internal: unknown scale expression {desc.scale!r}")
+        raise KspecInternalError(f"unknown scale expression {desc.scale!r}")
     reason = attention_support(desc.arch, desc.q.dtype, desc.head_dim, desc.causal,
                                out_dtype=desc.o.dtype, scale=const_scale)
     if reason is not None:

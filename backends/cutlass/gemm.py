@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kspec.backends.desc import ARCH_CC, EmittedKernel, GemmDesc
-from kspec.spec_lang.errors import KspecError
+from kspec.core import DTYPE_TABLE, KspecError
 
 from . import compat, evt
 
 OPERAND_DTYPES = ("f16", "bf16", "tf32", "f8e4m3", "f8e5m2")
 _FP8 = ("f8e4m3", "f8e5m2")
-_BITS = {"f16": 16, "bf16": 16, "f32": 32, "tf32": 32, "f8e4m3": 8, "f8e5m2": 8, "i8": 8, "i32": 32}
+_BITS = {name: d.bits for name, d in DTYPE_TABLE.items()}
 TMA_ALIGNMENT_BYTES = 16
 
 BASE_FLAGS = ("-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DNDEBUG",

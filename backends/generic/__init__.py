@@ -18,7 +18,7 @@ from kspec.backends.desc import EmittedKernel
 from kspec.backends.names import Names
 from kspec.compiler.graph import op, operands
 from kspec.compiler.kir import KINDS, KernelIR
-from kspec.core import ARCHS, INT_DTYPES, KspecError, check_ident
+from kspec.core import ARCHS, INT_DTYPES, KspecError, KspecInternalError, check_ident
 
 BLOCK = 256
 
@@ -129,7 +129,7 @@ class _Gen:
             self.scalars[c] = o.buffer
             return f"(float)p.scalar[{{{c}}}]" if o.dtype not in _INT else f"(long long)p.scalar[{{{c}}}]"
         if o.kind != "input":
-            raise KspecLoweringError(f"internal: value {n} is neither computed in the kernel nor loaded")
+            raise KspecInternalError(f"value {n} is neither computed in the kernel nor loaded")
         buf = o.buffer
         return _load(self.ir.buffer(buf).dtype, f"p.ptr[{{{self.ptr(buf)}}}]", self.offset(buf, labels))
 
