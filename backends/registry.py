@@ -49,6 +49,10 @@ def get_checked(name: str, ir: KernelIR) -> Backend:
         raise KspecError(f"kernel {ir.spec_kernel}: {e.message}", ir.span, e.hint) from None
 
 
+def _kinds(b: Backend) -> tuple[str, ...]:
+    return b.capabilities.kinds + b.capabilities.fallback_kinds
+
+
 class Planner:
     """What the compiler asks while fusing and scheduling (compiler.kir.Oracle).
 
@@ -106,7 +110,7 @@ class Planner:
         pin = self.pinned or ir.hint(arch).backend
         # a pin applies to the kinds of kernel the pinned backend builds at all; other kernels of
         # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
-        if pin and ir.kind in get_checked(pin, ir).capabilities.kinds:
+        if pin and ir.kind in _kinds(get_checked(pin, ir)):
             b = get(pin)
             why = b.can_implement(ir, arch)
             if why:

@@ -475,7 +475,7 @@ def _epi_to_json(e: EpiExpr):
         return {"Accum": []}
     if isinstance(e, Const):
         v = e.value
-        return {"Const": [v if math.isfinite(v) else repr(v)]}
+        return {"Const": [v if math.isfinite(v) else {"float": repr(v)}]}
     return {"Load": [e.name, e.kind, e.dtype]}
 
 
@@ -486,7 +486,7 @@ def _epi_from_json(d) -> EpiExpr:
     if tag == "Accum":
         return Accum()
     if tag == "Const":
-        return Const(float(v[0]))
+        return Const(float(v[0]["float"]) if isinstance(v[0], dict) else float(v[0]))
     return Load(*v)
 
 
@@ -505,7 +505,7 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
         return None if (s is None or not spans) else [s.file, s.line, s.col, s.end_line, s.end_col]
 
     def value(v):
-        return repr(v) if isinstance(v, float) and not math.isfinite(v) else v
+        return {"float": repr(v)} if isinstance(v, float) and not math.isfinite(v) else v
 
     ops = []
     for o in ir.ops:
@@ -532,7 +532,7 @@ def ir_from_json(d: dict) -> KernelIR:
         return Span(*s) if s else None
 
     def num(v):
-        return float(v) if isinstance(v, str) else v
+        return float(v["float"]) if isinstance(v, dict) else v
 
     def make(cls, obj: dict):
         return cls(**{k: _tup(v) for k, v in obj.items()})
