@@ -82,14 +82,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from kspec.backends.desc import ARCHS
-from kspec.spec_lang.errors import KspecError
+# The runtime reads artifacts on machines without the compiler: only the dependency-free core here.
+from kspec.core import ARCHS, DTYPES, KspecError
 
 FORMAT = "kspec-artifact"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
-DTYPES: tuple[str, ...] = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2", "i8", "i32")
 LAYOUTS: tuple[str, ...] = ("row", "col")
 PLAN_KINDS: tuple[str, ...] = ("gemm", "attention", "elementwise")
 INIT_KINDS: tuple[str, ...] = ("zero", "neg_inf")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strides, read_manifest
-from kspec.backends.desc import ARCH_CC
+from kspec.core import ARCH_TABLE, arch_of_cc
 from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
@@ -40,7 +40,6 @@ from kspec.runtime.glue import HostGlue, Prepared
 from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
 
 _SCRATCH_ALIGN = 256
-_CC_ARCH = {(cc // 10, cc % 10): arch for arch, cc in ARCH_CC.items()}
 
 
 def load(path: str | Path, verify: bool = True) -> "Module":
@@ -297,6 +296,29 @@ class Kernel:
                     raise KspecRuntimeError(f"argument '{o}': output overlaps {kind} '{other}' in memory; "
                                             f"outputs must not alias other arguments")
 
+    # ------------------------------------------------------------------ host arrays
+    def to_device(self, *args, device: int = 0, stream: int = 0, **kwargs) -> dict[str, Any]:
+        """Upload host numpy arrays for this kernel's tensors (inputs positional or by name,
+        outputs by name), each as a `DeviceArray` in its spec's layout and storage dtype (values
+        converted with numpy's astype when the dtype differs).  Returns them by name, ready to
+        pass as keywords: `k(**k.to_device(A, B))`.  Blocking; for tests and scripts."""
+        from kspec.runtime.transfer import to_device
+        k = self.entry
+        inputs = _names(k.inputs)
+        if len(args) > len(inputs):
+            raise KspecRuntimeError(f"{k.name}.to_device() takes {len(inputs)} positional input(s) "
+                                    f"({', '.join(inputs)}), got {len(args)}")
+        host = dict(zip(inputs, args))
+        specs = {t.name: t for t in (*k.inputs, *k.outputs)}
+        for name, a in kwargs.items():
+            if name not in specs:
+                raise KspecRuntimeError(f"{k.name}.to_device(): '{name}' is not an input or output "
+                                        f"(expected one of: {', '.join(specs)})")
+            if name in host:
+                raise KspecRuntimeError(f"{k.name}.to_device(): argument '{name}' given twice")
+            host[name] = a
+        return {name: to_device(a, specs[name], device=device, stream=stream) for name, a in host.items()}
+
     # ------------------------------------------------------------------ launch (GPU)
     def __call__(self, *args, stream: Any = None, **kwargs) -> dict[str, Any]:
         drv = _driver.get()
@@ -356,11 +378,11 @@ class Module:
         return self._images[key]
 
     def arch_for(self, cc: tuple[int, int], name: str, ordinal: int) -> str:
-        arch = _CC_ARCH.get(cc)
+        arch = arch_of_cc(cc[0] * 10 + cc[1])
         if arch is None or arch not in self.archs:
-            have = ", ".join(f"{a} (compute capability {ARCH_CC[a] // 10}.{ARCH_CC[a] % 10})" for a in self.archs)
+            have = ", ".join(f"{a} (compute capability {ARCH_TABLE[a].cc // 10}.{ARCH_TABLE[a].cc % 10})" for a in self.archs)
             why = (f"the artifact has no {arch} binary" if arch else
-                   f"kspec compiles only for {', '.join(_CC_ARCH.values())}")
+                   f"kspec compiles only for {', '.join(ARCH_TABLE)}")
             raise KspecRuntimeError(
                 f"cuda:{ordinal} ({name}, compute capability {cc[0]}.{cc[1]}) cannot run this artifact: "
                 f"{why}; it has binaries for {have}",

@@ -1,12 +1,13 @@
 """`kspec run` on a GPU: compile (or load) an artifact, run each kernel on random inputs and compare
-every output with the numpy reference backend."""
+every output with the numpy reference backend.  (A CLI command, not part of the lean runtime: it
+needs the spec language and the reference backend, imported when it runs.)"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
 
-from kspec.spec_lang import KspecError, load_spec
+from kspec.core import KspecError
 
 # max |gpu - ref| / max(1, max |ref|) allowed per output dtype (the reference rounds per node, the
 # GPU keeps epilogue values in registers and accumulates in a different order)
@@ -28,7 +29,8 @@ def relative_error(got, ref) -> float:
 def run_on_gpu(args, sizes: dict[str, int]) -> int:
     from kspec.backends.reference import reference
     from kspec.cli import random_inputs
-    from kspec.runtime import cuda_available, from_numpy, load
+    from kspec.runtime import cuda_available, from_device, load
+    from kspec.spec_lang import load_spec
 
     ok, why = cuda_available()
     if not ok:
@@ -56,12 +58,11 @@ def run_on_gpu(args, sizes: dict[str, int]) -> int:
         k = program.kernel(name)
         host = random_inputs(k, sizes, args.seed)
         want = reference(program, name)(**host)
-        dev = {n: from_numpy(a) for n, a in host.items()}
-        got = getattr(mod, name)(**dev)
+        kernel = getattr(mod, name)
+        got = kernel(**kernel.to_device(**host))       # each input in its spec's layout
         print(f"kernel {name}:")
         for out in k.outputs:
-            err = relative_error(got[out.name].to_numpy() if hasattr(got[out.name], "to_numpy")
-                                 else np.asarray(got[out.name].cpu()), want[out.name])
+            err = relative_error(from_device(got[out.name]), want[out.name])
             tol = TOLERANCE[out.dtype]
             verdict = "ok" if err <= tol else "MISMATCH"
             if err > tol:
