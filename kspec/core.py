@@ -192,9 +192,12 @@ def check_ident(name: object, what: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 # Bumped whenever the host-glue entry points or the manifest's launch fields change meaning.
-ABI_VERSION = 2
+# 3: kspec_workspace_size takes the device and its SM count (persistent schedulers size their
+#    workspace by it), and every glue exports kspec_abi_version.
+ABI_VERSION = 3
 
-WORKSPACE_PROTO = "int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap)"
+WORKSPACE_PROTO = ("int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,\n"
+                   "                         uint64_t* bytes, char* err, uint64_t err_cap)")
 PREPARE_PROTO = ("int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,\n"
                  "                  void* workspace, int32_t device, int32_t sm_count,\n"
                  "                  void* params, uint64_t params_cap, uint64_t* params_size,\n"

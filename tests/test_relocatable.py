@@ -142,7 +142,7 @@ def test_artifact_built_here_loads_from_a_copy(tmp_path):
     plan = mod.manifest.kernels[0].plans[0]
     glue = mod.glue(plan, "sm90a")
     assert isinstance(glue, HostGlue) and glue.path.parent == moved
-    assert glue.workspace_size([1000]) == 0
+    assert glue.workspace_size([1000], 0, 132) == 0
     p = glue.prepare([1000], [0x1000, 0x2000, 0x3000], [2.0], 0, 0, 132)
     assert p.grid[0] >= 1 and p.params_size > 0
     assert mod.image(plan, "sm90a")[:4] == b"\x7fELF"

@@ -22,6 +22,7 @@ outputs explicitly when capturing (an output allocated during capture is graph m
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import keyword
 import math
@@ -342,6 +343,7 @@ class Module:
                          for k in manifest.kernels}
         self._glue: dict[tuple[str, str], HostGlue] = {}
         self._images: dict[tuple[str, str], bytes] = {}
+        self._digests: dict[tuple[str, str], str] = {}
 
     def __getattr__(self, name: str) -> Kernel:
         kernels = self.__dict__.get("_kernels", {})
@@ -368,14 +370,25 @@ class Module:
     def glue(self, plan: Plan, arch: str) -> HostGlue:
         key = (plan.id, arch)
         if key not in self._glue:
-            self._glue[key] = HostGlue(self.path / plan.binaries[arch].host, f"plan '{plan.id}' ({arch})")
+            self._glue[key] = HostGlue(self.path / plan.binaries[arch].host,
+                                       f"kernel '{self._kernel_of(plan)}', plan '{plan.id}' ({arch})", plan.args)
         return self._glue[key]
+
+    def _kernel_of(self, plan: Plan) -> str:
+        return next((k.name for k in self.manifest.kernels if plan in k.plans), "?")
 
     def image(self, plan: Plan, arch: str) -> bytes:
         key = (plan.id, arch)
         if key not in self._images:
             self._images[key] = (self.path / plan.binaries[arch].cubin).read_bytes()
         return self._images[key]
+
+    def image_digest(self, plan: Plan, arch: str) -> str:
+        """sha256 of the cubin as loaded (what the driver's function cache is keyed by)."""
+        key = (plan.id, arch)
+        if key not in self._digests:
+            self._digests[key] = hashlib.sha256(self.image(plan, arch)).hexdigest()
+        return self._digests[key]
 
     def arch_for(self, cc: tuple[int, int], name: str, ordinal: int) -> str:
         arch = arch_of_cc(cc[0] * 10 + cc[1])
@@ -410,7 +423,7 @@ class Module:
                         drv.order_after(int(v.stream), stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
             glues = [self.glue(p, arch) for p in k.plans]
-            ws_sizes = [g.workspace_size(b.dims(p)) for g, p in zip(glues, k.plans)]
+            ws_sizes = [g.workspace_size(b.dims(p), device, sms) for g, p in zip(glues, k.plans)]
             # one scratch block: every intermediate, then one workspace reused by the plans in turn
             offsets, total = {}, 0
             for t in k.intermediates:
@@ -487,7 +500,10 @@ class Module:
         if 0 in prepared.grid:
             return                                   # empty problem: nothing to launch
         binary = plan.binaries[arch]
-        func = drv.function(ctx, (id(self), plan.id, arch), self.image(plan, arch), binary.symbol, what)
+        # keyed by the cubin's content, not id(self): ids are reused once a module is collected,
+        # and a new module at an old id must not get the old module's function
+        func = drv.function(ctx, (self.image_digest(plan, arch), plan.id, arch), self.image(plan, arch),
+                            binary.symbol, what)
         want = drv.param_size(func)
         if want is not None and want != prepared.params_size:
             raise KspecRuntimeError(f"{what}: the host glue built a {prepared.params_size}-byte parameter "
