@@ -320,6 +320,18 @@ class Kernel:
             host[name] = a
         return {name: to_device(a, specs[name], device=device, stream=stream) for name, a in host.items()}
 
+    # ------------------------------------------------------------------ torch
+    def as_torch_op(self):
+        """This kernel as a PyTorch custom operator (see kspec.runtime.torch_ops): traceable by
+        torch.compile/torch.export through its fake implementation, capturable in CUDA graphs,
+        launched on torch's current stream.  Needs torch; registered once per kernel content."""
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise KspecRuntimeError(f"{self.name}.as_torch_op() needs PyTorch", hint="pip install torch") from None
+        from kspec.runtime.torch_ops import REGISTRY
+        return REGISTRY.get_or_register(self)
+
     # ------------------------------------------------------------------ launch (GPU)
     def __call__(self, *args, stream: Any = None, **kwargs) -> dict[str, Any]:
         drv = _driver.get()
