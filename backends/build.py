@@ -197,8 +197,10 @@ class CompileCache:
             "arch": job.arch,
             "kind": job.kind,
             "flags": list(job.flags),
-            "includes": job.include_identity or [os.path.abspath(d) for d in job.include_dirs],
-            "nvcc": toolchain.version,
+            # what the headers are, never where this machine keeps them
+            "includes": job.include_identity or tree_identity(*job.include_dirs),
+            # major.minor: a patch release of the same toolkit shares the cache across machines
+            "nvcc": toolchain_release(toolchain.version),
         }
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
@@ -503,12 +505,18 @@ def build_all(jobs: Sequence[BuildJob], toolchain: Toolchain, cache: CompileCach
     return [done_by_key[k] for k in keys]
 
 
+def toolchain_release(version: str) -> str:
+    """The major.minor release of an nvcc version ("13.0.88" -> "13.0"), as the cache keys it."""
+    return ".".join(version.split(".")[:2])
+
+
 def tree_identity(*dirs: os.PathLike | str) -> str:
     """A cheap identity of the files under `dirs` (relative path, size, mtime), for
     BuildJob.include_identity when no package version pins the headers."""
     h = hashlib.sha256()
     for d in dirs:
         base = Path(d)
+        h.update(b"\0dir\n")          # the number and order of dirs count, not where they are
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames.sort()
             for name in sorted(filenames):

@@ -83,6 +83,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+# The runtime reads artifacts on machines without the compiler: only the dependency-free core here.
 from kspec.core import ARCHS, DTYPES, IDENT_RE, KspecError
 
 FORMAT = "kspec-artifact"

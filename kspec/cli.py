@@ -6,7 +6,7 @@ import sys
 import traceback
 
 import kspec
-from kspec.core import ARCHS, REPORT_HINT, KspecError, KspecInternalError, normalize_arch
+from kspec.core import REPORT_HINT, KspecError, KspecInternalError, select_archs
 
 ISSUE_HINT = REPORT_HINT
 
@@ -87,11 +87,7 @@ def parse_sizes(text: str | None) -> dict[str, int]:
 
 
 def _archs(text: str | None, program=None) -> tuple[str, ...]:
-    if text:
-        return tuple(normalize_arch(a) for a in text.split(",") if a.strip())
-    if program is not None and program.targets:
-        return tuple(program.targets)
-    return ARCHS
+    return select_archs(text, program.targets if program is not None else ())
 
 
 def _kernels(prog, name: str | None):
@@ -151,27 +147,9 @@ def _emit(text: str, path: str | None) -> None:
 
 
 def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
-    """Random arrays for every input of a kernel, at the given symbol sizes (default 64)."""
-    import numpy as np
-
-    from kspec.backends.reference.numerics import is_int, to_storage
-    rng = np.random.default_rng(seed)
-    out = {}
-    fixed = dict(kernel.bindings)
-    for t in kernel.inputs:
-        shape = []
-        for d in t.shape:
-            if isinstance(d, int):
-                shape.append(d)
-            elif d in fixed:
-                shape.append(fixed[d])
-            else:
-                shape.append(sizes.get(d, 64))
-        if is_int(t.dtype):
-            out[t.name] = rng.integers(-4, 5, size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
-        else:
-            out[t.name] = to_storage(rng.standard_normal(shape).astype(np.float32), t.dtype)
-    return out
+    """Random arrays for every input of a kernel (see `kspec.run.random_inputs`)."""
+    from kspec.run import random_inputs as make
+    return make(kernel, sizes, seed)
 
 
 def cmd_run(args) -> int:
@@ -193,7 +171,7 @@ def cmd_run(args) -> int:
                 print(f"  {name}: {v.dtype}{list(v.shape)}  sum={f.sum():.6g}  abs-sum={np.abs(f).sum():.6g}  "
                       f"max={f.max():.6g}  min={f.min():.6g}")
         return 0
-    from kspec.runtime.run import run_on_gpu
+    from kspec.run import run_on_gpu
     return run_on_gpu(args, sizes)
 
 
@@ -361,7 +339,13 @@ def _register_compile(sub) -> None:
     c.set_defaults(func=cmd_cache)
 
 
-_EXTRA_COMMANDS: list = [_register_graph, _register_lower, _register_compile, _register_run]
+def _register_doctor(sub) -> None:
+    from kspec.doctor import register
+    register(sub)
+
+
+_EXTRA_COMMANDS: list = [_register_graph, _register_lower, _register_compile, _register_run,
+                         _register_doctor]
 
 
 class _Parser(argparse.ArgumentParser):

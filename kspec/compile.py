@@ -45,11 +45,10 @@ class EmittedSpec:
 def _generator_identity(backend) -> str:
     """Hash of a backend's own source (its module or folder, plus the shared backend modules) and
     its identity: an emitted kernel is reused only while they are unchanged."""
-    import importlib
     import kspec.backends as backends
     h = hashlib.sha256(kspec.__version__.encode() + backend.identity().encode())
     root = Path(backends.__file__).parent
-    mod = Path(importlib.import_module(type(backend).__module__).__file__)
+    mod = Path(sys.modules[type(backend).__module__].__file__)
     own = mod.parent if mod.parent != root else mod
     files = sorted(root.glob("*.py")) + (sorted(own.rglob("*.py")) if own.is_dir() else [own])
     for p in files:
@@ -76,18 +75,59 @@ def emit_cached(lowered: LoweredPlan, cache_root: Path | None) -> EmittedKernel:
     path = cache_root / "emit" / f"{key}.json"
     try:
         data = json.loads(path.read_text())
+        data["include_dirs"] = _resolve_include_dirs(data["include_dirs"])
         fields = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
                   for k, v in data.items()}
         return EmittedKernel(**fields)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, KeyError):
         pass
     em = backend.emit(lowered)
+    data = asdict(em)
+    portable = _portable_include_dirs(em.include_dirs)
+    if portable is None:
+        return em       # an include dir outside the CUTLASS tree: not memoised (no machine paths on disk)
+    data["include_dirs"] = portable
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump(asdict(em), f)
+        json.dump(data, f)
     os.replace(tmp, path)
     return em
+
+
+# The emit memo outlives the machine paths of the code generator's inputs (a moved venv, a cache
+# copied to another machine): include dirs are stored relative to the CUTLASS source tree and
+# resolved against this machine's tree when read.
+_CUTLASS_PREFIX = "cutlass:"
+
+
+def _portable_include_dirs(dirs) -> list[str] | None:
+    if not dirs:
+        return []
+    from kspec.backends.cutlass.compat import cutlass_source_dir
+    root = os.path.realpath(cutlass_source_dir())
+    out = []
+    for d in dirs:
+        rel = os.path.relpath(os.path.realpath(d), root)
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+            return None
+        out.append(_CUTLASS_PREFIX + rel.replace(os.sep, "/"))
+    return out
+
+
+def _resolve_include_dirs(stored) -> list[str]:
+    """Absolute include dirs on this machine; ValueError (a memo miss) for anything else."""
+    if not isinstance(stored, list) or not all(isinstance(d, str) and d.startswith(_CUTLASS_PREFIX)
+                                               for d in stored):
+        raise ValueError("include dirs of an older memo format")
+    if not stored:
+        return []
+    from kspec.backends.cutlass.compat import cutlass_source_dir
+    root = cutlass_source_dir()
+    out = [os.path.join(root, *d[len(_CUTLASS_PREFIX):].split("/")) for d in stored]
+    if not all(os.path.isdir(d) for d in out):
+        raise ValueError("CUTLASS tree without the memoised include dirs")
+    return out
 
 
 def plan_spec(program: CheckedProgram, archs: tuple[str, ...], kernel: str | None = None,

@@ -117,6 +117,13 @@ def normalize_arch(text: str) -> str:
     return a
 
 
+def select_archs(text: str | None, targets: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The archs of a command: `--arch a,b` if given, else the spec's `target` line, else all."""
+    if text:
+        return tuple(normalize_arch(a) for a in text.split(",") if a.strip())
+    return tuple(targets) or ARCHS
+
+
 def arch_of_cc(cc: int) -> str | None:
     """The arch whose cubins run on a device of compute capability `cc` (major*10+minor), or None."""
     for a in ARCH_TABLE.values():
@@ -192,9 +199,12 @@ def check_ident(name: object, what: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 # Bumped whenever the host-glue entry points or the manifest's launch fields change meaning.
-ABI_VERSION = 2
+# 3: kspec_workspace_size takes the device and its SM count (persistent schedulers size their
+#    workspace by it), and every glue exports kspec_abi_version.
+ABI_VERSION = 3
 
-WORKSPACE_PROTO = "int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap)"
+WORKSPACE_PROTO = ("int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,\n"
+                   "                         uint64_t* bytes, char* err, uint64_t err_cap)")
 PREPARE_PROTO = ("int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,\n"
                  "                  void* workspace, int32_t device, int32_t sm_count,\n"
                  "                  void* params, uint64_t params_cap, uint64_t* params_size,\n"

@@ -9,7 +9,7 @@ import pytest
 from conftest import SHIPPED, SPECS
 
 from kspec.cli import random_inputs
-from kspec.runtime.run import TOLERANCE, relative_error
+from kspec.run import TOLERANCE, relative_error
 from kspec.spec_lang import load_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
@@ -37,22 +37,25 @@ ODD = {"M": 200, "N": 136, "K": 72, "L": 2, "B": 1, "H": 2, "S": 136, "T": 200}
 def _run(compiled, stem, sizes, pass_outputs=False, seed=0):
     import kspec
     from kspec.backends.reference import reference
-    from kspec.runtime import DeviceArray, from_numpy
+    from kspec.artifact import layout_strides
+    from kspec.runtime import DeviceArray, from_device
     arch = _device_arch()
     mod = kspec.load(compiled(stem, (arch,)))
     prog = load_spec(SPECS / f"{stem}.kspec")
     k = prog.kernels[0]
     host = random_inputs(k, sizes, seed)
     want = reference(prog)(**host)
-    args = {n: from_numpy(a) for n, a in host.items()}
+    kernel = getattr(mod, stem)
+    args = kernel.to_device(**host)            # each input in its spec's layout (col inputs column-major)
     if pass_outputs:
         for t in k.outputs:
-            args[t.name] = DeviceArray(want[t.name].shape, t.dtype)
-    got = getattr(mod, stem)(**args)
+            shape = want[t.name].shape
+            args[t.name] = DeviceArray(shape, t.dtype, layout_strides(shape, t.layout or "row"))
+    got = kernel(**args)
     for t in k.outputs:
         if pass_outputs:
             assert got[t.name] is args[t.name]
-        err = relative_error(got[t.name].to_numpy(), want[t.name])
+        err = relative_error(from_device(got[t.name]), want[t.name])
         assert err <= TOLERANCE[t.dtype], f"{stem}.{t.name}: relative error {err:.3g}"
 
 

@@ -104,7 +104,7 @@ FORBIDDEN = {
                         "networkx"),
     "kspec.compiler": ("kspec.backends", "kspec.runtime", "kspec.cli", "kspec.compile", "kspec.artifact"),
     "kspec.runtime": ("kspec.compiler", "kspec.spec_lang", "kspec.backends", "kspec.cli", "kspec.compile",
-                      "lark", "networkx", "ml_dtypes", "cutlass", "cutlass_cppgen", "cutlass_library"),
+                      "lark", "networkx", "cutlass", "cutlass_cppgen", "cutlass_library"),
     "kspec.artifact": ("kspec.compiler", "kspec.spec_lang", "kspec.backends", "kspec.cli", "lark", "networkx"),
 }
 

@@ -422,7 +422,7 @@ def test_host_glue_prepare(glue_fixture):
     assert b.allocate == ("D", "rmax") and b.strides["rmax"] == (1,)
     plan = b.kernel.plans[0]
     glue = m.glue(plan, "sm90a")
-    assert glue.workspace_size(b.dims(plan)) == 0
+    assert glue.workspace_size(b.dims(plan), 0, 132) == 0
     p = glue.prepare(b.dims(plan), [BASE, BASE + 0x100000, 0x1000, 0x2000], b.scalars(plan), 0, 0, 132)
     assert p.grid == (2, 48, 1) and p.block == (128, 1, 1) and p.cluster == (1, 1, 1)
     assert p.smem_bytes == 64 * 1024
@@ -451,7 +451,7 @@ def test_two_plan_binding(glue_fixture):
     assert b.scalars(p0) == [3.0, 0.0] and b.scalars(p1) == [1.0, 1.0]
     assert b.strides["t"] == (1,)
     glue = glue_fixture.glue(p0, "sm90a")
-    assert glue.workspace_size(b.dims(p0)) == 256
+    assert glue.workspace_size(b.dims(p0), 0, 132) == 256
     with pytest.raises(KspecRuntimeError, match="workspace missing"):
         glue.prepare(b.dims(p0), [BASE, 0x1000], b.scalars(p0), 0, 0, 132)
 

@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kspec.core import ABI_VERSION
 from kspec.backends.desc import AttentionDesc, Const, EmittedKernel, Load
 from kspec.core import KspecError, KspecInternalError, check_ident
 
@@ -188,6 +189,7 @@ def emit_attention(desc: AttentionDesc) -> EmittedKernel:
         host=_HOPPER_HOST if desc.arch == "sm90a" else _BLACKWELL_HOST,
         scale_expr=scale_expr,
         needs_scalar="1" if runtime_scale else "0",
+        abi=ABI_VERSION,
     )
     paths = cutlass_paths()
     args = (desc.q.name, desc.k.name, desc.v.name, desc.o.name)
@@ -457,10 +459,16 @@ uint64_t kspec_lse_bytes(KspecProblem const& p) {{
 }}  // namespace
 
 extern "C" __attribute__((visibility("default")))
-int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap) {{
+int kspec_abi_version(void) {{ return {abi}; }}
+
+extern "C" __attribute__((visibility("default")))
+int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,
+                         uint64_t* bytes, char* err, uint64_t err_cap) {{
   try {{
     KspecProblem p;
     if (kspec_problem(dims, p, err, err_cap) != 0) return 1;
+    p.device = device;
+    p.sm_count = sm_count;  // the same hardware info kspec_prepare will see
     if (bytes == nullptr) return kspec_fail(err, err_cap, "bytes is NULL");
     Kernel::Arguments args = kspec_make_args(p, nullptr, 1.0f, nullptr);
     *bytes = kspec_lse_bytes(p) + uint64_t(Kernel::get_workspace_size(args));
@@ -490,7 +498,8 @@ int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
       if (a == 0 || a % 16 != 0) {{
         if (err != nullptr && err_cap > 0) {{
           std::snprintf(err, static_cast<size_t>(err_cap),
-                        "attention tensor %s must be a non-NULL device pointer aligned to 16 bytes", arg_names[i]);
+                        "argument #%d (attention tensor %s) must be a non-NULL device pointer aligned to 16 bytes",
+                        i, arg_names[i]);
         }}
         return 1;
       }}
@@ -529,7 +538,8 @@ int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
     char* ws = static_cast<char*>(workspace);
     Kernel::Arguments args = kspec_make_args(p, ptrs, scale, ws);
     if (!Kernel::can_implement(args))
-      return kspec_fail(err, err_cap, "CUTLASS FMHA can_implement() rejected these sizes");
+      return kspec_fail(err, err_cap, "CUTLASS FMHA can_implement() rejected B=%lld, H=%lld and these "
+                        "sequence lengths", p.B, p.H);
     void* kernel_ws = Kernel::get_workspace_size(args) ? static_cast<void*>(ws + lse_bytes) : nullptr;
     Kernel::Params kp = Kernel::to_underlying_arguments(args, kernel_ws);
     kspec_fix_params(kp, scale);

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kspec.backends.desc import ARCH_CC, EmittedKernel, GemmDesc
-from kspec.core import DTYPE_TABLE, KspecError
+from kspec.core import ABI_VERSION, DTYPE_TABLE, KspecError
 
 from . import compat, evt
 
@@ -25,6 +25,9 @@ _FP8 = ("f8e4m3", "f8e5m2")
 _BITS = {name: d.bits for name, d in DTYPE_TABLE.items()}
 TMA_ALIGNMENT_BYTES = 16
 
+# -DNDEBUG stays: device asserts cost registers, and a host assert would abort the caller's process.
+# The host glue checks every status itself (can_implement, initialize_workspace, the driver entry
+# point and each TMA descriptor encode; see _TMA_HOOK) and returns it as an error.
 BASE_FLAGS = ("-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DNDEBUG",
               "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1", "-DCUTLASS_DEBUG_TRACE_LEVEL=0")
 
@@ -329,6 +332,8 @@ def _host_glue(desc: GemmDesc, epi: evt.EvtEpilogue, cfg: GemmConfig,
         '  if (L != 1) { kspec_set_err(err, err_cap, "this kernel is not batched: L must be 1"); '
         "return 2; }\n")
     cm, cn, ck = cfg.cluster
+    order = sorted(names.ptr_index, key=names.ptr_index.get)
+    align = [a for _, a in _arg_alignment(desc, order)]
     return f"""
 namespace {{
 
@@ -376,26 +381,61 @@ int kspec_make_arguments(const int64_t* dims, void* const* ptrs, const double* s
 
 }}  // namespace
 
-extern "C" int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap) {{
-  void* null_ptrs[{max(1, len(names.ptr_index))}] = {{}};
-  double zero_scalars[{max(1, len(names.scalar_index))}] = {{}};
-  Arguments args;
-  int rc = kspec_make_arguments(dims, null_ptrs, zero_scalars, 0, 1, &args, err, err_cap);
-  if (rc != 0) return rc;
-  *bytes = static_cast<uint64_t>(Kernel::get_workspace_size(args));
-  return 0;
+extern "C" int kspec_abi_version(void) {{ return {ABI_VERSION}; }}
+
+extern "C" int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,
+                                    uint64_t* bytes, char* err, uint64_t err_cap) {{
+  try {{
+    if (sm_count <= 0) {{
+      kspec_set_err(err, err_cap, "sm_count must be positive (the launch device's multiprocessor count)");
+      return 1;
+    }}
+    void* null_ptrs[{max(1, len(names.ptr_index))}] = {{}};
+    double zero_scalars[{max(1, len(names.scalar_index))}] = {{}};
+    Arguments args;
+    int rc = kspec_make_arguments(dims, null_ptrs, zero_scalars, device, sm_count, &args, err, err_cap);
+    if (rc != 0) return rc;
+    // sized with the device's SM count: the persistent tile scheduler keeps per-SM state
+    *bytes = static_cast<uint64_t>(Kernel::get_workspace_size(args));
+    return 0;
+  }} catch (std::exception const& e) {{
+    kspec_set_err(err, err_cap, e.what());
+    return 9;
+  }} catch (...) {{
+    kspec_set_err(err, err_cap, "kspec_workspace_size: unknown C++ exception");
+    return 9;
+  }}
 }}
 
-extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
-                             void* workspace, int32_t device, int32_t sm_count,
-                             void* params, uint64_t params_cap, uint64_t* params_size,
-                             uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],
-                             uint32_t* smem_bytes, char* err, uint64_t err_cap) {{
+namespace {{
+
+// Byte alignment each tensor argument needs (the manifest's alignment), in ABI order.
+constexpr unsigned kArgAlignment[{max(1, len(align))}] = {{{", ".join(str(a) for a in align) or "1"}}};
+constexpr int kNumArgs = {len(align)};
+
+int kspec_prepare_checked(const int64_t* dims, void* const* ptrs, const double* scalars,
+                          void* workspace, int32_t device, int32_t sm_count,
+                          void* params, uint64_t params_cap, uint64_t* params_size,
+                          uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],
+                          uint32_t* smem_bytes, char* err, uint64_t err_cap) {{
+  char msg[512];
+  if (sm_count <= 0) {{
+    kspec_set_err(err, err_cap, "sm_count must be positive (the launch device's multiprocessor count)");
+    return 1;
+  }}
+  for (int i = 0; i < kNumArgs; ++i) {{
+    uintptr_t a = reinterpret_cast<uintptr_t>(ptrs[i]);
+    if (a == 0 || a % kArgAlignment[i] != 0) {{
+      std::snprintf(msg, sizeof(msg), "argument #%d must be a non-NULL device pointer aligned to %u bytes, got %p",
+                    i, kArgAlignment[i], ptrs[i]);
+      kspec_set_err(err, err_cap, msg);
+      return 1;
+    }}
+  }}
   Arguments args;
   int rc = kspec_make_arguments(dims, ptrs, scalars, device, sm_count, &args, err, err_cap);
   if (rc != 0) return rc;
   if (!Kernel::can_implement(args)) {{
-    char msg[256];
     std::snprintf(msg, sizeof(msg),
                   "CUTLASS can_implement rejected M=%lld N=%lld K=%lld L=%lld (leading dimensions must "
                   "be multiples of {TMA_ALIGNMENT_BYTES} bytes)",
@@ -403,11 +443,60 @@ extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const doubl
     kspec_set_err(err, err_cap, msg);
     return 3;
   }}
+  // TMA descriptors are encoded through the driver's cuTensorMapEncodeTiled, reached at run time
+  // (the glue never links libcuda): without it CUTLASS would leave the descriptors unset.
+  void* encode = nullptr;
+  cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+  cudaError_t status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &encode, 12000,
+                                                        cudaEnableDefault, &query);
+  if (status != cudaSuccess || query != cudaDriverEntryPointSuccess || encode == nullptr) {{
+    std::snprintf(msg, sizeof(msg), "the CUDA driver entry point cuTensorMapEncodeTiled is unavailable "
+                  "(cudaGetDriverEntryPointByVersion: %s, query result %d); a CUDA 12+ driver is required "
+                  "to encode TMA descriptors", cudaGetErrorString(status), static_cast<int>(query));
+    kspec_set_err(err, err_cap, msg);
+    return 5;
+  }}
+  const size_t ws_bytes = Kernel::get_workspace_size(args);
+  if (ws_bytes != 0 && workspace == nullptr) {{
+    std::snprintf(msg, sizeof(msg), "a workspace of %llu bytes is required", (unsigned long long)ws_bytes);
+    kspec_set_err(err, err_cap, msg);
+    return 1;
+  }}
+  if (ws_bytes == 0) {{
+    // Nothing to initialise, so no stream work: the status check is all that runs.  (A non-empty
+    // workspace is zero-filled by the loader on the launch stream instead, so that a call stays
+    // on the caller's stream and capturable; the ABI's prepare has no stream.)
+    cutlass::Status st = Kernel::initialize_workspace(args, nullptr, nullptr, nullptr);
+    if (st != cutlass::Status::kSuccess) {{
+      std::snprintf(msg, sizeof(msg), "CUTLASS initialize_workspace failed: %s", cutlass::cutlassGetStatusString(st));
+      kspec_set_err(err, err_cap, msg);
+      return 6;
+    }}
+  }}
   if (params_cap < sizeof(Params)) {{
     kspec_set_err(err, err_cap, "parameter buffer too small for Kernel::Params");
     return 4;
   }}
+  kspec_tma::reset();
   Params p = Kernel::to_underlying_arguments(args, workspace);
+  const kspec_tma::Record& tma = kspec_tma::record();
+  if (tma.failures != 0) {{
+    int which = -1;
+    for (int i = 0; i < kNumArgs; ++i) {{
+      if (ptrs[i] == tma.address) {{ which = i; break; }}
+    }}
+    if (which >= 0) {{
+      std::snprintf(msg, sizeof(msg), "argument #%d: its TMA descriptor failed to encode (cuTensorMapEncodeTiled "
+                    "returned CUresult %d; %d of %d descriptors failed)", which, static_cast<int>(tma.first),
+                    tma.failures, tma.encoded);
+    }} else {{
+      std::snprintf(msg, sizeof(msg), "a TMA descriptor for address %p failed to encode (cuTensorMapEncodeTiled "
+                    "returned CUresult %d; %d of %d descriptors failed)", tma.address, static_cast<int>(tma.first),
+                    tma.failures, tma.encoded);
+    }}
+    kspec_set_err(err, err_cap, msg);
+    return 7;
+  }}
   std::memcpy(params, &p, sizeof(Params));
   *params_size = static_cast<uint64_t>(sizeof(Params));
   dim3 g = Kernel::get_grid_shape(p);
@@ -418,6 +507,61 @@ extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const doubl
   *smem_bytes = static_cast<uint32_t>(Kernel::SharedStorageSize);
   return 0;
 }}
+
+}}  // namespace
+
+extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
+                             void* workspace, int32_t device, int32_t sm_count,
+                             void* params, uint64_t params_cap, uint64_t* params_size,
+                             uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],
+                             uint32_t* smem_bytes, char* err, uint64_t err_cap) {{
+  try {{
+    return kspec_prepare_checked(dims, ptrs, scalars, workspace, device, sm_count, params, params_cap,
+                                 params_size, grid, block, cluster, smem_bytes, err, err_cap);
+  }} catch (std::exception const& e) {{
+    kspec_set_err(err, err_cap, e.what());
+    return 9;
+  }} catch (...) {{
+    kspec_set_err(err, err_cap, "kspec_prepare: unknown C++ exception");
+    return 9;
+  }}
+}}
+"""
+
+
+# Under KSPEC_HOST, every TMA descriptor CUTLASS encodes goes through kspec_tma, which records the
+# driver's status.  CUTLASS itself only prints and assert()s on a failed encode, which -DNDEBUG
+# compiles out (and an enabled assert would abort the Python process), so kspec_prepare checks the
+# record and fails with the argument's name instead of launching an unset descriptor.  The hook
+# replaces the CUTLASS_CUDA_DRIVER_WRAPPER_CALL macro after cuda_host_adapter.hpp defined it and
+# before the TMA headers use it.
+_TMA_HOOK = """#if defined(KSPEC_HOST)
+#include <exception>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include "cutlass/cuda_host_adapter.hpp"
+namespace kspec_tma {
+struct Record { int encoded; int failures; CUresult first; const void* address; };
+inline Record& record() { static thread_local Record r{0, 0, CUDA_SUCCESS, nullptr}; return r; }
+inline void reset() { record() = Record{0, 0, CUDA_SUCCESS, nullptr}; }
+inline CUresult note(CUresult result, const void* address) {
+  Record& r = record();
+  ++r.encoded;
+  if (result != CUDA_SUCCESS && r.failures++ == 0) { r.first = result; r.address = address; }
+  return result;
+}
+template <class Map, class Type, class Rank, class... Rest>
+CUresult encode_cuTensorMapEncodeTiled(Map map, Type type, Rank rank, void* address, Rest... rest) {
+  return note(cutlass::call_cuTensorMapEncodeTiled(map, type, rank, address, rest...), address);
+}
+template <class Map, class Type, class Rank, class... Rest>
+CUresult encode_cuTensorMapEncodeIm2col(Map map, Type type, Rank rank, void* address, Rest... rest) {
+  return note(cutlass::call_cuTensorMapEncodeIm2col(map, type, rank, address, rest...), address);
+}
+}  // namespace kspec_tma
+#undef CUTLASS_CUDA_DRIVER_WRAPPER_CALL
+#define CUTLASS_CUDA_DRIVER_WRAPPER_CALL(func) kspec_tma::encode_##func
+#endif  // KSPEC_HOST
 """
 
 
@@ -429,6 +573,12 @@ kspec_kernel(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {
   op(params, smem);
 }
 """
+
+
+def _arg_alignment(desc: GemmDesc, args) -> tuple[tuple[str, int], ...]:
+    """Byte alignment per tensor argument: TMA operands 16, atomic reduction targets 4."""
+    red_names = {r.name for r in desc.reductions}
+    return tuple((n, 4 if n in red_names else TMA_ALIGNMENT_BYTES) for n in args)
 
 
 def _abi_order(desc: GemmDesc, epi: evt.EvtEpilogue) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -466,7 +616,7 @@ def emit_gemm(desc: GemmDesc) -> EmittedKernel:
         f"// Generated by kspec: GEMM kernel '{desc.name}' for {desc.arch}. Do not edit.\n"
         f"// {cfg.describe()} stages={desc.stages or 'auto'}\n"
         "#include <cstdint>\n#include <cstdio>\n#include <cstring>\n#include <climits>\n"
-        f"{includes}\n"
+        f"{_TMA_HOOK}{includes}\n"
         "namespace kspec_gemm {\nusing namespace cute;\n\n"
         f"{types}"
         "}  // namespace kspec_gemm\n\n"
@@ -479,8 +629,7 @@ def emit_gemm(desc: GemmDesc) -> EmittedKernel:
         "#endif  // KSPEC_HOST\n")
 
     init = tuple((r.name, "neg_inf" if r.op == "max" else "zero") for r in desc.reductions)
-    red_names = {r.name for r in desc.reductions}
-    alignment = tuple((n, 4 if n in red_names else TMA_ALIGNMENT_BYTES) for n in args)
+    alignment = _arg_alignment(desc, args)
     mma = ("2sm" if cfg.is_2sm else "1sm") if cc == 100 else "wgmma"
     config = (
         ("tile", "x".join(map(str, cfg.tile))),

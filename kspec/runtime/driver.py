@@ -302,17 +302,33 @@ class DeviceArray:
             pass   # interpreter shutdown or a destroyed context: nothing left to return memory to
 
     def copy_from(self, array) -> "DeviceArray":
-        """Blocking copy of a host numpy array (same dtype size and element count, C order)."""
+        """Blocking copy of a host numpy array of this shape (or its element count, read in C
+        order) and element size, placed at this array's strides (so `col` arrays get column-major
+        bytes; see kspec.runtime.transfer)."""
         import numpy as np
-        a = np.ascontiguousarray(array)
-        if a.nbytes != self.nbytes or self.strides != _c_strides(self.shape):
-            raise KspecRuntimeError(f"copy_from: host array of {a.nbytes} bytes into a "
-                                    f"{self.nbytes}-byte (dense, row-major) DeviceArray")
+        from kspec.runtime.hostimage import host_image
+        a = np.asarray(array)
+        if a.shape != self.shape and a.size == math.prod(self.shape):
+            a = a.reshape(self.shape)
+        if a.shape != self.shape or a.dtype.itemsize != dtypes.itemsize(self.dtype):
+            raise KspecRuntimeError(f"copy_from: host array {a.dtype}{list(a.shape)} into a "
+                                    f"{self.dtype}{list(self.shape)} DeviceArray")
+        return self.copy_from_image(host_image(a, self.strides, "copy_from"))
+
+    def copy_from_image(self, image) -> "DeviceArray":
+        """Blocking copy of a flat host buffer holding exactly this array's memory span."""
+        import numpy as np
+        image = np.ascontiguousarray(image)
+        if image.nbytes != self.nbytes:
+            raise KspecRuntimeError(f"copy_from: a {image.nbytes}-byte host image into a "
+                                    f"{self.nbytes}-byte DeviceArray")
+        if not image.nbytes:
+            return self
         drv = get()
         cu = _cu()
         with drv.current(self._ctx):
             drv.call("cuStreamSynchronize", cu.CUstream(self.stream))
-            drv.call("cuMemcpyHtoD", cu.CUdeviceptr(self.ptr), a, a.nbytes)
+            drv.call("cuMemcpyHtoD", cu.CUdeviceptr(self.ptr), image, image.nbytes)
         return self
 
     def to_numpy(self):
@@ -340,18 +356,5 @@ def _span_bytes(shape, strides, item) -> int:
 
 
 def _numpy_dtype(name: str):
-    import numpy as np
-    if name in ("bf16", "f8e4m3", "f8e5m2"):
-        import ml_dtypes
-        return np.dtype({"bf16": ml_dtypes.bfloat16, "f8e4m3": ml_dtypes.float8_e4m3fn,
-                         "f8e5m2": ml_dtypes.float8_e5m2}[name])
-    return np.dtype({"f16": np.float16, "f32": np.float32, "tf32": np.float32, "i8": np.int8,
-                     "i32": np.int32}[name])
-
-
-def from_numpy(array, dtype: str | None = None, *, device: int = 0) -> DeviceArray:
-    """A new DeviceArray holding a copy of a host numpy array (blocking; for tests and scripts)."""
-    import numpy as np
-    a = np.ascontiguousarray(array)
-    name = dtypes.normalize(dtype if dtype is not None else a.dtype)
-    return DeviceArray(a.shape, name, device=device).copy_from(a)
+    from kspec.runtime.hostimage import numpy_dtype
+    return numpy_dtype(name)

@@ -5,10 +5,12 @@ plain kernel, so this part of a launch can be exercised on any machine."""
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from kspec.core import ABI_VERSION
 from kspec.runtime.errors import KspecRuntimeError
 
 # Hopper/Blackwell accept up to 32764 bytes of kernel parameters.
@@ -39,9 +41,10 @@ class Prepared:
 class HostGlue:
     """One dlopen'ed glue library.  RTLD_LOCAL: every plan's library exports the same names."""
 
-    def __init__(self, path: str | Path, what: str):
+    def __init__(self, path: str | Path, what: str, arg_names: Sequence[str] = ()):
         self.path = Path(path)
         self.what = what
+        self.arg_names = tuple(arg_names)       # plan args in ABI pointer order, for messages
         try:
             self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
         except OSError as e:
@@ -52,10 +55,23 @@ class HostGlue:
         except AttributeError as e:
             raise KspecRuntimeError(f"{self.path}: host glue of {what} does not export "
                                     f"kspec_workspace_size/kspec_prepare ({e})") from None
+        # a glue built for another ABI takes other arguments: calling it would corrupt memory
+        try:
+            version_fn = self._lib.kspec_abi_version
+        except AttributeError:
+            version = None
+        else:
+            version_fn.argtypes, version_fn.restype = [], ctypes.c_int
+            version = int(version_fn())
+        if version != ABI_VERSION:
+            built = "an older kspec (no kspec_abi_version)" if version is None else f"ABI version {version}"
+            raise KspecRuntimeError(f"{self.path}: host glue of {what} was built for {built}; this "
+                                    f"runtime speaks ABI version {ABI_VERSION}",
+                                    hint="rebuild the artifact with `kspec compile`")
         i64p = ctypes.POINTER(ctypes.c_int64)
         u32p = ctypes.POINTER(ctypes.c_uint32)
         u64p = ctypes.POINTER(ctypes.c_uint64)
-        ws.argtypes = [i64p, u64p, ctypes.c_char_p, ctypes.c_uint64]
+        ws.argtypes = [i64p, ctypes.c_int32, ctypes.c_int32, u64p, ctypes.c_char_p, ctypes.c_uint64]
         ws.restype = ctypes.c_int
         prep.argtypes = [i64p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_double),
                          ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
@@ -65,13 +81,22 @@ class HostGlue:
 
     def _fail(self, fn: str, rc: int, err: ctypes.Array) -> KspecRuntimeError:
         msg = err.value.decode("utf-8", "replace").strip() or f"returned {rc}"
-        return KspecRuntimeError(f"{self.what}: {fn} failed: {msg}")
+        return KspecRuntimeError(f"{self.what}: {fn} failed: {self.name_arguments(msg)}")
 
-    def workspace_size(self, dims: Sequence[int]) -> int:
+    def name_arguments(self, msg: str) -> str:
+        """The glue knows arguments by ABI position ("argument #1"); name them for the user."""
+        def name(m: re.Match) -> str:
+            i = int(m.group(1))
+            return f"argument '{self.arg_names[i]}'" if i < len(self.arg_names) else m.group(0)
+        return re.sub(r"argument #(\d+)", name, msg)
+
+    def workspace_size(self, dims: Sequence[int], device: int, sm_count: int) -> int:
+        """Device workspace bytes for these sizes on `device` with `sm_count` multiprocessors
+        (persistent schedulers size per-SM state by it, so it must be the launch device's)."""
         d = (ctypes.c_int64 * max(len(dims), 1))(*dims)
         out = ctypes.c_uint64(0)
         err = ctypes.create_string_buffer(_ERR_CAP)
-        rc = self._ws(d, ctypes.byref(out), err, _ERR_CAP)
+        rc = self._ws(d, device, sm_count, ctypes.byref(out), err, _ERR_CAP)
         if rc != 0:
             raise self._fail("kspec_workspace_size", rc, err)
         return int(out.value)

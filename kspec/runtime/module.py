@@ -22,6 +22,7 @@ outputs explicitly when capturing (an output allocated during capture is graph m
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import keyword
 import math
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strides, read_manifest
-from kspec.backends.desc import ARCH_CC
+from kspec.core import ARCH_TABLE, arch_of_cc
 from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
@@ -40,7 +41,6 @@ from kspec.runtime.glue import HostGlue, Prepared
 from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
 
 _SCRATCH_ALIGN = 256
-_CC_ARCH = {(cc // 10, cc % 10): arch for arch, cc in ARCH_CC.items()}
 
 
 def load(path: str | Path, verify: bool = True) -> "Module":
@@ -297,6 +297,41 @@ class Kernel:
                     raise KspecRuntimeError(f"argument '{o}': output overlaps {kind} '{other}' in memory; "
                                             f"outputs must not alias other arguments")
 
+    # ------------------------------------------------------------------ host arrays
+    def to_device(self, *args, device: int = 0, stream: int = 0, **kwargs) -> dict[str, Any]:
+        """Upload host numpy arrays for this kernel's tensors (inputs positional or by name,
+        outputs by name), each as a `DeviceArray` in its spec's layout and storage dtype (values
+        converted with numpy's astype when the dtype differs).  Returns them by name, ready to
+        pass as keywords: `k(**k.to_device(A, B))`.  Blocking; for tests and scripts."""
+        from kspec.runtime.transfer import to_device
+        k = self.entry
+        inputs = _names(k.inputs)
+        if len(args) > len(inputs):
+            raise KspecRuntimeError(f"{k.name}.to_device() takes {len(inputs)} positional input(s) "
+                                    f"({', '.join(inputs)}), got {len(args)}")
+        host = dict(zip(inputs, args))
+        specs = {t.name: t for t in (*k.inputs, *k.outputs)}
+        for name, a in kwargs.items():
+            if name not in specs:
+                raise KspecRuntimeError(f"{k.name}.to_device(): '{name}' is not an input or output "
+                                        f"(expected one of: {', '.join(specs)})")
+            if name in host:
+                raise KspecRuntimeError(f"{k.name}.to_device(): argument '{name}' given twice")
+            host[name] = a
+        return {name: to_device(a, specs[name], device=device, stream=stream) for name, a in host.items()}
+
+    # ------------------------------------------------------------------ torch
+    def as_torch_op(self):
+        """This kernel as a PyTorch custom operator (see kspec.runtime.torch_ops): traceable by
+        torch.compile/torch.export through its fake implementation, capturable in CUDA graphs,
+        launched on torch's current stream.  Needs torch; registered once per kernel content."""
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise KspecRuntimeError(f"{self.name}.as_torch_op() needs PyTorch", hint="pip install torch") from None
+        from kspec.runtime.torch_ops import REGISTRY
+        return REGISTRY.get_or_register(self)
+
     # ------------------------------------------------------------------ launch (GPU)
     def __call__(self, *args, stream: Any = None, **kwargs) -> dict[str, Any]:
         drv = _driver.get()
@@ -320,6 +355,7 @@ class Module:
                          for k in manifest.kernels}
         self._glue: dict[tuple[str, str], HostGlue] = {}
         self._images: dict[tuple[str, str], bytes] = {}
+        self._digests: dict[tuple[str, str], str] = {}
 
     def __getattr__(self, name: str) -> Kernel:
         kernels = self.__dict__.get("_kernels", {})
@@ -346,8 +382,12 @@ class Module:
     def glue(self, plan: Plan, arch: str) -> HostGlue:
         key = (plan.id, arch)
         if key not in self._glue:
-            self._glue[key] = HostGlue(self.path / plan.binaries[arch].host, f"plan '{plan.id}' ({arch})")
+            self._glue[key] = HostGlue(self.path / plan.binaries[arch].host,
+                                       f"kernel '{self._kernel_of(plan)}', plan '{plan.id}' ({arch})", plan.args)
         return self._glue[key]
+
+    def _kernel_of(self, plan: Plan) -> str:
+        return next((k.name for k in self.manifest.kernels if plan in k.plans), "?")
 
     def image(self, plan: Plan, arch: str) -> bytes:
         key = (plan.id, arch)
@@ -355,12 +395,19 @@ class Module:
             self._images[key] = (self.path / plan.binaries[arch].cubin).read_bytes()
         return self._images[key]
 
+    def image_digest(self, plan: Plan, arch: str) -> str:
+        """sha256 of the cubin as loaded (what the driver's function cache is keyed by)."""
+        key = (plan.id, arch)
+        if key not in self._digests:
+            self._digests[key] = hashlib.sha256(self.image(plan, arch)).hexdigest()
+        return self._digests[key]
+
     def arch_for(self, cc: tuple[int, int], name: str, ordinal: int) -> str:
-        arch = _CC_ARCH.get(cc)
+        arch = arch_of_cc(cc[0] * 10 + cc[1])
         if arch is None or arch not in self.archs:
-            have = ", ".join(f"{a} (compute capability {ARCH_CC[a] // 10}.{ARCH_CC[a] % 10})" for a in self.archs)
+            have = ", ".join(f"{a} (compute capability {ARCH_TABLE[a].cc // 10}.{ARCH_TABLE[a].cc % 10})" for a in self.archs)
             why = (f"the artifact has no {arch} binary" if arch else
-                   f"kspec compiles only for {', '.join(_CC_ARCH.values())}")
+                   f"kspec compiles only for {', '.join(ARCH_TABLE)}")
             raise KspecRuntimeError(
                 f"cuda:{ordinal} ({name}, compute capability {cc[0]}.{cc[1]}) cannot run this artifact: "
                 f"{why}; it has binaries for {have}",
@@ -388,7 +435,7 @@ class Module:
                         drv.order_after(int(v.stream), stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
             glues = [self.glue(p, arch) for p in k.plans]
-            ws_sizes = [g.workspace_size(b.dims(p)) for g, p in zip(glues, k.plans)]
+            ws_sizes = [g.workspace_size(b.dims(p), device, sms) for g, p in zip(glues, k.plans)]
             # one scratch block: every intermediate, then one workspace reused by the plans in turn
             offsets, total = {}, 0
             for t in k.intermediates:
@@ -465,7 +512,10 @@ class Module:
         if 0 in prepared.grid:
             return                                   # empty problem: nothing to launch
         binary = plan.binaries[arch]
-        func = drv.function(ctx, (id(self), plan.id, arch), self.image(plan, arch), binary.symbol, what)
+        # keyed by the cubin's content, not id(self): ids are reused once a module is collected,
+        # and a new module at an old id must not get the old module's function
+        func = drv.function(ctx, (self.image_digest(plan, arch), plan.id, arch), self.image(plan, arch),
+                            binary.symbol, what)
         want = drv.param_size(func)
         if want is not None and want != prepared.params_size:
             raise KspecRuntimeError(f"{what}: the host glue built a {prepared.params_size}-byte parameter "

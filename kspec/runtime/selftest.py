@@ -45,8 +45,10 @@ extern "C" __global__ void __launch_bounds__(128) kspec_kernel(const Params p) {
 }
 #endif
 #ifdef KSPEC_HOST
-extern "C" int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap) {
-  (void)dims; (void)err; (void)err_cap; *bytes = 0; return 0;
+extern "C" int kspec_abi_version(void) { return 3; }
+extern "C" int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,
+                                    uint64_t* bytes, char* err, uint64_t err_cap) {
+  (void)dims; (void)device; (void)sm_count; (void)err; (void)err_cap; *bytes = 0; return 0;
 }
 extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
                              void* workspace, int32_t device, int32_t sm_count,
@@ -81,8 +83,11 @@ extern "C" __global__ void kspec_kernel(const Params p) {
 }
 #endif
 #ifdef KSPEC_HOST
-extern "C" int kspec_workspace_size(const int64_t* dims, uint64_t* bytes, char* err, uint64_t err_cap) {
-  (void)dims; (void)err; (void)err_cap; *bytes = 256; return 0;   // unused; exercises the workspace path
+extern "C" int kspec_abi_version(void) { return 3; }
+extern "C" int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,
+                                    uint64_t* bytes, char* err, uint64_t err_cap) {
+  (void)dims; (void)device; (void)sm_count; (void)err; (void)err_cap;
+  *bytes = 256; return 0;   // unused; exercises the workspace path
 }
 extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
                              void* workspace, int32_t device, int32_t sm_count,
