@@ -138,7 +138,11 @@ def parse_cutlass_tma_report(text: str, start_index: int = 0) -> tuple[list[Tens
         def tup(v: str) -> tuple[int, ...]:
             return tuple(int(x) for x in v.strip("()").split(",") if x.strip())
 
-        rank = int(values["dim"])
+        try:
+            rank = int(values["dim"])
+            tup(values["globalDim"]), int(values["format"]), int(values["gmem_address"], 16)
+        except ValueError as e:
+            raise KspecInternalError(f"unreadable CUTLASS TMA report {block!r}: {e}") from None
         strides = tup(values["globalStrides"])
         records.append(TensorMapRecord(
             index=start_index + len(records), data_type=int(values["format"]),
@@ -457,8 +461,14 @@ def check_tensor_map(tm: TensorMapRecord, args: Sequence[ArgTensor]) -> list[str
         problems.append(f"{tm.describe()}: {tm.element_bytes}-byte elements, but '{a.name}' is {a.dtype} "
                         f"({a.itemsize} bytes)")
     es = tm.element_bytes or a.itemsize
-    desc = _coalesce([(tm.dims[0], es)] + list(zip(tm.dims[1:], tm.strides)))
-    want = _coalesce([(n, s * a.itemsize) for n, s in zip(a.shape, a.strides)])
+    desc_pairs = [(tm.dims[0], es)] + list(zip(tm.dims[1:], tm.strides))
+    want_pairs = [(n, s * a.itemsize) for n, s in zip(a.shape, a.strides)]
+    desc = sorted((e, s) for e, s in desc_pairs if e > 1)
+    want = sorted((e, s) for e, s in want_pairs if e > 1)
+    if desc != want and len(desc) != len(want):
+        # a descriptor may fold axes that are contiguous with each other (e.g. batch and rows);
+        # only then compare the merged layouts (merging equal-rank layouts would hide a transpose)
+        desc, want = _coalesce(desc_pairs), _coalesce(want_pairs)
     if desc != want:
         problems.append(f"{tm.describe()}: addresses '{a.name}' as (extent, byte stride) {desc}, but the tensor "
                         f"passed is shape {a.shape} strides {a.strides} (elements) = {want}")
