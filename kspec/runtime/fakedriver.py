@@ -32,6 +32,7 @@ nothing is reported); and it relies on the glue finishing `kspec_prepare` after 
 from __future__ import annotations
 
 import ctypes
+import struct
 import math
 import os
 import sys
@@ -154,6 +155,66 @@ def parse_cutlass_tma_report(text: str, start_index: int = 0) -> tuple[list[Tens
     return records, "\n".join(rest)
 
 
+TENSOR_MAP_MAGIC = int.from_bytes(b"KSPEC_TM", "little")   # first 8 bytes of every descriptor the fake encodes
+
+_u64p = ctypes.POINTER(ctypes.c_uint64)
+_u32p = ctypes.POINTER(ctypes.c_uint32)
+_ENCODE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p,
+                              _u64p, _u64p, _u32p, _u32p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                              ctypes.c_uint32)
+
+
+class RecordingEncoder:
+    """A `cuTensorMapEncodeTiled` for the host glue's `kspec_set_tensor_map_encoder` hook
+    (backends/cutlass/tma_hook.py): it records the arguments, rejects what the driver documents as
+    invalid (CUDA_ERROR_INVALID_VALUE), and writes a findable marker into the 128-byte descriptor:
+    magic, record index, global address."""
+
+    def __init__(self):
+        self.records: list[TensorMapRecord] = []
+        self.rejected: list[tuple[TensorMapRecord, list[str]]] = []
+        self.fn = _ENCODE_FN(self._encode)
+
+    def _encode(self, tmap, data_type, rank, address, dims, strides, box, estr, interleave, swizzle, l2, oob):
+        try:
+            n = int(rank)
+            if not 1 <= n <= 5:
+                return 1
+            rec = TensorMapRecord(len(self.records), int(data_type), int(address or 0),
+                                  tuple(int(dims[i]) for i in range(n)), tuple(int(strides[i]) for i in range(n - 1)),
+                                  tuple(int(box[i]) for i in range(n)),
+                                  tuple(int(estr[i]) for i in range(n)) if estr else (1,) * n,
+                                  int(interleave), int(swizzle), int(l2), int(oob))
+            problems = rec.problems()
+            if tmap is None or tmap % 64:
+                problems.append("tensorMap is not 64-byte aligned")
+            if problems:
+                self.rejected.append((rec, problems))
+                return 1                              # CUDA_ERROR_INVALID_VALUE
+            self.records.append(rec)
+            marker = struct.pack("<QQQ", TENSOR_MAP_MAGIC, rec.index, rec.address)
+            ctypes.memmove(tmap, marker + bytes(128 - len(marker)), 128)
+            return 0
+        except Exception:                             # never unwind through C frames
+            return 999
+
+    def reset(self) -> None:
+        self.records.clear()
+        self.rejected.clear()
+
+
+def find_tensor_maps(blob: bytes) -> dict[int, int]:
+    """{record index: offset} of the fake encoder's descriptors inside a parameter blob."""
+    out = {}
+    magic = struct.pack("<Q", TENSOR_MAP_MAGIC)
+    at = blob.find(magic)
+    while at >= 0:
+        if at + 16 <= len(blob):
+            out[struct.unpack_from("<Q", blob, at + 8)[0]] = at
+        at = blob.find(magic, at + 1)
+    return out
+
+
 class _CaptureStderr:
     """Redirect file descriptor 2 (where the host glue's C++ writes) into a temporary file."""
 
@@ -241,6 +302,8 @@ class FakeDriver:
                  param_sizes: bool = True):
         self.cc, self.sm_count, self.name = cc, sm_count, name
         self.stderr: list[str] = []           # host-glue output other than TMA reports
+        self.encoder = RecordingEncoder()
+        self.rejected_tensor_maps: list[tuple[TensorMapRecord, list[str]]] = []
         self.launches: list[LaunchRecord] = []
         self.fills: list[tuple[int, int, int, int]] = []
         self.memory: dict[int, _Allocation] = {}
@@ -260,9 +323,22 @@ class FakeDriver:
         fake = self
 
         def prepare(glue, dims, ptrs, scalars, workspace, device, sm_count):
-            with _CaptureStderr() as cap:
-                out = original(glue, dims, ptrs, scalars, workspace, device, sm_count)
+            hook = getattr(glue._lib, "kspec_set_tensor_map_encoder", None) if hasattr(glue, "_lib") else None
+            fake.encoder.reset()
+            if hook is not None:
+                hook.argtypes, hook.restype = [ctypes.c_void_p], ctypes.c_int
+                hook(ctypes.cast(fake.encoder.fn, ctypes.c_void_p))
+            try:
+                with _CaptureStderr() as cap:
+                    out = original(glue, dims, ptrs, scalars, workspace, device, sm_count)
+            finally:
+                if hook is not None:
+                    hook(None)
+            if fake.encoder.rejected:
+                fake.rejected_tensor_maps += fake.encoder.rejected
+            # glue without the hook: CUTLASS reports the arguments of the encode it could not do
             maps, rest = parse_cutlass_tma_report(cap.text)
+            maps = list(fake.encoder.records) + maps
             if rest.strip():
                 fake.stderr.append(rest)
                 sys.stderr.write(rest + "\n")
@@ -543,6 +619,13 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
                        "behind a TMA descriptor")
     for tm in maps:
         out += check_tensor_map(tm, args)
+    placed = find_tensor_maps(rec.params)
+    for index, offset in placed.items():
+        if offset % 64:
+            out.append(f"{what}: TMA descriptor #{index} sits at byte {offset} of the parameter blob, not 64-byte aligned")
+    if placed and len(placed) != len(maps):
+        missing = sorted(set(range(len(maps))) - set(placed))
+        out.append(f"{what}: TMA descriptors {missing} were encoded but are not in the parameter blob")
     for name in require_tma:
         a = next((x for x in args if x.name == name), None)
         if a is not None and a.ptr not in mapped:
