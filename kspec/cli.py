@@ -298,7 +298,12 @@ def _register_compile(sub) -> None:
     c.set_defaults(func=cmd_cache)
 
 
-_EXTRA_COMMANDS: list = [_register_graph, _register_compile, _register_run]
+def _register_selftest(sub) -> None:
+    from kspec.selftest import register
+    register(sub)
+
+
+_EXTRA_COMMANDS: list = [_register_graph, _register_compile, _register_run, _register_selftest]
 
 
 class _Parser(argparse.ArgumentParser):

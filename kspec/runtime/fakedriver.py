@@ -299,7 +299,7 @@ class FakeDriver:
     selftest synchronous access to it."""
 
     def __init__(self, cc: tuple[int, int] = (9, 0), sm_count: int = 132, name: str = "kspec fake device",
-                 param_sizes: bool = True):
+                 param_sizes: bool = True, on_launch=None):
         self.cc, self.sm_count, self.name = cc, sm_count, name
         self.stderr: list[str] = []           # host-glue output other than TMA reports
         self.encoder = RecordingEncoder()
@@ -312,6 +312,7 @@ class FakeDriver:
         self._pending: PrepareRecord | None = None
         self._stack: ExitStack | None = None
         self._param_sizes = param_sizes
+        self.on_launch = on_launch             # optional emulator: on_launch(record) may write outputs
 
     # ---------------------------------------------------------------- activation
     def __enter__(self) -> "FakeDriver":
@@ -427,6 +428,8 @@ class FakeDriver:
         self.launches.append(LaunchRecord(what, func.symbol, func.image, blob, tuple(int(g) for g in grid),
                                           tuple(int(b) for b in block), tuple(int(c) for c in cluster),
                                           int(smem), self._smem.get(int(func), 0), int(stream), pending))
+        if self.on_launch is not None:
+            self.on_launch(self.launches[-1])
 
     # ---------------------------------------------------------------- memory
     def alloc(self, nbytes: int, what: str = "a buffer") -> int:
