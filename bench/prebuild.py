@@ -14,7 +14,6 @@ manylinux x86-64, the GPU machine's Python.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time

@@ -151,14 +151,15 @@ def _to_host(x, dtype: str):
 
 
 def _np_dtype(name: str):
-    from kspec.runtime.driver import _numpy_dtype
     from kspec.runtime import dtypes
+    from kspec.runtime.driver import _numpy_dtype
     return _numpy_dtype(dtypes.storage(name))
 
 
 def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: str, drv, arch: str,
                      seed: int, fake: bool) -> tuple[bool, str, dict[str, float]]:
     import numpy as np
+
     from kspec.artifact import layout_strides
     from kspec.backends.reference import reference
     from kspec.cli import random_inputs
@@ -261,7 +262,7 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
             sizes.update(M=2048, N=2048, K=2048)
         try:
             args, shapes = {}, {}
-            for t in entry.inputs:
+            for t in (*entry.inputs, *entry.outputs):      # outputs passed: allocation is not timed
                 shape = tuple(e if isinstance(e, int) else sizes.get(e, 1024) for e in t.shape)
                 tdt = getattr(torch, {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "tf32": "float32",
                                       "f8e4m3": "float8_e4m3fn", "f8e5m2": "float8_e5m2", "i8": "int8",
@@ -272,16 +273,20 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
                     x = torch.randn(s, device="cuda").to(tdt).transpose(-1, -2)
                 else:
                     x = torch.randn(shape, device="cuda").to(tdt)
-                args[t.name], shapes[t.name] = x, shape
+                args[t.name] = x
+                if t in entry.inputs:
+                    shapes[t.name] = shape
             fn = mod[kname]
             k_ms = _time(torch, lambda: fn(**args), reps)
             base, t_ms = "", None
-            ins = list(args.values())
+            ins = [args[t.name] for t in entry.inputs]
+            causal = any(str(b.config.get("mask", "")).startswith("causal")
+                         for p in entry.plans for b in p.binaries.values())
             if "attention" in kinds and len(ins) >= 3:
                 import torch.nn.functional as F
                 q, k_, v = ins[:3]
-                base = "torch sdpa"
-                t_ms = _time(torch, lambda: F.scaled_dot_product_attention(q, k_, v), reps)
+                base = "torch sdpa" + (" causal" if causal else "")
+                t_ms = _time(torch, lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=causal), reps)
             elif "gemm" in kinds and len(ins) >= 2 and ins[0].dtype in (torch.float16, torch.bfloat16, torch.float32):
                 a, b = ins[0], ins[1]
                 base = "torch.matmul"

@@ -26,15 +26,23 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import SHIPPED
 
 import kspec
 from kspec.runtime import driver as rt_driver
 from kspec.runtime import selftest as fixture
 from kspec.runtime.cubin import parse_cubin, read_cubin
-from kspec.runtime.fakedriver import (ArgTensor, FakeDriver, LaunchRecord, TensorMapRecord, check_call,
-                                      check_launch, check_tensor_map, fake_call, parse_cutlass_tma_report)
+from kspec.runtime.fakedriver import (
+    ArgTensor,
+    FakeDriver,
+    LaunchRecord,
+    TensorMapRecord,
+    check_call,
+    check_launch,
+    check_tensor_map,
+    fake_call,
+    parse_cutlass_tma_report,
+)
 
 ARCH_CC = {"sm90a": (9, 0), "sm100a": (10, 0)}
 EVEN = {"M": 256, "N": 384, "K": 192, "L": 3, "B": 2, "H": 3, "S": 256, "T": 384}
@@ -132,7 +140,7 @@ def test_fixture_launches_match_cubin_and_tensors(fixture_art, arch):
 
         call2 = fake_call(mod, "two_step", {"N": 1000}, fake, params={"scale": 3.0})
         assert check_call(call2, arch, mod) == []
-        (x, t0), (t1, y) = call2.plan_args
+        (_x, t0), (t1, _y) = call2.plan_args
         assert t0.ptr == t1.ptr and t0.name == t1.name == "t"     # intermediate written, then read
         assert [r.prepare.scalars for r in call2.launches] == [(3.0, 0.0), (1.0, 1.0)]
         assert all(r.prepare.workspace != 0 for r in call2.launches)

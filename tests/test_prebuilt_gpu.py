@@ -46,8 +46,9 @@ def _artifacts():
 @pytest.mark.parametrize("art", _artifacts())
 def test_driver_agrees_with_cubin_reader(art):
     arch = _device_arch()
-    import kspec
     from cuda.bindings import driver as cu
+
+    import kspec
     from kspec.runtime import driver
     from kspec.runtime.cubin import read_cubin
     mod = kspec.load(art)

@@ -144,7 +144,7 @@ def parse_cubin(data: bytes, what: str = "cubin") -> CubinInfo:
     # symbols: entry functions
     funcs: dict[str, bool] = {}
     symbol_names: list[str] = []
-    for name, s in named:
+    for _sec_name, s in named:
         if s[1] != 2:      # SHT_SYMTAB
             continue
         strtab = sections[s[6]]

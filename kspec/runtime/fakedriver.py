@@ -32,14 +32,14 @@ nothing is reported); and it relies on the glue finishing `kspec_prepare` after 
 from __future__ import annotations
 
 import ctypes
-import struct
 import math
 import os
+import struct
 import sys
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kspec.core import KspecInternalError
 from kspec.runtime import dtypes
@@ -218,7 +218,7 @@ def find_tensor_maps(blob: bytes) -> dict[int, int]:
 class _CaptureStderr:
     """Redirect file descriptor 2 (where the host glue's C++ writes) into a temporary file."""
 
-    def __enter__(self) -> "_CaptureStderr":
+    def __enter__(self) -> _CaptureStderr:
         import tempfile
         sys.stderr.flush()
         self._file = tempfile.TemporaryFile()
@@ -315,7 +315,7 @@ class FakeDriver:
         self.on_launch = on_launch             # optional emulator: on_launch(record) may write outputs
 
     # ---------------------------------------------------------------- activation
-    def __enter__(self) -> "FakeDriver":
+    def __enter__(self) -> FakeDriver:
         from kspec.runtime import driver as _driver
         from kspec.runtime.glue import HostGlue
         stack = ExitStack()
