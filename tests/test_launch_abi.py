@@ -240,3 +240,33 @@ def test_shipped_spec_launch_abi(compiled, stem):
                     for plan, rec in zip(mod[kname].entry.plans, call.launches):
                         if plan.kind == "gemm" and "kernel_schedule" in plan.binaries[arch].config:
                             assert len(rec.prepare.tensor_maps) >= 2, f"{plan.id}: no TMA descriptors recorded"
+
+
+def test_recording_encoder_marks_descriptors_and_rejects_like_the_driver():
+    import ctypes
+
+    from kspec.runtime.fakedriver import RecordingEncoder, find_tensor_maps
+    enc = RecordingEncoder()
+    blob = (ctypes.c_ubyte * 512)()
+    base = (ctypes.addressof(blob) + 63) // 64 * 64
+    u64 = ctypes.c_uint64 * 3
+    u32 = ctypes.c_uint32 * 3
+
+    def encode(at, address, dims, strides, box, dtype=6, swizzle=3):
+        return enc.fn(at, dtype, len(dims), address, u64(*dims), u64(*strides), u32(*box), u32(1, 1, 1),
+                      0, swizzle, 2, 0)
+
+    # f16 [L=1, M=200, K=72] row-major: dims innermost first (K, M, L), byte strides of M and L
+    assert encode(base + 64, 0x10000, (72, 200, 1), (144, 28800), (64, 128, 1)) == 0
+    assert encode(base + 192, 0x20000, (136, 72, 1), (144, 19584), (64, 64, 1)) == 0
+    assert [r.address for r in enc.records] == [0x10000, 0x20000]
+    raw = ctypes.string_at(ctypes.addressof(blob), 512)
+    offset = base - ctypes.addressof(blob)
+    assert find_tensor_maps(raw) == {0: offset + 64, 1: offset + 192}
+    # what cuTensorMapEncodeTiled documents as invalid is refused with CUDA_ERROR_INVALID_VALUE
+    assert encode(base + 320, 0x30008, (72, 200, 1), (144, 28800), (64, 128, 1)) == 1       # misaligned address
+    assert encode(base + 320, 0x30000, (72, 200, 1), (150, 28800), (64, 128, 1)) == 1       # stride % 16
+    assert encode(base + 320, 0x30000, (72, 200, 1), (144, 28800), (128, 128, 1)) == 1      # 256 B > 128 B swizzle
+    assert encode(base + 8, 0x30000, (72, 200, 1), (144, 28800), (64, 128, 1)) == 1         # map not 64-aligned
+    assert len(enc.records) == 2 and len(enc.rejected) == 4
+    assert any("swizzle span" in p for _, why in enc.rejected for p in why)

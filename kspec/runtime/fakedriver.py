@@ -251,6 +251,7 @@ class PrepareRecord:
     sm_count: int
     params_size: int
     tensor_maps: tuple[TensorMapRecord, ...] = ()
+    rejected: tuple[tuple[TensorMapRecord, tuple[str, ...]], ...] = ()   # encodes the driver would refuse
 
 
 @dataclass
@@ -335,18 +336,19 @@ class FakeDriver:
             finally:
                 if hook is not None:
                     hook(None)
-            if fake.encoder.rejected:
-                fake.rejected_tensor_maps += fake.encoder.rejected
-            # glue without the hook: CUTLASS reports the arguments of the encode it could not do
-            maps, rest = parse_cutlass_tma_report(cap.text)
-            maps = list(fake.encoder.records) + maps
+            rejected = tuple((r, tuple(why)) for r, why in fake.encoder.rejected)
+            fake.rejected_tensor_maps += list(rejected)
+            # glue without the hook: CUTLASS reports the arguments of an encode it could not do
+            # (with the hook, only of encodes the fake rejected, which `rejected` already holds)
+            reported, rest = parse_cutlass_tma_report(cap.text, len(fake.encoder.records))
+            maps = list(fake.encoder.records) + (reported if hook is None else [])
             if rest.strip():
                 fake.stderr.append(rest)
                 sys.stderr.write(rest + "\n")
             fake._pending = PrepareRecord(str(glue.path.name), tuple(int(d) for d in dims),
                                           tuple(int(p) for p in ptrs), tuple(float(s) for s in scalars),
                                           int(workspace or 0), int(device), int(sm_count),
-                                          int(out.params_size), tuple(maps))
+                                          int(out.params_size), tuple(maps), rejected)
             return out
 
         HostGlue.prepare = prepare
@@ -614,21 +616,26 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
     if rec.prepare is not None and tuple(rec.prepare.ptrs) != tuple(a.ptr for a in args):
         out.append(f"{what}: the glue got pointers {[hex(p) for p in rec.prepare.ptrs]}, expected "
                    f"{[f'{a.name}=0x{a.ptr:x}' for a in args]}")
+    # Descriptors the fake encoder wrote are findable in the blob: check those the kernel will
+    # use (CUTLASS also encodes descriptors it then discards).  Without markers (descriptors
+    # recorded from CUTLASS's report), every recorded one is checked.
+    placed = find_tensor_maps(rec.params)
+    used = [tm for tm in maps if tm.index in placed] if placed else list(maps)
+    mapped = {tm.address for tm in used}
     words = {int.from_bytes(rec.params[i:i + 8], "little") for i in range(0, len(rec.params) - 7, 8)}
-    mapped = {tm.address for tm in maps}
     for a in args:
         if a.ptr not in words and a.ptr not in mapped:
             out.append(f"{what}: the pointer of '{a.name}' (0x{a.ptr:x}) is neither in the parameter blob nor "
                        "behind a TMA descriptor")
-    for tm in maps:
-        out += check_tensor_map(tm, args)
-    placed = find_tensor_maps(rec.params)
     for index, offset in placed.items():
         if offset % 64:
             out.append(f"{what}: TMA descriptor #{index} sits at byte {offset} of the parameter blob, not 64-byte aligned")
-    if placed and len(placed) != len(maps):
-        missing = sorted(set(range(len(maps))) - set(placed))
-        out.append(f"{what}: TMA descriptors {missing} were encoded but are not in the parameter blob")
+        if index >= len(maps):
+            out.append(f"{what}: the parameter blob holds TMA descriptor #{index}, which was not encoded in this call")
+    for tm in used:
+        out += check_tensor_map(tm, args)
+    for tm, why in (rec.prepare.rejected if rec.prepare is not None else ()):
+        out.append(f"{what}: cuTensorMapEncodeTiled would fail for {tm.describe()}: {'; '.join(why)}")
     for name in require_tma:
         a = next((x for x in args if x.name == name), None)
         if a is not None and a.ptr not in mapped:
@@ -723,5 +730,6 @@ def to_json(call: FakeCall) -> dict:
     return {"kernel": call.kernel, "sizes": call.sizes,
             "launches": [{"plan": pid, "what": r.what, "grid": r.grid, "block": r.block, "cluster": r.cluster,
                           "smem_bytes": r.smem_bytes, "params_bytes": len(r.params),
+                          "tensor_maps_in_params": sorted(find_tensor_maps(r.params)),
                           "tensor_maps": [asdict(t) for t in (r.prepare.tensor_maps if r.prepare else ())]}
                          for pid, r in zip(call.plan_ids, call.launches)]}
