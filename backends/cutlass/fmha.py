@@ -32,7 +32,8 @@ from functools import lru_cache
 
 from kspec.backends.desc import AttentionDesc, Const, EmittedKernel, Load
 from kspec.spec_lang.errors import KspecError
-from kspec.backends.cutlass import tma_hook
+
+from . import tma_hook
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
