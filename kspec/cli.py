@@ -6,7 +6,7 @@ import sys
 import traceback
 
 import kspec
-from kspec.core import REPORT_HINT, KspecError, KspecInternalError, select_archs
+from kspec.core import REPORT_HINT, KspecError, KspecInternalError, parse_sizes, select_archs  # noqa: F401
 
 ISSUE_HINT = REPORT_HINT
 
@@ -62,28 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _EXTRA_COMMANDS:
         register(sub)
     return p
-
-
-def parse_sizes(text: str | None) -> dict[str, int]:
-    """`M=256,N=512` -> {"M": 256, "N": 512}."""
-    out: dict[str, int] = {}
-    if not text:
-        return out
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        name, eq, value = part.partition("=")
-        if not eq or not name.strip().isidentifier():
-            raise KspecError(f"bad size '{part}'", hint="write sizes as NAME=VALUE pairs: M=256,N=512,K=128")
-        try:
-            v = int(value)
-        except ValueError:
-            raise KspecError(f"size {name.strip()}={value!r} is not an integer") from None
-        if v < 1 or v > 1 << 31:
-            raise KspecError(f"size {name.strip()}={v} is out of range (1 to 2^31)")
-        out[name.strip()] = v
-    return out
 
 
 def _archs(text: str | None, program=None) -> tuple[str, ...]:
@@ -344,8 +322,13 @@ def _register_doctor(sub) -> None:
     register(sub)
 
 
+def _register_selftest(sub) -> None:
+    from kspec.selftest import register
+    register(sub)
+
+
 _EXTRA_COMMANDS: list = [_register_graph, _register_lower, _register_compile, _register_run,
-                         _register_doctor]
+                         _register_doctor, _register_selftest]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -124,6 +124,28 @@ def select_archs(text: str | None, targets: tuple[str, ...] = ()) -> tuple[str, 
     return tuple(targets) or ARCHS
 
 
+def parse_sizes(text: str | None) -> dict[str, int]:
+    """`M=256,N=512` -> {"M": 256, "N": 512}."""
+    out: dict[str, int] = {}
+    if not text:
+        return out
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip().isidentifier():
+            raise KspecError(f"bad size '{part}'", hint="write sizes as NAME=VALUE pairs: M=256,N=512,K=128")
+        try:
+            v = int(value)
+        except ValueError:
+            raise KspecError(f"size {name.strip()}={value!r} is not an integer") from None
+        if v < 1 or v > 1 << 31:
+            raise KspecError(f"size {name.strip()}={v} is out of range (1 to 2^31)")
+        out[name.strip()] = v
+    return out
+
+
 def arch_of_cc(cc: int) -> str | None:
     """The arch whose cubins run on a device of compute capability `cc` (major*10+minor), or None."""
     for a in ARCH_TABLE.values():

@@ -35,6 +35,22 @@ def get() -> "Driver":
         return _driver
 
 
+@contextmanager
+def use(drv) -> Iterator[Any]:
+    """Make `get()` return `drv` inside the block and restore the previous driver after.
+
+    The one injection point for a stand-in driver: `kspec.runtime.fakedriver.FakeDriver` records
+    every launch on a machine without a GPU (tests, `kspec selftest --fake`)."""
+    global _driver
+    with _lock:
+        previous, _driver = _driver, drv
+    try:
+        yield drv
+    finally:
+        with _lock:
+            _driver = previous
+
+
 def _cu():
     from cuda.bindings import driver as cu  # deferred: importing must not need libcuda
     return cu
