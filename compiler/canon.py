@@ -121,7 +121,10 @@ def remove_dead(g: nx.DiGraph) -> int:
 
 @dataclass(frozen=True)
 class GemmInfo:
-    """A contraction recognised as (batched) GEMM: D[batch.., m, n] = sum_k A[.., m, k] B[.., k, n]."""
+    """A contraction recognised as (batched) GEMM: D[batch.., m, n] = sum_k A[.., m, k] B[.., k, n].
+    `m_fold` lists A's free labels outside m that B lacks (e.g. the batch and sequence axes of a
+    shared-weight linear layer X[b, s, k] W[n, k]): they fold into M, outermost first, so the GEMM
+    is D[(m_fold.., m), n] with one M extent."""
     a: str                       # producer node of the A operand
     b: str
     m: str                       # labels
@@ -130,6 +133,12 @@ class GemmInfo:
     batch: tuple[str, ...]
     a_layout: str                # "row": k contiguous in A; "col": m contiguous
     b_layout: str                # "row": n contiguous in B; "col": k contiguous
+    m_fold: tuple[str, ...] = ()
+
+    @property
+    def m_labels(self) -> tuple[str, ...]:
+        """Every label folded into M, outermost first (m last)."""
+        return (*self.m_fold, self.m)
 
 
 def _storage_order(g: nx.DiGraph, node, labels: tuple[str, ...]) -> tuple[str, ...]:
@@ -157,7 +166,8 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     if m in lb and m not in la:
         (ua, la), (ub, lb) = (ub, lb), (ua, la)
     if set(la) != set(batch) | {m, k} or set(lb) != set(batch) | {k, nn}:
-        return "its operands are not [batch.., m, k] and [batch.., k, n]"
+        folded = _folded_gemm(g, n)
+        return folded if folded is not None else "its operands are not [batch.., m, k] and [batch.., k, n]"
     sa, sb = _storage_order(g, ua, la), _storage_order(g, ub, lb)
     if sa[:len(batch)] != batch or sb[:len(batch)] != batch:
         return "batch axes are not the outermost axes of every operand in the same order"
@@ -166,27 +176,94 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     return GemmInfo(ua, ub, m, nn, k, tuple(batch), a_layout, b_layout)
 
 
-def split_shared_broadcasts(g: nx.DiGraph) -> int:
-    """Give every consumer of a broadcast its own broadcast node.  A broadcast is a free view of its
-    source; shared (e.g. after CSE) it would tie its consumers into one kernel or force the expanded
-    tensor through memory.  Output consumers stay with the original (named) node."""
+def _folded_gemm(g: nx.DiGraph, n) -> GemmInfo | None:
+    """A contraction whose A operand has free axes that B lacks, e.g. Y[b, s, n] = X[b, s, k] W[n, k]:
+    those axes fold into M when they sit, in the same order, right before m in both A (row-major, k
+    innermost) and the result, after any batch axes shared by both operands."""
+    o = op(g, n)
+    k, nn = o.reduced[0], o.axes[-1]
+    (ua, la), (ub, lb) = operands(g, n)
+    if nn in la:
+        (ua, la), (ub, lb) = (ub, lb), (ua, la)
+    if nn in la or nn not in lb or k not in la or k not in lb:
+        return None
+    batch = tuple(x for x in o.axes if x in la and x in lb)
+    ms = tuple(x for x in o.axes if x in la and x not in lb)
+    if len(ms) < 2 or set(lb) != set(batch) | {k, nn} or set(la) != set(batch) | set(ms) | {k}:
+        return None
+    if o.axes != (*batch, *ms, nn):
+        return None
+    sa, sb = _storage_order(g, ua, la), _storage_order(g, ub, lb)
+    if sa != (*batch, *ms, k) or sb[:len(batch)] != batch:
+        return None
+    b_layout = "row" if sb[-1] == nn else "col"
+    return GemmInfo(ua, ub, ms[-1], nn, k, batch, "row", b_layout, m_fold=ms[:-1])
+
+
+def _next_id(g: nx.DiGraph) -> int:
+    return max((int(str(n)[1:]) for n in g.nodes if str(n)[1:].isdigit()), default=-1) + 1
+
+
+def is_input_view(g: nx.DiGraph, n) -> bool:
+    """n is a broadcast, or a cast of an input (or of another such view): a value any kernel can
+    compute from an input while loading it, so it is never worth a kernel or a buffer of its own."""
+    o = op(g, n)
+    if o.kind == "broadcast":
+        return True
+    if o.kind != "cast":
+        return False
+    (src, _), = operands(g, n)
+    so = op(g, src)
+    return so.kind == "input" or is_input_view(g, src)
+
+
+def is_scalar_value(g: nx.DiGraph, n) -> bool:
+    """n is a constant or an op without axes computed only from params and constants: every kernel
+    that needs it evaluates it itself."""
+    o = op(g, n)
+    if o.kind == "const":
+        return True
+    return o.kind in ("elementwise", "cast") and not o.axes and \
+        all(op(g, u).kind == "param" or is_scalar_value(g, u) for u in g.predecessors(n))
+
+
+def _split_per_consumer(g: nx.DiGraph, pick) -> int:
+    """Give every consumer of a node `pick` selects its own copy of it (output consumers stay with
+    the original, named node).  Nodes are visited consumers-first, so a chain of picked nodes is
+    copied whole."""
     count = 0
-    ids = max((int(str(n)[1:]) for n in g.nodes if str(n)[1:].isdigit()), default=-1) + 1
-    for n in list(nx.topological_sort(g)):
+    ids = _next_id(g)
+    for n in reversed(list(nx.topological_sort(g))):
         o = op(g, n)
         consumers = sorted(g.successors(n), key=lambda v: (op(g, v).kind != "output", str(v)))
-        if o.kind != "broadcast" or len(consumers) < 2:
+        if len(consumers) < 2 or not pick(g, n):
             continue
-        (src, labels), = operands(g, n)
+        ins = [(u, g.edges[u, n]["uses"]) for u in g.predecessors(n)]
         for v in consumers[1:]:
             new = f"n{ids}"
             ids += 1
             g.add_node(new, op=replace(o, name=None))
-            g.add_edge(src, new, uses=((0, labels),))
+            for u, u_uses in ins:
+                g.add_edge(u, new, uses=u_uses)
             g.add_edge(new, v, uses=g.edges[n, v]["uses"])
             g.remove_edge(n, v)
             count += 1
     return count
+
+
+def split_shared_broadcasts(g: nx.DiGraph) -> int:
+    """Give every consumer of a broadcast, or of a cast of an input, its own copy.  Such a view is
+    free to recompute where it is loaded; shared (e.g. after CSE) it would tie its consumers into one
+    kernel or force the expanded or converted tensor through memory (an f32 copy of an f16 input,
+    a [M, N] bias)."""
+    return _split_per_consumer(g, is_input_view)
+
+
+def split_shared_scalars(g: nx.DiGraph) -> int:
+    """Give every consumer of a constant or a scalar expression of params its own copy, so each
+    kernel evaluates the scalars it reads and no scalar ties two kernels together."""
+    return _split_per_consumer(g, lambda g, n: is_scalar_value(g, n) and
+                               not any(op(g, v).kind == "output" for v in g.successors(n)))
 
 
 def canonicalize(g: nx.DiGraph) -> dict[str, int]:
@@ -194,4 +271,5 @@ def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
              "dead": remove_dead(g)}
     stats["broadcasts_split"] = split_shared_broadcasts(g)
+    stats["scalars_split"] = split_shared_scalars(g)
     return stats

@@ -14,7 +14,7 @@ from typing import Callable
 
 import networkx as nx
 
-from .canon import GemmInfo, gemm_info
+from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value
 from .graph import op, operands
 
 OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "const")
@@ -49,6 +49,8 @@ class AttentionInfo:
     key: str                           # j
     head: str                          # e
     causal: bool
+    p_cast: tuple = ()                 # casts of the probabilities before PV (e.g. `p : f16`)
+    kv_batch: tuple[str, ...] | None = None   # K/V batch labels when they lack some of Q's (MQA)
 
 
 @dataclass
@@ -222,16 +224,10 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                 if legal_group(g, trial):
                     res.notes.append(f"{so.label()} not fused into the GEMM at {c}: {legal_group(g, trial)}")
                     continue
-                group = trial | {a for a in nx.ancestors(g, s) if is_scalar_expr(g, a) and is_operator(g, a)}
+                # (the scalars it reads join at the end of fusion: see attach_scalars)
+                group = trial
                 changed = True
-        # broadcasts feeding the group from inputs are loads of the epilogue
-        for n in list(group):
-            for u in g.predecessors(n):
-                uo = op(g, u)
-                if uo.kind == "broadcast" and u not in group and not res.group_of(u):
-                    (src, _), = operands(g, u)
-                    if op(g, src).kind == "input" and legal_group(g, group | {u}) is None:
-                        group.add(u)
+        _add_epilogue_loads(g, res, group)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
 
 
@@ -246,6 +242,10 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
         if len(so.reduced) != 1 or so.reduced[0] not in (gi.m, gi.n) or \
                 labels.index(so.reduced[0]) < len(labels) - 2:
             return "an epilogue reduction must reduce over the GEMM's row or column axis"
+        if gi.m_fold and so.reduced[0] == gi.m:
+            return f"it reduces over '{gi.m}' only, but the GEMM folds [{', '.join(gi.m_labels)}] into M"
+        if so.axes != tuple(x for x in (*gi.batch, *gi.m_labels, gi.n) if x != so.reduced[0]):
+            return "the reduction's result is not stored in the GEMM result's axis order"
         return None
     if so.kind not in ("elementwise", "broadcast", "cast"):
         return f"{so.kind} ops cannot be fused into an epilogue"
@@ -266,15 +266,55 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
         if uo.kind == "broadcast":
             (src, slabels), = operands(g, u)
             # (a per-batch vector, e.g. s[b], has no epilogue load: the backend loads rows/columns)
-            if op(g, src).kind == "input" and len(slabels) == 1 and slabels[0] in (gi.m, gi.n):
+            if _loaded_input(g, src) is not None and len(slabels) == 1 and slabels[0] in (gi.m, gi.n):
+                if slabels[0] == gi.m and gi.m_fold:
+                    return (f"it broadcasts a vector over '{gi.m}' only, but the GEMM folds "
+                            f"[{', '.join(gi.m_labels)}] into its M axis")
                 continue
-            return "it broadcasts a value that is not a row or column vector input"
-        if set(labels) == gemm_axes and tuple(labels[-2:]) == (gi.m, gi.n):
-            if uo.kind == "input" and uo.layout == "col":
-                return f"operand {uo.name} is column-major; an epilogue reads full tensors row-major"
-            continue  # a full tensor (e.g. a residual) read row-major
+            return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+        if set(labels) == gemm_axes and tuple(labels) == (*gi.batch, *gi.m_labels, gi.n):
+            if _storage_layout(g, u) == "col":
+                return f"operand {uo.name or u} is column-major; an epilogue reads full tensors row-major"
+            continue  # a full tensor (e.g. a residual, or a cast of one) read row-major
+        if set(labels) == gemm_axes:
+            return f"operand {uo.name or u} is read with its axes in another order than the GEMM result's"
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
     return None
+
+
+def _loaded_input(g: nx.DiGraph, n):
+    """The input an epilogue load reads when n is that input or a chain of casts of it, else None."""
+    o = op(g, n)
+    if o.kind == "input":
+        return n
+    if o.kind == "cast" and is_input_view(g, n):
+        (src, _), = operands(g, n)
+        return _loaded_input(g, src)
+    return None
+
+
+def _storage_layout(g: nx.DiGraph, n) -> str:
+    src = _loaded_input(g, n)
+    return op(g, src).layout if src is not None else "row"
+
+
+def _add_epilogue_loads(g: nx.DiGraph, res: FusionResult, group: set) -> None:
+    """Broadcasts of input vectors, and casts of inputs, that feed the epilogue are loads of it:
+    they join the group (canonicalisation gave each consumer its own copy)."""
+    for n in sorted(group, key=_node_order):
+        for u in g.predecessors(n):
+            if u in group or res.group_of(u) or not is_input_view(g, u):
+                continue
+            chain = [u]
+            while op(g, chain[-1]).kind in ("broadcast", "cast"):
+                (src, _), = operands(g, chain[-1])
+                if op(g, src).kind == "input":
+                    break
+                chain.append(src)
+            if any(res.group_of(c) or len(list(g.successors(c))) != 1 for c in chain):
+                continue
+            if legal_group(g, group | set(chain)) is None:
+                group |= set(chain)
 
 
 def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
@@ -283,6 +323,8 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         o = op(g, n)
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
+        if is_scalar_value(g, n) and not any(op(g, s).kind == "output" for s in g.successors(n)):
+            continue        # evaluated by the kernel that reads it (attach_scalars)
         merged = None
         candidates: list[Group] = []
         for u, labels in operands(g, n):
@@ -370,19 +412,25 @@ def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
             res.groups.append(Group(f"g{len(res.groups)}", o.kind, {n}, n))
     fuse_reduction_prologues(g, res)
     fuse_softmax_epilogues(g, res)
-    # constants are folded into whichever kernel reads them
-    for n in g.nodes:
-        if op(g, n).kind == "const":
-            for s in g.successors(n):
-                grp = res.group_of(s)
-                if grp is not None:
-                    grp.nodes.add(n)
-                    break
+    attach_scalars(g, res)
     order = _group_order(g, res.groups)
     for i, grp in enumerate(order):
         grp.id = f"g{i}"
     res.groups = order
     return res
+
+
+def attach_scalars(g: nx.DiGraph, res: FusionResult) -> None:
+    """Constants and scalar expressions of params join the kernel that reads them (canonicalisation
+    gave each consumer its own copy), so every kernel evaluates the scalars it needs."""
+    for n in reversed(list(nx.topological_sort(g))):
+        if res.group_of(n) is not None or not is_scalar_value(g, n):
+            continue
+        for s in sorted(g.successors(n), key=_node_order):
+            grp = res.group_of(s)
+            if grp is not None:
+                grp.nodes.add(n)
+                break
 
 
 def quotient(g: nx.DiGraph, groups: list[Group]) -> nx.DiGraph:
