@@ -184,7 +184,8 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
             ctype = "long long" if o.dtype in _INT else "float"
             if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
                 body.extend(_reduce_into(gen, n, v))
-            elif o.kind in ("elementwise", "broadcast", "cast") and (set(o.axes) == set(space) or not o.axes):
+            elif o.kind in ("elementwise", "broadcast", "cast") and set(o.axes) <= set(space):
+                # (a value over fewer axes, e.g. a cast bias vector, is recomputed per element)
                 body.append(f"{ctype} {v} = {_round(o.dtype, gen.node_expr(n, local))};")
             else:
                 raise KspecLoweringError(f"plan {plan.id}: the CUDA backend cannot run a "

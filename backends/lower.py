@@ -94,11 +94,10 @@ def lower_gemm(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPla
                 e = Load(names(buf[n]), "full", o.dtype)
         elif o.kind == "broadcast":
             (src, labels), = operands(g, n)
-            so = op(g, src)
             if len(labels) == 1 and labels[0] == gi.n:
-                e = Load(names(buf[src]), "row", so.dtype)
-            elif len(labels) == 1 and labels[0] == gi.m:
-                e = Load(names(buf[src]), "col", so.dtype)
+                e = vector(src, "row")
+            elif len(labels) == 1 and labels[0] == gi.m and not gi.m_fold:
+                e = vector(src, "col")
             else:
                 _fail(sched, plan, arch, f"cannot broadcast a [{', '.join(labels)}] value in a GEMM epilogue")
         elif o.kind == "cast":
@@ -110,6 +109,16 @@ def lower_gemm(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPla
             _fail(sched, plan, arch, f"{o.kind} op inside a GEMM epilogue")
         memo[n] = e
         return e
+
+    def vector(n, kind) -> EpiExpr:
+        """A row/column vector load: an input, or casts (fused in the epilogue) of one."""
+        o = op(g, n)
+        if n in grp and o.kind == "cast":
+            (src, _), = operands(g, n)
+            return Op(f"cast:{o.dtype}", (vector(src, kind),))
+        if n in grp:
+            _fail(sched, plan, arch, f"a {o.kind} op on a broadcast vector inside a GEMM epilogue")
+        return Load(names(buf[n]), kind, o.dtype)
 
     stores: list[Store] = []
     reductions: list[ReductionStore] = []
@@ -136,7 +145,7 @@ def lower_gemm(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPla
                     batched=bool(gi.batch), tile=cfg.tile if cfg else None, cluster=cfg.cluster if cfg else None,
                     stages=cfg.stages if cfg else None)
     anchor = plan.group.anchor
-    dims = (("M", _extent_of(sched, anchor, gi.m)), ("N", _extent_of(sched, anchor, gi.n)),
+    dims = (("M", _batch_extent(sched, anchor, gi.m_labels)), ("N", _extent_of(sched, anchor, gi.n)),
             ("K", op(g, anchor).reduced_shape[0]), ("L", _batch_extent(sched, anchor, gi.batch)))
     return LoweredPlan(plan, arch, desc, names.back(), dims, scalars)
 
@@ -186,6 +195,14 @@ def attention_reason(g: nx.DiGraph, info: AttentionInfo, arch: str) -> str | Non
         return "the head dimension must be the same integer literal in Q, K and V"
     if len(info.batch) > 2:
         return "more than two batch axes"
+    if info.kv_batch is not None:
+        missing = [x for x in info.batch if x not in info.kv_batch]
+        return (f"K and V are shared across [{', '.join(missing)}] (multi-query attention); the fused kernel "
+                "reads K and V with every batch axis of Q")
+    for n in info.p_cast:
+        if op(g, n).dtype not in (next(iter(dts)), "f32"):
+            return (f"the probabilities are rounded to {op(g, n).dtype}; the fused kernel multiplies them with V "
+                    f"in {next(iter(dts))}")
     if _attention_scale(g, info) is None:
         return "the score scale must be one param or constant factor"
     for n in (info.q, info.k, info.v):

@@ -136,8 +136,18 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
             chain = tensor
         qk = chain
         if op(g, qk).kind != "contraction":
+            blocker = _score_blocker(g, qk)
+            if blocker is not None:
+                res.notes.append(f"softmax {sm}: not fused attention: between the QK contraction and the softmax "
+                                 f"there is {op(g, blocker).label()}; only a multiplication or division by a "
+                                 "scalar param or constant can stay inside the attention kernel")
             continue
-        consumers = _consumers(g, sm)
+        p_cast: list = []
+        last = sm
+        while len(_consumers(g, last)) == 1 and op(g, _consumers(g, last)[0]).kind == "cast":
+            last = _consumers(g, last)[0]
+            p_cast.append(last)
+        consumers = _consumers(g, last)
         if len(consumers) != 1 or op(g, consumers[0]).kind != "contraction":
             res.notes.append(f"softmax {sm}: not attention (its result is not consumed by one contraction)")
             continue
@@ -146,7 +156,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
-        multi = [n for n in [qk, *scale, sm] if len(_consumers(g, n)) != 1 or
+        multi = [n for n in [qk, *scale, sm, *p_cast] if len(_consumers(g, n)) != 1 or
                  any(op(g, c).kind == "output" for c in _consumers(g, n))]
         if multi:
             res.notes.append(f"attention at {sm}: not fused: the score matrix ({op(g, multi[0]).name or multi[0]}) "
@@ -162,16 +172,18 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if axis in lq:
             (uq, lq), (uk, lk) = (uk, lk), (uq, lq)
         (up, lp), (uv, lv) = operands(g, pv)
-        if up != sm:
+        if up != last:
             (up, lp), (uv, lv) = (uv, lv), (up, lp)
-        shapes_ok = (lq == (*batch, query, head) and lk == (*batch, axis, head) and lv == (*batch, axis, head)
-                     and po.axes == (*batch, query, head))
+        kv_batch = tuple(lk[:-2])
+        shapes_ok = (lq == (*batch, query, head) and tuple(lk[-2:]) == (axis, head) and lv == lk
+                     and _is_subsequence(kv_batch, tuple(batch)) and po.axes == (*batch, query, head))
         if not shapes_ok:
-            res.notes.append(f"attention at {sm}: not fused: Q, K, V and O must be [batch.., seq, head] "
+            res.notes.append(f"attention at {sm}: not fused: Q, K, V and O must be [batch.., seq, head], K and V "
+                             "alike, with K/V batch axes among Q's "
                              f"(got Q{list(lq)}, K{list(lk)}, V{list(lv)}, O{list(po.axes)})")
             continue
         info = AttentionInfo(qk, sm, pv, tuple(scale), uq, uk, uv, tuple(batch), query, axis, head,
-                             o.causal == query)
+                             o.causal == query, tuple(p_cast), None if kv_batch == tuple(batch) else kv_batch)
         if o.causal is not None and o.causal != query:
             res.notes.append(f"attention at {sm}: not fused: causal index '{o.causal}' is not the query index")
             continue
@@ -179,7 +191,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if why:
             res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
             continue
-        nodes = {qk, sm, pv, *scale}
+        nodes = {qk, sm, pv, *scale, *p_cast}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
             if op(g, c).kind == "cast" and len(_consumers(g, pv)) == 1:
@@ -188,6 +200,38 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
             res.notes.append(f"attention at {sm}: not fused: {legal_group(g, nodes)}")
             continue
         res.groups.append(Group(f"g{len(res.groups)}", "attention", nodes, qk, info))
+
+
+def _is_subsequence(sub: tuple, seq: tuple) -> bool:
+    it = iter(seq)
+    return all(x in it for x in sub)
+
+
+def _score_blocker(g: nx.DiGraph, n):
+    """The op that keeps a softmax's operand from being `scale * contraction`: the first node on the
+    tensor path from the softmax back to a contraction that is not a scalar scaling (None if no
+    contraction is upstream along single-tensor elementwise ops)."""
+    first = n
+    while True:
+        o = op(g, n)
+        if o.kind == "contraction":
+            return first
+        if o.kind not in ("elementwise", "cast", "broadcast"):
+            return None
+        tensors = [u for u, _ in operands(g, n) if op(g, u).axes]
+        contractions = [u for u in tensors if op(g, u).kind == "contraction" or _feeds_from_contraction(g, u)]
+        if len(contractions) != 1:
+            return None
+        n = contractions[0]
+
+
+def _feeds_from_contraction(g: nx.DiGraph, n, depth: int = 8) -> bool:
+    o = op(g, n)
+    if o.kind == "contraction":
+        return True
+    if depth == 0 or o.kind not in ("elementwise", "cast", "broadcast"):
+        return False
+    return any(_feeds_from_contraction(g, u, depth - 1) for u in g.predecessors(n))
 
 
 def _is_full(g, n, gi: GemmInfo, gemm_axes: set) -> bool:
