@@ -286,6 +286,14 @@ def cutlass_can_run(sched: KernelSchedule, plan: KernelPlan) -> str | None:
     return None
 
 
+def runs_tiled(sched: KernelSchedule):
+    """The cost model's predicate: a plan runs as a tiled kernel (CUTLASS GEMM or fused attention),
+    not as a generic loop kernel."""
+    def tiled(plan: KernelPlan) -> bool:
+        return plan.kind == "attention" or (plan.kind == "gemm" and cutlass_can_run(sched, plan) is None)
+    return tiled
+
+
 def lower(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:
     if plan.kind == "gemm":
         why = cutlass_can_run(sched, plan)

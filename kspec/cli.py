@@ -105,6 +105,7 @@ def _attention_check(archs):
 def cmd_graph(args) -> int:
     from kspec.compiler import cost, plan_kernel
     from kspec.compiler.report import format_cost, format_graph, format_plan, to_dot, to_json, to_svg
+    from kspec.backends.lower import runs_tiled
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
     sizes = parse_sizes(args.sizes)
@@ -116,7 +117,7 @@ def cmd_graph(args) -> int:
             text.append(f"graph of kernel {s.kernel.name}:")
             text.append(format_graph(s.graph))
             text.append(format_plan(s))
-            text.append(format_cost(cost(s, sizes)))
+            text.append(format_cost(cost(s, sizes, runs_tiled(s))))
             text.append("")
         _emit("\n".join(text), args.output)
         return 0
@@ -125,7 +126,7 @@ def cmd_graph(args) -> int:
     if args.format == "dot":
         _emit(to_dot(scheds[0]), args.output)
     elif args.format == "json":
-        docs = [to_json(s, cost(s, sizes)).strip() for s in scheds]
+        docs = [to_json(s, cost(s, sizes, runs_tiled(s))).strip() for s in scheds]
         # one kernel: its document; several: a JSON list of them
         _emit(docs[0] + "\n" if len(docs) == 1 else "[\n" + ",\n".join(docs) + "\n]\n", args.output)
     elif args.format == "svg":
