@@ -369,6 +369,8 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
             continue
         if is_scalar_value(g, n) and not any(op(g, s).kind == "output" for s in g.successors(n)):
             continue        # evaluated by the kernel that reads it (attach_scalars)
+        if _is_loaded_view(g, n):
+            continue        # converted where its consumer loads it (attach_scalars)
         merged = None
         candidates: list[Group] = []
         for u, labels in operands(g, n):
@@ -464,11 +466,22 @@ def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
     return res
 
 
+def _is_loaded_view(g: nx.DiGraph, n) -> bool:
+    """A cast of an input read by one elementwise op, reduction or softmax: that consumer's kernel
+    converts the input as it loads it (a contraction operand needs its own buffer)."""
+    if op(g, n).kind != "cast" or not is_input_view(g, n):
+        return False
+    consumers = list(g.successors(n))
+    return len(consumers) == 1 and op(g, consumers[0]).kind in ("elementwise", "broadcast", "cast", "reduction",
+                                                                  "softmax")
+
+
 def attach_scalars(g: nx.DiGraph, res: FusionResult) -> None:
     """Constants and scalar expressions of params join the kernel that reads them (canonicalisation
-    gave each consumer its own copy), so every kernel evaluates the scalars it needs."""
+    gave each consumer its own copy), so every kernel evaluates the scalars it needs; so do casts
+    of inputs, which their consumer's kernel applies as it loads the input."""
     for n in reversed(list(nx.topological_sort(g))):
-        if res.group_of(n) is not None or not is_scalar_value(g, n):
+        if res.group_of(n) is not None or not (is_scalar_value(g, n) or _is_loaded_view(g, n)):
             continue
         for s in sorted(g.successors(n), key=_node_order):
             grp = res.group_of(s)
