@@ -300,6 +300,11 @@ def lower(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:
         if why is None:
             return lower_gemm(sched, plan, arch)
         from .generic import lower_generic
+        reductions = [n for n in plan.group.nodes if op(sched.graph, n).kind == "reduction"]
+        if reductions:
+            _fail(sched, plan, arch, f"{why}, and the plain CUDA backend cannot fuse the epilogue reduction "
+                  f"{op(sched.graph, reductions[0]).label()}",
+                  "use operand dtypes CUTLASS takes, or reduce a stored result in a statement of its own")
         note = f"{plan.id}: {why}; compiled as a plain CUDA kernel"
         if note not in sched.fusion.notes:
             sched.fusion.notes.append(note)

@@ -271,6 +271,7 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                 # (the scalars it reads join at the end of fusion: see attach_scalars)
                 group = trial
                 changed = True
+        group = _keep_a_stored_result(g, res, group, c)
         _add_epilogue_loads(g, res, group)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
 
@@ -326,6 +327,31 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
     return None
 
 
+def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
+    """An epilogue reduction rides on a GEMM that stores its [m, n] result anyway: when the
+    reductions are all that leaves the group, they (and what only they need) run as kernels of their
+    own over the stored result instead."""
+    reductions = {n for n in group if op(g, n).kind == "reduction"}
+    if not reductions:
+        return group
+    stored = [n for n in group - reductions if any(s not in group for s in g.successors(n))]
+    if stored:
+        return group
+    keep = group - reductions
+    # drop the epilogue ops that only fed the reductions, down to the value the reductions read
+    while True:
+        dead = {n for n in keep if n != anchor and not any(s in keep for s in g.successors(n))
+                and not any(op(g, s).kind == "output" for s in g.successors(n))}
+        feeds_reduction = {u for r in reductions for u, _ in operands(g, r)}
+        dead -= feeds_reduction
+        if not dead:
+            break
+        keep -= dead
+    res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
+                     "the GEMM stores no full result for it to ride on")
+    return keep
+
+
 def _loaded_input(g: nx.DiGraph, n):
     """The input an epilogue load reads when n is that input or a chain of casts of it, else None."""
     o = op(g, n)
@@ -346,6 +372,8 @@ def _add_epilogue_loads(g: nx.DiGraph, res: FusionResult, group: set) -> None:
     """Broadcasts of input vectors, and casts of inputs, that feed the epilogue are loads of it:
     they join the group (canonicalisation gave each consumer its own copy)."""
     for n in sorted(group, key=_node_order):
+        if op(g, n).kind == "contraction":
+            continue        # its operands are the GEMM's A and B, read from memory
         for u in g.predecessors(n):
             if u in group or res.group_of(u) or not is_input_view(g, u):
                 continue

@@ -12,6 +12,7 @@ directly, `python tests/test_fusion_fuzz.py [N]`, to see timings and the mix of 
 """
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -247,7 +248,9 @@ def test_fuzz_default(block):
 
 
 @pytest.mark.slow
-def test_fuzz_slow():
+def test_fuzz_slow(request):
+    if "slow" not in (request.config.getoption("-m") or "") and not os.environ.get("KSPEC_SLOW_TESTS"):
+        pytest.skip("the long fuzz run: select it with `-m slow` or KSPEC_SLOW_TESTS=1")
     outcomes = Counter(run_case(SEED + 10_000 + i) for i in range(N_SLOW))
     assert outcomes["ok"] + outcomes["ok+refused"] >= N_SLOW // 2, outcomes
 
