@@ -269,6 +269,10 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                     res.notes.append(f"{so.label()} not fused into the GEMM at {c}: {legal_group(g, trial)}")
                     continue
                 # (the scalars it reads join at the end of fusion: see attach_scalars)
+                for u, labels in operands(g, s):
+                    cone = _input_cone(g, res, u, labels, gi, trial)
+                    if cone and legal_group(g, trial | cone) is None:
+                        trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
                 group = trial
                 changed = True
         group = _keep_a_stored_result(g, res, group, c)
@@ -325,6 +329,51 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
             return f"operand {uo.name or u} is read with its axes in another order than the GEMM result's"
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
     return None
+
+
+MAX_CONE = 16
+
+
+def _input_cone(g: nx.DiGraph, res: FusionResult, u, labels, gi: GemmInfo, group: set) -> set | None:
+    """The ops computing an epilogue operand u from inputs alone, when the epilogue can compute them
+    itself: elementwise epilogue functions and casts over the GEMM's axes (in its order) reading
+    row-major full inputs, scalars, and row/column vectors of inputs.  None if u is not such a value,
+    or if another kernel needs part of it too."""
+    full = (*gi.batch, *gi.m_labels, gi.n)
+    cone: set = set()
+
+    def visit(n, read_as) -> bool:
+        o = op(g, n)
+        if o.kind == "param" or is_scalar_value(g, n):
+            return True
+        if n in group or n in cone:
+            return n in cone
+        if res.group_of(n) is not None or len(cone) >= MAX_CONE:
+            return False
+        if o.kind == "input":
+            return tuple(read_as) == full and o.layout == "row"
+        if tuple(read_as) != full or o.axes != full:
+            return False
+        if o.kind == "broadcast":
+            (src, sl), = operands(g, n)
+            if _loaded_input(g, src) is None or len(sl) != 1 or not (sl[0] == gi.n or (sl[0] == gi.m and not gi.m_fold)):
+                return False
+            chain = [n]
+            while op(g, chain[-1]).kind != "input":
+                chain.append(operands(g, chain[-1])[0][0])
+            cone.update(chain[:-1])
+            return True
+        if o.kind not in ("elementwise", "cast") or (o.kind == "elementwise" and o.fn not in EPILOGUE_FNS):
+            return False
+        cone.add(n)
+        return all(visit(v, l) for v, l in operands(g, n))
+
+    if op(g, u).kind in ("input", "param") or not visit(u, labels) or not cone:
+        return None
+    inside = group | cone
+    if any(s not in inside for n in cone for s in g.successors(n)):
+        return None
+    return cone
 
 
 def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
