@@ -251,12 +251,23 @@ def _split_per_consumer(g: nx.DiGraph, pick) -> int:
     return count
 
 
+def is_widening_cast(g: nx.DiGraph, n) -> bool:
+    """n converts a value to a wider dtype (f16 -> f32): reading the narrow value and converting it
+    where it is needed never costs more memory traffic than storing the wide one."""
+    from .schedule import DTYPE_BYTES
+    o = op(g, n)
+    if o.kind != "cast":
+        return False
+    (src, _), = operands(g, n)
+    return DTYPE_BYTES.get(op(g, src).dtype, 4) < DTYPE_BYTES.get(o.dtype, 4)
+
+
 def split_shared_broadcasts(g: nx.DiGraph) -> int:
-    """Give every consumer of a broadcast, or of a cast of an input, its own copy.  Such a view is
-    free to recompute where it is loaded; shared (e.g. after CSE) it would tie its consumers into one
-    kernel or force the expanded or converted tensor through memory (an f32 copy of an f16 input,
-    a [M, N] bias)."""
-    return _split_per_consumer(g, is_input_view)
+    """Give every consumer of a broadcast, of a cast of an input, or of a widening cast its own copy.
+    Such a view is free to recompute where it is loaded; shared (e.g. after CSE) it would tie its
+    consumers into one kernel or force the expanded or converted tensor through memory (an f32 copy
+    of an f16 input, a [M, N] bias)."""
+    return _split_per_consumer(g, lambda g, n: is_input_view(g, n) or is_widening_cast(g, n))
 
 
 def split_shared_scalars(g: nx.DiGraph) -> int:

@@ -275,6 +275,7 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                         trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
                 group = trial
                 changed = True
+        group = _recompute_cheap_values(g, res, group, c)
         group = _keep_a_stored_result(g, res, group, c)
         _add_epilogue_loads(g, res, group)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
@@ -332,6 +333,64 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
 
 
 MAX_CONE = 16
+
+
+def _value_bytes(g: nx.DiGraph, n) -> int:
+    """Bytes of n's value per element of its iteration space, scaled by its rank (a proxy: full
+    tensors dominate vectors and scalars)."""
+    from .schedule import DTYPE_BYTES
+    o = op(g, n)
+    return DTYPE_BYTES.get(o.dtype, 4) * (1 << (2 * len(o.axes)))
+
+
+def _recompute_cheap_values(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
+    """An epilogue value that only other kernels read (no output, no op of this kernel) is not
+    stored when those kernels can compute it more cheaply from values in memory anyway: e.g.
+    `f32(H[m, n])` for a norm over the stored f16 output H is read as H (2 bytes) and converted,
+    not stored and read back as f32 (4 bytes).  The value leaves the epilogue and later passes
+    fuse it into its consumers' kernels."""
+    group = set(group)
+    while True:
+        best = None
+        for n in sorted(group - {anchor}, key=_node_order, reverse=True):
+            o = op(g, n)
+            succ = list(g.successors(n))
+            if o.kind not in ("elementwise", "cast") or not succ or \
+                    any(s in group or op(g, s).kind == "output" for s in succ):
+                continue
+            sources = _recompute_sources(g, n, group, anchor)
+            if sources is None or not sources:
+                continue
+            if sum(_value_bytes(g, u) for u in sources) <= _value_bytes(g, n):
+                best = n
+                break
+        if best is None:
+            return group
+        group.discard(best)
+        res.notes.append(f"{op(g, best).label()}: not stored by the GEMM at {anchor}; the kernels that read it "
+                         "compute it from values already in memory")
+
+
+def _recompute_sources(g: nx.DiGraph, n, group: set, anchor, depth: int = 6) -> set | None:
+    """The values in memory (stored by the group, or outside it) that n is computed from through
+    in-group elementwise ops; None if that passes through the contraction or a reduction."""
+    out: set = set()
+    for u, _ in operands(g, n):
+        uo = op(g, u)
+        if uo.kind in ("param",) or is_scalar_value(g, u):
+            continue
+        if u not in group:
+            out.add(u)
+        elif any(s not in group for s in g.successors(u)):
+            out.add(u)          # stored anyway (an output, or read by another kernel)
+        elif u != anchor and uo.kind in ("elementwise", "cast", "broadcast") and depth:
+            inner = _recompute_sources(g, u, group, anchor, depth - 1)
+            if inner is None:
+                return None
+            out |= inner
+        else:
+            return None
+    return out
 
 
 def _input_cone(g: nx.DiGraph, res: FusionResult, u, labels, gi: GemmInfo, group: set) -> set | None:
