@@ -146,8 +146,15 @@ def lower_gemm(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPla
                     stages=cfg.stages if cfg else None)
     anchor = plan.group.anchor
     dims = (("M", _batch_extent(sched, anchor, gi.m_labels)), ("N", _extent_of(sched, anchor, gi.n)),
-            ("K", op(g, anchor).reduced_shape[0]), ("L", _batch_extent(sched, anchor, gi.batch)))
+            ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(sched, anchor, gi.batch)))
     return LoweredPlan(plan, arch, desc, names.back(), dims, scalars)
+
+
+def _reduced_extent(g, anchor, labels) -> object:
+    """The extent of a contraction's reduced labels, one or the product of several (folded K)."""
+    o = op(g, anchor)
+    ext = dict(zip(o.reduced, o.reduced_shape))
+    return ext[labels[0]] if len(labels) == 1 else tuple(ext[l] for l in labels)
 
 
 def _store_layout(g, n, buffer_name, gi: GemmInfo, sched: KernelSchedule) -> str:

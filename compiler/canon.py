@@ -134,11 +134,17 @@ class GemmInfo:
     a_layout: str                # "row": k contiguous in A; "col": m contiguous
     b_layout: str                # "row": n contiguous in B; "col": k contiguous
     m_fold: tuple[str, ...] = ()
+    k_fold: tuple[str, ...] = ()     # reduced labels folded into K before k (e.g. heads and head dim)
 
     @property
     def m_labels(self) -> tuple[str, ...]:
         """Every label folded into M, outermost first (m last)."""
         return (*self.m_fold, self.m)
+
+    @property
+    def k_labels(self) -> tuple[str, ...]:
+        """Every reduced label, outermost first (k last): K is their product."""
+        return (*self.k_fold, self.k)
 
 
 def _storage_order(g: nx.DiGraph, node, labels: tuple[str, ...]) -> tuple[str, ...]:
@@ -155,10 +161,12 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     o = op(g, n)
     if o.kind != "contraction":
         return "not a contraction"
-    if len(o.reduced) != 1:
-        return f"it reduces over {len(o.reduced)} indices; a GEMM reduces over one"
     if len(o.axes) < 2:
         return "its result has fewer than two axes"
+    if len(o.reduced) != 1:
+        folded = _folded_gemm(g, n)
+        return folded if folded is not None else \
+            f"it reduces over {len(o.reduced)} indices that are not the innermost axes of both operands in one order"
     (ua, la), (ub, lb) = operands(g, n)
     k = o.reduced[0]
     m, nn = o.axes[-2], o.axes[-1]
@@ -177,27 +185,38 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
 
 
 def _folded_gemm(g: nx.DiGraph, n) -> GemmInfo | None:
-    """A contraction whose A operand has free axes that B lacks, e.g. Y[b, s, n] = X[b, s, k] W[n, k]:
-    those axes fold into M when they sit, in the same order, right before m in both A (row-major, k
-    innermost) and the result, after any batch axes shared by both operands."""
+    """A contraction that is a GEMM once several axes fold into one:
+    - A's free axes that B lacks fold into M when they sit, in the same order, right before m in A
+      (row-major) and in the result, after any batch axes both operands share (a shared-weight linear
+      layer, Y[b, s, n] = sum(k) X[b, s, k] W[n, k]);
+    - several reduced axes fold into K when they are the innermost axes of A (row-major) and the
+      innermost (or, row-major B, those right before n) of B, in the same order (an attention output
+      projection, sum(h, e) O[b, s, h, e] Wo[n, h, e])."""
     o = op(g, n)
-    k, nn = o.reduced[0], o.axes[-1]
+    red = set(o.reduced)
+    nn = o.axes[-1]
     (ua, la), (ub, lb) = operands(g, n)
     if nn in la:
         (ua, la), (ub, lb) = (ub, lb), (ua, la)
-    if nn in la or nn not in lb or k not in la or k not in lb:
+    if nn in la or nn not in lb or not red <= set(la) or not red <= set(lb):
         return None
     batch = tuple(x for x in o.axes if x in la and x in lb)
     ms = tuple(x for x in o.axes if x in la and x not in lb)
-    if len(ms) < 2 or set(lb) != set(batch) | {k, nn} or set(la) != set(batch) | set(ms) | {k}:
+    if not ms or set(lb) != set(batch) | red | {nn} or set(la) != set(batch) | set(ms) | red:
         return None
     if o.axes != (*batch, *ms, nn):
         return None
     sa, sb = _storage_order(g, ua, la), _storage_order(g, ub, lb)
-    if sa != (*batch, *ms, k) or sb[:len(batch)] != batch:
+    ks = sa[len(sa) - len(red):]
+    if sa != (*batch, *ms, *ks):
         return None
-    b_layout = "row" if sb[-1] == nn else "col"
-    return GemmInfo(ua, ub, ms[-1], nn, k, batch, "row", b_layout, m_fold=ms[:-1])
+    if sb == (*batch, *ks, nn):
+        b_layout = "row"
+    elif sb == (*batch, nn, *ks):
+        b_layout = "col"
+    else:
+        return None
+    return GemmInfo(ua, ub, ms[-1], nn, ks[-1], batch, "row", b_layout, m_fold=ms[:-1], k_fold=ks[:-1])
 
 
 def _next_id(g: nx.DiGraph) -> int:

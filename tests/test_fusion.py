@@ -735,3 +735,41 @@ def test_swiglu_plans_three_gemms_with_the_gating_in_an_epilogue():
     assert sorted(op(g, n).fn for n in gate.group.nodes if op(g, n).kind == "elementwise") == ["mul", "silu"]
     assert [b.dtype for b in sched.intermediates] == ["f32", "f16"]
     lower_all(sched)
+
+
+def test_attention_output_projection_folds_heads_into_k():
+    sched = plan_of("""kernel oproj {
+  in  O  : f16[B, S, H, 128]
+  in  Wo : f16[N, H, 128]
+  in  R  : f16[B, S, N]
+  out Y  : f16[B, S, N]
+  Y[b, s, n] = sum(h, e) O[b, s, h, e] * Wo[n, h, e] + R[b, s, n]
+}""")
+    (p,) = sched.plans
+    assert p.kind == "gemm" and (p.info.m_labels, p.info.k_labels) == (("b", "s"), ("h", "e"))
+    for lp in lower_all(sched).values():
+        assert dict(lp.dims) == {"M": ("B", "S"), "N": "N", "K": ("H", 128), "L": 1}
+
+
+def test_norm_after_a_gemm_reads_the_stored_f16_result_not_an_f32_copy():
+    sched = plan_of("""kernel gemm_residual_rmsnorm {
+  param eps : f32 = 1e-6
+  in  X : f16[M, K]
+  in  W : f16[N, K]
+  in  R : f16[M, N]
+  in  g : f16[N]
+  out H : f16[M, N]
+  out Y : f16[M, N]
+  H[m, n] = sum(k) X[m, k] * W[n, k] + f32(R[m, n])
+  ss[m] = mean(n) f32(H[m, n]) * f32(H[m, n])
+  Y[m, n] = f32(H[m, n]) * rsqrt(ss[m] + eps) * f32(g[n])
+}""")
+    check_partition(sched.graph, sched.fusion)
+    assert sched.plans[0].kind == "gemm" and sched.plans[0].writes == ("H",)
+    assert not [b for b in sched.intermediates if len(b.shape) == 2], [b.describe() for b in sched.intermediates]
+    assert [p.kind for p in sched.plans] == ["gemm", "reduction", "elementwise", "elementwise"]
+    from kspec.compiler import cost
+    c = cost(sched, {"M": 4096, "N": 4096, "K": 4096})
+    # X, W, R, H (write), then H twice more (norm, scale) and Y: 7 f16 [4096, 4096] tensors, plus vectors
+    assert c.fused_bytes == pytest.approx(7 * 2 * 4096 * 4096, rel=1e-3)
+    lower_all(sched)

@@ -540,11 +540,25 @@ def test_batched_gemm():
     assert (gi.batch, gi.a_layout) == (("b",), "col")
 
 
+@pytest.mark.parametrize("b_decl, b_read, b_layout", [("f16[H, E, N]", "W[h, e, n]", "row"),
+                                                      ("f16[N, H, E]", "W[n, h, e]", "col")])
+def test_reduced_axes_innermost_in_both_operands_fold_into_k(b_decl, b_read, b_layout):
+    _, gi = _gemm(f"""kernel c {{ in O : f16[B, S, H, E]
+      in W : {b_decl}
+      out Y : f32[B, S, N]
+      Y[b, s, n] = sum(h, e) O[b, s, h, e] * {b_read} }}""")
+    assert isinstance(gi, GemmInfo)
+    assert (gi.m_fold, gi.m, gi.k_fold, gi.k, gi.n, gi.batch) == (("b",), "s", ("h",), "e", "n", ())
+    assert (gi.a_layout, gi.b_layout) == ("row", b_layout)
+    assert (gi.m_labels, gi.k_labels) == (("b", "s"), ("h", "e"))
+
+
 @pytest.mark.parametrize("src, reason", [
     ("""kernel c { in A : f16[M, K, J]
-      in B : f16[K, J, N]
+      in B : f16[J, K, N]
       out D : f32[M, N]
-      D[m, n] = sum(k, j) A[m, k, j] * B[k, j, n] }""", "it reduces over 2 indices; a GEMM reduces over one"),
+      D[m, n] = sum(k, j) A[m, k, j] * B[j, k, n] }""",
+     "it reduces over 2 indices that are not the innermost axes of both operands in one order"),
     ("""kernel c { in A : f16[M, K]
       in x : f16[K]
       out y : f32[M]
