@@ -23,6 +23,7 @@ import pytest
 
 from kspec.backends.lower import attention_veto, lower
 from kspec.backends.reference import ReferenceKernel
+from kspec.compile import emit_backend
 from kspec.compiler import plan_kernel
 from kspec.compiler.fusion import is_operator
 from kspec.compiler.graph import op
@@ -31,6 +32,7 @@ from kspec.spec_lang import KspecError, KspecInternalError, load_spec
 SEED = 20261203
 N_DEFAULT = 100
 N_SLOW = 2500
+N_SLOW_EMIT = 60
 ARCHS = ("sm90a", "sm100a")
 LABELS = {"i": "I", "j": "J", "k": "K", "l": "L", "b": "B", "h": "H", "s": "S", "t": "T", "e": "E", "n": "N"}
 RANDOM_LABELS = ("i", "j", "k", "l")
@@ -271,7 +273,7 @@ def _arrays(kernel, rng: np.random.Generator) -> dict:
     return out
 
 
-def run_case(seed: int) -> str:
+def run_case(seed: int, emit_all: bool = False) -> str:
     """One fuzz case; returns its outcome ("rejected" by the checker, "ok", or "ok+refused" when a
     backend declined a plan with a located error).  Raises on any violation."""
     text = random_spec(seed)
@@ -299,7 +301,9 @@ def run_case(seed: int) -> str:
         for p in compiled.plans:
             for arch in ARCHS:
                 try:
-                    lower(compiled, p, arch)
+                    lp = lower(compiled, p, arch)
+                    if emit_all or type(lp.desc).__name__ == "GenericDesc":
+                        emit_backend(lp.desc)       # (CUTLASS emission costs ~0.5 s a kernel: sampled)
                 except KspecError as e:
                     assert e.span is not None or e.message.startswith("kernel "), f"unlocated: {e.message}"
                     refused = True
@@ -326,6 +330,16 @@ def test_fuzz_slow(request):
         pytest.skip("the long fuzz run: select it with `-m slow` or KSPEC_SLOW_TESTS=1")
     outcomes = Counter(run_case(SEED + 10_000 + i) for i in range(N_SLOW))
     assert outcomes["ok"] + outcomes["ok+refused"] >= N_SLOW // 2, outcomes
+
+
+@pytest.mark.slow
+def test_fuzz_slow_emits_every_kernel(request):
+    """A sample whose every plan is emitted (CUTLASS C++ through cutlass_cppgen too), as `kspec
+    compile` does before nvcc runs."""
+    if "slow" not in (request.config.getoption("-m") or "") and not os.environ.get("KSPEC_SLOW_TESTS"):
+        pytest.skip("the long fuzz run: select it with `-m slow` or KSPEC_SLOW_TESTS=1")
+    for i in range(N_SLOW_EMIT):
+        run_case(SEED + 50_000 + i, emit_all=True)
 
 
 if __name__ == "__main__":
