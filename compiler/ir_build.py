@@ -10,7 +10,7 @@ from typing import Callable
 
 import networkx as nx
 
-from kspec.core import KspecError
+from kspec.core import KspecError, KspecInternalError
 
 from .canon import GemmInfo
 from .graph import op, operands
@@ -122,24 +122,34 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
             e = Load(name, "scalar" if bufs[name].role == "param" else "full", o.dtype)
         elif o.kind == "broadcast":
             (src, labels), = operands(g, n)
-            so = op(g, src)
-            name = buffer_of(src)
-            use_buffer(name)
             if len(labels) == 1 and labels[0] == gi.n:
-                e = Load(name, "row", so.dtype)
-            elif len(labels) == 1 and labels[0] == gi.m:
-                e = Load(name, "col", so.dtype)
+                e = vector(src, "row")
+            elif len(labels) == 1 and labels[0] == gi.m and not gi.m_fold:
+                e = vector(src, "col")
             else:
-                fail(f"cannot broadcast a [{', '.join(labels)}] value in a GEMM epilogue", n)
+                raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: cannot broadcast a "
+                                         f"[{', '.join(labels)}] value in a GEMM epilogue")
         elif o.kind == "cast":
             (src, _), = operands(g, n)
             e = Op(f"cast:{o.dtype}", (expr(src),))
         elif o.kind == "elementwise":
             e = Op(o.fn, tuple(expr(u) for u, _ in operands(g, n)))
         else:
-            fail(f"{o.kind} op inside a GEMM epilogue", n)
+            raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: {o.kind} op inside a GEMM epilogue")
         memo[n] = e
         return e
+
+    def vector(n, kind) -> EpiExpr:
+        """A row/column vector load: an input, or casts (computed in the epilogue) of one."""
+        o = op(g, n)
+        if n in nodes and o.kind == "cast":
+            (src, _), = operands(g, n)
+            return Op(f"cast:{o.dtype}", (vector(src, kind),))
+        if n in nodes:
+            raise KspecInternalError(f"a {o.kind} op on a broadcast vector inside a GEMM epilogue")
+        name = buffer_of(n)
+        use_buffer(name)
+        return Load(name, kind, o.dtype)
 
     out_stores: list[Store] = []
     reductions: list[ReductionStore] = []
@@ -161,9 +171,17 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
         anchor=str(anchor), a=str(gi.a), b=str(gi.b), a_buffer=a_buf, b_buffer=b_buf,
         a_dtype=op(g, gi.a).dtype, b_dtype=op(g, gi.b).dtype, acc_dtype="i32" if acc == "i32" else "f32",
         a_layout=gi.a_layout, b_layout=gi.b_layout, m=gi.m, n=gi.n, k=gi.k, batch=tuple(gi.batch),
-        dims=(("M", _extent(g, anchor, gi.m)), ("N", _extent(g, anchor, gi.n)),
-              ("K", op(g, anchor).reduced_shape[0]), ("L", _batch_extent(g, anchor, gi.batch))))
+        m_fold=tuple(gi.m_fold), k_fold=tuple(gi.k_fold),
+        dims=(("M", _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
+              ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
     return structure, Epilogue(tuple(out_stores), tuple(reductions))
+
+
+def _reduced_extent(g, anchor, labels):
+    """The extent of a contraction's reduced labels: one, or the product of several (folded K)."""
+    o = op(g, anchor)
+    ext = dict(zip(o.reduced, o.reduced_shape))
+    return ext[labels[0]] if len(labels) == 1 else tuple(ext[l] for l in labels)
 
 
 def _store_layout(g, n, buffer_name, gi: GemmInfo) -> str:
@@ -223,7 +241,9 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
         scale=attention_scale(g, info.scale), head_dims=heads,
         dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)),
               ("E", heads[0])),
-        inputs_row_major=row_major, out_buffers=tuple(b for _, b in stores))
+        inputs_row_major=row_major, out_buffers=tuple(b for _, b in stores),
+        kv_shared=tuple(x for x in info.batch if info.kv_batch is not None and x not in info.kv_batch),
+        p_dtypes=tuple(op(g, n).dtype for n in info.p_cast))
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str) -> KernelIR:

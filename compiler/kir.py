@@ -192,6 +192,8 @@ class GemmStructure:
     k: str
     batch: tuple[str, ...]
     dims: tuple[tuple[str, BatchExtent], ...]     # ("M", ..), ("N", ..), ("K", ..), ("L", ..)
+    m_fold: tuple[str, ...] = ()                  # A's free labels folded into M before m (shared weight)
+    k_fold: tuple[str, ...] = ()                  # reduced labels folded into K before k
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,8 @@ class AttentionStructure:
     dims: tuple[tuple[str, Extent], ...]          # ("B", ..), ("H", ..), ("S", ..), ("T", ..), ("E", ..)
     inputs_row_major: bool
     out_buffers: tuple[str, ...]
+    kv_shared: tuple[str, ...] = ()                # batch axes of Q that K and V lack (MQA)
+    p_dtypes: tuple[str, ...] = ()                 # dtypes the probabilities are rounded to before PV
 
     @property
     def head_dim(self) -> Extent | None:
@@ -439,8 +443,10 @@ def format_ir(ir: KernelIR) -> str:
         s = ir.gemm
         batch = f"[{', '.join(s.batch)}] " if s.batch else ""
         dims = ", ".join(f"{r}={_fmt_extent(v)}" for r, v in s.dims)
+        m = f"({', '.join((*s.m_fold, s.m))})" if s.m_fold else s.m
+        k = f"({', '.join((*s.k_fold, s.k))})" if s.k_fold else s.k
         lines.append(f"  gemm: {batch}{s.a_buffer} ({s.a_dtype}, {s.a_layout}) x {s.b_buffer} ({s.b_dtype}, "
-                     f"{s.b_layout}) -> acc {s.acc_dtype}; m={s.m} n={s.n} k={s.k}; {dims}")
+                     f"{s.b_layout}) -> acc {s.acc_dtype}; m={m} n={s.n} k={k}; {dims}")
     if ir.epilogue is not None:
         lines.append("  epilogue:")
         for st in ir.epilogue.stores:

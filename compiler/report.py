@@ -89,14 +89,22 @@ def _si(x: float, unit: str) -> str:
 
 def format_cost(c: CostReport) -> str:
     sizes = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
-    lines = [f"  cost model at {sizes}:", f"    {'kernel':<28} {'kind':<11} {'FLOPs':>12} {'DRAM bytes':>12}"]
+    lines = [f"  cost model at {sizes}:",
+             f"    {'kernel':<28} {'kind':<11} {'FLOPs':>12} {'DRAM bytes':>12} {'ideal':>12} {'x ideal':>8}"]
     for p in c.plans:
-        lines.append(f"    {p.plan:<28} {p.kind:<11} {_si(p.flops, 'FLOP'):>12} {_si(p.bytes, 'B'):>12}")
-    lines.append(f"    {'fused total':<28} {len(c.plans):<11} {_si(c.fused_flops, 'FLOP'):>12} {_si(c.fused_bytes, 'B'):>12}")
+        loop = "" if p.tiled else "  (loop kernel: re-reads modelled)"
+        lines.append(f"    {p.plan:<28} {p.kind:<11} {_si(p.flops, 'FLOP'):>12} {_si(p.bytes, 'B'):>12} "
+                     f"{_si(p.ideal_bytes, 'B'):>12} {p.ratio:>8.2f}{loop}")
+    lines.append(f"    {'fused total':<28} {len(c.plans):<11} {_si(c.fused_flops, 'FLOP'):>12} {_si(c.fused_bytes, 'B'):>12} "
+                 f"{_si(c.ideal_bytes, 'B'):>12} {c.ideal_ratio:>8.2f}")
     lines.append(f"    {'unfused (one kernel per op)':<28} {c.unfused_kernels:<11} {_si(c.unfused_flops, 'FLOP'):>12} "
                  f"{_si(c.unfused_bytes, 'B'):>12}")
     saved = c.unfused_bytes - c.fused_bytes
     lines.append(f"    fused/unfused DRAM bytes: {c.bytes_ratio:.3f}  ({_si(saved, 'B')} saved)")
+    if c.minimum_bytes:
+        lines.append(f"    modelled/ideal DRAM bytes: {c.ideal_ratio:.3f}; against the spec minimum (inputs read "
+                     f"once, outputs written once, {_si(c.minimum_bytes, 'B')}): "
+                     f"{c.fused_bytes / c.minimum_bytes:.3f}")
     return "\n".join(lines)
 
 
@@ -147,7 +155,9 @@ def to_json(sched: KernelSchedule, c: CostReport | None = None) -> str:
     if c is not None:
         doc["cost"] = {"sizes": c.sizes, "fused_bytes": c.fused_bytes, "unfused_bytes": c.unfused_bytes,
                        "fused_flops": c.fused_flops, "unfused_kernels": c.unfused_kernels,
-                       "bytes_ratio": c.bytes_ratio}
+                       "bytes_ratio": c.bytes_ratio, "ideal_bytes": c.ideal_bytes, "minimum_bytes": c.minimum_bytes,
+                       "plans": [{"id": p.plan, "bytes": p.bytes, "ideal_bytes": p.ideal_bytes, "tiled": p.tiled}
+                                 for p in c.plans]}
     return json.dumps(doc, indent=2) + "\n"
 
 

@@ -25,11 +25,11 @@ INT8_GEMM = """kernel qgemm {
   C[m, n] = sum(k) A[m, k] * B[k, n]
 }
 """
-TWO_REDUCED = """kernel two {
-  in  A : f16[M, K, J]
-  in  B : f16[K, J, N]
-  out C : f32[M, N]
-  C[m, n] = sum(k, j) A[m, k, j] * B[k, j, n]
+GEMV = """kernel gemv {
+  in  A : f16[M, K]
+  in  x : f16[K]
+  out y : f32[M]
+  y[m] = sum(k) A[m, k] * x[k]
 }
 """
 ELEMENTWISE = """kernel ew {
@@ -95,7 +95,7 @@ def test_compiler_holds_no_backend_tables():
 
 @pytest.mark.parametrize("src, kind, reason", [
     (INT8_GEMM, "gemm", "cutlass: operands i8 x i8"),
-    (TWO_REDUCED, "contraction", "cutlass: the CUTLASS backend implements GEMMs and fused attention, not contraction"),
+    (GEMV, "contraction", "cutlass: the CUTLASS backend implements GEMMs and fused attention, not contraction"),
 ])
 def test_slow_paths_are_reported_as_fallbacks(src, kind, reason):
     (p,) = plans(src)

@@ -119,6 +119,13 @@ class CutlassBackend:
             return "more than two batch axes"
         if a.scale is None:
             return "the score scale must be one param or constant factor"
+        if a.kv_shared:
+            return (f"K and V are shared across [{', '.join(a.kv_shared)}] (multi-query attention); the fused "
+                    "kernel reads K and V with every batch axis of Q")
+        for dt in a.p_dtypes:
+            if dt not in (a.dtypes[0], "f32"):
+                return (f"the probabilities are rounded to {dt}; the fused kernel multiplies them with V "
+                        f"in {a.dtypes[0]}")
         if not a.inputs_row_major:
             return "Q, K and V must be row-major kernel inputs"
         if len(a.out_buffers) != 1:

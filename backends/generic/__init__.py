@@ -192,7 +192,8 @@ def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
             ctype = "long long" if o.dtype in _INT else "float"
             if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
                 body.extend(_reduce_into(gen, n, v))
-            elif o.kind in ("elementwise", "broadcast", "cast") and (set(o.axes) == set(space) or not o.axes):
+            elif o.kind in ("elementwise", "broadcast", "cast") and set(o.axes) <= set(space):
+                # (a value over fewer axes, e.g. a cast bias vector, is recomputed per element)
                 body.append(f"{ctype} {v} = {_round(o.dtype, gen.node_expr(n, local))};")
             else:
                 raise KspecLoweringError(f"plan {plan_id}: the CUDA backend cannot run a "
@@ -400,6 +401,9 @@ class GenericBackend:
             return f"the generic backend does not target {arch}"
         if ir.kind == "attention":
             return "fused attention has no loop-kernel form (the unfused plan is used instead)"
+        if ir.kind == "gemm" and ir.epilogue.reductions:
+            return (f"it cannot fuse the epilogue reduction into {ir.epilogue.reductions[0].name} (use operand "
+                    "dtypes a tensor-core backend takes, or reduce a stored result in a statement of its own)")
         loops = [o for o in ir.internal if o.kind in ("softmax", "reduction")]
         if len(loops) > 1:
             return "it runs one reduction or softmax per kernel"
