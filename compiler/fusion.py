@@ -363,6 +363,8 @@ def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
     res = FusionResult([])
     fuse_attention(g, res, attention_supported)
     fuse_epilogues(g, res)
+    from .rowwise import fuse_rowwise      # row reductions, softmax, norms: one kernel per row chain
+    fuse_rowwise(g, res)
     fuse_elementwise(g, res)
     for n in nx.topological_sort(g):
         o = op(g, n)
