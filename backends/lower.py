@@ -281,5 +281,8 @@ def lower(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:
         return lower_generic(sched, plan, arch)
     if plan.kind == "attention":
         return lower_attention(sched, plan, arch)
+    if plan.kind == "rowwise":
+        from .rowwise import lower_rowwise
+        return lower_rowwise(sched, plan, arch)
     from .generic import lower_generic
     return lower_generic(sched, plan, arch)

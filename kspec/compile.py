@@ -90,6 +90,9 @@ def emit_backend(desc) -> EmittedKernel:
     if isinstance(desc, AttentionDesc):
         from kspec.backends.cutlass.fmha import emit_attention
         return emit_attention(desc)
+    from kspec.backends.rowwise import RowwiseDesc, emit_rowwise
+    if isinstance(desc, RowwiseDesc):
+        return emit_rowwise(desc)
     from kspec.backends.generic import emit_generic
     return emit_generic(desc)
 
