@@ -72,6 +72,7 @@ class RowwiseDesc:
     cache_bytes: int                  # shared-memory bytes per cached row element (all cached inputs)
     n_passes: int
     n_slots: int                      # most reductions folded at once
+    strides: tuple[tuple[str, str, int], ...] = ()   # stride dim role -> (argument, axis)
 
 
 def _pow2ceil(x: int) -> int:
@@ -98,10 +99,13 @@ class _RowGen:
 
     # ---- sizes and buffers ----
     def dim(self, key, value) -> int:
+        """The index in p.dim of a launch size: ("ext", label) an extent of the row space,
+        ("stride", buffer, axis) a buffer's element stride, ("extent", buffer, axis) a gathered
+        dimension's size."""
         if key not in self.dim_key:
             self.dim_key[key] = len(self.dims)
-            self.dims.append((f"d{len(self.dims)}" if key[0] == "ext" else
-                              f"s{len(self.dims)}", value))
+            prefix = {"ext": "d", "stride": "s", "extent": "e"}[key[0]]
+            self.dims.append((f"{prefix}{len(self.dims)}", value))
         return self.dim_key[key]
 
     def fail(self, msg: str, n=None):
@@ -505,7 +509,9 @@ def lower_rowwise(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
     cache_bytes = sum(_ITEMSIZE[gen.s.buffers[b].dtype] for b in gen.cached)
     desc = RowwiseDesc(name=f"k_{plan.id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dims), n_outer=k, vec_checks=tuple(vec_checks),
-                       cache_bytes=cache_bytes, n_passes=n_passes, n_slots=slot_count)
+                       cache_bytes=cache_bytes, n_passes=n_passes, n_slots=slot_count,
+                       strides=tuple((gen.dims[i][0], names.to_c[key[1]], key[2])
+                                     for key, i in gen.dim_key.items() if key[0] == "stride"))
     return LoweredPlan(plan, arch, desc, names.back(), tuple(gen.dims), dict(gen.scalars))
 
 
@@ -592,7 +598,12 @@ _DEVICE = r"""
 #if defined(KSPEC_DEVICE)
 #include <cooperative_groups.h>
 namespace cg = cooperative_groups;
-
+#define KSPEC_SHARED(type, name, dims) __shared__ type name dims
+#define KSPEC_SHARED_DYNAMIC(name) extern __shared__ __align__(16) unsigned char name[]
+#define KSPEC_ENTRY extern "C" __global__ void __launch_bounds__(1024)
+#endif
+// KSPEC_EMULATE: the tests run this kernel on the CPU (tests/rowwise_emu.h supplies the CUDA names)
+#if defined(KSPEC_DEVICE) || defined(KSPEC_EMULATE)
 template <int N> struct kspec_w { static constexpr int value = N; };
 __device__ __forceinline__ long long kspec_minll(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ float kspec_f(float x) { return x; }
@@ -648,14 +659,14 @@ __device__ __forceinline__ void kspec_st(T* dst, const T (&src)[W]) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) kspec_kernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char kspec_smem[];
-  __shared__ float kspec_red[32][%(slots)d];
-  __shared__ float kspec_part[%(npart)d][%(slots)d];
+KSPEC_ENTRY kspec_kernel(const Params p) {
+  KSPEC_SHARED_DYNAMIC(kspec_smem);
+  KSPEC_SHARED(float, kspec_red, [32][%(slots)d]);
+  KSPEC_SHARED(float, kspec_part, [%(npart)d][%(slots)d]);
   (void)kspec_red; (void)kspec_part;
 %(body)s
 }
-#endif  // KSPEC_DEVICE
+#endif  // KSPEC_DEVICE || KSPEC_EMULATE
 """
 
 _HOST = r"""
@@ -704,7 +715,10 @@ extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const doubl
   const long long step = vec ? KSPEC_V : 1;
   const long long nunits = n / step;
   const long long cache_bytes = %(cache_bytes)d;      // shared-memory bytes per cached element
-  const long long budget = %(budget)d;
+#ifndef KSPEC_SMEM_BUDGET
+#define KSPEC_SMEM_BUDGET %(budget)d
+#endif
+  const long long budget = KSPEC_SMEM_BUDGET;
   int cs = 1;
   long long upr = nunits;
   auto cap_of = [&](long long u) { return ((u * step + step) + 15) / 16 * 16; };

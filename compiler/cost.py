@@ -102,8 +102,9 @@ def cost(sched: KernelSchedule, sizes: dict | None = None) -> CostReport:
             continue
         n_kernels += 1
         uflops += _node_flops(g, n, sizes)
-        for u, _ in operands(g, n):
-            src = op(g, _source(g, u))
+        # each kernel reads each of its inputs once (x * x reads x once)
+        for src in {_source(g, u): None for u, _ in operands(g, n)}:
+            src = op(g, src)
             if src.kind in ("param", "const") or not src.axes:
                 continue
             ubytes += _numel(src.shape, sizes) * DTYPE_BYTES[src.dtype]

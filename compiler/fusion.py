@@ -17,7 +17,7 @@ import networkx as nx
 from .canon import GemmInfo, gemm_info
 from .graph import op, operands
 
-OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "const")
+OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "gather", "const")
 EPILOGUE_FNS = {"add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu", "gelu_tanh", "silu",
                 "sigmoid", "tanh", "exp", "abs", "clamp", "broadcast"}
 EPILOGUE_REDUCTIONS = ("max", "sum")

@@ -926,6 +926,29 @@ def format_typed(program: CheckedProgram) -> str:
     return "\n".join(out)
 
 
+def index_bounds(kernel: CheckedKernel) -> dict[str, list[DimValue]]:
+    """Integer tensors used as subscripts -> the sizes of the dimensions they index: a valid value
+    lies in [0, size) for each (what random test inputs must respect)."""
+    out: dict[str, list[DimValue]] = {}
+
+    def visit(x):
+        if isinstance(x, TGather):
+            shape = kernel.tensor(x.tensor).shape
+            for sub, dim in zip(x.subscripts, shape):
+                if isinstance(sub, TAccess):
+                    out.setdefault(sub.tensor, []).append(dim)
+        for f in ("operand", "lhs", "rhs"):
+            c = getattr(x, f, None)
+            if isinstance(c, TExpr):
+                visit(c)
+        for c in getattr(x, "args", ()):
+            visit(c)
+
+    for st in kernel.stmts:
+        visit(st.value)
+    return out
+
+
 def count_ops(e: TExpr) -> dict[str, int]:
     """Counts of operation classes in an expression, for one-line summaries."""
     counts: dict[str, int] = {}
