@@ -108,8 +108,9 @@ def test_slots_are_not_shared_across_shapes_or_dtypes():
     for b in by_name.values():
         assert sched.reuse[b.name] == b.name or \
             (sched.buffers[sched.reuse[b.name]].dtype, sched.buffers[sched.reuse[b.name]].shape) == (b.dtype, b.shape)
-    # t (f16[M], written by the row kernel after a dies) does not take a's f32[M, N] slot
-    assert sched.reuse[by_name["t"].name] == by_name["t"].name
+    # u reuses a's slot (same dtype and shape, a dead by then); nothing else is shared
+    assert sched.reuse[by_name["u"].name] == by_name["a"].name
+    assert sum(1 for b in sched.intermediates if sched.reuse[b.name] != b.name) == 1
 
 
 # ---------------------------------------------------------------- tile configs
