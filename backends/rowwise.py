@@ -170,8 +170,8 @@ def lower_rowwise(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
     for n in gen.nodes:
         o = op(g, n)
         ins = operands(g, n)
-        if o.kind == "reduction":
-            p0 = st(ins[0][0])
+        if o.kind in ("reduction", "contraction"):
+            p0 = max(st(u) for u, _ in ins)
             red_pass[n] = p0
             stage[n] = p0 + 1
         elif o.kind == "softmax":
@@ -195,7 +195,7 @@ def lower_rowwise(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
     # roots evaluated at element level in each pass
     roots: dict[int, list] = {p: [] for p in range(n_passes)}
     for n, p in red_pass.items():
-        roots[p].append(operands(g, n)[0])
+        roots[p].extend(operands(g, n))
     for n, (pm, ps) in sm_passes.items():
         roots[pm].append(operands(g, n)[0])
         roots[ps].append(operands(g, n)[0])
@@ -309,7 +309,7 @@ def lower_rowwise(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
         v = f"r{len(row_var)}"
         if o.kind == "gather":
             expr = gather_expr(n)
-        elif o.kind in ("reduction",):
+        elif o.kind in ("reduction", "contraction"):
             return
         else:
             args = [scalar_of(u, l) for u, l in operands(g, n)]
@@ -421,8 +421,7 @@ def lower_rowwise(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
             lam.append(f"  for (int i = 0; i < WW; ++i) {v}[i] = {_round(o.dtype, expr)};")
             ev[n] = v
         for var, fn, n, how in accs:
-            (u, l), = operands(g, n)
-            x = el(u, l)
+            x = " * ".join(el(u, l) for u, l in operands(g, n))     # a row dot product multiplies two
             if how == "ssum":
                 x = f"expf({x} - {sm_vars[n][0]})"
             lam.append(f"  for (int i = 0; i < WW; ++i) {var} = {_COMBINE[fn].format(a=var, b=x)};")

@@ -1,8 +1,8 @@
 """Row-wise fusion: a chain of reductions and elementwise maps over the same rows is one kernel.
 
 A *row space* is a set of outer labels O (which row) and one row label r (the position in a row).
-The rule starts at a reduction over r (sum, max, min, mean) or a non-causal softmax over r whose
-operand covers O and r, and grows the group over connected operators whose values live in that
+The rule starts at a reduction over r (sum, max, min, mean), a row dot product (a contraction
+`sum(n) x[m, n] * y[m, n]` that is no GEMM) or a non-causal softmax over r whose operand covers O and r, and grows the group over connected operators whose values live in that
 space: element values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes
 within O, e.g. `rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers
 that pick one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
@@ -27,7 +27,7 @@ from .fusion import FusionResult, Group, _node_order, legal_group, same_point
 from .graph import op, operands
 
 ROW_REDUCTIONS = ("sum", "max", "min", "mean")
-MEMBER_KINDS = ("elementwise", "broadcast", "cast", "reduction", "softmax", "gather", "const")
+MEMBER_KINDS = ("elementwise", "broadcast", "cast", "reduction", "contraction", "softmax", "gather", "const")
 FLOAT = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2")
 
 
@@ -61,6 +61,16 @@ def row_space(g: nx.DiGraph, n) -> RowInfo | None:
         if o.causal is not None or o.dtype not in FLOAT:
             return None
         return RowInfo(tuple(a for a in o.axes if a != o.fn), o.fn, tuple(zip(o.axes, o.shape)))
+    if o.kind == "contraction":
+        # a row dot product `sum(n) x[m, n] * y[m, n]` (both operands cover the whole row): what is
+        # left of contractions once GEMMs have been recognised
+        if o.fn != "sum" or len(o.reduced) != 1:
+            return None
+        r = o.reduced[0]
+        ins = operands(g, n)
+        if any(set(labels) != set(o.axes) | {r} or op(g, u).dtype not in FLOAT for u, labels in ins):
+            return None
+        return RowInfo(tuple(o.axes), r, tuple(zip(o.axes, o.shape)) + ((r, o.reduced_shape[0]),))
     return None
 
 
@@ -95,7 +105,7 @@ class _Grower:
             return None
         if not set(o.axes) <= self.full or not self.consistent(n):
             return "its axes or extents are not those of the rows"
-        if o.kind == "reduction":
+        if o.kind in ("reduction", "contraction"):
             if row_space(g, n) is None or o.reduced != (info.axis,):
                 return f"it reduces over another axis than the row axis '{info.axis}'"
         if o.kind == "softmax" and (o.causal is not None or o.fn != info.axis):
