@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import os
 import shutil
 import subprocess
 import tempfile
@@ -17,7 +18,20 @@ from kspec.compile import emit_spec
 
 HERE = Path(__file__).parent
 _BUILT: dict[str, ctypes.CDLL] = {}
-_DIR = Path(tempfile.mkdtemp(prefix="kspec-rowemu-"))
+
+
+def _build_dir() -> Path:
+    """Built emulators are kept under the test compile cache (keyed by source), so reruns skip g++."""
+    from conftest import test_cache_root
+    d = test_cache_root() / "rowemu"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="kspec-rowemu-"))
+
+
+_DIR = _build_dir()
 
 
 def cuda_include() -> str | None:
@@ -45,7 +59,7 @@ class EmuKernel:
     def __init__(self, spec: str, arch: str = "sm90a", budget: int | None = None, is_text: bool = False):
         path = spec
         if is_text:
-            path = _DIR / f"spec_{hashlib.sha256(spec.encode()).hexdigest()[:12]}.kspec"
+            path = Path(tempfile.mkdtemp(prefix="kspec-rowemu-spec-")) / "spec.kspec"
             path.write_text(spec)
         em = emit_spec(path, (arch,))
         (plist,) = em.plans.values()
@@ -54,14 +68,19 @@ class EmuKernel:
         self.desc = self.lowered.desc
         self.kernel = em.program.kernels[0]
         defines = [f"-DKSPEC_SMEM_BUDGET={budget}"] if budget else []
-        key = hashlib.sha256((self.emitted.source + " ".join(defines)).encode()).hexdigest()[:16]
+        emu = (HERE / "rowwise_emu.h").read_text() + (HERE / "rowwise_emu_run.h").read_text()
+        key = hashlib.sha256((self.emitted.source + " ".join(defines) + emu).encode()).hexdigest()[:24]
         if key not in _BUILT:
-            cpp = _DIR / f"{key}.cpp"
             so = _DIR / f"{key}.so"
-            cpp.write_text('#include "rowwise_emu.h"\n' + self.emitted.source + '\n#include "rowwise_emu_run.h"\n')
-            subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-DKSPEC_HOST",
-                            "-DKSPEC_EMULATE", *defines, f"-I{HERE}", f"-I{cuda_include()}", str(cpp), "-o", str(so)],
-                           check=True, capture_output=True, text=True)
+            if not so.is_file():
+                cpp = _DIR / f"{key}.{os.getpid()}.cpp"
+                tmp = _DIR / f"{key}.{os.getpid()}.so"
+                cpp.write_text('#include "rowwise_emu.h"\n' + self.emitted.source + '\n#include "rowwise_emu_run.h"\n')
+                subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-DKSPEC_HOST",
+                                "-DKSPEC_EMULATE", *defines, f"-I{HERE}", f"-I{cuda_include()}", str(cpp), "-o",
+                                str(tmp)], check=True, capture_output=True, text=True)
+                os.replace(tmp, so)
+                cpp.unlink()
             _BUILT[key] = ctypes.CDLL(str(so))
         self.lib = _BUILT[key]
 

@@ -276,6 +276,9 @@ def test_reference_takes_strided_rows(stem):
 
 # ---------------------------------------------------------------- the generated kernel, run on the CPU
 
+EMULATED = pytest.mark.slow
+
+
 def _emu():
     from rowwise_harness import available
     why = available()
@@ -285,6 +288,7 @@ def _emu():
     return EmuKernel
 
 
+@EMULATED
 @pytest.mark.parametrize("stem", ROW_SPECS)
 @pytest.mark.parametrize("n", LENGTHS)
 def test_generated_kernel_matches_float64_and_reference(stem, n):
@@ -300,6 +304,7 @@ def test_generated_kernel_matches_float64_and_reference(stem, n):
     assert facts["cluster"] == 1 and facts["block_x"] % 32 == 0
 
 
+@EMULATED
 @pytest.mark.parametrize("stem", ("layernorm", "add_rmsnorm", "cross_entropy"))
 def test_generated_kernel_takes_strided_rows(stem):
     kern = _emu()(str(SPECS / f"{stem}.kspec"))
@@ -321,6 +326,7 @@ def test_generated_kernel_takes_strided_rows(stem):
             assert np.isnan(_f64(out_wide[:, start + 200:])).all()    # nothing written past the rows
 
 
+@EMULATED
 @pytest.mark.parametrize("stem, n, budget, cs", [("layernorm", 4097, 2200, 4), ("row_softmax", 1000, 600, 4),
                                                  ("cross_entropy", 3001, 1600, 4), ("add_rmsnorm", 1024, 600, 8)])
 def test_long_rows_split_over_a_cluster(stem, n, budget, cs):
@@ -333,6 +339,7 @@ def test_long_rows_split_over_a_cluster(stem, n, budget, cs):
     assert_close(got, truth(stem, a))
 
 
+@EMULATED
 @pytest.mark.parametrize("stem", ("layernorm", "row_softmax"))
 def test_rows_too_long_for_a_cluster_are_reread(stem):
     kern = _emu()(str(SPECS / f"{stem}.kspec"), budget=64)
@@ -342,6 +349,7 @@ def test_rows_too_long_for_a_cluster_are_reread(stem):
     assert_close(got, truth(stem, a))
 
 
+@EMULATED
 def test_out_of_range_label_gives_nan_for_its_row_only():
     kern = _emu()(str(SPECS / "cross_entropy.kspec"))
     a = inputs("cross_entropy", 4, 64, seed=2)
@@ -353,6 +361,7 @@ def test_out_of_range_label_gives_nan_for_its_row_only():
     np.testing.assert_allclose(loss[[0, 3]], truth("cross_entropy", ok)["loss"][[0, 3]], rtol=1e-5)
 
 
+@EMULATED
 @pytest.mark.parametrize("dt", ("f16", "f32", "bf16"))
 def test_dtypes_and_several_row_axes(dt):
     src = f"""kernel rms3 {{
@@ -378,6 +387,7 @@ def test_dtypes_and_several_row_axes(dt):
     np.testing.assert_allclose(_f64(got["y"]), x64 * r[..., None] * w64, rtol=tol, atol=tol)
 
 
+@EMULATED
 def test_empty_rows_and_single_element_rows():
     kern = _emu()(str(SPECS / "row_softmax.kspec"))
     got, _ = kern({"x": np.full((6, 1), 3.0, dtype=BF16)})
