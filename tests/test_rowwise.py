@@ -466,3 +466,116 @@ def test_host_glue_chooses_vector_path_cluster_and_block(kernel_cache):
     long_ = _prepare(host, dims(8, 1 << 17), aligned, nptr, ndim, nsc)
     assert long_["cs"] > 1 and long_["cluster"] == (long_["cs"], 1, 1) and long_["grid"][0] == 8 * long_["cs"]
     assert long_["smem"] <= 96 * 1024
+
+
+# ---------------------------------------------------------------- compiled artifacts through the runtime
+
+BASE = 0x7F0000000000
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    from test_runtime import RecordingDriver
+
+    from kspec.runtime import driver
+
+    class Rec(RecordingDriver):
+        def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what):
+            self.log.append(("launch", what, grid, block, cluster, smem, stream, ctypes.string_at(params_ptr, 256)))
+    rec = Rec()
+    monkeypatch.setattr(driver, "_driver", rec)
+    return rec
+
+
+def _blob(mod, stem, raw):
+    (plan,) = mod.manifest.kernels[0].plans
+    off = 8 * (max(1, len(plan.args)) + max(1, len(plan.dims)) + max(1, len(plan.scalars)))
+    rows, n, upr, cap, vec, cs, cache = struct.unpack_from("<qqqqiii", raw, off)
+    return dict(rows=rows, n=n, vec=vec, cs=cs, cache=cache)
+
+
+@pytest.mark.nvcc
+def test_layernorm_artifact_launches_one_row_kernel(compiled, recording):
+    from kspec.runtime import DeviceBuffer
+    mod = kspec.load(compiled("layernorm", ("sm90a",)))
+    x = DeviceBuffer(BASE, (4096, 8192), "bf16")
+    g, b = DeviceBuffer(BASE + 0x10000000, (8192,), "bf16"), DeviceBuffer(BASE + 0x10010000, (8192,), "bf16")
+    out = mod.layernorm(x, g, b, eps=1e-6)
+    (launch,) = [e for e in recording.log if e[0] == "launch"]
+    _, what, grid, block, cluster, smem, _, raw = launch
+    assert (grid, block, cluster, smem) == ((4096, 1, 1), (256, 1, 1), (1, 1, 1), 8208 * 2)
+    assert ("smem", 8208 * 2) in recording.log
+    assert _blob(mod, "layernorm", raw) == dict(rows=4096, n=8192, vec=1, cs=1, cache=1)
+    ptrs = struct.unpack_from("<4Q", raw, 0)
+    assert set(ptrs) == {BASE, BASE + 0x10000000, BASE + 0x10010000, out["y"].ptr}
+    # a view starting 2 bytes in: the same kernel, element by element
+    recording.log.clear()
+    mod.layernorm(DeviceBuffer(BASE + 2, (4096, 8192), "bf16"), g, b)
+    (launch,) = [e for e in recording.log if e[0] == "launch"]
+    assert _blob(mod, "layernorm", launch[7])["vec"] == 0
+
+
+@pytest.mark.nvcc
+def test_long_vocab_cross_entropy_launches_a_cluster_per_row(compiled, recording):
+    from kspec.runtime import DeviceBuffer
+    mod = kspec.load(compiled("cross_entropy", ("sm90a",)))
+    logits = DeviceBuffer(BASE, (64, 256000), "bf16")          # 500 KiB rows
+    label = DeviceBuffer(BASE + 0x40000000, (64,), "i32")
+    mod.cross_entropy(logits, label)
+    (launch,) = [e for e in recording.log if e[0] == "launch"]
+    _, _, grid, block, cluster, smem, _, raw = launch
+    assert cluster == (8, 1, 1) and grid == (64 * 8, 1, 1) and block == (1024, 1, 1)
+    assert 0 < smem <= 96 * 1024
+    assert _blob(mod, "cross_entropy", raw) == dict(rows=64, n=256000, vec=1, cs=8, cache=1)
+
+
+@pytest.mark.nvcc
+def test_bad_row_inputs_fail_before_launch(compiled, recording):
+    from kspec.runtime import DeviceBuffer, KspecRuntimeError
+    ln = kspec.load(compiled("layernorm", ("sm90a",)))
+    x = DeviceBuffer(BASE, (64, 128), "bf16")
+    with pytest.raises(KspecRuntimeError, match=r"argument 'gamma': dimension 0 \(N\) is 100, but 'x' has N = 128"):
+        ln.layernorm(x, DeviceBuffer(BASE + 0x100000, (100,), "bf16"), DeviceBuffer(BASE + 0x200000, (128,), "bf16"))
+    ce = kspec.load(compiled("cross_entropy", ("sm90a",)))
+    logits = DeviceBuffer(BASE, (64, 1000), "bf16")
+    with pytest.raises(KspecRuntimeError, match=r"argument 'label': expected i32"):
+        ce.cross_entropy(logits, DeviceBuffer(BASE + 0x100000, (64,), "f32"))
+    with pytest.raises(KspecRuntimeError, match=r"argument 'label': dimension 0 \(M\) is 63"):
+        ce.cross_entropy(logits, DeviceBuffer(BASE + 0x100000, (63,), "i32"))
+    assert not [e for e in recording.log if e[0] == "launch"]
+
+
+# ---------------------------------------------------------------- gathers outside row kernels
+
+EMBED = """kernel embed {
+  in E : bf16[V, D]
+  in tok : i32[T]
+  in pos : f32[T, D]
+  out y : f32[T, D]
+  y[t, d] = f32(E[tok[t], d]) + pos[t, d]
+}"""
+
+
+def test_embedding_gather_is_one_elementwise_kernel_and_matches_numpy():
+    prog = _load(EMBED)
+    sched = plan_kernel(prog.kernels[0])
+    assert [p.kind for p in sched.plans] == ["elementwise"]
+    rng = np.random.default_rng(9)
+    E = rng.standard_normal((11, 6)).astype(BF16)
+    tok = rng.integers(0, 11, 5).astype(np.int32)
+    pos = rng.standard_normal((5, 6)).astype(np.float32)
+    got = kspec.reference(prog)(E=E, tok=tok, pos=pos)["y"]
+    np.testing.assert_allclose(got, _f64(E)[tok] + pos, rtol=1e-6)
+
+
+@pytest.mark.nvcc
+def test_embedding_gather_compiles_as_a_generic_kernel(tmp_path, kernel_cache):
+    from conftest import build_emitted
+    spec = tmp_path / "embed.kspec"
+    spec.write_text(EMBED)
+    em = emit_spec(spec, ("sm90a",))
+    (plist,) = em.plans.values()
+    src = plist[0].emitted.source
+    assert ": NAN)" in src                       # an out-of-range token reads nothing
+    cubin, _, _ = build_emitted(plist[0].emitted, kernel_cache)
+    assert "LDG" in _sass(cubin)
