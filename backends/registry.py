@@ -6,6 +6,7 @@ plus one entry below.  Nothing is imported until it is used.
 
 Preference order (the first backend whose `can_implement(ir, arch)` is None builds the kernel):
     cutlass   CUTLASS C++ (cutlass_cppgen + nvcc): tensor-core GEMMs with EVT epilogues, fused attention
+    rowwise   kspec's own plain-CUDA row kernels: norms, softmax, cross-entropy, row reductions
     generic   plain CUDA loop kernels: elementwise kernels, and the fallback for everything else
 A kernel that only the generic backend can build as a loop kernel (a GEMM it cannot put on tensor
 cores, a softmax, ...) is a *fallback*: `kspec graph`/`compile` print it with the reasons the
@@ -24,6 +25,7 @@ from .api import Backend
 # name -> (module, class); the order is the preference order
 _ENTRIES: tuple[tuple[str, str, str], ...] = (
     ("cutlass", "kspec.backends.cutlass.backend", "CutlassBackend"),
+    ("rowwise", "kspec.backends.rowwise", "RowwiseBackend"),
     ("generic", "kspec.backends.generic", "GenericBackend"),
 )
 PREFERENCE: tuple[str, ...] = tuple(n for n, _, _ in _ENTRIES)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
+from kspec.core import dtype_bytes
+
 from .graph import OpNode, op, operands, uses
 
 
@@ -273,12 +275,11 @@ def _split_per_consumer(g: nx.DiGraph, pick) -> int:
 def is_widening_cast(g: nx.DiGraph, n) -> bool:
     """n converts a value to a wider dtype (f16 -> f32): reading the narrow value and converting it
     where it is needed never costs more memory traffic than storing the wide one."""
-    from .schedule import DTYPE_BYTES
     o = op(g, n)
     if o.kind != "cast":
         return False
     (src, _), = operands(g, n)
-    return DTYPE_BYTES.get(op(g, src).dtype, 4) < DTYPE_BYTES.get(o.dtype, 4)
+    return dtype_bytes(op(g, src).dtype) < dtype_bytes(o.dtype)
 
 
 def split_shared_broadcasts(g: nx.DiGraph) -> int:

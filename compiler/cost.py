@@ -24,7 +24,7 @@ from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
 
 DEFAULT_SIZE = 1024
 L2_RESIDENT_BYTES = 24 * 2 ** 20   # about half the L2 of an H100 (50 MB)
-TILED_KINDS = ("gemm", "attention")
+TILED_KINDS = ("gemm", "attention", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -204,8 +204,9 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             continue
         n_kernels += 1
         uflops += _node_flops(g, n, sizes)
-        for u, _ in operands(g, n):
-            src = op(g, _source(g, u))
+        # each kernel reads each of its inputs once (x * x reads x once)
+        for src in {_source(g, u): None for u, _ in operands(g, n)}:
+            src = op(g, src)
             if src.kind in ("param", "const") or not src.axes:
                 continue
             ubytes += _numel(src.shape, sizes) * DTYPE_BYTES[src.dtype]

@@ -9,14 +9,17 @@ not create a cycle between kernels.  Why a node could not join a group is kept i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import networkx as nx
 
+from kspec.core import dtype_bytes
+
 from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value
 from .graph import op, operands
+from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
 
-OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "const")
+OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "gather", "const")
 
 
 @dataclass(frozen=True)
@@ -33,18 +36,6 @@ class FusionContext:
 
     def epilogue_reductions(self) -> frozenset[str]:
         return frozenset(("max", "sum")) if self.oracle is None else self.oracle.epilogue_reductions(self.archs)
-
-
-@dataclass
-class Group:
-    id: str
-    kind: str                          # gemm | attention | elementwise | reduction | softmax | contraction
-    nodes: set
-    anchor: object = None              # the GEMM contraction / attention's first contraction
-    info: object = None                # GemmInfo / AttentionInfo
-
-    def __repr__(self) -> str:
-        return f"Group({self.id}, {self.kind}, {sorted(self.nodes, key=_node_order)})"
 
 
 @dataclass(frozen=True)
@@ -65,22 +56,6 @@ class AttentionInfo:
     kv_batch: tuple[str, ...] | None = None   # K/V batch labels when they lack some of Q's (MQA)
 
 
-@dataclass
-class FusionResult:
-    groups: list[Group]
-    notes: list[str] = field(default_factory=list)     # why things did not fuse
-
-    def group_of(self, n) -> Group | None:
-        for grp in self.groups:
-            if n in grp.nodes:
-                return grp
-        return None
-
-
-def _node_order(n) -> int:
-    return int(str(n).lstrip("n")) if str(n).lstrip("n").isdigit() else 0
-
-
 def is_operator(g: nx.DiGraph, n) -> bool:
     return op(g, n).kind in OPERATOR_KINDS
 
@@ -92,27 +67,6 @@ def is_scalar_expr(g: nx.DiGraph, n) -> bool:
         return True
     return o.kind in ("elementwise", "cast") and not o.axes and \
         all(is_scalar_expr(g, u) for u in g.predecessors(n))
-
-
-def same_point(g: nx.DiGraph, u, labels: tuple[str, ...]) -> bool:
-    """A consumer reading u under `labels` reads u's value at its own iteration point (u's axes
-    are named the same), so a fused kernel can pass the value in a register."""
-    return tuple(labels) == op(g, u).axes or not op(g, u).axes
-
-
-def legal_group(g: nx.DiGraph, nodes: set) -> str | None:
-    """None if `nodes` can run as one kernel, else why not: no path may leave the group and come
-    back (that would need another kernel in the middle of this one)."""
-    outside_desc: set = set()
-    for n in nodes:
-        for s in g.successors(n):
-            if s not in nodes:
-                outside_desc.add(s)
-                outside_desc |= nx.descendants(g, s)
-    back = outside_desc & nodes
-    if back:
-        return "fusing would create a cycle between kernels"
-    return None
 
 
 def _consumers(g, n) -> list:
@@ -356,9 +310,8 @@ MAX_CONE = 16
 def _value_bytes(g: nx.DiGraph, n) -> int:
     """Bytes of n's value per element of its iteration space, scaled by its rank (a proxy: full
     tensors dominate vectors and scalars)."""
-    from .schedule import DTYPE_BYTES
     o = op(g, n)
-    return DTYPE_BYTES.get(o.dtype, 4) * (1 << (2 * len(o.axes)))
+    return dtype_bytes(o.dtype) * (1 << (2 * len(o.axes)))
 
 
 def _recompute_cheap_values(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
@@ -608,6 +561,8 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     res = FusionResult([])
     fuse_attention(g, res, ctx)
     fuse_epilogues(g, res, ctx)
+    from .rowwise import fuse_rowwise      # row reductions, softmax, norms: one kernel per row chain
+    fuse_rowwise(g, res)
     fuse_elementwise(g, res)
     for n in nx.topological_sort(g):
         o = op(g, n)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from kspec.spec_lang.check import (CheckedKernel, DimValue, TAccess, TBinary, TCall, TCast, TConst, TExpr,
-                                   TReduce, TScalar, TSoftmax, TUnary)
+                                   TGather, TReduce, TScalar, TSoftmax, TUnary)
 from kspec.spec_lang.errors import KspecInternalError, Span
 
 KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax",
-         "cast", "output")
+         "cast", "gather", "output")
 _BINARY_FN = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
 
 
@@ -35,6 +35,9 @@ class OpNode:
     value: float | int | None = None      # const
     causal: str | None = None             # softmax: the query label of a causal mask
     layout: str = "row"                   # input/output storage layout
+    # gather: per axis of the source (operand 0), what selects the element: an axis label of this
+    # node, "#<int>" a literal, or "@<pos>" the integer value of operand <pos> at this point
+    subscripts: tuple[str, ...] = ()
     span: Span | None = field(default=None, compare=False)
 
     def label(self) -> str:
@@ -45,6 +48,8 @@ class OpNode:
             return f"const {self.value}"
         if self.kind in ("contraction", "reduction"):
             return f"{self.kind} {self.fn}({', '.join(self.reduced)}){ax} : {self.dtype}"
+        if self.kind == "gather":
+            return f"gather [{', '.join(self.subscripts)}]{ax} : {self.dtype}"
         if self.kind == "softmax":
             c = f", causal={self.causal}" if self.causal else ""
             return f"softmax({self.fn}{c}){ax} : {self.dtype}"
@@ -144,6 +149,8 @@ class _Builder:
             return self.defined[e.name], ()
         if isinstance(e, TAccess):
             return self.defined[e.tensor], tuple(e.indices)
+        if isinstance(e, TGather):
+            return self.gather(e)
         if isinstance(e, TUnary):
             return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn="neg", span=e.span),
                              [self.read(e.operand, e.free)])
@@ -205,6 +212,28 @@ class _Builder:
                               [(node, labels), self.read(f, e.free)])
         return value
 
+    def gather(self, e: TGather) -> tuple[str, tuple[str, ...]]:
+        """tensor[subscripts] as a gather node: operand 0 is the tensor (axes selected by something
+        other than a label are read under placeholder labels `~<axis>`), operands 1.. the integer
+        tensors whose values select elements."""
+        src_labels: list[str] = []
+        subs: list[str] = []
+        inputs = [None]
+        for axis, x in enumerate(e.subscripts):
+            if isinstance(x, str):
+                src_labels.append(x)
+                subs.append(x)
+            elif isinstance(x, int):
+                src_labels.append(f"~{axis}")
+                subs.append(f"#{x}")
+            else:
+                src_labels.append(f"~{axis}")
+                subs.append(f"@{len(inputs)}")
+                inputs.append((self.defined[x.tensor], tuple(x.indices)))
+        inputs[0] = (self.defined[e.tensor], tuple(src_labels))
+        return self.node(OpNode("gather", e.dtype, e.free, self.shape(e.free), fn="gather",
+                                subscripts=tuple(subs), span=e.span), inputs)
+
     def node(self, o: OpNode, inputs=()) -> tuple[str, tuple[str, ...]]:
         n = self.add(o, list(inputs))
         return n, o.axes
@@ -237,6 +266,10 @@ def _product_factors(e: TExpr, reduced: set) -> list[tuple[TExpr, str]] | None:
 def _accesses(e: TExpr):
     if isinstance(e, TAccess):
         yield e
+    if isinstance(e, TGather):
+        for x in e.subscripts:
+            if isinstance(x, TAccess):
+                yield x
     for f in ("operand", "lhs", "rhs"):
         c = getattr(e, f, None)
         if isinstance(c, TExpr):
@@ -256,6 +289,9 @@ def _rename_expr(e: TExpr, m: dict[str, str]) -> TExpr:
         changes["indices"] = r(e.indices)
     if isinstance(e, TReduce):
         changes["indices"] = r(e.indices)
+    if isinstance(e, TGather):
+        changes["subscripts"] = tuple(m.get(x, x) if isinstance(x, str) else
+                                      _rename_expr(x, m) if isinstance(x, TExpr) else x for x in e.subscripts)
     if isinstance(e, TSoftmax):
         changes["axis"] = m.get(e.axis, e.axis)
         changes["causal"] = m.get(e.causal, e.causal) if e.causal else None
@@ -326,5 +362,11 @@ def validate(g: nx.DiGraph) -> None:
             if labels != op(g, u).axes or op(g, u).kind in ("input", "param", "const"):
                 # outputs store their producer's value as it is: transposes and copies are op nodes
                 raise KspecInternalError(f"output node {n} must store an op's value in its axis order")
+        if o.kind == "gather":
+            ins = operands(g, n)
+            src = op(g, ins[0][0]) if ins else None
+            if src is None or len(o.subscripts) != len(src.axes) or \
+                    any(x.startswith("@") and not 0 < int(x[1:]) < len(ins) for x in o.subscripts):
+                raise KspecInternalError(f"gather node {n}: subscripts {o.subscripts} do not match its operands")
         if o.kind in ("input", "param", "const") and g.in_degree(n):
             raise KspecInternalError(f"{o.kind} node {n} has producers")

@@ -15,7 +15,7 @@ from kspec.core import KspecError, KspecInternalError
 from .canon import GemmInfo
 from .graph import op, operands
 from .kir import (Accum, ArchHint, AttentionStructure, Const, EpiExpr, Epilogue, GemmStructure, IRBuffer, IROp,
-                  KernelIR, Load, Op, ReductionStore, Store)
+                  KernelIR, Load, Op, ReductionStore, RowStructure, Store)
 
 
 def _order(n) -> int:
@@ -62,7 +62,7 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
         ops.append(IROp(str(n), o.kind, o.dtype, o.axes, tuple(o.shape),
                         args=tuple((str(u), tuple(l)) for u, l in operands(g, n)), fn=o.fn, name=o.name,
                         reduced=o.reduced, reduced_shape=tuple(o.reduced_shape), value=o.value, causal=o.causal,
-                        layout=o.layout, span=o.span))
+                        layout=o.layout, subscripts=tuple(o.subscripts), span=o.span))
     for _, b in stores:
         use_buffer(b)
     gemm = epilogue = attention = None
@@ -71,9 +71,13 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
     elif group.kind == "attention":
         attention = _attention(g, group, buffer_of, stores, bufs)
     anchor = group.anchor if group.anchor is not None else order[-1]
+    row = None
+    if group.kind == "rowwise":
+        info = group.info
+        row = RowStructure(tuple(info.outer), info.axis, tuple(info.extents))
     return KernelIR(plan_id, group.kind, spec_kernel, tuple(bufs.values()), tuple(ops),
                     tuple((str(n), b, _store_labels(g, n, b)) for n, b in stores), gemm, epilogue, attention, hints,
-                    op(g, anchor).span)
+                    row, str(anchor), op(g, anchor).span)
 
 
 def _store_labels(g, n, buffer_name: str) -> tuple[str, ...]:

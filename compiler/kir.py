@@ -27,8 +27,9 @@ from kspec.core import DTYPES, KspecInternalError, Span
 Extent = Union[str, int]                 # a size symbol or an int literal
 BatchExtent = Union[Extent, tuple]        # a flattened batch: the product of several extents
 
-KINDS = ("gemm", "attention", "elementwise", "reduction", "softmax", "contraction")
-OP_KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax", "cast")
+KINDS = ("gemm", "attention", "rowwise", "elementwise", "reduction", "softmax", "contraction")
+OP_KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax", "cast",
+            "gather")
 ROLES = ("input", "output", "param", "intermediate")
 
 
@@ -158,6 +159,9 @@ class IROp:
     causal: str | None = None
     layout: str = "row"
     buffer: str | None = None      # input/param ops: the buffer loaded
+    # gather: per axis of the source (operand 0), what selects the element: an axis label of this op,
+    # "#<int>" a literal, or "@<pos>" the integer value of operand <pos> (source axes read as "~<axis>")
+    subscripts: tuple[str, ...] = ()
     span: Span | None = field(default=None, compare=False, repr=False)
 
     def label(self) -> str:
@@ -228,6 +232,17 @@ class AttentionStructure:
 
 
 @dataclass(frozen=True)
+class RowStructure:
+    """A row-wise kernel: one row per combination of the `outer` labels, reduced along `axis`."""
+    outer: tuple[str, ...]
+    axis: str
+    extents: tuple[tuple[str, Extent], ...]       # label -> extent (symbol or literal)
+
+    def extent(self, label: str) -> Extent:
+        return dict(self.extents)[label]
+
+
+@dataclass(frozen=True)
 class ArchHint:
     tile: tuple[int, int, int] | None = None
     cluster: tuple[int, int, int] | None = None
@@ -247,6 +262,8 @@ class KernelIR:
     epilogue: Epilogue | None = None
     attention: AttentionStructure | None = None
     hints: tuple[tuple[str, ArchHint], ...] = ()   # arch -> the spec's schedule hint
+    row: RowStructure | None = None
+    anchor: str | None = None                      # the op the kernel is organised around
     span: Span | None = field(default=None, compare=False, repr=False)
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -390,7 +407,8 @@ def verify(ir: KernelIR) -> KernelIR:
                 bad(f"op {o.id} reads {u} before it is defined")
             if len(labels) != len(seen[u].axes):
                 bad(f"op {o.id} reads {u} with {len(labels)} labels for {len(seen[u].axes)} axes")
-            if o.kind != "broadcast" and not set(labels) <= scope:
+            placeholders = o.kind == "gather" and u == o.args[0][0]
+            if o.kind != "broadcast" and not placeholders and not set(labels) <= scope:
                 bad(f"op {o.id} reads {u} under labels {labels} outside its iteration space")
         if o.kind in ("contraction", "reduction") and len(o.reduced) != len(o.reduced_shape):
             bad(f"op {o.id}: reduced labels and extents differ in length")
@@ -426,6 +444,10 @@ def verify(ir: KernelIR) -> KernelIR:
         for x in (a.qk, a.softmax, a.pv, a.q, a.k, a.v):
             if x not in seen:
                 bad(f"attention refers to unknown op {x}")
+    if (ir.kind == "rowwise") != (ir.row is not None):
+        bad("the row structure does not match the kind")
+    if ir.anchor is not None and ir.anchor not in seen:
+        bad(f"anchor {ir.anchor} is not an op")
     return ir
 
 
@@ -458,6 +480,10 @@ def format_ir(ir: KernelIR) -> str:
         dims = ", ".join(f"{r}={v}" for r, v in a.dims)
         lines.append(f"  attention: Q={a.q_buffer} K={a.k_buffer} V={a.v_buffer} ({'/'.join(a.dtypes)}), "
                      f"softmax over {a.key}{', causal' if a.causal else ''}, scale={a.scale}; {dims}")
+    if ir.row is not None:
+        r = ir.row
+        lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
+                     + ", ".join(f"{k}={v}" for k, v in r.extents))
     for arch, h in ir.hints:
         parts = [f"{k}={v}" for k, v in asdict(h).items() if v is not None]
         if parts:
@@ -523,7 +549,8 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
            "buffers": [plain(b) for b in ir.buffers], "ops": ops, "stores": [[n, b, list(l)] for n, b, l in ir.stores],
            "gemm": plain(ir.gemm) if ir.gemm else None,
            "attention": {**plain(ir.attention), "scale": value(ir.attention.scale)} if ir.attention else None,
-           "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints], "span": span(ir.span)}
+           "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
+           "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
     if ir.epilogue is not None:
         doc["epilogue"] = {
             "stores": [{"name": s.name, "value": _epi_to_json(s.value), "dtype": s.dtype, "layout": s.layout}
@@ -559,4 +586,5 @@ def ir_from_json(d: dict) -> KernelIR:
         buffers=tuple(make(IRBuffer, b) for b in d["buffers"]), ops=ops,
         stores=tuple((n, b, tuple(l)) for n, b, l in d["stores"]),
         gemm=make(GemmStructure, d["gemm"]) if d.get("gemm") else None, epilogue=epi, attention=att,
-        hints=tuple((a, make(ArchHint, h)) for a, h in d["hints"]), span=span(d.get("span")))
+        hints=tuple((a, make(ArchHint, h)) for a, h in d["hints"]),
+        row=make(RowStructure, d["row"]) if d.get("row") else None, anchor=d.get("anchor"), span=span(d.get("span")))

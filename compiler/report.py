@@ -46,6 +46,14 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
         out.append(f"      fused attention: Q={op(g, info.q).name}, K={op(g, info.k).name}, V={op(g, info.v).name}, "
                    f"softmax over {info.key}{', causal' if info.causal else ''}; "
                    f"the [{', '.join(info.batch + (info.query, info.key))}] scores stay on chip")
+    elif plan.kind == "rowwise":
+        kinds = [op(g, n).kind for n in plan.group.nodes]
+        n_red = sum(k in ("reduction", "contraction") for k in kinds) + 2 * kinds.count("softmax")
+        out.append(f"      row kernel: rows over [{', '.join(info.outer)}], reduced along {info.axis} "
+                   f"({n_red} row reduction{'s' if n_red != 1 else ''}, {kinds.count('gather')} gather"
+                   f"{'s' if kinds.count('gather') != 1 else ''}); intermediates stay on chip")
+        out.append("      ops: " + "; ".join(op(g, n).label() for n in sorted(plan.group.nodes, key=_order)
+                                            if op(g, n).kind != "const"))
     else:
         out.append("      ops: " + "; ".join(op(g, n).label() for n in sorted(plan.group.nodes, key=_order)
                                             if op(g, n).kind != "const"))

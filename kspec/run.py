@@ -74,9 +74,11 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
     import numpy as np
 
     from kspec.backends.reference.numerics import is_int, to_storage
+    from kspec.spec_lang.check import index_bounds
     rng = np.random.default_rng(seed)
     out = {}
     fixed = dict(kernel.bindings)
+    bounds = index_bounds(kernel)       # subscript tensors get valid indices
     for t in kernel.inputs:
         shape = []
         for d in t.shape:
@@ -86,7 +88,10 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
                 shape.append(fixed[d])
             else:
                 shape.append(sizes.get(d, 64))
-        if is_int(t.dtype):
+        if t.name in bounds:
+            hi = min(d if isinstance(d, int) else fixed.get(d, sizes.get(d, 64)) for d in bounds[t.name])
+            out[t.name] = rng.integers(0, max(hi, 1), size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
+        elif is_int(t.dtype):
             out[t.name] = rng.integers(-4, 5, size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
         else:
             out[t.name] = to_storage(rng.standard_normal(shape).astype(np.float32), t.dtype)

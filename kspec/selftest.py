@@ -314,8 +314,10 @@ def _time(torch, fn, reps: int) -> float:
 
 def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int] | None = None,
         bench: bool = True, reps: int = 20, seed: int = 0, json_path: str | None = None,
-        out=sys.stdout, driver=None) -> int:
-    """The command; `driver` (tests) is a FakeDriver to use instead of `--fake`'s."""
+        out=None, driver=None) -> int:
+    """The command; `driver` (tests) is a FakeDriver to use instead of `--fake`'s; `out` defaults to
+    the sys.stdout of the call (not of the import)."""
+    out = sys.stdout if out is None else out
     import kspec
     from kspec.core import ARCH_TABLE, normalize_arch
     from kspec.runtime import driver as rt_driver

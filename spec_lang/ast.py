@@ -41,6 +41,28 @@ class Access:
 
 
 @dataclass(frozen=True)
+class IndexVar:
+    """An index name used as a subscript (`m` in `x[m, label[m]]`)."""
+    name: str
+    span: Span | None = _span()
+
+
+# A subscript: an index name, an integer literal (`Num` with an int value) or an element of an
+# integer tensor (`Access`).  Index arithmetic (`h / G`) will add an operator node to this union.
+IndexExpr = Union[IndexVar, "Num", Access]
+
+
+@dataclass(frozen=True)
+class Gather:
+    """A tensor element whose subscripts are index expressions, not only index names:
+    `logits[m, label[m]]` reads, for each m, the column that the integer `label[m]` names.
+    (An access whose subscripts are all index names is an `Access`.)"""
+    tensor: str
+    subscripts: tuple[IndexExpr, ...]
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
 class Unary:
     op: str                        # "-"
     operand: "Expr"
@@ -90,7 +112,7 @@ class Reduce:
     index_spans: tuple[Span | None, ...] = field(default=(), compare=False, repr=False)
 
 
-Expr = Union[Num, Name, Access, Unary, Binary, Call, Cast, Reduce]
+Expr = Union[Num, Name, Access, Gather, Unary, Binary, Call, Cast, Reduce]
 
 
 # ---- declarations and statements ----

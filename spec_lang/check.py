@@ -86,6 +86,24 @@ class TAccess(TExpr):
     indices: tuple[str, ...] = ()
 
 
+# A typed subscript: an index label (str), an integer literal (int) or an element of an integer
+# tensor (TAccess).  Index arithmetic will add an operator node here.
+TSubscript = Union[str, int, "TAccess"]
+
+
+@dataclass(frozen=True)
+class TGather(TExpr):
+    """tensor[subscripts]: at least one subscript is not a plain index label."""
+    tensor: str = ""
+    subscripts: tuple = ()            # tuple[TSubscript, ...]
+
+
+def subscript_text(x) -> str:
+    if isinstance(x, TAccess):
+        return f"{x.tensor}[{', '.join(x.indices)}]"
+    return str(x)
+
+
 @dataclass(frozen=True)
 class TUnary(TExpr):
     op: str = "-"
@@ -544,6 +562,8 @@ class _KernelChecker:
                 seen.add(ix)
                 env.bind(ix, dim, f"{e.tensor}[{', '.join(e.indices)}]", sp or e.span)
             return TAccess(t.dtype, _uniq(e.indices), e.span, e.tensor, tuple(e.indices))
+        if isinstance(e, ast.Gather):
+            return self.gather(e, env, stmt_no, future)
         if isinstance(e, ast.Unary):
             op = self.expr(e.operand, env, stmt_no, future)
             return TUnary(op.dtype, op.free, e.span, "-", op)
@@ -560,6 +580,51 @@ class _KernelChecker:
         if isinstance(e, ast.Reduce):
             return self.reduce(e, env, stmt_no, future)
         raise TypeError(e)
+
+    def gather(self, e: ast.Gather, env, stmt_no, future) -> TExpr:
+        t = self.lookup(e.tensor, e.span, stmt_no, future)
+        if t.role == "param":
+            self.error(f"'{e.tensor}' is a scalar param; it cannot be indexed", e.span,
+                       f"write `{e.tensor}`", abort=True)
+        if len(e.subscripts) != t.rank:
+            self.error(f"'{e.tensor}' has rank {t.rank} but is used with {len(e.subscripts)} "
+                       f"{'subscript' if len(e.subscripts) == 1 else 'subscripts'}", e.span,
+                       f"declared as {t.describe()}", abort=True)
+        shown = print_expr(e)
+        subs: list = []
+        free: list[str] = []
+        for axis, (x, dim) in enumerate(zip(e.subscripts, t.shape)):
+            if isinstance(x, ast.IndexVar):
+                if x.name in free:
+                    self.error(f"index '{x.name}' is used twice in {shown}", x.span or e.span,
+                               "diagonals are not supported; use distinct indices", abort=True)
+                env.bind(x.name, dim, shown, x.span or e.span)
+                subs.append(x.name)
+                free.append(x.name)
+            elif isinstance(x, ast.Num):
+                if not isinstance(x.value, int):
+                    self.error(f"subscript {x.text} is not an integer", x.span or e.span, abort=True)
+                if isinstance(dim, int) and not 0 <= x.value < dim:
+                    self.error(f"subscript {x.text} is out of range for dimension {axis} of '{e.tensor}' "
+                               f"(size {dim})", x.span or e.span, f"use 0 to {dim - 1}", abort=True)
+                subs.append(int(x.value))
+            elif isinstance(x, ast.Access):
+                if x.tensor in self.tensors and self.tensors[x.tensor].role == "param":
+                    self.error(f"'{x.tensor}' is a scalar param; a subscript tensor needs indices", x.span,
+                               abort=True)
+                it = self.expr(x, env, stmt_no, future)
+                assert isinstance(it, TAccess)
+                if it.dtype not in INT_DTYPES:
+                    self.error(f"subscript tensor '{x.tensor}' is {it.dtype}; a subscript must hold integers",
+                               x.span or e.span,
+                               f"declare '{x.tensor}' as i32 (or i8), e.g. `in {x.tensor} : i32[...]`", abort=True)
+                subs.append(it)
+                free.extend(ix for ix in it.indices if ix not in free)
+            else:
+                self.error("this subscript is not supported", getattr(x, "span", None) or e.span,
+                           "a subscript is an index name, an integer literal or an integer tensor element "
+                           "such as `label[m]`", abort=True)
+        return TGather(t.dtype, _uniq(tuple(free)), e.span, e.tensor, tuple(subs))
 
     def lookup(self, name: str, span, stmt_no: int, future) -> TensorInfo:
         if name in self.failed and name not in self.tensors:
@@ -770,6 +835,15 @@ def _index_span(e: ast.Expr, ix: str) -> Span | None:
             if j == ix:
                 return s
         return None
+    if isinstance(e, ast.Gather):
+        for x in e.subscripts:
+            if isinstance(x, ast.IndexVar) and x.name == ix:
+                return x.span
+            if isinstance(x, ast.Access):
+                s = _index_span(x, ix)
+                if s is not None:
+                    return s
+        return None
     for child in _children(e):
         s = _index_span(child, ix)
         if s is not None:
@@ -808,6 +882,8 @@ def _texpr_lines(e: TExpr, depth: int) -> list[str]:
         return [f"{pad}param {e.name} : {e.dtype}"]
     if isinstance(e, TAccess):
         return [f"{pad}{e.tensor}[{', '.join(e.indices)}] : {e.dtype}"]
+    if isinstance(e, TGather):
+        return [f"{pad}gather {e.tensor}[{', '.join(subscript_text(x) for x in e.subscripts)}] : {e.dtype} {free}"]
     if isinstance(e, TUnary):
         head, kids = f"neg : {e.dtype} {free}", [e.operand]
     elif isinstance(e, TBinary):
@@ -863,6 +939,29 @@ def format_typed(program: CheckedProgram) -> str:
     return "\n".join(out)
 
 
+def index_bounds(kernel: CheckedKernel) -> dict[str, list[DimValue]]:
+    """Integer tensors used as subscripts -> the sizes of the dimensions they index: a valid value
+    lies in [0, size) for each (what random test inputs must respect)."""
+    out: dict[str, list[DimValue]] = {}
+
+    def visit(x):
+        if isinstance(x, TGather):
+            shape = kernel.tensor(x.tensor).shape
+            for sub, dim in zip(x.subscripts, shape):
+                if isinstance(sub, TAccess):
+                    out.setdefault(sub.tensor, []).append(dim)
+        for f in ("operand", "lhs", "rhs"):
+            c = getattr(x, f, None)
+            if isinstance(c, TExpr):
+                visit(c)
+        for c in getattr(x, "args", ()):
+            visit(c)
+
+    for st in kernel.stmts:
+        visit(st.value)
+    return out
+
+
 def count_ops(e: TExpr) -> dict[str, int]:
     """Counts of operation classes in an expression, for one-line summaries."""
     counts: dict[str, int] = {}
@@ -877,6 +976,8 @@ def count_ops(e: TExpr) -> dict[str, int]:
                     visit(side)
                 return
             visit(x.operand)
+        elif isinstance(x, TGather):
+            counts["gather"] = counts.get("gather", 0) + 1
         elif isinstance(x, TSoftmax):
             counts["softmax"] = counts.get("softmax", 0) + 1
             visit(x.operand)

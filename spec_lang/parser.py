@@ -158,6 +158,23 @@ class _Build(Transformer_NonRecursive):
     @v_args(meta=True)
     def access(self, meta, children):
         name = children[0]
+        subs = children[1] if len(children) > 1 else []
+        if all(isinstance(x, ast.IndexVar) for x in subs):
+            return ast.Access(self._name(name), tuple(x.name for x in subs), self._span(meta),
+                              tuple(x.span for x in subs))
+        return ast.Gather(self._name(name), tuple(subs), self._span(meta))
+
+    def subscript_list(self, children): return list(children)
+
+    @v_args(inline=True)
+    def sub_name(self, tok): return ast.IndexVar(self._name(tok), self._span(tok))
+
+    @v_args(inline=True)
+    def sub_int(self, tok): return ast.Num(self._int(tok), str(tok), self._span(tok))
+
+    @v_args(meta=True)
+    def sub_access(self, meta, children):
+        name = children[0]
         idx = children[1] if len(children) > 1 else []
         return ast.Access(self._name(name), tuple(i for i, _ in idx), self._span(meta), tuple(s for _, s in idx))
 
@@ -453,7 +470,7 @@ def _check_nesting(tree: lark.Tree, file: str, source: str) -> None:
         for c in node.children:
             if isinstance(c, lark.Tree):
                 # lists are no level of their own: `gelu(x)` nests x one level deep
-                stack.append((c, depth if c.data in ("arg_list", "index_list") else depth + 1, stmt))
+                stack.append((c, depth if c.data in ("arg_list", "index_list", "subscript_list", "sub_name", "sub_int") else depth + 1, stmt))
 
 
 def parse(source: str, file: str = "<string>") -> ast.Program:

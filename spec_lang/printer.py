@@ -21,6 +21,8 @@ def _expr(e: ast.Expr, ctx: int, tail: bool) -> str:
         return e.name
     if isinstance(e, ast.Access):
         return f"{e.tensor}[{', '.join(e.indices)}]"
+    if isinstance(e, ast.Gather):
+        return f"{e.tensor}[{', '.join(print_subscript(x) for x in e.subscripts)}]"
     if isinstance(e, ast.Call):
         return f"{e.fn}({', '.join(_expr(a, 0, True) for a in e.args)})"
     if isinstance(e, ast.Cast):
@@ -43,6 +45,16 @@ def _expr(e: ast.Expr, ctx: int, tail: bool) -> str:
         s = f"{lhs} {e.op} {rhs}"
         return f"({s})" if p < ctx else s
     raise TypeError(f"not an expression: {e!r}")
+
+
+def print_subscript(x) -> str:
+    if isinstance(x, ast.IndexVar):
+        return x.name
+    if isinstance(x, ast.Num):
+        return x.text
+    if isinstance(x, ast.Access):
+        return f"{x.tensor}[{', '.join(x.indices)}]"
+    raise TypeError(f"not a subscript: {x!r}")
 
 
 def _dim(d: ast.Dim) -> str:

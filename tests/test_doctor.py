@@ -38,7 +38,7 @@ def test_doctor_json_without_toolchain(tmp_path):
     assert data["can_compile"] is False
     assert data["sections"]["toolchain"]["nvcc"].startswith("not found: KSPEC_NVCC=")
     assert data["sections"]["backends"]["generic"].startswith("unavailable: KSPEC_NVCC=")
-    assert list(data["sections"]["backends"]) == ["cutlass", "generic"]          # the registry's order
+    assert list(data["sections"]["backends"]) == ["cutlass", "rowwise", "generic"]   # the registry's order
     assert any("not compiled" in n for n in data["notes"])
 
 

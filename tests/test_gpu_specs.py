@@ -30,8 +30,8 @@ def _device_arch() -> str | None:
     return arch
 
 
-SIZES = {"M": 256, "N": 384, "K": 192, "L": 3, "B": 2, "H": 3, "S": 256, "T": 384}
-ODD = {"M": 200, "N": 136, "K": 72, "L": 2, "B": 1, "H": 2, "S": 136, "T": 200}
+SIZES = {"M": 256, "N": 384, "K": 192, "L": 3, "B": 2, "H": 3, "S": 256, "T": 384, "V": 1000}
+ODD = {"M": 200, "N": 136, "K": 72, "L": 2, "B": 1, "H": 2, "S": 136, "T": 200, "V": 4097}
 
 
 def _run(compiled, stem, sizes, pass_outputs=False, seed=0):
@@ -64,7 +64,8 @@ def test_shipped_spec_matches_reference(compiled, stem):
     _run(compiled, stem, SIZES)
 
 
-@pytest.mark.parametrize("stem", ["gemm_bias_gelu_residual", "gemm_rowmax", "attention", "attention_causal"])
+@pytest.mark.parametrize("stem", ["gemm_bias_gelu_residual", "gemm_rowmax", "attention", "attention_causal",
+                                  "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"])
 def test_odd_sizes(compiled, stem):
     _run(compiled, stem, ODD, seed=1)
 

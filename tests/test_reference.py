@@ -188,7 +188,9 @@ def test_attention_causal():
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
-              "fp8_gemm_cast_bias"}
+              "fp8_gemm_cast_bias",
+              # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
+              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
 
 

@@ -107,18 +107,18 @@ def test_slow_paths_are_reported_as_fallbacks(src, kind, reason):
 
 def test_unsupported_attention_head_dim_is_visible_and_strict_refuses_it(tmp_path, capsys):
     ps = plans(HEAD96)
-    assert [(p.kind, p.choices["sm90a"].backend) for p in ps] == [("gemm", "cutlass"), ("softmax", "generic"),
+    assert [(p.kind, p.choices["sm90a"].backend) for p in ps] == [("gemm", "cutlass"), ("rowwise", "rowwise"),
                                                                    ("gemm", "generic")]
-    assert ps[1].choices["sm90a"].fallback.startswith("a loop softmax")
+    assert ps[1].choices["sm90a"].fallback is None                        # the softmax is a row kernel
     assert "operands f32 x f16" in ps[2].choices["sm90a"].fallback        # P (f32) x V (f16)
     f = write(tmp_path, "att96", HEAD96)
     rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a")
     assert rc == 0
     assert "attention at" in out and "head dims 32, 64, 128, 256, not 96" in out
-    assert "FALLBACK att96_1 on sm90a: a loop softmax" in out
+    assert "FALLBACK att96_2 on sm90a: a naive loop GEMM" in out
     rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a", "--strict")
     assert rc == 1 and "att96.kspec:" in err
-    assert "kernel att96_1 (softmax) on sm90a would run as a loop softmax" in err
+    assert "kernel att96_2 (gemm) on sm90a would run as a naive loop GEMM" in err
     assert "--strict forbids loop-kernel fallbacks" in err
 
 
@@ -143,7 +143,7 @@ def test_pinned_backend_from_the_command_line(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "lower", q, "--backend", "cutlass")
     assert rc == 1 and "backend cutlass cannot build kernel qgemm_0 (gemm) on sm90a: operands i8 x i8" in err
     rc, _, err = run_cli(capsys, "graph", gemm, "--backend", "nope")
-    assert rc == 1 and "unknown backend 'nope'" in err and "backends: cutlass, generic" in err
+    assert rc == 1 and "unknown backend 'nope'" in err and "backends: cutlass, rowwise, generic" in err
 
 
 def test_pinned_backend_from_a_schedule_block(tmp_path, capsys):

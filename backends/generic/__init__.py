@@ -135,12 +135,51 @@ class _Gen:
 
     def node_expr(self, n, local: dict) -> str:
         o = op(self.g, n)
+        if o.kind == "gather":
+            return self.gather_expr(n, local)
         args = [self.value(u, labels, local) for u, labels in operands(self.g, n)]
         if o.kind in ("broadcast", "cast") or o.fn == "copy":
             return args[0]
         if o.fn not in _FN:
             raise KspecLoweringError(f"the CUDA backend has no implementation of '{o.fn}'", o.span)
         return _FN[o.fn].format(*args)
+
+
+    def gather_expr(self, n, local: dict) -> str:
+        """source[subscripts]: index names use the loop indices, literals and integer tensor values
+        select directly; a value outside its dimension gives NaN (no out-of-bounds read)."""
+        o = op(self.g, n)
+        ins = operands(self.g, n)
+        src, src_labels = ins[0]
+        buf = op(self.g, src).buffer
+        b = self.ir.buffer(buf)
+        dims: list[str] = []
+        idx: list[str] = []
+        conds: list[str] = []
+        for axis, x in enumerate(o.subscripts):
+            label = src_labels[axis] if not src_labels[axis].startswith("~") else f"{buf}{src_labels[axis]}"
+            d = self.dim(label, b.shape[axis])
+            dims.append(d)
+            if x.startswith("#"):
+                idx.append(f"{int(x[1:])}LL")
+            elif x.startswith("@"):
+                u, labels = ins[int(x[1:])]
+                v = f"({self.value(u, labels, local)})"
+                idx.append(v)
+                conds.append(f"{v} >= 0 && {v} < p.dim[{d[1:]}]")
+            else:
+                idx.append(f"i_{self.dim_of[x]}")
+        order = list(range(len(idx)))
+        if b.layout == "col" and len(order) >= 2:
+            order[-1], order[-2] = order[-2], order[-1]
+        terms, stride = [], "1LL"
+        for axis in reversed(order):
+            terms.append(f"{idx[axis]} * {stride}")
+            stride = f"{stride} * p.dim[{dims[axis][1:]}]"
+        load = _load(b.dtype, f"p.ptr[{{{self.ptr(buf)}}}]", " + ".join(reversed(terms)) or "0")
+        if not conds:
+            return load
+        return f"(({' && '.join(conds)}) ? {load} : NAN)"
 
 
 def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str) -> list[str]:
@@ -192,7 +231,7 @@ def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
             ctype = "long long" if o.dtype in _INT else "float"
             if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
                 body.extend(_reduce_into(gen, n, v))
-            elif o.kind in ("elementwise", "broadcast", "cast") and set(o.axes) <= set(space):
+            elif o.kind in ("elementwise", "broadcast", "cast", "gather") and set(o.axes) <= set(space):
                 # (a value over fewer axes, e.g. a cast bias vector, is recomputed per element)
                 body.append(f"{ctype} {v} = {_round(o.dtype, gen.node_expr(n, local))};")
             else:

@@ -88,6 +88,8 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
         x = np.ascontiguousarray(_align(to_compute(values[u]), labels, o.axes))
         causal = o.axes.index(o.causal) if o.causal else None
         return to_storage(_softmax(x, o.axes.index(o.fn), causal), o.dtype)
+    if o.kind == "gather":
+        return _gather(g, n, values, sizes)
     if o.kind in ("elementwise", "broadcast", "cast"):
         args = [_align(to_compute(values[u]), labels, o.axes) for u, labels in ins]
         if o.kind == "broadcast" or o.fn == "copy" or o.kind == "cast":
@@ -101,6 +103,36 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
             out = np.broadcast_to(out, tuple(d if isinstance(d, int) else sizes[d] for d in o.shape))
         return to_storage(out, o.dtype)
     raise KspecError(f"the reference backend cannot execute {o.kind} nodes")
+
+
+def _gather(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np.ndarray:
+    """source[subscripts] at every point of the node's axes; an index outside its dimension is an error."""
+    o = op(g, n)
+    ins = operands(g, n)
+    src_node = ins[0][0]
+    src = np.asarray(values[src_node])
+    shape = tuple(d if isinstance(d, int) else sizes[d] for d in o.shape)
+    index: list[np.ndarray] = []
+    for axis, x in enumerate(o.subscripts):
+        if x.startswith("#"):
+            ix = np.full(shape, int(x[1:]), dtype=np.int64)
+        elif x.startswith("@"):
+            u, labels = ins[int(x[1:])]
+            ix = np.broadcast_to(_align(np.asarray(values[u]).astype(np.int64), labels, o.axes), shape)
+            bad = (ix < 0) | (ix >= src.shape[axis])
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                at = ", ".join(f"{a}={i}" for a, i in zip(o.axes, where))
+                tname = op(g, u).name or str(u)
+                raise KspecError(f"index out of range: {tname}[{', '.join(labels)}] is {int(ix[where])} at "
+                                 f"{at}, but dimension {axis} of '{op(g, src_node).name or src_node}' has size "
+                                 f"{src.shape[axis]} (valid: 0 to {src.shape[axis] - 1})", o.span)
+        else:
+            pos = o.axes.index(x)
+            ix = np.arange(shape[pos]).reshape([-1 if i == pos else 1 for i in range(len(shape))])
+            ix = np.broadcast_to(ix, shape)
+        index.append(ix)
+    return to_storage(to_compute(src[tuple(index)]), o.dtype)
 
 
 def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Mapping[str, float],

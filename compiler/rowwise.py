@@ -1,0 +1,195 @@
+"""Row-wise fusion: a chain of reductions and elementwise maps over the same rows is one kernel.
+
+A *row space* is a set of outer labels O (which row) and one row label r (the position in a row).
+The rule starts at a reduction over r (sum, max, min, mean), a row dot product (a contraction
+`sum(n) x[m, n] * y[m, n]` that is no GEMM) or a non-causal softmax over r whose operand covers O and r, and grows the group over connected operators whose values live in that
+space: element values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes
+within O, e.g. `rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers
+that pick one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
+rowwise.py): the row's inputs are read once, every intermediate stays on chip, and only the
+group's results are written, so the cost model's bytes are each input once plus each output once.
+
+Guards (each rejection is noted in `FusionResult.notes`):
+  - every label has one extent throughout the group;
+  - a row's elements are contiguous: r is the innermost storage axis of every full-row buffer the
+    group reads or writes (a column-major or transposed row falls back to the generic kernels);
+  - a gather picks within a row (its result has no r axis) and reads its tensor and its integer
+    indices from memory;
+  - `legal_group`: no path leaves the group and comes back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .groups import FusionResult, Group, _node_order, legal_group, same_point
+from .graph import op, operands
+
+ROW_REDUCTIONS = ("sum", "max", "min", "mean")
+MEMBER_KINDS = ("elementwise", "broadcast", "cast", "reduction", "contraction", "softmax", "gather", "const")
+FLOAT = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2")
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """The row space of a row-wise group: `outer` labels (one kernel row per combination, in the
+    order of the anchor's axes) and the row label `axis`, with their extents."""
+    outer: tuple[str, ...]
+    axis: str
+    extents: tuple[tuple[str, object], ...]       # label -> extent (symbol or literal)
+
+    def extent(self, label: str):
+        return dict(self.extents)[label]
+
+
+def row_space(g: nx.DiGraph, n) -> RowInfo | None:
+    """The row space a reduction or softmax node starts, or None if it cannot anchor a row kernel."""
+    o = op(g, n)
+    if o.kind == "reduction":
+        if o.fn not in ROW_REDUCTIONS or len(o.reduced) != 1:
+            return None
+        ((u, labels),) = operands(g, n)
+        if op(g, u).dtype not in FLOAT or o.dtype not in FLOAT:
+            return None
+        r = o.reduced[0]
+        if set(labels) != set(o.axes) | {r}:
+            return None      # e.g. `sum(n) x[n]` broadcast over m: not a row of the operand
+        extents = tuple(zip(o.axes, o.shape)) + ((r, o.reduced_shape[0]),)
+        return RowInfo(tuple(o.axes), r, extents)
+    if o.kind == "softmax":
+        if o.causal is not None or o.dtype not in FLOAT:
+            return None
+        return RowInfo(tuple(a for a in o.axes if a != o.fn), o.fn, tuple(zip(o.axes, o.shape)))
+    if o.kind == "contraction":
+        # a row dot product `sum(n) x[m, n] * y[m, n]` (both operands cover the whole row): what is
+        # left of contractions once GEMMs have been recognised
+        if o.fn != "sum" or len(o.reduced) != 1:
+            return None
+        r = o.reduced[0]
+        ins = operands(g, n)
+        if any(set(labels) != set(o.axes) | {r} or op(g, u).dtype not in FLOAT for u, labels in ins):
+            return None
+        return RowInfo(tuple(o.axes), r, tuple(zip(o.axes, o.shape)) + ((r, o.reduced_shape[0]),))
+    return None
+
+
+def _storage_last(g: nx.DiGraph, node, labels: tuple[str, ...]) -> str | None:
+    """The label of the innermost storage axis of a buffer read or written under `labels`."""
+    if not labels:
+        return None
+    order = list(labels)
+    if op(g, node).layout == "col" and len(order) >= 2:
+        order[-2], order[-1] = order[-1], order[-2]
+    return order[-1]
+
+
+class _Grower:
+    def __init__(self, g: nx.DiGraph, res: FusionResult, info: RowInfo):
+        self.g, self.res, self.info = g, res, info
+        self.ext = dict(info.extents)
+        self.full = set(info.outer) | {info.axis}
+
+    def consistent(self, n) -> bool:
+        o = op(self.g, n)
+        pairs = list(zip(o.axes, o.shape)) + list(zip(o.reduced, o.reduced_shape))
+        return all(self.ext.get(a) == d for a, d in pairs)
+
+    def reject(self, n, group: set) -> str | None:
+        """Why node n cannot join the group (None if it can)."""
+        g, info = self.g, self.info
+        o = op(g, n)
+        if o.kind not in MEMBER_KINDS:
+            return f"{o.kind} ops do not run in a row kernel"
+        if o.kind == "const":
+            return None
+        if not set(o.axes) <= self.full or not self.consistent(n):
+            return "its axes or extents are not those of the rows"
+        if o.kind in ("reduction", "contraction"):
+            if row_space(g, n) is None or o.reduced != (info.axis,):
+                return f"it reduces over another axis than the row axis '{info.axis}'"
+        if o.kind == "softmax" and (o.causal is not None or o.fn != info.axis):
+            return "a causal softmax, or one over another axis, is not a row softmax"
+        if o.kind == "gather":
+            if info.axis in o.axes:
+                return "a gather of whole rows is an elementwise kernel, not a row reduction"
+            if any(u in group for u, _ in operands(g, n)):
+                return "a gather's tensor and indices must come from memory"
+        if o.dtype not in FLOAT and o.kind not in ("gather",) and info.axis in o.axes:
+            return f"integer ({o.dtype}) element values are not computed in row kernels"
+        for pos, (u, labels) in enumerate(operands(g, n)):
+            uo = op(g, u)
+            if u in group:
+                if not same_point(g, u, labels):
+                    return f"it reads {uo.name or u} at another element (a transposed read)"
+                continue
+            if uo.kind in ("param", "const"):
+                continue
+            if o.kind == "gather" and pos == 0:
+                if _storage_last(g, u, tuple(labels)) is None:
+                    return "it gathers from a scalar"
+                continue
+            if info.axis in labels and _storage_last(g, u, tuple(labels)) != info.axis:
+                return (f"it reads {uo.name or u} with the row axis '{info.axis}' not innermost in memory "
+                        "(a column-major or transposed row)")
+        for s in g.successors(n):
+            so = op(g, s)
+            if so.kind == "output":
+                (_, labels), = [(u, l) for u, l in operands(g, s) if u == n]
+                if info.axis in labels and _storage_last(g, s, tuple(labels)) != info.axis:
+                    return f"output {so.name} stores rows with '{info.axis}' not innermost in memory"
+            elif s not in group and info.axis in o.axes and o.axes[-1] != info.axis:
+                return "its value would leave the kernel with the row axis not innermost"
+        return None
+
+    def grow(self, seed) -> set:
+        g, res = self.g, self.res
+        group = {seed}
+        notes: dict = {}
+        if self.reject(seed, set()):
+            return set()
+        changed = True
+        while changed:
+            changed = False
+            frontier = sorted({x for n in group for x in (*g.predecessors(n), *g.successors(n))} - group,
+                              key=_node_order)
+            for s in frontier:
+                so = op(g, s)
+                if so.kind in ("input", "param", "output") or res.group_of(s) is not None:
+                    continue
+                why = self.reject(s, group)
+                if why is None:
+                    # an in-group consumer of s must read it at the same point too
+                    for c in g.successors(s):
+                        if c in group and not all(same_point(g, s, l) for u, l in operands(g, c) if u == s):
+                            why = f"{op(g, c).label()} reads it at another element"
+                if why is None and legal_group(g, group | {s}):
+                    why = legal_group(g, group | {s})
+                if why:
+                    notes[s] = f"{so.label()} not fused into the row kernel at {seed}: {why}"
+                    continue
+                group.add(s)
+                changed = True
+        for s, note in sorted(notes.items(), key=lambda kv: _node_order(kv[0])):
+            if s not in group and note not in res.notes and op(g, s).kind != "const":
+                res.notes.append(note)
+        return group
+
+
+def fuse_rowwise(g: nx.DiGraph, res: FusionResult) -> None:
+    """Form row-wise groups (kind "rowwise", info RowInfo) from the reductions and softmaxes not yet
+    fused; then give each remaining gather an elementwise group of its own, which the elementwise
+    pass extends over its consumers."""
+    for n in nx.topological_sort(g):
+        if res.group_of(n) is not None:
+            continue
+        info = row_space(g, n)
+        if info is None:
+            continue
+        nodes = _Grower(g, res, info).grow(n)
+        if not nodes:
+            continue
+        res.groups.append(Group(f"g{len(res.groups)}", "rowwise", nodes, n, info))
+    for n in nx.topological_sort(g):
+        if op(g, n).kind == "gather" and res.group_of(n) is None:
+            res.groups.append(Group(f"g{len(res.groups)}", "elementwise", {n}, n))
