@@ -72,6 +72,28 @@ def test_gemm_glue_checks_every_status(gemm_source):
         assert name in host
 
 
+@pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
+def test_fmha_glue_checks_initialize_and_every_encode(arch):
+    pytest.importorskip("cutlass_library")
+    from kspec.backends.cutlass.fmha import emit_attention
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cutlass_fmha import make_desc
+    src = emit_attention(make_desc(arch)).source
+    hook = src.index("#define CUTLASS_CUDA_DRIVER_WRAPPER_CALL(func) kspec_tma::encode_##func")
+    assert hook < src.index('#include "cutlass/cutlass.h"')
+    host = _host_part(src)
+    order = [host.index(s) for s in (
+        'cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled"',
+        "if (!Kernel::can_implement(args))",
+        "Kernel::initialize_workspace(args, kernel_ws, nullptr)",
+        "kspec_tma::reset();",
+        "Kernel::to_underlying_arguments(args, kernel_ws)",
+        "if (tma.failures != 0)",
+        "std::memcpy(params, &kp, sizeof(kp));")]
+    assert order == sorted(order)
+    assert "argument #%d: its TMA descriptor failed to encode" in host
+
+
 def test_abi_doc_names_what_the_runtime_calls():
     doc = (Path(__file__).resolve().parents[1] / "backends" / "ABI.md").read_text()
     assert "cuLibraryLoadData" not in doc and "cuModuleLoadData" in doc
