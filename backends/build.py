@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Sequence
 
-from kspec.spec_lang.errors import KspecError
+from kspec.core import ARCH_TABLE, KspecError
 
 from .toolchain import Toolchain
 
@@ -44,7 +44,7 @@ CACHE_FORMAT = 1
 # Peak resident memory of one nvcc compiling a CUTLASS 3.x kernel (measured 2-4 GB).
 NVCC_BYTES = int(3.5 * 2**30)
 
-_NVCC_ARCH = {"sm90a": "sm_90a", "sm100a": "sm_100a"}
+_NVCC_ARCH = {a.name: a.nvcc for a in ARCH_TABLE.values()}
 _KIND_FLAGS = {
     "cubin": ("-DKSPEC_DEVICE", "-cubin"),
     "host": ("-DKSPEC_HOST", "-Xcompiler", "-fPIC", "-shared"),
@@ -527,3 +527,9 @@ def tree_identity(*dirs: os.PathLike | str) -> str:
                     continue
                 h.update(f"{p.relative_to(base)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+def nvcc_jobs(emitted, label: str, identity: str) -> list[BuildJob]:
+    """The two nvcc runs of an emitted kernel (device cubin, host glue; see ABI.md)."""
+    return [BuildJob(label, emitted.source, emitted.arch, kind, emitted.include_dirs, emitted.flags, identity)
+            for kind in ("cubin", "host")]

@@ -1,7 +1,7 @@
 """Kernel descriptors: the backend-neutral contract between the compiler's plans and a code generator.
 
-The compiler's scheduler produces `KernelPlan`s; `backends.lower` turns each into one of the
-descriptors below, and a backend (CUTLASS today) emits C++ from a descriptor alone.  Every name in a
+A backend's `lower(ir, arch)` turns a kernel IR (compiler/kir.py) into one of the descriptors
+below, and its code generator emits C++ from the descriptor alone.  Every name in a
 descriptor is already a sanitized C identifier (`t0`, `t1`, ...): user text never reaches C++.
 
 Conventions
@@ -13,12 +13,13 @@ Conventions
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Union
 
+from kspec.core import ARCH_TABLE, ARCHS  # noqa: F401
+
 Arch = Literal["sm90a", "sm100a"]
-ARCHS: tuple[str, ...] = ("sm90a", "sm100a")
-ARCH_CC = {"sm90a": 90, "sm100a": 100}
+ARCH_CC = {a.name: a.cc for a in ARCH_TABLE.values()}
 
 
 @dataclass(frozen=True)
@@ -28,58 +29,8 @@ class Operand:
     layout: Literal["row", "col"] = "row"
 
 
-# ---- epilogue expressions (evaluated per output element (m, n), in f32 unless cast) ----
-
-@dataclass(frozen=True)
-class Accum:
-    """The GEMM accumulator value at (m, n)."""
-
-
-@dataclass(frozen=True)
-class Load:
-    """An epilogue input.  kind: 'row' = vector indexed by n (broadcast over m, e.g. a bias[N]),
-    'col' = vector indexed by m (broadcast over n), 'full' = an MxN tensor (e.g. a residual C),
-    'scalar' = a runtime scalar parameter (passed by value)."""
-    name: str
-    kind: Literal["row", "col", "full", "scalar"]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class Const:
-    value: float
-
-
-@dataclass(frozen=True)
-class Op:
-    """fn: one of add, sub, mul, div, neg, maximum, minimum, relu, gelu (erf), gelu_tanh, silu,
-    sigmoid, tanh, exp, abs, clamp (args: x, lo, hi), cast:<dtype> (one arg)."""
-    fn: str
-    args: tuple["EpiExpr", ...]
-
-
-EpiExpr = Union[Accum, Load, Const, Op]
-
-
-@dataclass(frozen=True)
-class Store:
-    """An MxN output written by the epilogue: the main output D, or an auxiliary store of an
-    intermediate value that the spec also returns."""
-    name: str
-    value: EpiExpr
-    dtype: str
-    layout: Literal["row", "col"] = "row"
-
-
-@dataclass(frozen=True)
-class ReductionStore:
-    """A reduction of an epilogue value along one axis: axis 'n' gives a vector over m (row
-    reduction, e.g. a row max), axis 'm' a vector over n."""
-    name: str
-    op: Literal["max", "sum"]
-    axis: Literal["m", "n"]
-    value: EpiExpr
-    dtype: str
+# The epilogue expression DAG belongs to the kernel IR; descriptors reuse it with C identifiers as names.
+from kspec.compiler.kir import Accum, Const, EpiExpr, Load, Op, ReductionStore, Store  # noqa: E402,F401
 
 
 @dataclass(frozen=True)
@@ -116,18 +67,7 @@ class AttentionDesc:
     tile: tuple[int, int, int] | None = None
 
 
-@dataclass(frozen=True)
-class ElementwiseDesc:
-    """A kernel with no contraction: outputs[i] = value_i(inputs) over one iteration space of
-    rank `rank` (all 'full' loads share the output shape; 'row'/'col' loads broadcast over the last
-    two axes as in GEMM epilogues, and Accum does not occur)."""
-    name: str
-    arch: str
-    rank: int
-    stores: tuple[Store, ...] = field(default_factory=tuple)
-
-
-KernelDesc = Union[GemmDesc, AttentionDesc, ElementwiseDesc]
+KernelDesc = Union[GemmDesc, AttentionDesc]
 
 
 @dataclass(frozen=True)

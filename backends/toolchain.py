@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from kspec.spec_lang.errors import KspecError
+from kspec.core import ARCH_TABLE, KspecError
 
 INSTALL_HINT = 'install a CUDA toolchain with `pip install "kspec[toolchain]"`, or set KSPEC_NVCC to an nvcc binary'
 
 # Oldest nvcc that can target each arch ("a" features: wgmma needs 12.0, tcgen05 needs 12.8).
-MIN_NVCC = {"sm90a": (12, 0), "sm100a": (12, 8)}
+MIN_NVCC = {a.name: a.min_nvcc for a in ARCH_TABLE.values()}
 
 # Wheel layouts under a site dir's `nvidia/` folder, newest CUDA first.
 _WHEEL_BIN_DIRS = {
@@ -230,3 +230,12 @@ def _dedupe(paths: Iterable[Path]) -> list[Path]:
             seen.add(key)
             out.append(p)
     return out
+
+
+def find_toolchain_or_reason() -> str | None:
+    """None when an nvcc toolchain is found, else why not (for `kspec doctor` and backend availability)."""
+    try:
+        find_toolchain()
+    except KspecError as e:
+        return e.message
+    return None

@@ -22,7 +22,8 @@ SPECS = ROOT / "specs"
 
 def _device_arch(torch) -> str | None:
     major, minor = torch.cuda.get_device_capability()
-    return {(9, 0): "sm90a", (10, 0): "sm100a"}.get((major, minor))
+    from kspec.core import arch_of_cc
+    return arch_of_cc(major * 10 + minor)
 
 
 class Timer:
@@ -59,8 +60,17 @@ def _compiled(torch, fn):
         return None
 
 
-def _load(stem: str, arch: str, out: Path):
+class Prebuilt:
+    """Artifacts built elsewhere (bench/prebuild.py): loaded, never compiled."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+
+def _load(stem: str, arch: str, out):
     import kspec
+    if isinstance(out, Prebuilt):
+        return getattr(kspec.load(out.path / stem), stem)
     from kspec.compile import Progress, compile_spec
     art = compile_spec(SPECS / f"{stem}.kspec", (arch,), out, progress=Progress())
     return getattr(kspec.load(art), stem)
@@ -168,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated cases: " + ", ".join(CASES))
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("-o", "--output", default=str(ROOT / "build" / "bench"), help="artifact directory")
+    ap.add_argument("--prebuilt", metavar="DIR", help="load artifacts prebuilt by bench/prebuild.py instead of compiling")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -191,7 +202,8 @@ def main(argv=None) -> int:
             return 1
         print(f"{name}:")
         try:
-            CASES[name](torch, timer, arch, Path(args.output), args.quick)
+            out = Prebuilt(args.prebuilt) if args.prebuilt else Path(args.output)
+            CASES[name](torch, timer, arch, out, args.quick)
         except Exception as e:  # noqa: BLE001 - report and go on with the other cases
             print(f"  {name} failed: {type(e).__name__}: {e}")
     return 0

@@ -1,4 +1,5 @@
-"""Compiler: typed AST -> dataflow graph -> fused groups -> scheduled `KernelPlan`s.
+"""Compiler: typed AST -> dataflow graph -> fused groups -> scheduled `KernelPlan`s, each with its
+`KernelIR` (kir.py), the contract with the backends.
 
     build_graph(kernel)            networkx.DiGraph, one node per tensor op   (graph.py)
     canonicalize(g)                copies, constants, CSE, dead code          (canon.py)
@@ -10,23 +11,27 @@ from __future__ import annotations
 
 from kspec.spec_lang.check import CheckedKernel
 
+from kspec.core import ARCHS
+
 from .canon import GemmInfo, canonicalize, gemm_info
 from .cost import CostReport, cost
-from .fusion import AttentionInfo, FusionResult, Group, fuse
+from .fusion import AttentionInfo, FusionContext, FusionResult, Group, fuse
 from .graph import OpNode, build_graph, op, operands, validate
-from .schedule import ARCHS, ArchConfig, Buffer, KernelPlan, KernelSchedule, schedule, values_leaving
+from .kir import BackendChoice, KernelIR, Oracle, format_ir, ir_from_json, ir_to_json, verify
+from .schedule import Buffer, KernelPlan, KernelSchedule, schedule, values_leaving
 
 
-def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, attention_supported=None,
+def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, oracle: Oracle | None = None,
                 fuse_ops: bool = True) -> KernelSchedule:
-    """The whole compiler pipeline for one kernel.  attention_supported(graph, AttentionInfo) -> reason
-    or None lets a backend veto fused attention (the unfused plan is used, with the reason noted).
-    fuse_ops=False gives one kernel per op (the unfused baseline)."""
+    """The whole compiler pipeline for one kernel.  oracle (backends.registry.Planner) answers what
+    the backends can implement: which epilogue ops fuse, whether a fused attention kernel exists,
+    and which backend builds each kernel on each arch.  Without one, fusion is purely structural
+    and no backend is chosen.  fuse_ops=False gives one kernel per op (the unfused baseline)."""
     g = build_graph(kernel)
     canonicalize(g)
     validate(g)
-    fusion = fuse(g, attention_supported) if fuse_ops else unfused(g)
-    return schedule(kernel, g, fusion, archs)
+    fusion = fuse(g, FusionContext(oracle, tuple(archs), kernel.name)) if fuse_ops else unfused(g)
+    return schedule(kernel, g, fusion, archs, oracle)
 
 
 def unfused(g) -> FusionResult:
@@ -68,6 +73,7 @@ def unfused(g) -> FusionResult:
     return res
 
 
-__all__ = ["ARCHS", "ArchConfig", "AttentionInfo", "Buffer", "CostReport", "FusionResult", "GemmInfo", "Group",
-           "KernelPlan", "KernelSchedule", "OpNode", "build_graph", "canonicalize", "cost", "fuse", "gemm_info",
-           "op", "operands", "plan_kernel", "schedule", "unfused", "validate", "values_leaving"]
+__all__ = ["ARCHS", "AttentionInfo", "BackendChoice", "Buffer", "CostReport", "FusionContext", "FusionResult",
+           "GemmInfo", "Group", "KernelIR", "KernelPlan", "KernelSchedule", "OpNode", "Oracle", "build_graph",
+           "canonicalize", "cost", "format_ir", "fuse", "gemm_info", "ir_from_json", "ir_to_json", "op", "operands",
+           "plan_kernel", "schedule", "unfused", "validate", "values_leaving", "verify"]

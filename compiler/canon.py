@@ -121,7 +121,10 @@ def remove_dead(g: nx.DiGraph) -> int:
 
 @dataclass(frozen=True)
 class GemmInfo:
-    """A contraction recognised as (batched) GEMM: D[batch.., m, n] = sum_k A[.., m, k] B[.., k, n]."""
+    """A contraction recognised as (batched) GEMM: D[batch.., m, n] = sum_k A[.., m, k] B[.., k, n].
+    `m_fold` lists A's free labels outside m that B lacks (e.g. the batch and sequence axes of a
+    shared-weight linear layer X[b, s, k] W[n, k]): they fold into M, outermost first, so the GEMM
+    is D[(m_fold.., m), n] with one M extent."""
     a: str                       # producer node of the A operand
     b: str
     m: str                       # labels
@@ -130,6 +133,18 @@ class GemmInfo:
     batch: tuple[str, ...]
     a_layout: str                # "row": k contiguous in A; "col": m contiguous
     b_layout: str                # "row": n contiguous in B; "col": k contiguous
+    m_fold: tuple[str, ...] = ()
+    k_fold: tuple[str, ...] = ()     # reduced labels folded into K before k (e.g. heads and head dim)
+
+    @property
+    def m_labels(self) -> tuple[str, ...]:
+        """Every label folded into M, outermost first (m last)."""
+        return (*self.m_fold, self.m)
+
+    @property
+    def k_labels(self) -> tuple[str, ...]:
+        """Every reduced label, outermost first (k last): K is their product."""
+        return (*self.k_fold, self.k)
 
 
 def _storage_order(g: nx.DiGraph, node, labels: tuple[str, ...]) -> tuple[str, ...]:
@@ -146,10 +161,12 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     o = op(g, n)
     if o.kind != "contraction":
         return "not a contraction"
-    if len(o.reduced) != 1:
-        return f"it reduces over {len(o.reduced)} indices; a GEMM reduces over one"
     if len(o.axes) < 2:
         return "its result has fewer than two axes"
+    if len(o.reduced) != 1:
+        folded = _folded_gemm(g, n)
+        return folded if folded is not None else \
+            f"it reduces over {len(o.reduced)} indices that are not the innermost axes of both operands in one order"
     (ua, la), (ub, lb) = operands(g, n)
     k = o.reduced[0]
     m, nn = o.axes[-2], o.axes[-1]
@@ -157,7 +174,8 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     if m in lb and m not in la:
         (ua, la), (ub, lb) = (ub, lb), (ua, la)
     if set(la) != set(batch) | {m, k} or set(lb) != set(batch) | {k, nn}:
-        return "its operands are not [batch.., m, k] and [batch.., k, n]"
+        folded = _folded_gemm(g, n)
+        return folded if folded is not None else "its operands are not [batch.., m, k] and [batch.., k, n]"
     sa, sb = _storage_order(g, ua, la), _storage_order(g, ub, lb)
     if sa[:len(batch)] != batch or sb[:len(batch)] != batch:
         return "batch axes are not the outermost axes of every operand in the same order"
@@ -166,27 +184,116 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     return GemmInfo(ua, ub, m, nn, k, tuple(batch), a_layout, b_layout)
 
 
-def split_shared_broadcasts(g: nx.DiGraph) -> int:
-    """Give every consumer of a broadcast its own broadcast node.  A broadcast is a free view of its
-    source; shared (e.g. after CSE) it would tie its consumers into one kernel or force the expanded
-    tensor through memory.  Output consumers stay with the original (named) node."""
+def _folded_gemm(g: nx.DiGraph, n) -> GemmInfo | None:
+    """A contraction that is a GEMM once several axes fold into one:
+    - A's free axes that B lacks fold into M when they sit, in the same order, right before m in A
+      (row-major) and in the result, after any batch axes both operands share (a shared-weight linear
+      layer, Y[b, s, n] = sum(k) X[b, s, k] W[n, k]);
+    - several reduced axes fold into K when they are the innermost axes of A (row-major) and the
+      innermost (or, row-major B, those right before n) of B, in the same order (an attention output
+      projection, sum(h, e) O[b, s, h, e] Wo[n, h, e])."""
+    o = op(g, n)
+    red = set(o.reduced)
+    nn = o.axes[-1]
+    (ua, la), (ub, lb) = operands(g, n)
+    if nn in la:
+        (ua, la), (ub, lb) = (ub, lb), (ua, la)
+    if nn in la or nn not in lb or not red <= set(la) or not red <= set(lb):
+        return None
+    batch = tuple(x for x in o.axes if x in la and x in lb)
+    ms = tuple(x for x in o.axes if x in la and x not in lb)
+    if not ms or set(lb) != set(batch) | red | {nn} or set(la) != set(batch) | set(ms) | red:
+        return None
+    if o.axes != (*batch, *ms, nn):
+        return None
+    sa, sb = _storage_order(g, ua, la), _storage_order(g, ub, lb)
+    ks = sa[len(sa) - len(red):]
+    if sa != (*batch, *ms, *ks):
+        return None
+    if sb == (*batch, *ks, nn):
+        b_layout = "row"
+    elif sb == (*batch, nn, *ks):
+        b_layout = "col"
+    else:
+        return None
+    return GemmInfo(ua, ub, ms[-1], nn, ks[-1], batch, "row", b_layout, m_fold=ms[:-1], k_fold=ks[:-1])
+
+
+def _next_id(g: nx.DiGraph) -> int:
+    return max((int(str(n)[1:]) for n in g.nodes if str(n)[1:].isdigit()), default=-1) + 1
+
+
+def is_input_view(g: nx.DiGraph, n) -> bool:
+    """n is a broadcast, or a cast of an input (or of another such view): a value any kernel can
+    compute from an input while loading it, so it is never worth a kernel or a buffer of its own."""
+    o = op(g, n)
+    if o.kind == "broadcast":
+        return True
+    if o.kind != "cast":
+        return False
+    (src, _), = operands(g, n)
+    so = op(g, src)
+    return so.kind == "input" or is_input_view(g, src)
+
+
+def is_scalar_value(g: nx.DiGraph, n) -> bool:
+    """n is a constant or an op without axes computed only from params and constants: every kernel
+    that needs it evaluates it itself."""
+    o = op(g, n)
+    if o.kind == "const":
+        return True
+    return o.kind in ("elementwise", "cast") and not o.axes and \
+        all(op(g, u).kind == "param" or is_scalar_value(g, u) for u in g.predecessors(n))
+
+
+def _split_per_consumer(g: nx.DiGraph, pick) -> int:
+    """Give every consumer of a node `pick` selects its own copy of it (output consumers stay with
+    the original, named node).  Nodes are visited consumers-first, so a chain of picked nodes is
+    copied whole."""
     count = 0
-    ids = max((int(str(n)[1:]) for n in g.nodes if str(n)[1:].isdigit()), default=-1) + 1
-    for n in list(nx.topological_sort(g)):
+    ids = _next_id(g)
+    for n in reversed(list(nx.topological_sort(g))):
         o = op(g, n)
         consumers = sorted(g.successors(n), key=lambda v: (op(g, v).kind != "output", str(v)))
-        if o.kind != "broadcast" or len(consumers) < 2:
+        if len(consumers) < 2 or not pick(g, n):
             continue
-        (src, labels), = operands(g, n)
+        ins = [(u, g.edges[u, n]["uses"]) for u in g.predecessors(n)]
         for v in consumers[1:]:
             new = f"n{ids}"
             ids += 1
             g.add_node(new, op=replace(o, name=None))
-            g.add_edge(src, new, uses=((0, labels),))
+            for u, u_uses in ins:
+                g.add_edge(u, new, uses=u_uses)
             g.add_edge(new, v, uses=g.edges[n, v]["uses"])
             g.remove_edge(n, v)
             count += 1
     return count
+
+
+def is_widening_cast(g: nx.DiGraph, n) -> bool:
+    """n converts a value to a wider dtype (f16 -> f32): reading the narrow value and converting it
+    where it is needed never costs more memory traffic than storing the wide one."""
+    from .schedule import DTYPE_BYTES
+    o = op(g, n)
+    if o.kind != "cast":
+        return False
+    (src, _), = operands(g, n)
+    return DTYPE_BYTES.get(op(g, src).dtype, 4) < DTYPE_BYTES.get(o.dtype, 4)
+
+
+def split_shared_broadcasts(g: nx.DiGraph) -> int:
+    """Give every consumer of a broadcast, of a cast of an input, or of a widening cast its own copy.
+    Such a view is free to recompute where it is loaded; shared (e.g. after CSE) it would tie its
+    consumers into one kernel or force the expanded or converted tensor through memory (an f32 copy
+    of an f16 input, a [M, N] bias)."""
+    return _split_per_consumer(g, lambda g, n: is_input_view(g, n) or is_widening_cast(g, n))
+
+
+def split_shared_scalars(g: nx.DiGraph) -> int:
+    """Give every consumer of a constant or a scalar expression of params its own copy, so each
+    kernel evaluates the scalars it reads and no scalar ties two kernels together."""
+    return _split_per_consumer(g, lambda g, n: is_scalar_value(g, n) and
+                               not any(op(g, v).kind == "output" for v in g.successors(n)))
 
 
 def canonicalize(g: nx.DiGraph) -> dict[str, int]:
@@ -194,4 +301,5 @@ def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
              "dead": remove_dead(g)}
     stats["broadcasts_split"] = split_shared_broadcasts(g)
+    stats["scalars_split"] = split_shared_scalars(g)
     return stats

@@ -1,5 +1,17 @@
-"""Cost model: FLOPs and modelled DRAM bytes per kernel plan, against the unfused graph (one kernel
-per op).  Each kernel reads each of its inputs once and writes each of its outputs once."""
+"""Cost model: FLOPs and modelled DRAM bytes per kernel plan, against the ideal and the unfused graph.
+
+Modelled bytes.  A tiled kernel (a tensor-core GEMM, fused attention) streams each buffer it reads once
+and writes each output once.  A loop kernel (the generic backend: one thread per output element, or
+per row for a softmax) re-reads: a value loaded at a loop point is fetched once per point of the
+kernel's iteration space (threads times the trip count of the reduction or softmax loop around the
+load) that does not index it, and a softmax's operand once per pass (three: max, sum, store).  A
+buffer of at most `L2_RESIDENT_BYTES` stays in L2 and is fetched from DRAM once, however often it is
+re-read.  Writes are counted once.
+
+Ideal bytes.  Per kernel: each buffer it touches read or written once.  Per spec (`minimum_bytes`):
+each spec input read once and each output written once, with no intermediate at all.
+Unfused: one kernel per op, each reading its operands once (views and scalars free).
+"""
 from __future__ import annotations
 
 import math
@@ -11,6 +23,8 @@ from .graph import op, operands
 from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
 
 DEFAULT_SIZE = 1024
+L2_RESIDENT_BYTES = 24 * 2 ** 20   # about half the L2 of an H100 (50 MB)
+TILED_KINDS = ("gemm", "attention")
 
 
 @dataclass(frozen=True)
@@ -18,12 +32,22 @@ class PlanCost:
     plan: str
     kind: str
     flops: int
-    bytes_read: int
+    bytes_read: int                    # modelled (re-reads of a loop kernel included)
     bytes_written: int
+    ideal_read: int | None = None      # each buffer read once (None: the same as bytes_read)
+    tiled: bool = True                 # False: a loop kernel, whose re-reads are modelled
 
     @property
     def bytes(self) -> int:
         return self.bytes_read + self.bytes_written
+
+    @property
+    def ideal_bytes(self) -> int:
+        return (self.bytes_read if self.ideal_read is None else self.ideal_read) + self.bytes_written
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes / self.ideal_bytes if self.ideal_bytes else 1.0
 
 
 @dataclass(frozen=True)
@@ -33,10 +57,19 @@ class CostReport:
     unfused_kernels: int
     unfused_bytes: int
     unfused_flops: int
+    minimum_bytes: int = 0             # spec inputs read once, outputs written once
 
     @property
     def fused_bytes(self) -> int:
         return sum(p.bytes for p in self.plans)
+
+    @property
+    def ideal_bytes(self) -> int:
+        return sum(p.ideal_bytes for p in self.plans)
+
+    @property
+    def ideal_ratio(self) -> float:
+        return self.fused_bytes / self.ideal_bytes if self.ideal_bytes else 1.0
 
     @property
     def fused_flops(self) -> int:
@@ -81,7 +114,64 @@ def _source(g, u):
     return u
 
 
-def cost(sched: KernelSchedule, sizes: dict | None = None) -> CostReport:
+def _loop_reads(sched: KernelSchedule, plan, sizes) -> dict[str, int]:
+    """Modelled bytes a loop kernel reads, per buffer (the generic backend's loop structure)."""
+    g = sched.graph
+    grp = plan.group.nodes
+    nodes = [n for n in nx.topological_sort(g.subgraph(grp)) if op(g, n).kind != "const"]
+    if not nodes:
+        return {}
+    ext: dict[str, object] = {}
+    for n in nodes:
+        o = op(g, n)
+        ext.update(zip(o.axes, o.shape))
+        ext.update(zip(o.reduced, o.reduced_shape))
+    leaving = [n for n in nodes if any(s not in grp for s in g.successors(n))]
+    loops = [n for n in nodes if op(g, n).kind in ("softmax", "reduction")]
+    root = loops[0] if loops else (leaving[-1] if leaving else nodes[-1])
+    ro = op(g, root)
+    space = set(ro.axes)
+    passes = 1
+    inner = set()                     # nodes evaluated inside the loop of `root`
+    loop_axes: set = set()
+    if loops and ro.kind == "softmax":
+        loop_axes, passes = {ro.fn}, 3
+        space -= loop_axes
+        after = nx.descendants(g, root) & set(nodes)
+        inner = set(nodes) - after
+    elif loops:
+        loop_axes = set(ro.reduced)
+        inner = set(nodes)
+
+    reads: dict[str, int] = {}
+    for n in nodes:
+        o = op(g, n)
+        domain = set(space)
+        times = 1
+        if n in inner:
+            domain |= loop_axes
+            times = passes
+        elif loops and ro.kind == "softmax":
+            domain |= loop_axes            # the softmax's consumers run in its last pass
+        if o.kind in ("contraction", "reduction") and not (n in inner and n == root):
+            domain |= set(o.reduced)
+        if n == root and o.kind == "reduction":
+            domain |= set(o.reduced)
+        for u, labels in operands(g, n):
+            if u in grp or op(g, u).kind in ("param", "const"):
+                continue
+            b = sched.buffers[sched.value_buffer[u]]
+            size = _buffer_bytes(b, sizes)
+            factor = times * math.prod(_extent(ext.get(d, DEFAULT_SIZE), sizes) for d in domain - set(labels))
+            reads[b.name] = reads.get(b.name, 0) + (size if size <= L2_RESIDENT_BYTES else size * factor)
+    return reads
+
+
+def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostReport:
+    """The cost report of a schedule at `sizes` (symbols not given default to DEFAULT_SIZE).
+    tiled(plan) -> bool says which plans run as tiled kernels; by default a plan whose backend was
+    chosen runs tiled unless it is a loop-kernel fallback on some arch, and an unplanned one (no
+    backend chosen) when it is a GEMM or attention plan."""
     sizes = dict(sizes or {})
     for s in sched.kernel.symbols:
         sizes.setdefault(s, DEFAULT_SIZE)
@@ -91,9 +181,21 @@ def cost(sched: KernelSchedule, sizes: dict | None = None) -> CostReport:
     plans = []
     for p in sched.plans:
         flops = sum(_node_flops(g, n, sizes) for n in p.group.nodes)
-        rd = sum(_buffer_bytes(sched.buffers[b], sizes) for b in p.reads)
+        ideal = sum(_buffer_bytes(sched.buffers[b], sizes) for b in p.reads)
         wr = sum(_buffer_bytes(sched.buffers[b], sizes) for b in p.writes)
-        plans.append(PlanCost(p.id, p.kind, flops, rd, wr))
+        if tiled is not None:
+            is_tiled = tiled(p)
+        elif p.choices:
+            is_tiled = not any(ch.fallback for ch in p.choices.values())
+        else:
+            is_tiled = p.kind in TILED_KINDS
+        if is_tiled:
+            plans.append(PlanCost(p.id, p.kind, flops, ideal, wr, ideal, True))
+        else:
+            loop = _loop_reads(sched, p, sizes)
+            rd = sum(max(loop.get(b, 0), _buffer_bytes(sched.buffers[b], sizes)) for b in p.reads)
+            plans.append(PlanCost(p.id, p.kind, flops, rd, wr, ideal, False))
+    minimum = sum(_buffer_bytes(b, sizes) for b in sched.buffers.values() if b.kind in ("input", "output"))
     # unfused: every op (not a broadcast, constant or scalar-only expression) is one kernel
     n_kernels = ubytes = uflops = 0
     for n in nx.topological_sort(g):
@@ -108,4 +210,4 @@ def cost(sched: KernelSchedule, sizes: dict | None = None) -> CostReport:
                 continue
             ubytes += _numel(src.shape, sizes) * DTYPE_BYTES[src.dtype]
         ubytes += _numel(o.shape, sizes) * DTYPE_BYTES[o.dtype]
-    return CostReport(sizes, tuple(plans), n_kernels, ubytes, uflops)
+    return CostReport(sizes, tuple(plans), n_kernels, ubytes, uflops, minimum)

@@ -10,17 +10,29 @@ not create a cycle between kernels.  Why a node could not join a group is kept i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import networkx as nx
 
-from .canon import GemmInfo, gemm_info
+from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value
 from .graph import op, operands
 
 OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "const")
-EPILOGUE_FNS = {"add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu", "gelu_tanh", "silu",
-                "sigmoid", "tanh", "exp", "abs", "clamp", "broadcast"}
-EPILOGUE_REDUCTIONS = ("max", "sum")
+
+
+@dataclass(frozen=True)
+class FusionContext:
+    """What fusion may ask about backends: `oracle` (backends.registry.Planner) for the archs being
+    planned.  Without an oracle, fusion is purely structural (every elementwise fn and max/sum
+    reduction may join an epilogue; attention always fuses): the reference executor's view."""
+    oracle: object = None
+    archs: tuple[str, ...] = ()
+    kernel: str = "kernel"
+
+    def epilogue_fns(self) -> frozenset[str] | None:
+        return None if self.oracle is None else self.oracle.epilogue_fns(self.archs)
+
+    def epilogue_reductions(self) -> frozenset[str]:
+        return frozenset(("max", "sum")) if self.oracle is None else self.oracle.epilogue_reductions(self.archs)
 
 
 @dataclass
@@ -49,6 +61,8 @@ class AttentionInfo:
     key: str                           # j
     head: str                          # e
     causal: bool
+    p_cast: tuple = ()                 # casts of the probabilities before PV (e.g. `p : f16`)
+    kv_batch: tuple[str, ...] | None = None   # K/V batch labels when they lack some of Q's (MQA)
 
 
 @dataclass
@@ -120,8 +134,7 @@ def _scaled_value(g: nx.DiGraph, n):
     return tensors[0]
 
 
-def fuse_attention(g: nx.DiGraph, res: FusionResult,
-                   supported: Callable[[nx.DiGraph, AttentionInfo], str | None] | None = None) -> None:
+def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
     """contraction(e) -> [scale] -> softmax(j) -> contraction(j) becomes one attention group."""
     for sm in [n for n in nx.topological_sort(g) if op(g, n).kind == "softmax"]:
         o = op(g, sm)
@@ -134,8 +147,18 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
             chain = tensor
         qk = chain
         if op(g, qk).kind != "contraction":
+            blocker = _score_blocker(g, qk)
+            if blocker is not None:
+                res.notes.append(f"softmax {sm}: not fused attention: between the QK contraction and the softmax "
+                                 f"there is {op(g, blocker).label()}; only a multiplication or division by a "
+                                 "scalar param or constant can stay inside the attention kernel")
             continue
-        consumers = _consumers(g, sm)
+        p_cast: list = []
+        last = sm
+        while len(_consumers(g, last)) == 1 and op(g, _consumers(g, last)[0]).kind == "cast":
+            last = _consumers(g, last)[0]
+            p_cast.append(last)
+        consumers = _consumers(g, last)
         if len(consumers) != 1 or op(g, consumers[0]).kind != "contraction":
             res.notes.append(f"softmax {sm}: not attention (its result is not consumed by one contraction)")
             continue
@@ -144,7 +167,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
-        multi = [n for n in [qk, *scale, sm] if len(_consumers(g, n)) != 1 or
+        multi = [n for n in [qk, *scale, sm, *p_cast] if len(_consumers(g, n)) != 1 or
                  any(op(g, c).kind == "output" for c in _consumers(g, n))]
         if multi:
             res.notes.append(f"attention at {sm}: not fused: the score matrix ({op(g, multi[0]).name or multi[0]}) "
@@ -160,24 +183,22 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if axis in lq:
             (uq, lq), (uk, lk) = (uk, lk), (uq, lq)
         (up, lp), (uv, lv) = operands(g, pv)
-        if up != sm:
+        if up != last:
             (up, lp), (uv, lv) = (uv, lv), (up, lp)
-        shapes_ok = (lq == (*batch, query, head) and lk == (*batch, axis, head) and lv == (*batch, axis, head)
-                     and po.axes == (*batch, query, head))
+        kv_batch = tuple(lk[:-2])
+        shapes_ok = (lq == (*batch, query, head) and tuple(lk[-2:]) == (axis, head) and lv == lk
+                     and _is_subsequence(kv_batch, tuple(batch)) and po.axes == (*batch, query, head))
         if not shapes_ok:
-            res.notes.append(f"attention at {sm}: not fused: Q, K, V and O must be [batch.., seq, head] "
+            res.notes.append(f"attention at {sm}: not fused: Q, K, V and O must be [batch.., seq, head], K and V "
+                             "alike, with K/V batch axes among Q's "
                              f"(got Q{list(lq)}, K{list(lk)}, V{list(lv)}, O{list(po.axes)})")
             continue
         info = AttentionInfo(qk, sm, pv, tuple(scale), uq, uk, uv, tuple(batch), query, axis, head,
-                             o.causal == query)
+                             o.causal == query, tuple(p_cast), None if kv_batch == tuple(batch) else kv_batch)
         if o.causal is not None and o.causal != query:
             res.notes.append(f"attention at {sm}: not fused: causal index '{o.causal}' is not the query index")
             continue
-        why = supported(g, info) if supported else None
-        if why:
-            res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
-            continue
-        nodes = {qk, sm, pv, *scale}
+        nodes = {qk, sm, pv, *scale, *p_cast}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
             if op(g, c).kind == "cast" and len(_consumers(g, pv)) == 1:
@@ -185,14 +206,53 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult,
         if legal_group(g, nodes):
             res.notes.append(f"attention at {sm}: not fused: {legal_group(g, nodes)}")
             continue
-        res.groups.append(Group(f"g{len(res.groups)}", "attention", nodes, qk, info))
+        group = Group(f"g{len(res.groups)}", "attention", nodes, qk, info)
+        if ctx.oracle is not None:
+            from .ir_build import candidate_ir
+            why = ctx.oracle.can_fuse(candidate_ir(g, group, ctx.kernel), ctx.archs)
+            if why:
+                res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
+                continue
+        res.groups.append(group)
+
+
+def _is_subsequence(sub: tuple, seq: tuple) -> bool:
+    it = iter(seq)
+    return all(x in it for x in sub)
+
+
+def _score_blocker(g: nx.DiGraph, n):
+    """The op that keeps a softmax's operand from being `scale * contraction`: the first node on the
+    tensor path from the softmax back to a contraction that is not a scalar scaling (None if no
+    contraction is upstream along single-tensor elementwise ops)."""
+    first = n
+    while True:
+        o = op(g, n)
+        if o.kind == "contraction":
+            return first
+        if o.kind not in ("elementwise", "cast", "broadcast"):
+            return None
+        tensors = [u for u, _ in operands(g, n) if op(g, u).axes]
+        contractions = [u for u in tensors if op(g, u).kind == "contraction" or _feeds_from_contraction(g, u)]
+        if len(contractions) != 1:
+            return None
+        n = contractions[0]
+
+
+def _feeds_from_contraction(g: nx.DiGraph, n, depth: int = 8) -> bool:
+    o = op(g, n)
+    if o.kind == "contraction":
+        return True
+    if depth == 0 or o.kind not in ("elementwise", "cast", "broadcast"):
+        return False
+    return any(_feeds_from_contraction(g, u, depth - 1) for u in g.predecessors(n))
 
 
 def _is_full(g, n, gi: GemmInfo, gemm_axes: set) -> bool:
     return set(op(g, n).axes) == gemm_axes
 
 
-def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
+def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
     """Grow each GEMM's group over the elementwise ops and row/column reductions that consume it."""
     for c in nx.topological_sort(g):
         if op(g, c).kind != "contraction" or res.group_of(c):
@@ -211,7 +271,7 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                 so = op(g, s)
                 if so.kind == "output" or res.group_of(s):
                     continue
-                why = _epilogue_reject(g, s, group, gi, axes)
+                why = _epilogue_reject(g, s, group, gi, axes, ctx)
                 if why:
                     note = f"{so.label()} not fused into the GEMM at {c}: {why}"
                     if note not in res.notes:
@@ -222,34 +282,42 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                 if legal_group(g, trial):
                     res.notes.append(f"{so.label()} not fused into the GEMM at {c}: {legal_group(g, trial)}")
                     continue
-                group = trial | {a for a in nx.ancestors(g, s) if is_scalar_expr(g, a) and is_operator(g, a)}
+                # (the scalars it reads join at the end of fusion: see attach_scalars)
+                for u, labels in operands(g, s):
+                    cone = _input_cone(g, res, u, labels, gi, trial, ctx)
+                    if cone and legal_group(g, trial | cone) is None:
+                        trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
+                group = trial
                 changed = True
-        # broadcasts feeding the group from inputs are loads of the epilogue
-        for n in list(group):
-            for u in g.predecessors(n):
-                uo = op(g, u)
-                if uo.kind == "broadcast" and u not in group and not res.group_of(u):
-                    (src, _), = operands(g, u)
-                    if op(g, src).kind == "input" and legal_group(g, group | {u}) is None:
-                        group.add(u)
+        group = _recompute_cheap_values(g, res, group, c)
+        group = _keep_a_stored_result(g, res, group, c)
+        _add_epilogue_loads(g, res, group)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
 
 
-def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | None:
+def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
+                     ctx: FusionContext = FusionContext()) -> str | None:
     so = op(g, s)
     if so.kind == "reduction":
-        if so.fn not in EPILOGUE_REDUCTIONS:
-            return f"'{so.fn}' reductions are not fused into epilogues (only max and sum)"
+        reductions = ctx.epilogue_reductions()
+        if so.fn not in reductions:
+            return (f"'{so.fn}' reductions are not fused into epilogues "
+                    f"(only {' and '.join(sorted(reductions)) or 'none'})")
         ((src, labels),) = operands(g, s)
         if set(labels) != gemm_axes:
             return "the reduction's operand is not the full GEMM result"
         if len(so.reduced) != 1 or so.reduced[0] not in (gi.m, gi.n) or \
                 labels.index(so.reduced[0]) < len(labels) - 2:
             return "an epilogue reduction must reduce over the GEMM's row or column axis"
+        if gi.m_fold and so.reduced[0] == gi.m:
+            return f"it reduces over '{gi.m}' only, but the GEMM folds [{', '.join(gi.m_labels)}] into M"
+        if so.axes != tuple(x for x in (*gi.batch, *gi.m_labels, gi.n) if x != so.reduced[0]):
+            return "the reduction's result is not stored in the GEMM result's axis order"
         return None
     if so.kind not in ("elementwise", "broadcast", "cast"):
         return f"{so.kind} ops cannot be fused into an epilogue"
-    if so.kind == "elementwise" and so.fn not in EPILOGUE_FNS:
+    fns = ctx.epilogue_fns()
+    if so.kind == "elementwise" and fns is not None and so.fn not in fns:
         return f"'{so.fn}' has no epilogue implementation"
     if set(so.axes) != gemm_axes:
         return f"its iteration space [{', '.join(so.axes)}] differs from the GEMM's"
@@ -266,15 +334,187 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
         if uo.kind == "broadcast":
             (src, slabels), = operands(g, u)
             # (a per-batch vector, e.g. s[b], has no epilogue load: the backend loads rows/columns)
-            if op(g, src).kind == "input" and len(slabels) == 1 and slabels[0] in (gi.m, gi.n):
+            if _loaded_input(g, src) is not None and len(slabels) == 1 and slabels[0] in (gi.m, gi.n):
+                if slabels[0] == gi.m and gi.m_fold:
+                    return (f"it broadcasts a vector over '{gi.m}' only, but the GEMM folds "
+                            f"[{', '.join(gi.m_labels)}] into its M axis")
                 continue
-            return "it broadcasts a value that is not a row or column vector input"
-        if set(labels) == gemm_axes and tuple(labels[-2:]) == (gi.m, gi.n):
-            if uo.kind == "input" and uo.layout == "col":
-                return f"operand {uo.name} is column-major; an epilogue reads full tensors row-major"
-            continue  # a full tensor (e.g. a residual) read row-major
+            return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+        if set(labels) == gemm_axes and tuple(labels) == (*gi.batch, *gi.m_labels, gi.n):
+            if _storage_layout(g, u) == "col":
+                return f"operand {uo.name or u} is column-major; an epilogue reads full tensors row-major"
+            continue  # a full tensor (e.g. a residual, or a cast of one) read row-major
+        if set(labels) == gemm_axes:
+            return f"operand {uo.name or u} is read with its axes in another order than the GEMM result's"
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
     return None
+
+
+MAX_CONE = 16
+
+
+def _value_bytes(g: nx.DiGraph, n) -> int:
+    """Bytes of n's value per element of its iteration space, scaled by its rank (a proxy: full
+    tensors dominate vectors and scalars)."""
+    from .schedule import DTYPE_BYTES
+    o = op(g, n)
+    return DTYPE_BYTES.get(o.dtype, 4) * (1 << (2 * len(o.axes)))
+
+
+def _recompute_cheap_values(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
+    """An epilogue value that only other kernels read (no output, no op of this kernel) is not
+    stored when those kernels can compute it more cheaply from values in memory anyway: e.g.
+    `f32(H[m, n])` for a norm over the stored f16 output H is read as H (2 bytes) and converted,
+    not stored and read back as f32 (4 bytes).  The value leaves the epilogue and later passes
+    fuse it into its consumers' kernels."""
+    group = set(group)
+    while True:
+        best = None
+        for n in sorted(group - {anchor}, key=_node_order, reverse=True):
+            o = op(g, n)
+            succ = list(g.successors(n))
+            if o.kind not in ("elementwise", "cast") or not succ or \
+                    any(s in group or op(g, s).kind == "output" for s in succ):
+                continue
+            sources = _recompute_sources(g, n, group, anchor)
+            if sources is None or not sources:
+                continue
+            if sum(_value_bytes(g, u) for u in sources) <= _value_bytes(g, n):
+                best = n
+                break
+        if best is None:
+            return group
+        group.discard(best)
+        res.notes.append(f"{op(g, best).label()}: not stored by the GEMM at {anchor}; the kernels that read it "
+                         "compute it from values already in memory")
+
+
+def _recompute_sources(g: nx.DiGraph, n, group: set, anchor, depth: int = 6) -> set | None:
+    """The values in memory (stored by the group, or outside it) that n is computed from through
+    in-group elementwise ops; None if that passes through the contraction or a reduction."""
+    out: set = set()
+    for u, _ in operands(g, n):
+        uo = op(g, u)
+        if uo.kind in ("param",) or is_scalar_value(g, u):
+            continue
+        if u not in group:
+            out.add(u)
+        elif any(s not in group for s in g.successors(u)):
+            out.add(u)          # stored anyway (an output, or read by another kernel)
+        elif u != anchor and uo.kind in ("elementwise", "cast", "broadcast") and depth:
+            inner = _recompute_sources(g, u, group, anchor, depth - 1)
+            if inner is None:
+                return None
+            out |= inner
+        else:
+            return None
+    return out
+
+
+def _input_cone(g: nx.DiGraph, res: FusionResult, u, labels, gi: GemmInfo, group: set,
+                ctx: FusionContext = FusionContext()) -> set | None:
+    """The ops computing an epilogue operand u from inputs alone, when the epilogue can compute them
+    itself: elementwise epilogue functions and casts over the GEMM's axes (in its order) reading
+    row-major full inputs, scalars, and row/column vectors of inputs.  None if u is not such a value,
+    or if another kernel needs part of it too."""
+    full = (*gi.batch, *gi.m_labels, gi.n)
+    cone: set = set()
+    fns = ctx.epilogue_fns()
+
+    def visit(n, read_as) -> bool:
+        o = op(g, n)
+        if o.kind == "param" or is_scalar_value(g, n):
+            return True
+        if n in group or n in cone:
+            return n in cone
+        if res.group_of(n) is not None or len(cone) >= MAX_CONE:
+            return False
+        if o.kind == "input":
+            return tuple(read_as) == full and o.layout == "row"
+        if tuple(read_as) != full or o.axes != full:
+            return False
+        if o.kind == "broadcast":
+            (src, sl), = operands(g, n)
+            if _loaded_input(g, src) is None or len(sl) != 1 or not (sl[0] == gi.n or (sl[0] == gi.m and not gi.m_fold)):
+                return False
+            chain = [n]
+            while op(g, chain[-1]).kind != "input":
+                chain.append(operands(g, chain[-1])[0][0])
+            cone.update(chain[:-1])
+            return True
+        if o.kind not in ("elementwise", "cast") or (o.kind == "elementwise" and fns is not None and o.fn not in fns):
+            return False
+        cone.add(n)
+        return all(visit(v, l) for v, l in operands(g, n))
+
+    if op(g, u).kind in ("input", "param") or not visit(u, labels) or not cone:
+        return None
+    inside = group | cone
+    if any(s not in inside for n in cone for s in g.successors(n)):
+        return None
+    return cone
+
+
+def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
+    """An epilogue reduction rides on a GEMM that stores its [m, n] result anyway: when the
+    reductions are all that leaves the group, they (and what only they need) run as kernels of their
+    own over the stored result instead."""
+    reductions = {n for n in group if op(g, n).kind == "reduction"}
+    if not reductions:
+        return group
+    stored = [n for n in group - reductions if any(s not in group for s in g.successors(n))]
+    if stored:
+        return group
+    keep = group - reductions
+    # drop the epilogue ops that only fed the reductions, down to the value the reductions read
+    while True:
+        dead = {n for n in keep if n != anchor and not any(s in keep for s in g.successors(n))
+                and not any(op(g, s).kind == "output" for s in g.successors(n))}
+        feeds_reduction = {u for r in reductions for u, _ in operands(g, r)}
+        dead -= feeds_reduction
+        if not dead:
+            break
+        keep -= dead
+    res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
+                     "the GEMM stores no full result for it to ride on")
+    return keep
+
+
+def _loaded_input(g: nx.DiGraph, n):
+    """The input an epilogue load reads when n is that input or a chain of casts of it, else None."""
+    o = op(g, n)
+    if o.kind == "input":
+        return n
+    if o.kind == "cast" and is_input_view(g, n):
+        (src, _), = operands(g, n)
+        return _loaded_input(g, src)
+    return None
+
+
+def _storage_layout(g: nx.DiGraph, n) -> str:
+    src = _loaded_input(g, n)
+    return op(g, src).layout if src is not None else "row"
+
+
+def _add_epilogue_loads(g: nx.DiGraph, res: FusionResult, group: set) -> None:
+    """Broadcasts of input vectors, and casts of inputs, that feed the epilogue are loads of it:
+    they join the group (canonicalisation gave each consumer its own copy)."""
+    for n in sorted(group, key=_node_order):
+        if op(g, n).kind == "contraction":
+            continue        # its operands are the GEMM's A and B, read from memory
+        for u in g.predecessors(n):
+            if u in group or res.group_of(u) or not is_input_view(g, u):
+                continue
+            chain = [u]
+            while op(g, chain[-1]).kind in ("broadcast", "cast"):
+                (src, _), = operands(g, chain[-1])
+                if op(g, src).kind == "input":
+                    break
+                chain.append(src)
+            if any(res.group_of(c) or len(list(g.successors(c))) != 1 for c in chain):
+                continue
+            if legal_group(g, group | set(chain)) is None:
+                group |= set(chain)
 
 
 def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
@@ -283,6 +523,10 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         o = op(g, n)
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
+        if is_scalar_value(g, n) and not any(op(g, s).kind == "output" for s in g.successors(n)):
+            continue        # evaluated by the kernel that reads it (attach_scalars)
+        if _is_loaded_view(g, n):
+            continue        # converted where its consumer loads it (attach_scalars)
         merged = None
         candidates: list[Group] = []
         for u, labels in operands(g, n):
@@ -358,11 +602,12 @@ def fuse_softmax_epilogues(g: nx.DiGraph, res: FusionResult) -> None:
                 break
 
 
-def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
+def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     """Run every fusion pass; every operator node ends in exactly one group, in topological order."""
+    ctx = ctx or FusionContext()
     res = FusionResult([])
-    fuse_attention(g, res, attention_supported)
-    fuse_epilogues(g, res)
+    fuse_attention(g, res, ctx)
+    fuse_epilogues(g, res, ctx)
     fuse_elementwise(g, res)
     for n in nx.topological_sort(g):
         o = op(g, n)
@@ -370,19 +615,36 @@ def fuse(g: nx.DiGraph, attention_supported=None) -> FusionResult:
             res.groups.append(Group(f"g{len(res.groups)}", o.kind, {n}, n))
     fuse_reduction_prologues(g, res)
     fuse_softmax_epilogues(g, res)
-    # constants are folded into whichever kernel reads them
-    for n in g.nodes:
-        if op(g, n).kind == "const":
-            for s in g.successors(n):
-                grp = res.group_of(s)
-                if grp is not None:
-                    grp.nodes.add(n)
-                    break
+    attach_scalars(g, res)
     order = _group_order(g, res.groups)
     for i, grp in enumerate(order):
         grp.id = f"g{i}"
     res.groups = order
     return res
+
+
+def _is_loaded_view(g: nx.DiGraph, n) -> bool:
+    """A cast of an input read by one elementwise op, reduction or softmax: that consumer's kernel
+    converts the input as it loads it (a contraction operand needs its own buffer)."""
+    if op(g, n).kind != "cast" or not is_input_view(g, n):
+        return False
+    consumers = list(g.successors(n))
+    return len(consumers) == 1 and op(g, consumers[0]).kind in ("elementwise", "broadcast", "cast", "reduction",
+                                                                  "softmax")
+
+
+def attach_scalars(g: nx.DiGraph, res: FusionResult) -> None:
+    """Constants and scalar expressions of params join the kernel that reads them (canonicalisation
+    gave each consumer its own copy), so every kernel evaluates the scalars it needs; so do casts
+    of inputs, which their consumer's kernel applies as it loads the input."""
+    for n in reversed(list(nx.topological_sort(g))):
+        if res.group_of(n) is not None or not (is_scalar_value(g, n) or _is_loaded_view(g, n)):
+            continue
+        for s in sorted(g.successors(n), key=_node_order):
+            grp = res.group_of(s)
+            if grp is not None:
+                grp.nodes.add(n)
+                break
 
 
 def quotient(g: nx.DiGraph, groups: list[Group]) -> nx.DiGraph:

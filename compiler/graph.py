@@ -162,6 +162,8 @@ class _Builder:
         if isinstance(e, TReduce):
             inner = e.operand
             red_shape = tuple(self.extent[i] for i in e.indices)
+            if e.op == "sum" and (found := self.factored_contraction(e)) is not None:
+                return found
             if e.op == "sum" and isinstance(inner, TBinary) and inner.op == "*" and \
                     all(i in inner.lhs.free and i in inner.rhs.free for i in e.indices):
                 return self.node(OpNode("contraction", e.dtype, e.free, self.shape(e.free), fn="sum",
@@ -170,6 +172,38 @@ class _Builder:
             return self.node(OpNode("reduction", e.dtype, e.free, self.shape(e.free), fn=e.op, reduced=e.indices,
                                     reduced_shape=red_shape, span=e.span), [self.expr(inner)])
         raise KspecInternalError(f"cannot build a graph node for {type(e).__name__}")
+
+    def factored_contraction(self, e: TReduce) -> tuple[str, tuple[str, ...]] | None:
+        """`sum(k) A[.., k] * B[.., k] * c` where the factors c do not use a reduced index (scalars,
+        e.g. an attention scale, or vectors over free indices): the contraction of A and B, then
+        multiplied (or divided) by each c, which is the same sum.  None when the product is not two
+        factors over every reduced index times such factors."""
+        red = set(e.indices)
+        factors = _product_factors(e.operand, red)
+        if factors is None:
+            return None
+        inside = [f for f, how in factors if set(f.free) & red]
+        outside = [(f, how) for f, how in factors if not set(f.free) & red]
+        if len(inside) != 2 or not outside or not all(red <= set(f.free) for f in inside):
+            return None
+        if any(how != "mul" for f, how in factors if f in inside):
+            return None
+        if e.dtype == "i32" and any(f.dtype not in ("i8", "i32") for f, _ in outside):
+            return None     # a float factor of an integer sum: not the same sum after factoring
+        used = set(inside[0].free) | set(inside[1].free)
+        c_axes = tuple(x for x in e.free if x in used)
+        red_shape = tuple(self.extent[i] for i in e.indices)
+        value = self.node(OpNode("contraction", e.dtype, c_axes, self.shape(c_axes), fn="sum", reduced=e.indices,
+                                 reduced_shape=red_shape, span=e.span),
+                          [self.expr(inside[0]), self.expr(inside[1])])
+        for f, how in outside:
+            node, labels = value
+            if labels and set(labels) != set(e.free):
+                node, labels = self.node(OpNode("broadcast", e.dtype, e.free, self.shape(e.free), fn="broadcast",
+                                                span=e.span), [(node, labels)])
+            value = self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn=how, span=e.span),
+                              [(node, labels), self.read(f, e.free)])
+        return value
 
     def node(self, o: OpNode, inputs=()) -> tuple[str, tuple[str, ...]]:
         n = self.add(o, list(inputs))
@@ -185,6 +219,19 @@ class _Builder:
         b = self.add(OpNode("broadcast", o.dtype, tuple(consumer_axes), self.shape(consumer_axes),
                             fn="broadcast", span=e.span), [(node, labels)])
         return b, tuple(consumer_axes)
+
+
+def _product_factors(e: TExpr, reduced: set) -> list[tuple[TExpr, str]] | None:
+    """e as a product: [(factor, "mul" | "div")], flattening `*` and a division by a factor that
+    uses no reduced index; None if e is not a product of at least three factors."""
+    def walk(x: TExpr) -> list[tuple[TExpr, str]]:
+        if isinstance(x, TBinary) and x.op == "*":
+            return walk(x.lhs) + walk(x.rhs)
+        if isinstance(x, TBinary) and x.op == "/" and not set(x.rhs.free) & reduced:
+            return walk(x.lhs) + [(x.rhs, "div")]
+        return [(x, "mul")]
+    out = walk(e)
+    return out if len(out) >= 3 else None
 
 
 def _accesses(e: TExpr):

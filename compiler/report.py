@@ -57,9 +57,8 @@ def format_plan(sched: KernelSchedule) -> str:
     for p in sched.plans:
         lines.append(f"  [{p.id}] {p.kind}: reads {', '.join(p.reads) or '-'} -> writes {', '.join(p.writes)}")
         lines.extend(_group_desc(sched, p))
-        for arch, cfg in p.configs.items():
-            if cfg.source != "n/a":
-                lines.append(f"      {arch}: {cfg.describe()}")
+        for arch, ch in p.choices.items():
+            lines.append(f"      {arch}: {ch.describe()}")
     inter = sched.intermediates
     if inter:
         lines.append("  global intermediates:")
@@ -68,10 +67,17 @@ def format_plan(sched: KernelSchedule) -> str:
             slot = sched.reuse[b.name]
             reuse = f", reuses {slot}" if slot != b.name else ""
             lines.append(f"    {b.describe()}  live plans {first}..{last}{reuse}")
-    if sched.fusion.notes:
+    fallbacks = fallback_notes(sched)
+    if sched.fusion.notes or fallbacks:
         lines.append("  notes:")
-        lines.extend(f"    - {n}" for n in sched.fusion.notes)
+        lines.extend(f"    - {n}" for n in sched.fusion.notes + fallbacks)
     return "\n".join(lines)
+
+
+def fallback_notes(sched: KernelSchedule) -> list[str]:
+    """One line per kernel and arch that runs as a loop-kernel fallback, with the reason."""
+    return [f"FALLBACK {p.id} on {arch}: {ch.fallback}" for p in sched.plans for arch, ch in p.choices.items()
+            if ch.fallback]
 
 
 def _si(x: float, unit: str) -> str:
@@ -83,14 +89,22 @@ def _si(x: float, unit: str) -> str:
 
 def format_cost(c: CostReport) -> str:
     sizes = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
-    lines = [f"  cost model at {sizes}:", f"    {'kernel':<28} {'kind':<11} {'FLOPs':>12} {'DRAM bytes':>12}"]
+    lines = [f"  cost model at {sizes}:",
+             f"    {'kernel':<28} {'kind':<11} {'FLOPs':>12} {'DRAM bytes':>12} {'ideal':>12} {'x ideal':>8}"]
     for p in c.plans:
-        lines.append(f"    {p.plan:<28} {p.kind:<11} {_si(p.flops, 'FLOP'):>12} {_si(p.bytes, 'B'):>12}")
-    lines.append(f"    {'fused total':<28} {len(c.plans):<11} {_si(c.fused_flops, 'FLOP'):>12} {_si(c.fused_bytes, 'B'):>12}")
+        loop = "" if p.tiled else "  (loop kernel: re-reads modelled)"
+        lines.append(f"    {p.plan:<28} {p.kind:<11} {_si(p.flops, 'FLOP'):>12} {_si(p.bytes, 'B'):>12} "
+                     f"{_si(p.ideal_bytes, 'B'):>12} {p.ratio:>8.2f}{loop}")
+    lines.append(f"    {'fused total':<28} {len(c.plans):<11} {_si(c.fused_flops, 'FLOP'):>12} {_si(c.fused_bytes, 'B'):>12} "
+                 f"{_si(c.ideal_bytes, 'B'):>12} {c.ideal_ratio:>8.2f}")
     lines.append(f"    {'unfused (one kernel per op)':<28} {c.unfused_kernels:<11} {_si(c.unfused_flops, 'FLOP'):>12} "
                  f"{_si(c.unfused_bytes, 'B'):>12}")
     saved = c.unfused_bytes - c.fused_bytes
     lines.append(f"    fused/unfused DRAM bytes: {c.bytes_ratio:.3f}  ({_si(saved, 'B')} saved)")
+    if c.minimum_bytes:
+        lines.append(f"    modelled/ideal DRAM bytes: {c.ideal_ratio:.3f}; against the spec minimum (inputs read "
+                     f"once, outputs written once, {_si(c.minimum_bytes, 'B')}): "
+                     f"{c.fused_bytes / c.minimum_bytes:.3f}")
     return "\n".join(lines)
 
 
@@ -100,7 +114,10 @@ def to_dot(sched: KernelSchedule) -> str:
     lines = [f'digraph "{_esc(sched.kernel.name)}" {{', "  rankdir=TB;", '  node [fontname="monospace", fontsize=10];']
     for p in sched.plans:
         lines.append(f'  subgraph "cluster_{p.id}" {{')
-        lines.append(f'    label="{_esc(p.id)} ({p.kind})"; style=rounded; color=blue;')
+        backends = ", ".join(f"{a}: {ch.backend}{' FALLBACK' if ch.fallback else ''}" for a, ch in p.choices.items())
+        color = "red" if any(ch.fallback for ch in p.choices.values()) else "blue"
+        label = _esc(f"{p.id} ({p.kind})") + (f"\\n{_esc(backends)}" if backends else "")
+        lines.append(f'    label="{label}"; style=rounded; color={color};')
         for n in sorted(p.group.nodes, key=_order):
             lines.append(f'    {n} [label="{_esc(op(g, n).label())}", shape=box];')
         lines.append("  }")
@@ -130,14 +147,17 @@ def to_json(sched: KernelSchedule, c: CostReport | None = None) -> str:
                   for u, v in g.edges],
         "plans": [{"id": p.id, "kind": p.kind, "nodes": sorted(p.group.nodes, key=_order), "reads": list(p.reads),
                    "writes": list(p.writes),
-                   "configs": {a: {"tile": cfg.tile, "cluster": cfg.cluster, "stages": cfg.stages, "source": cfg.source}
-                               for a, cfg in p.configs.items()}} for p in sched.plans],
-        "notes": sched.fusion.notes,
+                   "backends": {a: {"backend": ch.backend, "kind": ch.kind, "fallback": ch.fallback,
+                                    "config": dict(ch.config), "rejected": [list(r) for r in ch.rejected]}
+                                for a, ch in p.choices.items()}} for p in sched.plans],
+        "notes": sched.fusion.notes + fallback_notes(sched),
     }
     if c is not None:
         doc["cost"] = {"sizes": c.sizes, "fused_bytes": c.fused_bytes, "unfused_bytes": c.unfused_bytes,
                        "fused_flops": c.fused_flops, "unfused_kernels": c.unfused_kernels,
-                       "bytes_ratio": c.bytes_ratio}
+                       "bytes_ratio": c.bytes_ratio, "ideal_bytes": c.ideal_bytes, "minimum_bytes": c.minimum_bytes,
+                       "plans": [{"id": p.plan, "bytes": p.bytes, "ideal_bytes": p.ideal_bytes, "tiled": p.tiled}
+                                 for p in c.plans]}
     return json.dumps(doc, indent=2) + "\n"
 
 

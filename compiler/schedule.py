@@ -1,15 +1,9 @@
 """Scheduling: fused groups -> `KernelPlan`s in dependency order, with the buffers each reads and
-writes, global intermediates with liveness (and buffer reuse), and per-arch tile/cluster/stages.
+writes, global intermediates with liveness (and buffer reuse), each plan's `KernelIR`, and, when
+an oracle (backends.registry.Planner) is given, the backend that builds it on each arch.
 
-Tile heuristic (when the spec gives no `schedule` hint), by arch and operand width:
-  sm90a  16-bit: 128x128x64 on a 2x1x1 cluster (TMA multicast of B across the pair)
-         8-bit:  128x128x128;  tf32: 128x128x32
-         M literal <= 64: tile M 64
-  sm100a 16-bit: 256x128x64 on a 2x1x1 cluster (2-SM tcgen05 MMA); 8-bit 256x128x128; tf32 256x128x32
-         M literal <= 128: tile M 128 on one SM (cluster 1x1x1)
-  stages: None (the backend derives the deepest pipeline that fits shared memory)
-Hints are taken as given (the checker bounded them); the backend validates every choice against
-CUTLASS's configuration list for that arch and dtype.
+Tile, cluster and stage choices belong to the backends (their `default_config`); the spec's
+`schedule` hints travel in the IR.
 """
 from __future__ import annotations
 
@@ -17,14 +11,15 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from kspec.spec_lang.check import CheckedKernel, DimValue, ScheduleHint, schedule_parts
+from kspec.core import ARCHS, DTYPE_TABLE, KspecInternalError
+from kspec.spec_lang.check import CheckedKernel, DimValue
 
-from .canon import GemmInfo
 from .fusion import FusionResult, Group
 from .graph import op, operands
+from .ir_build import build_ir
+from .kir import ArchHint, BackendChoice, IRBuffer, KernelIR, verify
 
-ARCHS = ("sm90a", "sm100a")
-DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "tf32": 4, "f8e4m3": 1, "f8e5m2": 1, "i8": 1, "i32": 4}
+DTYPE_BYTES = {name: d.itemsize for name, d in DTYPE_TABLE.items()}
 
 
 @dataclass(frozen=True)
@@ -41,19 +36,6 @@ class Buffer:
         return f"{self.name}: {self.dtype}{shape}" + (" col" if self.layout == "col" else "")
 
 
-@dataclass(frozen=True)
-class ArchConfig:
-    tile: tuple[int, int, int] | None
-    cluster: tuple[int, int, int] | None
-    stages: int | None
-    source: str                   # "hint" | "heuristic" | "n/a"
-
-    def describe(self) -> str:
-        if self.tile is None and self.cluster is None:
-            return "default"
-        return ", ".join(schedule_parts(self.tile, self.cluster, self.stages, " ")) + f" ({self.source})"
-
-
 @dataclass
 class KernelPlan:
     id: str
@@ -61,7 +43,8 @@ class KernelPlan:
     group: Group
     reads: tuple[str, ...]        # buffer names
     writes: tuple[str, ...]
-    configs: dict[str, ArchConfig] = field(default_factory=dict)
+    ir: KernelIR | None = None
+    choices: dict[str, BackendChoice] = field(default_factory=dict)     # arch -> backend choice
 
     @property
     def info(self):
@@ -106,33 +89,16 @@ def values_leaving(g: nx.DiGraph, grp: Group) -> list:
     return out
 
 
-def _heuristic(plan: KernelPlan, dtype: str, arch: str, g) -> ArchConfig:
-    if plan.kind != "gemm":
-        return ArchConfig(None, None, None, "n/a")
-    width = DTYPE_BYTES.get(dtype, 2)
-    k_tile = {1: 128, 2: 64, 4: 32}[width]
-    anchor = op(g, plan.group.anchor)
-    m_extent = dict(zip(anchor.axes, anchor.shape))[plan.info.m]
-    small = isinstance(m_extent, int)
-    if arch == "sm90a":
-        tile_m = 64 if small and m_extent <= 64 else 128
-        return ArchConfig((tile_m, 128, k_tile), (2, 1, 1), None, "heuristic")
-    if small and m_extent <= 128:
-        return ArchConfig((128, 128, k_tile), (1, 1, 1), None, "heuristic")
-    return ArchConfig((256, 128, k_tile), (2, 1, 1), None, "heuristic")
-
-
-def _config(kernel: CheckedKernel, plan: KernelPlan, arch: str, g) -> ArchConfig:
-    hint: ScheduleHint = kernel.schedule_for(arch)
-    dtype = op(g, plan.info.a).dtype if isinstance(plan.info, GemmInfo) else ""
-    base = _heuristic(plan, dtype, arch, g)
-    if plan.kind not in ("gemm",) or not (hint.tile or hint.cluster or hint.stages):
-        return base
-    return ArchConfig(hint.tile or base.tile, hint.cluster or base.cluster, hint.stages, "hint")
+def _hints(kernel: CheckedKernel, archs) -> tuple[tuple[str, ArchHint], ...]:
+    out = []
+    for arch in archs:
+        h = kernel.schedule_for(arch)
+        out.append((arch, ArchHint(h.tile, h.cluster, h.stages, h.backend)))
+    return tuple(out)
 
 
 def schedule(kernel: CheckedKernel, g: nx.DiGraph, fusion: FusionResult,
-             archs: tuple[str, ...] = ARCHS) -> KernelSchedule:
+             archs: tuple[str, ...] = ARCHS, oracle=None) -> KernelSchedule:
     buffers: dict[str, Buffer] = {}
     value_buffer: dict = {}
     for n in nx.topological_sort(g):
@@ -171,13 +137,10 @@ def schedule(kernel: CheckedKernel, g: nx.DiGraph, fusion: FusionResult,
                 b = value_buffer.get(u)
                 if b is None:
                     # a value of an earlier group that stayed inside it cannot be read: fusion bug
-                    from kspec.spec_lang.errors import KspecInternalError
                     raise KspecInternalError(f"plan {i} reads node {u}, which no kernel stores")
                 if b not in reads:
                     reads.append(b)
-        plan = KernelPlan(f"{kernel.name}_{i}", grp.kind, grp, tuple(reads), tuple(writes))
-        plan.configs = {a: _config(kernel, plan, a, g) for a in archs}
-        plans.append(plan)
+        plans.append(KernelPlan(f"{kernel.name}_{i}", grp.kind, grp, tuple(reads), tuple(writes)))
     liveness = {}
     for b in buffers.values():
         if b.kind != "intermediate":
@@ -186,7 +149,26 @@ def schedule(kernel: CheckedKernel, g: nx.DiGraph, fusion: FusionResult,
         last = max([i for i, p in enumerate(plans) if b.name in p.reads] or [first])
         liveness[b.name] = (first, last)
     reuse = _assign_slots(buffers, liveness)
-    return KernelSchedule(kernel, g, fusion, plans, buffers, value_buffer, liveness, reuse)
+    sched = KernelSchedule(kernel, g, fusion, plans, buffers, value_buffer, liveness, reuse)
+    hints = _hints(kernel, archs)
+    for plan in plans:
+        plan.ir = verify(plan_ir(sched, plan, hints))
+        if oracle is not None:
+            plan.choices = {a: oracle.choose(plan.ir, a) for a in archs}
+    return sched
+
+
+def plan_ir(sched: "KernelSchedule", plan: "KernelPlan", hints=()) -> KernelIR:
+    """The plan as a self-contained kernel IR, buffers named as the schedule names them."""
+    g = sched.graph
+
+    def info(name: str) -> IRBuffer:
+        b = sched.buffers[name]
+        role = b.kind
+        return IRBuffer(b.name, role, b.dtype, () if role == "param" else tuple(b.shape), b.layout)
+
+    stores = [(n, b) for n in values_leaving(g, plan.group) for b in sched.stores(n)]
+    return build_ir(plan.id, sched.kernel.name, g, plan.group, lambda u: sched.value_buffer[u], info, stores, hints)
 
 
 def _fresh(name: str, taken) -> str:

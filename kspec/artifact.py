@@ -36,6 +36,7 @@ Layout of an artifact directory::
               "sha256": {"cubin": "<hex>", "host": "<hex>"},
               "symbol": "kspec_kernel",
               "config": {"tile": "128x128x64"},  # informational (kspec inspect)
+              "backend": "cutlass", "kind": "gemm",   # who built it, and as what
               "registers": 168, "smem": 0}}     # informational; may be null
         }]
       }]
@@ -83,7 +84,7 @@ from pathlib import Path
 from typing import Any, Union
 
 # The runtime reads artifacts on machines without the compiler: only the dependency-free core here.
-from kspec.core import ARCHS, DTYPES, KspecError
+from kspec.core import ARCHS, DTYPES, IDENT_RE, KspecError
 
 FORMAT = "kspec-artifact"
 FORMAT_VERSION = 1
@@ -93,7 +94,6 @@ LAYOUTS: tuple[str, ...] = ("row", "col")
 PLAN_KINDS: tuple[str, ...] = ("gemm", "attention", "elementwise")
 INIT_KINDS: tuple[str, ...] = ("zero", "neg_inf")
 RESERVED_NAMES: frozenset[str] = frozenset({"stream"})
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 Extent = Union[str, int]          # a size symbol or an int literal
@@ -144,6 +144,8 @@ class Binary:
     config: dict[str, str] = field(default_factory=dict)
     registers: int | None = None
     smem: int | None = None
+    backend: str = ""                          # the backend that built it (e.g. "cutlass", "generic")
+    kind: str = ""                             # the kernel kind that backend built (gemm, attention, ...)
 
 
 @dataclass(frozen=True)
@@ -212,13 +214,14 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def make_binary(directory: str | os.PathLike, cubin: str, host: str, *, symbol: str = "kspec_kernel",
                 config: dict[str, str] | None = None, registers: int | None = None,
-                smem: int | None = None) -> Binary:
+                smem: int | None = None, backend: str = "", kind: str = "") -> Binary:
     """A `Binary` for two files already written into `directory` (names relative to it), with
     their digests computed now.  The compile driver calls this after nvcc."""
     d = Path(directory)
     return Binary(cubin=cubin, host=host,
                   sha256={"cubin": sha256_file(d / cubin), "host": sha256_file(d / host)},
-                  symbol=symbol, config=dict(config or {}), registers=registers, smem=smem)
+                  symbol=symbol, config=dict(config or {}), registers=registers, smem=smem,
+                  backend=backend, kind=kind)
 
 
 # ---------------------------------------------------------------------------------- JSON form
@@ -229,7 +232,8 @@ def _tensor_json(t: TensorSpec) -> dict[str, Any]:
 
 def _binary_json(b: Binary) -> dict[str, Any]:
     return {"cubin": b.cubin, "host": b.host, "sha256": dict(b.sha256), "symbol": b.symbol,
-            "config": dict(b.config), "registers": b.registers, "smem": b.smem}
+            "config": dict(b.config), "registers": b.registers, "smem": b.smem,
+            "backend": b.backend, "kind": b.kind}
 
 
 def _plan_json(p: Plan) -> dict[str, Any]:
@@ -282,7 +286,7 @@ class _Reader:
         return v
 
     def ident(self, v: Any, where: str) -> str:
-        if not isinstance(v, str) or not _IDENT.match(v):
+        if not isinstance(v, str) or not IDENT_RE.match(v):
             raise self.fail(where, f"{json.dumps(v)[:60]} is not a valid identifier")
         return v
 
@@ -337,8 +341,10 @@ class _Reader:
         config = self.get(obj, "config", where, dict, optional=True, default={})
         registers = self.get(obj, "registers", where, int, optional=True)
         smem = self.get(obj, "smem", where, int, optional=True)
+        backend = self.get(obj, "backend", where, str, optional=True, default="")
+        kind = self.get(obj, "kind", where, str, optional=True, default="")
         return Binary(files["cubin"], files["host"], sha, symbol,
-                      {str(k): str(v) for k, v in config.items()}, registers, smem)
+                      {str(k): str(v) for k, v in config.items()}, registers, smem, backend, kind)
 
     def plan(self, obj: Any, where: str, kernel: "_KernelScope", archs: tuple[str, ...]) -> Plan:
         pid = self.ident(self.get(obj, "id", where, str), f"{where}.id")

@@ -6,13 +6,18 @@ import sys
 import traceback
 
 import kspec
-from kspec.spec_lang import KspecError, load_spec
-from kspec.spec_lang.check import count_ops, format_typed
+from kspec.core import REPORT_HINT, KspecError, KspecInternalError, parse_sizes, select_archs  # noqa: F401
 
-ISSUE_HINT = "this is a bug in kspec; please report it with the command and spec that triggered it"
+ISSUE_HINT = REPORT_HINT
+
+
+def load_spec(path):
+    from kspec.spec_lang import load_spec as _load
+    return _load(path)
 
 
 def _summary(k) -> str:
+    from kspec.spec_lang.check import count_ops
     ops: dict[str, int] = {}
     for s in k.stmts:
         for key, n in count_ops(s.value).items():
@@ -24,6 +29,7 @@ def _summary(k) -> str:
 
 
 def cmd_check(args) -> int:
+    from kspec.spec_lang.check import format_typed
     status = 0
     for f in args.files:
         try:
@@ -44,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kspec", description="Compile declarative kernel specs (.kspec) "
                                 "to fused CUTLASS kernels for Hopper (sm_90a) and Blackwell (sm_100a).")
     p.add_argument("--version", action="version", version=f"kspec {kspec.__version__}")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -57,59 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_sizes(text: str | None) -> dict[str, int]:
-    """`M=256,N=512` -> {"M": 256, "N": 512}."""
-    out: dict[str, int] = {}
-    if not text:
-        return out
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        name, eq, value = part.partition("=")
-        if not eq or not name.strip().isidentifier():
-            raise KspecError(f"bad size '{part}'", hint="write sizes as NAME=VALUE pairs: M=256,N=512,K=128")
-        try:
-            v = int(value)
-        except ValueError:
-            raise KspecError(f"size {name.strip()}={value!r} is not an integer") from None
-        if v < 1 or v > 1 << 31:
-            raise KspecError(f"size {name.strip()}={v} is out of range (1 to 2^31)")
-        out[name.strip()] = v
-    return out
-
-
 def _archs(text: str | None, program=None) -> tuple[str, ...]:
-    from kspec.backends.desc import ARCHS
-    if text:
-        archs = tuple(a.strip().replace("sm_", "sm") for a in text.split(",") if a.strip())
-    elif program is not None and program.targets:
-        archs = program.targets
-    else:
-        archs = ARCHS
-    for a in archs:
-        if a not in ARCHS:
-            raise KspecError(f"unknown arch '{a}'", hint=f"archs: {', '.join(ARCHS)}")
-    return archs
+    return select_archs(text, program.targets if program is not None else ())
 
 
 def _kernels(prog, name: str | None):
     return [prog.kernel(name)] if name else list(prog.kernels)
 
 
-def _attention_check(archs):
-    from kspec.backends.lower import attention_veto
-    return attention_veto(archs)
+def _plan(args, fuse_ops: bool = True):
+    """Load, check and plan the spec of a graph/lower command (backend chosen per kernel and arch)."""
+    from kspec.compile import plan_spec
+    prog = load_spec(args.file)
+    archs = _archs(args.arch, prog)
+    if args.kernel:
+        prog.kernel(args.kernel)
+    return prog, archs, plan_spec(prog, archs, args.kernel, args.backend, args.strict, fuse_ops)
 
 
 def cmd_graph(args) -> int:
-    from kspec.compiler import cost, plan_kernel
+    from kspec.compiler import cost
     from kspec.compiler.report import format_cost, format_graph, format_plan, to_dot, to_json, to_svg
-    prog = load_spec(args.file)
-    archs = _archs(args.arch, prog)
+    prog, archs, scheds = _plan(args, fuse_ops=not args.unfused)
     sizes = parse_sizes(args.sizes)
-    scheds = [plan_kernel(k, archs, _attention_check(archs), fuse_ops=not args.unfused)
-              for k in _kernels(prog, args.kernel)]
     if args.format == "text":
         text = []
         for s in scheds:
@@ -148,27 +125,9 @@ def _emit(text: str, path: str | None) -> None:
 
 
 def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
-    """Random arrays for every input of a kernel, at the given symbol sizes (default 64)."""
-    import numpy as np
-
-    from kspec.backends.reference.numerics import is_int, to_storage
-    rng = np.random.default_rng(seed)
-    out = {}
-    fixed = dict(kernel.bindings)
-    for t in kernel.inputs:
-        shape = []
-        for d in t.shape:
-            if isinstance(d, int):
-                shape.append(d)
-            elif d in fixed:
-                shape.append(fixed[d])
-            else:
-                shape.append(sizes.get(d, 64))
-        if is_int(t.dtype):
-            out[t.name] = rng.integers(-4, 5, size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
-        else:
-            out[t.name] = to_storage(rng.standard_normal(shape).astype(np.float32), t.dtype)
-    return out
+    """Random arrays for every input of a kernel (see `kspec.run.random_inputs`)."""
+    from kspec.run import random_inputs as make
+    return make(kernel, sizes, seed)
 
 
 def cmd_run(args) -> int:
@@ -190,8 +149,62 @@ def cmd_run(args) -> int:
                 print(f"  {name}: {v.dtype}{list(v.shape)}  sum={f.sum():.6g}  abs-sum={np.abs(f).sum():.6g}  "
                       f"max={f.max():.6g}  min={f.min():.6g}")
         return 0
-    from kspec.runtime.run import run_on_gpu
+    from kspec.run import run_on_gpu
     return run_on_gpu(args, sizes)
+
+
+def cmd_lower(args) -> int:
+    import json
+
+    from kspec.compiler import format_ir, ir_to_json
+    prog, archs, scheds = _plan(args)
+    if args.format == "json":
+        docs = [{"ir": ir_to_json(p.ir), "backends": {a: {"backend": ch.backend, "kind": ch.kind, "fallback": ch.fallback,
+                                                          "config": dict(ch.config)} for a, ch in p.choices.items()}}
+                for s in scheds for p in s.plans]
+        _emit(json.dumps(docs, indent=2), args.output)
+        return 0
+    sizes = parse_sizes(args.sizes)
+    out = []
+    for s in scheds:
+        for p in s.plans:
+            out.append(format_ir(p.ir))
+            for arch, ch in p.choices.items():
+                out.append(f"  {arch}: {ch.describe()}")
+                for name, why in ch.rejected:
+                    out.append(f"      ({name} declined: {why})")
+            if sizes:
+                from kspec.compiler import cost
+                c = cost(s, sizes)
+                pc = next(x for x in c.plans if x.plan == p.id)
+                out.append(f"  cost at {', '.join(f'{k}={v}' for k, v in sizes.items())}: "
+                           f"{pc.flops:.4g} FLOP, {pc.bytes:.4g} DRAM bytes")
+            out.append("")
+    _emit("\n".join(out), args.output)
+    return 0
+
+
+def _planning_options(p) -> None:
+    p.add_argument("--kernel", help="only this kernel of the spec")
+    p.add_argument("--arch", help="archs to plan for, comma-separated (default: the spec's target, else sm90a,sm100a)")
+    p.add_argument("--backend", metavar="NAME",
+                   help="build GEMM/attention kernels with this backend (cutlass, generic); default: the "
+                        "first backend that can, in the registry's preference order")
+    p.add_argument("--strict", action="store_true",
+                   help="fail instead of falling back to a slow loop kernel (names the kernel, arch and reason)")
+
+
+def _register_lower(sub) -> None:
+    p = sub.add_parser("lower", help="print each planned kernel's kernel IR and the backend chosen per arch",
+                       description="Plan a spec and print the kernel IR of every kernel (buffers, ops, GEMM or "
+                                   "attention structure, epilogue DAG, stores) with the backend, kernel kind and "
+                                   "configuration chosen for each arch, and the reasons preferred backends declined.")
+    p.add_argument("file", metavar="FILE")
+    _planning_options(p)
+    p.add_argument("--sizes", help="symbol sizes for a per-kernel cost line, e.g. M=4096,N=4096,K=4096")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("-o", "--output", metavar="PATH", help="write to PATH instead of stdout")
+    p.set_defaults(func=cmd_lower)
 
 
 def _register_graph(sub) -> None:
@@ -200,8 +213,7 @@ def _register_graph(sub) -> None:
                                    "kernel plan and the modelled FLOPs/DRAM bytes against the unfused graph, or "
                                    "write the graph as dot, svg or json.")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--kernel", help="only this kernel of the spec")
-    p.add_argument("--arch", help="archs to schedule for (default: the spec's target, else sm90a,sm100a)")
+    _planning_options(p)
     p.add_argument("--sizes", help="symbol sizes for the cost model, e.g. M=4096,N=4096,K=4096 (default 1024 each)")
     p.add_argument("--unfused", action="store_true", help="one kernel per op (the baseline)")
     p.add_argument("--format", choices=("text", "dot", "svg", "json"), default="text")
@@ -232,7 +244,7 @@ def cmd_compile(args) -> int:
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
     if args.emit_only:
-        emitted = emit_spec(args.file, archs, args.kernel)
+        emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict)
         if args.output is None and args.print:
             for plist in emitted.plans.values():
                 for ep in plist:
@@ -244,8 +256,16 @@ def cmd_compile(args) -> int:
         return 0
     import time
     t0 = time.monotonic()
-    out = compile_spec(args.file, archs, args.output or "build", args.kernel, args.jobs,
-                       progress=Progress(enabled=not args.quiet))
+    from kspec.backends.build import CompileCache
+    cache = CompileCache()
+    emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict)
+    for sched in emitted.schedules:
+        for p in sched.plans:
+            for arch, ch in p.choices.items():
+                if ch.fallback:
+                    print(f"kspec: note: kernel {p.id} on {arch} runs as {ch.fallback}", file=sys.stderr)
+    out = compile_spec(args.file, archs, args.output or "build", args.kernel, args.jobs, cache=cache,
+                       progress=Progress(enabled=not args.quiet), emitted=emitted)
     print(f"wrote {out}  ({time.monotonic() - t0:.1f}s)")
     return 0
 
@@ -274,9 +294,8 @@ def _register_compile(sub) -> None:
                        description="Plan, emit and compile every kernel of a spec for each arch (nvcc, cached "
                                    "and in parallel) into OUT/<spec stem>/ with a manifest.json.")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--arch", help="comma-separated archs: sm90a, sm100a (default: the spec's target, else both)")
+    _planning_options(p)
     p.add_argument("-o", "--output", metavar="OUT", help="output directory (default: build)")
-    p.add_argument("--kernel", help="only this kernel of the spec")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="parallel nvcc processes (default: cores, bounded by free memory)")
     p.add_argument("--emit-only", action="store_true", help="write the generated C++ instead of compiling")
@@ -303,7 +322,13 @@ def _register_doctor(sub) -> None:
     register(sub)
 
 
-_EXTRA_COMMANDS: list = [_register_graph, _register_compile, _register_run, _register_doctor]
+def _register_selftest(sub) -> None:
+    from kspec.selftest import register
+    register(sub)
+
+
+_EXTRA_COMMANDS: list = [_register_graph, _register_lower, _register_compile, _register_run,
+                         _register_doctor, _register_selftest]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -316,7 +341,10 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv                     # accepted anywhere on the command line
+    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     try:
         return args.func(args)
     except KspecError as e:
@@ -328,8 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as e:  # noqa: BLE001 - the last line of defence: never a bare traceback
-        print(f"kspec: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        # KspecInternalError and any other exception: a bug in kspec, never the user's mistake
+        kind = "internal error" if isinstance(e, KspecInternalError) else f"internal error: {type(e).__name__}"
+        print(f"kspec: {kind}: {e}", file=sys.stderr)
         print(f"  {ISSUE_HINT}", file=sys.stderr)
-        if "--debug" in (argv or sys.argv):
+        if args.debug:
             traceback.print_exc()
+        else:
+            print("  (run again with --debug for the traceback)", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
-"""`kspec compile`: spec -> plans -> descriptors -> C++ -> nvcc (cached, parallel) -> artifact.
+"""`kspec compile`: spec -> plans (kernel IR + backend per arch) -> backend lowering -> source ->
+toolchain (cached, parallel) -> artifact.
 
     compile_spec(path, archs, out_dir)       the whole job; returns the artifact directory
-    emit_spec(path, archs)                   everything up to the C++ (no nvcc)
+    emit_spec(path, archs)                   everything up to the generated source (no toolchain)
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Callable
 
 import kspec
-from kspec.backends.desc import ARCHS, EmittedKernel
-from kspec.backends.lower import LoweredPlan, attention_veto, lower
-from kspec.compiler import KernelSchedule, op, plan_kernel
+from kspec.backends import registry
+from kspec.backends.api import LoweredPlan
+from kspec.backends.desc import EmittedKernel
+from kspec.compiler import KernelSchedule, plan_kernel
+from kspec.core import ARCHS, KspecInternalError
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 
 
@@ -28,7 +31,7 @@ class EmittedPlan:
 
     @property
     def label(self) -> str:
-        return f"kernel {self.lowered.plan.id} on {self.lowered.arch.replace('sm', 'sm_')}"
+        return f"kernel {self.lowered.ir.id} on {self.lowered.arch.replace('sm', 'sm_')}"
 
 
 @dataclass
@@ -39,32 +42,36 @@ class EmittedSpec:
     plans: dict[str, list[EmittedPlan]]      # plan id -> one per arch (in `archs` order)
 
 
-def _generator_identity() -> str:
-    """Hash of the code generators' own source: an emitted kernel is reused only while they are unchanged."""
+def _generator_identity(backend) -> str:
+    """Hash of a backend's own source (its module or folder, plus the shared backend modules) and
+    its identity: an emitted kernel is reused only while they are unchanged."""
     import kspec.backends as backends
-    h = hashlib.sha256(kspec.__version__.encode())
+    h = hashlib.sha256(kspec.__version__.encode() + backend.identity().encode())
     root = Path(backends.__file__).parent
-    for p in sorted(root.rglob("*.py")):
+    mod = Path(sys.modules[type(backend).__module__].__file__)
+    own = mod.parent if mod.parent != root else mod
+    files = sorted(root.glob("*.py")) + (sorted(own.rglob("*.py")) if own.is_dir() else [own])
+    for p in files:
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()
 
 
-_GENERATOR_ID: list[str] = []
+_GENERATOR_ID: dict[str, str] = {}
 
 
-def emit_cached(desc, cache_root: Path | None) -> EmittedKernel:
-    """emit_backend(desc), memoised on disk: planning through cutlass_cppgen costs seconds per kernel,
-    and a warm `kspec compile` should not pay it.  Entries are JSON, written atomically."""
+def emit_cached(lowered: LoweredPlan, cache_root: Path | None) -> EmittedKernel:
+    """backend.emit(lowered), memoised on disk: planning through cutlass_cppgen costs seconds per
+    kernel, and a warm `kspec compile` should not pay it.  Entries are JSON, written atomically."""
     import json
     import tempfile
     from dataclasses import asdict
+    backend = registry.get(lowered.backend)
     if cache_root is None:
-        return emit_backend(desc)
-    if not _GENERATOR_ID:
-        from kspec.backends.cutlass.compat import cutlass_version
-        _GENERATOR_ID.append(_generator_identity() + cutlass_version())
-    key = hashlib.sha256((_GENERATOR_ID[0] + repr(desc)).encode()).hexdigest()
+        return backend.emit(lowered)
+    if backend.name not in _GENERATOR_ID:
+        _GENERATOR_ID[backend.name] = _generator_identity(backend)
+    key = hashlib.sha256((_GENERATOR_ID[backend.name] + repr(lowered.desc)).encode()).hexdigest()
     path = cache_root / "emit" / f"{key}.json"
     try:
         data = json.loads(path.read_text())
@@ -74,7 +81,7 @@ def emit_cached(desc, cache_root: Path | None) -> EmittedKernel:
         return EmittedKernel(**fields)
     except (OSError, ValueError, TypeError, KeyError):
         pass
-    em = emit_backend(desc)
+    em = backend.emit(lowered)
     data = asdict(em)
     portable = _portable_include_dirs(em.include_dirs)
     if portable is None:
@@ -123,40 +130,39 @@ def _resolve_include_dirs(stored) -> list[str]:
     return out
 
 
-def emit_backend(desc) -> EmittedKernel:
-    from kspec.backends.desc import AttentionDesc, GemmDesc
-    if isinstance(desc, GemmDesc):
-        from kspec.backends.cutlass.gemm import emit_gemm
-        return emit_gemm(desc)
-    if isinstance(desc, AttentionDesc):
-        from kspec.backends.cutlass.fmha import emit_attention
-        return emit_attention(desc)
-    from kspec.backends.generic import emit_generic
-    return emit_generic(desc)
+def plan_spec(program: CheckedProgram, archs: tuple[str, ...], kernel: str | None = None,
+              backend: str | None = None, strict: bool = False, fuse_ops: bool = True) -> list[KernelSchedule]:
+    """Plan every kernel of a checked spec, choosing a backend per kernel and arch through the
+    registry (what `kspec graph`, `kspec lower` and `kspec compile` all use)."""
+    planner = registry.Planner(backend, strict)
+    kernels = [program.kernel(kernel)] if kernel else list(program.kernels)
+    try:
+        return [plan_kernel(k, archs, planner, fuse_ops=fuse_ops) for k in kernels]
+    except KspecError as e:
+        raise e.with_source(program.source)
 
 
 def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None,
-              cache_root: Path | None = None) -> EmittedSpec:
+              cache_root: Path | None = None, backend: str | None = None, strict: bool = False) -> EmittedSpec:
     """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
-    before nvcc runs."""
+    before any toolchain runs."""
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
-    veto = attention_veto(archs)
-    kernels = [program.kernel(kernel)] if kernel else list(program.kernels)
-    schedules = [plan_kernel(k, archs, veto) for k in kernels]
+    schedules = plan_spec(program, archs, kernel, backend, strict)
     plans: dict[str, list[EmittedPlan]] = {}
     for sched in schedules:
         for p in sched.plans:
             plans[p.id] = []
             for arch in archs:
+                choice = p.choices[arch]
                 try:
-                    lp = lower(sched, p, arch)
-                    em = emit_cached(lp.desc, cache_root)
+                    lp = registry.get(choice.backend).lower(p.ir, arch)
+                    em = emit_cached(lp, cache_root)
                 except KspecError as e:
                     if e.span is None and not e.message.startswith("kernel "):
                         # a backend message about a descriptor: say which kernel and arch, and where
                         raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
-                                         op(sched.graph, p.group.anchor).span, e.hint, program.source) from None
+                                         p.ir.span, e.hint, program.source) from None
                     raise e.with_source(program.source)
                 plans[p.id].append(EmittedPlan(lp, em))
     return EmittedSpec(program, archs, schedules, plans)
@@ -186,30 +192,26 @@ class Progress:
 
 
 def _jobs(emitted: EmittedSpec):
-    from kspec.backends.build import BuildJob
-    from kspec.backends.cutlass.compat import cutlass_version
-    identity = f"nvidia-cutlass {cutlass_version()}"
     jobs = []
     for plist in emitted.plans.values():
         for ep in plist:
-            em = ep.emitted
-            for kind in ("cubin", "host"):
-                jobs.append(BuildJob(ep.label, em.source, em.arch, kind, em.include_dirs, em.flags, identity))
+            jobs += registry.get(ep.lowered.backend).build_jobs(ep.emitted, ep.label)
     return jobs
 
 
 def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = "build",
                  kernel: str | None = None, jobs: int | None = None, cache=None,
-                 progress: Callable | None = None) -> Path:
-    """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path."""
+                 progress: Callable | None = None, backend: str | None = None, strict: bool = False,
+                 emitted: EmittedSpec | None = None) -> Path:
+    """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
+    `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments)."""
     from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
                                 write_manifest)
     from kspec.backends.build import CompileCache, build_all
-    from kspec.backends.cutlass.compat import cutlass_version
     from kspec.backends.toolchain import find_toolchain
 
     cache = cache or CompileCache()
-    emitted = emit_spec(path, archs, kernel, cache.root)
+    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict)
     toolchain = find_toolchain()
     build_jobs = _jobs(emitted)
     results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress)
@@ -236,9 +238,10 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                     shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
                     regs, smem = _resources(staging / cubin, toolchain, cache.root)
                     binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
-                                                 registers=regs, smem=smem)
+                                                 registers=regs, smem=smem, backend=ep.lowered.backend,
+                                                 kind=p.choices[arch].kind)
                     if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
-                        raise KspecError(f"internal: plan {p.id} has a different ABI on {arch}")
+                        raise KspecInternalError(f"plan {p.id} has a different ABI on {arch}")
                 plans.append(_plan_entry(p, first, binaries))
             entries.append(KernelEntry(
                 name=k.name,
@@ -248,9 +251,11 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                 intermediates=tuple(TensorSpec(b.name, b.dtype, b.shape, b.layout) for b in sched.intermediates),
                 plans=tuple(plans)))
         spec_text = emitted.program.source.encode()
+        used = sorted({ep.lowered.backend for plist in emitted.plans.values() for ep in plist})
         manifest = Manifest(spec=SpecRef(Path(path).name, hashlib.sha256(spec_text).hexdigest()),
                             archs=emitted.archs, kernels=tuple(entries),
-                            toolchain={"nvcc": toolchain.version, "cutlass": cutlass_version()},
+                            toolchain={"nvcc": toolchain.version,
+                                       **{f"backend:{n}": registry.get(n).identity() for n in used}},
                             kspec_version=kspec.__version__)
         shutil.copyfile(path, staging / Path(path).name)
         write_manifest(staging, manifest)

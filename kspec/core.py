@@ -117,6 +117,35 @@ def normalize_arch(text: str) -> str:
     return a
 
 
+def select_archs(text: str | None, targets: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The archs of a command: `--arch a,b` if given, else the spec's `target` line, else all."""
+    if text:
+        return tuple(normalize_arch(a) for a in text.split(",") if a.strip())
+    return tuple(targets) or ARCHS
+
+
+def parse_sizes(text: str | None) -> dict[str, int]:
+    """`M=256,N=512` -> {"M": 256, "N": 512}."""
+    out: dict[str, int] = {}
+    if not text:
+        return out
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip().isidentifier():
+            raise KspecError(f"bad size '{part}'", hint="write sizes as NAME=VALUE pairs: M=256,N=512,K=128")
+        try:
+            v = int(value)
+        except ValueError:
+            raise KspecError(f"size {name.strip()}={value!r} is not an integer") from None
+        if v < 1 or v > 1 << 31:
+            raise KspecError(f"size {name.strip()}={v} is out of range (1 to 2^31)")
+        out[name.strip()] = v
+    return out
+
+
 def arch_of_cc(cc: int) -> str | None:
     """The arch whose cubins run on a device of compute capability `cc` (major*10+minor), or None."""
     for a in ARCH_TABLE.values():
@@ -136,7 +165,7 @@ class DType:
     kind: str                    # "float" | "int"
     storage: str                 # the dtype of the memory holding it (tf32 lives in f32 storage)
     max_finite: float            # largest finite value
-    rank: int                    # float promotion rank (wider wins); ints use their own rank
+    rank: int                    # float promotion rank: the wider operand wins (tf32 and f32 tie)
 
     @property
     def itemsize(self) -> int:
@@ -146,7 +175,7 @@ class DType:
 DTYPE_TABLE: dict[str, DType] = {d.name: d for d in (
     DType("f16", 16, "float", "f16", 65504.0, 2),
     DType("bf16", 16, "float", "bf16", 3.3895313892515355e38, 2),
-    DType("f32", 32, "float", "f32", 3.4028234663852886e38, 4),
+    DType("f32", 32, "float", "f32", 3.4028234663852886e38, 3),
     DType("tf32", 32, "float", "f32", 3.4028234663852886e38, 3),
     DType("f8e4m3", 8, "float", "f8e4m3", 448.0, 1),
     DType("f8e5m2", 8, "float", "f8e5m2", 57344.0, 1),
@@ -171,12 +200,12 @@ def is_int(name: str) -> bool:
 # Identifiers
 # ---------------------------------------------------------------------------------------------
 
-IDENT_MAX = 63
+IDENT_MAX = 255
 IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,%d}$" % (IDENT_MAX - 1))
 
 
 def is_ident(name: object) -> bool:
-    """A C/Python identifier kspec may put into generated code or a manifest (ASCII, <= 63 chars)."""
+    """An identifier kspec may put into generated code or a manifest (ASCII letters, digits, _)."""
     return isinstance(name, str) and IDENT_RE.match(name) is not None
 
 

@@ -171,35 +171,15 @@ def _cache() -> Section:
 
 
 def _backends(toolchain) -> tuple[Section, bool]:
+    """Each registered backend, in preference order, and whether it can build on this machine."""
+    from kspec.backends import registry
     s = Section("backends")
-    try:
-        from kspec.backends import registry  # type: ignore[attr-defined]
-    except ImportError:
-        registry = None
     usable = False
-    if registry is not None and hasattr(registry, "backends"):
-        for b in registry.backends():
-            reason, err = _probe(b.available)
-            reason = err if err is not None else reason
-            usable |= reason is None
-            s.add(b.name, "usable" if reason is None else f"unavailable: {reason}")
-        return s, usable
-    # Until the backend registry exists: what each backend needs.
-    nvcc_reason = None if toolchain is not None else "needs nvcc and a host C++ compiler"
-    cutlass_reason = nvcc_reason
-
-    def cutlass_ok():
-        from kspec.backends.cutlass.compat import check_cutlass_version
-        import importlib.util
-        check_cutlass_version()
-        if importlib.util.find_spec("cutlass_cppgen") is None:
-            raise RuntimeError("cutlass_cppgen is not importable (pip install nvidia-cutlass)")
-    _, err = _probe(cutlass_ok)
-    if err is not None:
-        cutlass_reason = err if cutlass_reason is None else f"{cutlass_reason}; {err}"
-    for name, reason in (("cutlass", cutlass_reason), ("generic", nvcc_reason)):
+    for b in registry.backends():
+        reason, err = _probe(b.available)
+        reason = err if err is not None else reason
         usable |= reason is None
-        s.add(name, "usable" if reason is None else f"unavailable: {reason}")
+        s.add(b.name, "usable" if reason is None else f"unavailable: {reason}")
     return s, usable
 
 

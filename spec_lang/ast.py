@@ -6,11 +6,10 @@ from typing import Union
 
 from .errors import Span
 
-DTYPES = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2", "i8", "i32")
+from kspec.core import ARCHS, DTYPES  # noqa: E402,F401  (the one copy of each table)
 ROLES = ("in", "out", "param")
 REDUCERS = ("sum", "max", "min", "mean")
 NORMALIZERS = ("softmax",)
-ARCHS = ("sm90a", "sm100a")
 
 
 def _span() -> Span | None:
@@ -141,7 +140,7 @@ class Kernel:
 @dataclass(frozen=True)
 class Setting:
     key: str
-    value: tuple[int, ...] | int
+    value: tuple[int, ...] | int | str
     text: str
     span: Span | None = _span()
 

@@ -9,6 +9,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Union
 
+from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES
+
 from . import ast
 from .errors import Diagnostic, KspecError, Span
 from .printer import print_expr
@@ -21,10 +23,8 @@ FUNCTIONS: dict[str, tuple[int, int]] = {
     "tanh": (1, 1), "exp": (1, 1), "log": (1, 1), "sqrt": (1, 1), "rsqrt": (1, 1), "abs": (1, 1),
     "clamp": (3, 3), "maximum": (2, 2), "minimum": (2, 2),
 }
-FLOAT_DTYPES = ("f8e4m3", "f8e5m2", "f16", "bf16", "tf32", "f32")
-INT_DTYPES = ("i8", "i32")
-_FLOAT_RANK = {"f8e4m3": 1, "f8e5m2": 1, "f16": 2, "bf16": 2, "tf32": 3, "f32": 3}
-SCHEDULE_KEYS = ("tile", "cluster", "stages")
+_FLOAT_RANK = {d.name: d.rank for d in DTYPE_TABLE.values() if d.kind == "float"}
+SCHEDULE_KEYS = ("tile", "cluster", "stages", "backend")
 MAX_LITERAL_DIM = 1 << 31
 
 
@@ -142,6 +142,7 @@ class ScheduleHint:
     tile: tuple[int, int, int] | None = None
     cluster: tuple[int, int, int] | None = None
     stages: int | None = None
+    backend: str | None = None        # a backend name; checked against the registry when planning
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class CheckedKernel:
         if specific is None:
             return generic
         return ScheduleHint(specific.tile or generic.tile, specific.cluster or generic.cluster,
-                            specific.stages or generic.stages)
+                            specific.stages or generic.stages, specific.backend or generic.backend)
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,16 @@ class _Checker:
             if st.key in vals:
                 self.error(f"setting '{st.key}' is given twice", st.span)
                 continue
+            if st.key == "backend":
+                if not isinstance(st.value, str):
+                    self.error("'backend' takes a backend name, like `backend = cutlass`", st.span)
+                    continue
+                vals[st.key] = st.value
+                continue
+            if isinstance(st.value, str):
+                self.error(f"'{st.key}' takes {'one integer' if st.key == 'stages' else 'three sizes'}, not a name",
+                           st.span)
+                continue
             if st.key in ("tile", "cluster") and not isinstance(st.value, tuple):
                 self.error(f"'{st.key}' takes three sizes, like {'128x128x64' if st.key == 'tile' else '2x1x1'}",
                            st.span)
@@ -305,7 +316,8 @@ class _Checker:
                 self.error(f"impossible {st.key} {st.text}: {problem}", st.span)
                 continue
             vals[st.key] = st.value
-        return ScheduleHint(vals.get("tile"), vals.get("cluster"), vals.get("stages"))  # type: ignore[arg-type]
+        return ScheduleHint(vals.get("tile"), vals.get("cluster"), vals.get("stages"),  # type: ignore[arg-type]
+                            vals.get("backend"))  # type: ignore[arg-type]
 
 
 class _TooMany(Exception):
@@ -845,7 +857,8 @@ def format_typed(program: CheckedProgram) -> str:
             out.append(f"  {s.target}[{', '.join(s.indices)}] : {s.dtype}   ({ext})")
             out.extend(_texpr_lines(s.value, 2))
         for arch, h in k.schedules:
-            text = " ".join(schedule_parts(h.tile, h.cluster, h.stages, "="))
+            text = " ".join(schedule_parts(h.tile, h.cluster, h.stages, "=")
+                            + ([f"backend={h.backend}"] if h.backend else []))
             out.append(f"  schedule{' for ' + arch if arch else ''}: {text or '-'}")
     return "\n".join(out)
 

@@ -10,6 +10,8 @@ import lark
 from lark import Lark, Token, Transformer_NonRecursive, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
+from kspec.core import ARCHS, DTYPES
+
 from . import ast
 from .errors import KspecError, Span
 
@@ -21,11 +23,11 @@ _TERMINAL_WORDS = {
     "SLASH": "'/'", "$END": "end of file",
 }
 _KEYWORD_GROUPS = [
-    ({"F16", "BF16", "F32", "TF32", "F8E4M3", "F8E5M2", "I8", "I32"}, "a dtype (f16, bf16, f32, ...)"),
+    ({d.upper() for d in DTYPES}, "a dtype (f16, bf16, f32, ...)"),
     ({"SUM", "MAX", "MIN", "MEAN", "SOFTMAX"}, "a reduction (sum, max, min, mean, softmax)"),
     ({"IN", "OUT", "PARAM"}, "a declaration (in, out, param)"),
     ({"ROW", "COL"}, "a layout (row, col)"),
-    ({"SM90A", "SM100A"}, "an arch (sm90a, sm100a)"),
+    ({a.upper() for a in ARCHS}, f"an arch ({', '.join(ARCHS)})"),
 ]
 
 # Deeper expressions than this are refused up front: the checker, the printer and every later stage
@@ -40,6 +42,8 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
     grammar = resources.files("kspec.spec_lang").joinpath("kspec.lark").read_text()
+    for rule, words in (("!dtype: DTYPES", DTYPES), ("!arch: ARCHS", ARCHS)):
+        grammar = grammar.replace(rule, rule.split(":")[0] + ": " + " | ".join(f'"{w}"' for w in words))
     return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
 
 
@@ -261,6 +265,10 @@ class _Build(Transformer_NonRecursive):
     @v_args(inline=True)
     def int_value(self, tok):
         return (self._int(tok), str(tok))
+
+    @v_args(inline=True)
+    def name_value(self, tok):
+        return (str(tok), str(tok))
 
     @v_args(meta=True)
     def setting(self, meta, children):

@@ -36,7 +36,9 @@ def test_graph_text_shows_one_fused_kernel_and_bytes_saved(capsys):
     assert "[gemm_bias_gelu_residual_0] gemm: reads A, B, alpha, bias, R -> writes D" in out
     assert "GEMM A=A (row), B=B (col), m=m n=n k=k" in out
     assert "elementwise gelu[m, n] : f32 =h" in out
-    assert "sm90a: tile 128x128x64, cluster 2x1x1 (hint)" in out
+    assert "sm90a: cutlass gemm (tile=128x128x64 cluster=2x1x1 source=hint)" in out
+    assert "sm100a: cutlass gemm (tile=256x128x64 cluster=2x1x1 source=heuristic)" in out
+    assert "FALLBACK" not in out
     assert "cost model at M=4096, N=4096, K=4096:" in out
     ratio = (8 * 4096 + 2) / (48 * 4096 + 2)
     saved = (48 - 8) * 4096 * 4096 / 1e6       # bytes, in MB (the bias terms cancel)
@@ -72,7 +74,7 @@ def test_graph_dot(capsys, tmp_path):
     assert rc == 0
     assert out.startswith('digraph "gemm_bias_gelu_residual" {') and out.rstrip().endswith("}")
     assert out.count('subgraph "cluster_') == 1
-    assert 'label="gemm_bias_gelu_residual_0 (gemm)"' in out
+    assert 'label="gemm_bias_gelu_residual_0 (gemm)\\nsm90a: cutlass, sm100a: cutlass"; style=rounded; color=blue;' in out
     assert re.search(r'n\d+ -> n\d+ \[label="m,k"\];', out)
     if shutil.which("dot"):
         r = subprocess.run(["dot", "-Tplain"], input=out.encode(), capture_output=True, timeout=60)
@@ -102,7 +104,8 @@ def test_graph_json(capsys):
     (plan,) = doc["plans"]
     assert plan["kind"] == "gemm" and plan["writes"] == ["D"]
     assert set(plan["nodes"]) == {n["id"] for n in doc["nodes"] if n["kind"] not in ("param", "input", "output")}
-    assert plan["configs"]["sm90a"] == {"tile": [128, 128, 64], "cluster": [2, 1, 1], "stages": None, "source": "hint"}
+    assert plan["backends"]["sm90a"] == {"backend": "cutlass", "kind": "gemm", "fallback": None, "rejected": [],
+                                         "config": {"tile": "128x128x64", "cluster": "2x1x1", "source": "hint"}}
     c = doc["cost"]
     assert c["fused_bytes"] == 8 * 4096 * 4096 + 2 * 4096
     assert c["unfused_bytes"] == 48 * 4096 * 4096 + 2 * 4096

@@ -23,7 +23,7 @@ from kspec.backends.cutlass.fmha import (AttentionLoweringError, attention_suppo
                                          choose_attention_tile, emit_attention)
 from kspec.backends.desc import ARCHS, AttentionDesc, Const, Load, Operand
 from kspec.core import ABI_VERSION
-from kspec.spec_lang.errors import KspecError
+from kspec.spec_lang.errors import KspecError, KspecInternalError
 
 
 def make_desc(arch: str = "sm90a", dtype: str = "f16", head_dim: int = 128, causal: bool = False,
@@ -136,11 +136,12 @@ def test_hopper_overrides_default_softmax_scale():
     assert "params.mainloop.scale_softmax_log2 = scale * 1.4426950408889634f;" in src
 
 
-@pytest.mark.parametrize("bad", ["t0; system(\"x\")", "1abc", "a b", "", "x" * 80])
+@pytest.mark.parametrize("bad", ["t0; system(\"x\")", "1abc", "a b", "", "x" * 300])
 def test_unsanitized_names_are_rejected(bad):
-    with pytest.raises(AttentionLoweringError):
+    # names are mapped before codegen: an unmapped one reaching the generator is a kspec bug
+    with pytest.raises(KspecInternalError):
         emit_attention(make_desc(name=bad))
-    with pytest.raises(AttentionLoweringError):
+    with pytest.raises(KspecInternalError):
         emit_attention(make_desc(scale=Load(bad, "scalar", "f32")))
 
 

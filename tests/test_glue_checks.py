@@ -34,7 +34,7 @@ def gemm_source():
 
 
 def _host_part(src: str) -> str:
-    return src[src.rindex("#if defined(KSPEC_HOST)"):]
+    return src[src.rindex("#if defined(KSPEC_HOST)\n\n"):]
 
 
 def test_gemm_glue_checks_every_status(gemm_source):
@@ -50,7 +50,7 @@ def test_gemm_glue_checks_every_status(gemm_source):
         'extern "C" int kspec_abi_version(void) { return %d; }' % ABI_VERSION,
         "a % kArgAlignment[i] != 0",
         "if (!Kernel::can_implement(args))",
-        'cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled"',
+        "if (kspec_tensor_map_encoder() == nullptr)",
         "Kernel::initialize_workspace(args, nullptr, nullptr, nullptr)",
         "kspec_tma::reset();",
         "Params p = Kernel::to_underlying_arguments(args, workspace);",
@@ -81,9 +81,9 @@ def test_fmha_glue_checks_initialize_and_every_encode(arch):
     src = emit_attention(make_desc(arch)).source
     hook = src.index("#define CUTLASS_CUDA_DRIVER_WRAPPER_CALL(func) kspec_tma::encode_##func")
     assert hook < src.index('#include "cutlass/cutlass.h"')
-    host = _host_part(src)
+    host = src[src.index("int kspec_prepare("):]
     order = [host.index(s) for s in (
-        'cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled"',
+        "if (kspec_tensor_map_encoder() == nullptr)",
         "if (!Kernel::can_implement(args))",
         "Kernel::initialize_workspace(args, kernel_ws, nullptr)",
         "kspec_tma::reset();",

@@ -9,7 +9,7 @@ import pytest
 from conftest import SHIPPED, SPECS
 
 from kspec.cli import random_inputs
-from kspec.runtime.run import TOLERANCE, relative_error
+from kspec.run import TOLERANCE, relative_error
 from kspec.spec_lang import load_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]

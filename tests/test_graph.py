@@ -187,6 +187,95 @@ SHIPPED = {
          (5, 8, ((0, ('m', 'n')),)),
          (6, 7, ((0, ('m', 'n')),)),
          (8, 9, ((0, ('m',)),))]),
+    "fp8_gemm_cast_bias": (
+        [('param scale_a : f32', ()),
+         ('param scale_b : f32', ()),
+         ('input A[d0, d1] : f8e4m3', ('M', 'K')),
+         ('input B[d0, d1] : f8e4m3', ('N', 'K')),
+         ('input bias[d0] : bf16', ('N',)),
+         ('contraction sum(k)[m, n] : f32', ('M', 'N')),
+         ('elementwise mul : f32', ()),
+         ('elementwise mul[m, n] : f32', ('M', 'N')),
+         ('cast cast:f32[n] : f32', ('N',)),
+         ('broadcast broadcast[m, n] : f32', ('M', 'N')),
+         ('elementwise add[m, n] : f32', ('M', 'N')),
+         ('cast cast:bf16[m, n] : bf16 =D', ('M', 'N')),
+         ('output D[d0, d1] : bf16', ('M', 'N'))],
+        [(0, 6, ((0, ()),)),
+         (1, 6, ((1, ()),)),
+         (2, 5, ((0, ('m', 'k')),)),
+         (3, 5, ((1, ('n', 'k')),)),
+         (4, 8, ((0, ('n',)),)),
+         (5, 7, ((1, ('m', 'n')),)),
+         (6, 7, ((0, ()),)),
+         (7, 10, ((0, ('m', 'n')),)),
+         (8, 9, ((0, ('n',)),)),
+         (9, 10, ((1, ('m', 'n')),)),
+         (10, 11, ((0, ('m', 'n')),)),
+         (11, 12, ((0, ('m', 'n')),))]),
+    "linear_shared_weight": (
+        [('input X[d0, d1, d2] : f16', ('B', 'S', 'K')),
+         ('input W[d0, d1] : f16', ('N', 'K')),
+         ('input bias[d0] : f16', ('N',)),
+         ('contraction sum(k)[b, s, n] : f32', ('B', 'S', 'N')),
+         ('broadcast broadcast[b, s, n] : f16', ('B', 'S', 'N')),
+         ('elementwise add[b, s, n] : f32', ('B', 'S', 'N')),
+         ('cast cast:f16[b, s, n] : f16 =Y', ('B', 'S', 'N')),
+         ('output Y[d0, d1, d2] : f16', ('B', 'S', 'N'))],
+        [(0, 3, ((0, ('b', 's', 'k')),)),
+         (1, 3, ((1, ('n', 'k')),)),
+         (2, 4, ((0, ('n',)),)),
+         (3, 5, ((0, ('b', 's', 'n')),)),
+         (4, 5, ((1, ('b', 's', 'n')),)),
+         (5, 6, ((0, ('b', 's', 'n')),)),
+         (6, 7, ((0, ('b', 's', 'n')),))]),
+    "mlp2": (
+        [('input X[d0, d1] : f16', ('M', 'K')),
+         ('input W1[d0, d1] : f16', ('F', 'K')),
+         ('input W2[d0, d1] : f16', ('N', 'F')),
+         ('const 0.5', ()),
+         ('contraction sum(k)[m, f] : f32', ('M', 'F')),
+         ('elementwise mul[m, f] : f32', ('M', 'F')),
+         ('elementwise gelu_tanh[m, f] : f32', ('M', 'F')),
+         ('cast cast:f16[m, f] : f16 =h', ('M', 'F')),
+         ('contraction sum(f)[m, n] : f32', ('M', 'N')),
+         ('cast cast:f16[m, n] : f16 =Y', ('M', 'N')),
+         ('output Y[d0, d1] : f16', ('M', 'N'))],
+        [(0, 4, ((0, ('m', 'k')),)),
+         (1, 4, ((1, ('f', 'k')),)),
+         (2, 8, ((1, ('n', 'f')),)),
+         (3, 5, ((0, ()),)),
+         (4, 5, ((1, ('m', 'f')),)),
+         (5, 6, ((0, ('m', 'f')),)),
+         (6, 7, ((0, ('m', 'f')),)),
+         (7, 8, ((0, ('m', 'f')),)),
+         (8, 9, ((0, ('m', 'n')),)),
+         (9, 10, ((0, ('m', 'n')),))]),
+    "swiglu_mlp": (
+        [('input X[d0, d1] : f16', ('M', 'K')),
+         ('input Wg[d0, d1] : f16', ('F', 'K')),
+         ('input Wu[d0, d1] : f16', ('F', 'K')),
+         ('input Wd[d0, d1] : f16', ('N', 'F')),
+         ('contraction sum(k)[m, f] : f32', ('M', 'F')),
+         ('elementwise silu[m, f] : f32', ('M', 'F')),
+         ('contraction sum(k)[m, f] : f32', ('M', 'F')),
+         ('elementwise mul[m, f] : f32', ('M', 'F')),
+         ('cast cast:f16[m, f] : f16 =h', ('M', 'F')),
+         ('contraction sum(f)[m, n] : f32', ('M', 'N')),
+         ('cast cast:f16[m, n] : f16 =Y', ('M', 'N')),
+         ('output Y[d0, d1] : f16', ('M', 'N'))],
+        [(0, 4, ((0, ('m', 'k')),)),
+         (0, 6, ((0, ('m', 'k')),)),
+         (1, 4, ((1, ('f', 'k')),)),
+         (2, 6, ((1, ('f', 'k')),)),
+         (3, 9, ((1, ('n', 'f')),)),
+         (4, 5, ((0, ('m', 'f')),)),
+         (5, 7, ((0, ('m', 'f')),)),
+         (6, 7, ((1, ('m', 'f')),)),
+         (7, 8, ((0, ('m', 'f')),)),
+         (8, 9, ((0, ('m', 'f')),)),
+         (9, 10, ((0, ('m', 'n')),)),
+         (10, 11, ((0, ('m', 'n')),))]),
 }
 
 
@@ -451,11 +540,25 @@ def test_batched_gemm():
     assert (gi.batch, gi.a_layout) == (("b",), "col")
 
 
+@pytest.mark.parametrize("b_decl, b_read, b_layout", [("f16[H, E, N]", "W[h, e, n]", "row"),
+                                                      ("f16[N, H, E]", "W[n, h, e]", "col")])
+def test_reduced_axes_innermost_in_both_operands_fold_into_k(b_decl, b_read, b_layout):
+    _, gi = _gemm(f"""kernel c {{ in O : f16[B, S, H, E]
+      in W : {b_decl}
+      out Y : f32[B, S, N]
+      Y[b, s, n] = sum(h, e) O[b, s, h, e] * {b_read} }}""")
+    assert isinstance(gi, GemmInfo)
+    assert (gi.m_fold, gi.m, gi.k_fold, gi.k, gi.n, gi.batch) == (("b",), "s", ("h",), "e", "n", ())
+    assert (gi.a_layout, gi.b_layout) == ("row", b_layout)
+    assert (gi.m_labels, gi.k_labels) == (("b", "s"), ("h", "e"))
+
+
 @pytest.mark.parametrize("src, reason", [
     ("""kernel c { in A : f16[M, K, J]
-      in B : f16[K, J, N]
+      in B : f16[J, K, N]
       out D : f32[M, N]
-      D[m, n] = sum(k, j) A[m, k, j] * B[k, j, n] }""", "it reduces over 2 indices; a GEMM reduces over one"),
+      D[m, n] = sum(k, j) A[m, k, j] * B[j, k, n] }""",
+     "it reduces over 2 indices that are not the innermost axes of both operands in one order"),
     ("""kernel c { in A : f16[M, K]
       in x : f16[K]
       out y : f32[M]

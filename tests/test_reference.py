@@ -102,6 +102,44 @@ def test_fp8_gemm_scaled():
     assert_close(out["D"], f64(A) @ f64(B), BF16)
 
 
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def test_mlp2():
+    rng = np.random.default_rng(11)
+    X, W1, W2 = rand(rng, (24, 40), F16, 0.5), rand(rng, (56, 40), F16, 0.3), rand(rng, (16, 56), F16, 0.3)
+    out = run_both(SPECS / "mlp2.kspec", X=X, W1=W1, W2=W2)
+    h = f64(_gelu_tanh(0.5 * (f64(X) @ f64(W1).T)).astype(F16))     # h is declared f16
+    assert_close(out["Y"], h @ f64(W2).T, F16)
+
+
+def test_swiglu_mlp():
+    rng = np.random.default_rng(12)
+    X = rand(rng, (20, 32), F16, 0.5)
+    Wg, Wu, Wd = rand(rng, (48, 32), F16, 0.3), rand(rng, (48, 32), F16, 0.3), rand(rng, (24, 48), F16, 0.3)
+    out = run_both(SPECS / "swiglu_mlp.kspec", X=X, Wg=Wg, Wu=Wu, Wd=Wd)
+    g, u = f64(X) @ f64(Wg).T, f64(X) @ f64(Wu).T
+    h = f64((g / (1 + np.exp(-g)) * u).astype(F16))
+    assert_close(out["Y"], h @ f64(Wd).T, F16)
+
+
+def test_linear_shared_weight():
+    rng = np.random.default_rng(13)
+    X, W, bias = rand(rng, (3, 10, 32), F16), rand(rng, (24, 32), F16, 0.3), rand(rng, (24,), F16)
+    out = run_both(SPECS / "linear_shared_weight.kspec", X=X, W=W, bias=bias)
+    want = np.einsum("bsk,nk->bsn", f64(X), f64(W)) + f64(bias)
+    assert out["Y"].shape == (3, 10, 24)
+    assert_close(out["Y"], want, F16)
+
+
+def test_fp8_gemm_cast_bias():
+    rng = np.random.default_rng(14)
+    A, B, bias = rand(rng, (16, 64), E4M3, 2.0), rand(rng, (32, 64), E4M3, 2.0), rand(rng, (32,), BF16, 4.0)
+    out = run_both(SPECS / "fp8_gemm_cast_bias.kspec", A=A, B=B, bias=bias, scale_a=0.5, scale_b=0.25)
+    assert_close(out["D"], 0.125 * (f64(A) @ f64(B).T) + f64(bias), BF16)
+
+
 def test_batched_gemm():
     rng = np.random.default_rng(6)
     A, B = rand(rng, (3, 20, 16), BF16), rand(rng, (3, 16, 12), BF16)
@@ -149,7 +187,8 @@ def test_attention_causal():
 
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
-              "batched_gemm", "attention", "attention_causal"}
+              "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
+              "fp8_gemm_cast_bias"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
 
 

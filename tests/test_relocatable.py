@@ -50,30 +50,49 @@ def _fake_emitted(include_dirs) -> EmittedKernel:
                          flags=("-O3",), dims=("M",), args=("a",))
 
 
+class _FakeBackend:
+    """A stand-in backend whose code generator returns `make()`'s kernel and counts its calls."""
+    name = "fake"
+
+    def __init__(self, make):
+        self.make, self.calls = make, []
+
+    def identity(self) -> str:
+        return "fake 1"
+
+    def emit(self, lowered):
+        self.calls.append(lowered.desc)
+        return self.make()
+
+
+class _Lowered:
+    backend = "fake"
+
+    def __init__(self, desc):
+        self.desc = desc
+
+
 @pytest.fixture
 def memo(tmp_path, monkeypatch):
     """emit_cached with a stand-in code generator whose include dirs are the real CUTLASS ones."""
     pytest.importorskip("cutlass_library")
     import kspec.compile as kc
     from kspec.backends.cutlass import compat
-    calls = []
-
-    def emit(desc):
-        calls.append(desc)
-        return _fake_emitted(compat.cutlass_include_dirs())
-    monkeypatch.setattr(kc, "emit_backend", emit)
-    return kc, compat, calls
+    fake = _FakeBackend(lambda: _fake_emitted(compat.cutlass_include_dirs()))
+    monkeypatch.setattr(kc.registry, "get", lambda name: fake)
+    return kc, compat, fake
 
 
 def test_emit_memo_stores_no_machine_paths(tmp_path, memo, monkeypatch):
-    kc, compat, calls = memo
+    kc, compat, fake = memo
+    calls = fake.calls
     root = tmp_path / "cache"
-    first = kc.emit_cached(("desc", 1), root)
+    first = kc.emit_cached(_Lowered(("desc", 1)), root)
     (entry,) = (root / "emit").glob("*.json")
     text = entry.read_text()
     assert compat.cutlass_source_dir() not in text and "site-packages" not in text
     assert json.loads(text)["include_dirs"] == ["cutlass:include", "cutlass:tools/util/include"]
-    again = kc.emit_cached(("desc", 1), root)
+    again = kc.emit_cached(_Lowered(("desc", 1)), root)
     assert len(calls) == 1 and again == first                 # a memo hit, resolved to this machine's tree
 
     # the same cache read where CUTLASS lives elsewhere: the dirs follow the tree, not the old path
@@ -81,28 +100,30 @@ def test_emit_memo_stores_no_machine_paths(tmp_path, memo, monkeypatch):
     for d in ("include", "tools/util/include"):
         (moved / d).mkdir(parents=True)
     monkeypatch.setattr(compat, "cutlass_source_dir", lambda: str(moved))
-    relocated = kc.emit_cached(("desc", 1), root)
+    relocated = kc.emit_cached(_Lowered(("desc", 1)), root)
     assert len(calls) == 1
     assert relocated.include_dirs == (str(moved / "include"), str(moved / "tools" / "util" / "include"))
 
 
 def test_emit_memo_of_the_old_format_is_a_miss(tmp_path, memo):
-    kc, compat, calls = memo
+    kc, compat, fake = memo
+    calls = fake.calls
     root = tmp_path / "cache"
-    kc.emit_cached(("desc", 2), root)
+    kc.emit_cached(_Lowered(("desc", 2)), root)
     (entry,) = (root / "emit").glob("*.json")
     data = json.loads(entry.read_text())
     data["include_dirs"] = ["/some/other/machine/cutlass/include"]       # what the memo used to hold
     entry.write_text(json.dumps(data))
-    em = kc.emit_cached(("desc", 2), root)
+    em = kc.emit_cached(_Lowered(("desc", 2)), root)
     assert len(calls) == 2 and em.include_dirs == compat.cutlass_include_dirs()
 
 
 def test_include_dirs_outside_cutlass_are_not_memoised(tmp_path, memo, monkeypatch):
-    kc, compat, calls = memo
-    monkeypatch.setattr(kc, "emit_backend", lambda desc: _fake_emitted((str(tmp_path),)))
+    kc, compat, fake = memo
+    calls = fake.calls
+    fake.make = lambda: _fake_emitted((str(tmp_path),))
     root = tmp_path / "cache"
-    assert kc.emit_cached(("desc", 3), root).include_dirs == (str(tmp_path),)
+    assert kc.emit_cached(_Lowered(("desc", 3)), root).include_dirs == (str(tmp_path),)
     assert not list((root / "emit").glob("*.json")) if (root / "emit").exists() else True
 
 

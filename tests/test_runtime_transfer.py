@@ -166,7 +166,7 @@ def test_kspec_run_uploads_col_inputs_column_major(recorder, tmp_path, monkeypat
 
     from kspec.artifact import layout_strides
     from kspec.runtime import DeviceArray, module
-    from kspec.runtime.run import run_on_gpu
+    from kspec.run import run_on_gpu
     from kspec.runtime.transfer import numpy_dtype
 
     root = Path(__file__).resolve().parents[1]

@@ -529,7 +529,13 @@ def test_unknown_schedule_setting():
     assert_error(IDENTITY + "schedule k { tiles = 128x128x64 }\n", 6, 14, "unknown schedule setting 'tiles'",
                  "did you mean `tile`?")
     assert_error(IDENTITY + "schedule k { warps = 4 }\n", 6, 14, "unknown schedule setting 'warps'",
-                 "settings: tile, cluster, stages")
+                 "settings: tile, cluster, stages, backend")
+
+
+def test_backend_setting_takes_a_name_and_sizes_take_numbers():
+    assert_error(IDENTITY + "schedule k { backend = 4 }\n", 6, 14,
+                 "'backend' takes a backend name, like `backend = cutlass`", None)
+    assert_error(IDENTITY + "schedule k { tile = cutlass }\n", 6, 14, "'tile' takes three sizes, not a name", None)
 
 
 def test_setting_given_twice_and_schedule_given_twice():

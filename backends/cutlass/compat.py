@@ -41,7 +41,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from kspec.spec_lang.errors import KspecError, KspecInternalError
+from kspec.core import ARCH_TABLE, KspecError, KspecInternalError
 
 # The nvidia-cutlass releases whose internals this module was written and tested against.
 TESTED_CUTLASS = ((4, 2),)
@@ -49,7 +49,7 @@ SUPPORTED_CC = (90, 100)
 # Used when no nvcc is on PATH (emit-only use): the toolkit kspec's CUDA 13 toolchain ships.
 DEFAULT_NVCC_VERSION = "13.0"
 # Kernels of sm_100a need CUDA >= 12.8; sm_90a WGMMA kernels need >= 12.0.
-_MIN_NVCC = {90: (12, 0), 100: (12, 8)}
+_MIN_NVCC = {a.cc: a.min_nvcc for a in ARCH_TABLE.values()}
 
 
 class CutlassCompatError(KspecError):

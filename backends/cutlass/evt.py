@@ -15,12 +15,12 @@ further (aux stores, reductions) is computed once.  Must run inside `compat.offl
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from kspec.backends.desc import Accum, Const, EpiExpr, GemmDesc, Load, Op, ReductionStore, Store
-from kspec.spec_lang.errors import KspecError
+from kspec.core import KspecError, KspecInternalError
+from kspec.core import check_ident as _core_check_ident
 
 from . import compat
 
@@ -28,7 +28,6 @@ from . import compat
 # and > 1 so each dynamic stride value maps back to exactly one symbolic expression.
 _EX_M, _EX_N, _EX_L_BATCHED = 384, 640, 3
 _STRIDE_EXPR = {_EX_N: "N", _EX_M: "M", _EX_M * _EX_N: "M * N"}
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 _BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
 _UNARY_ACT = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
@@ -40,10 +39,8 @@ _STORE_DTYPES = ("f16", "bf16", "f32", "f8e4m3", "f8e5m2")
 
 
 def check_ident(name: str, what: str) -> str:
-    """Descriptor names are sanitized upstream; still refuse anything that is not an identifier."""
-    if not isinstance(name, str) or not _IDENT.match(name):
-        raise KspecError(f"{what} name {name!r} is not a C identifier (the compiler must sanitize names)")
-    return name
+    """Descriptor names are sanitized upstream; anything else is a kspec bug."""
+    return _core_check_ident(name, what)
 
 
 @dataclass
@@ -323,7 +320,7 @@ def _stride_value(impl: Any) -> str:
         else:
             expr = _STRIDE_EXPR.get(v)
             if expr is None:
-                raise KspecError(f"internal: unexpected epilogue stride {v} for node {impl.name}")
+                raise KspecInternalError(f"unexpected epilogue stride {v} for node {impl.name}")
             parts.append(f"static_cast<{impl.stride_dtype}>({expr})")
     return f"cute::make_stride({', '.join(parts)})"
 
@@ -398,4 +395,4 @@ def _leaf_args(meta: Any, kspec_of: dict[str, str], names: ArgNames) -> str:
         return f"{{ptrs[{names.ptr_index[name]}], {identity}, {_stride_value(impl)}}}"
     if isinstance(impl, sn.AuxStoreImpl):
         return f"{{{ptr(False)}, {_stride_value(impl)}}}"
-    raise KspecError(f"internal: no argument printer for EVT node {meta.name} ({type(impl).__name__})")
+    raise KspecInternalError(f"no argument printer for EVT node {meta.name} ({type(impl).__name__})")

@@ -1,11 +1,15 @@
 """C++ the CUTLASS host glues share to turn CUTLASS's silent host failures into errors.
 
-CUTLASS encodes TMA descriptors on the host through `cuTensorMapEncodeTiled` and, when that fails,
+CUTLASS encodes TMA descriptors on the host (`to_underlying_arguments`) and, when an encode fails,
 only prints and `assert()`s -- compiled out by -DNDEBUG, so a kernel would launch with an unset
 descriptor (and an enabled assert would abort the caller's Python process).  `TMA_HOOK` routes
-every encode through `kspec_tma`, which records the driver's status, so `kspec_prepare` can fail
-with the argument's ABI position and the CUresult instead.  Include it before any CUTLASS header.
+every encode through `kspec_tma`, which records the status, so `kspec_prepare` fails with the
+argument's ABI position and the CUresult instead (`TMA_CHECK`).  The chain of a call:
+CUTLASS -> kspec_tma::encode_* (records) -> cutlass::call_* -> cuTensorMapEncodeTiled, which
+tma_hook.py defines (an installed encoder, e.g. the fake driver's, else the driver's).
+Include TMA_HOOK after tma_hook.PRELUDE and before any other CUTLASS header.
 """
+
 
 # The hook replaces the CUTLASS_CUDA_DRIVER_WRAPPER_CALL macro after cuda_host_adapter.hpp defined
 # it and before the TMA headers use it (they expand it when they are parsed).

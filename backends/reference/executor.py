@@ -69,21 +69,23 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
             x = to_compute(x)
             if op(g, u).dtype == "tf32":
                 x = round_tf32(x)
-            prep.append(x)
+            # sums depend on memory order; contiguous operands make the rounding a function of the
+            # values alone, so fused and unfused schedules (different buffer layouts) agree bitwise
+            prep.append(np.ascontiguousarray(x))
         spec = f"{''.join(letters[l] for l in la)},{''.join(letters[l] for l in lb)}->" \
                f"{''.join(letters[l] for l in o.axes)}"
         return to_storage(np.einsum(spec, *prep, optimize=True), o.dtype)
     if o.kind == "reduction":
         (u, labels), = ins
         x = to_compute(values[u])
-        x = _align(x, labels, o.axes + o.reduced)
+        x = np.ascontiguousarray(_align(x, labels, o.axes + o.reduced))
         red = tuple(range(len(o.axes), len(o.axes) + len(o.reduced)))
         fn = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}[o.fn]
         out = fn(x, axis=red)
         return to_storage(out, o.dtype)
     if o.kind == "softmax":
         (u, labels), = ins
-        x = _align(to_compute(values[u]), labels, o.axes)
+        x = np.ascontiguousarray(_align(to_compute(values[u]), labels, o.axes))
         causal = o.axes.index(o.causal) if o.causal else None
         return to_storage(_softmax(x, o.axes.index(o.fn), causal), o.dtype)
     if o.kind in ("elementwise", "broadcast", "cast"):

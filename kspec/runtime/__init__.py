@@ -7,11 +7,11 @@
 See `kspec.runtime.module` for the calling convention (streams, outputs, capture) and
 `kspec.runtime.tensors` for the accepted tensor kinds.
 """
-from kspec.runtime.driver import DeviceArray, from_numpy
+from kspec.runtime.driver import DeviceArray
 from kspec.runtime.errors import KspecRuntimeError
 from kspec.runtime.module import Binding, Kernel, Module, load
 from kspec.runtime.tensors import DeviceBuffer
-from kspec.runtime.transfer import from_device, to_device
+from kspec.runtime.transfer import from_device, from_numpy, to_device
 
 
 def cuda_available() -> tuple[bool, str]:

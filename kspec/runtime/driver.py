@@ -35,6 +35,22 @@ def get() -> "Driver":
         return _driver
 
 
+@contextmanager
+def use(drv) -> Iterator[Any]:
+    """Make `get()` return `drv` inside the block and restore the previous driver after.
+
+    The one injection point for a stand-in driver: `kspec.runtime.fakedriver.FakeDriver` records
+    every launch on a machine without a GPU (tests, `kspec selftest --fake`)."""
+    global _driver
+    with _lock:
+        previous, _driver = _driver, drv
+    try:
+        yield drv
+    finally:
+        with _lock:
+            _driver = previous
+
+
 def _cu():
     from cuda.bindings import driver as cu  # deferred: importing must not need libcuda
     return cu
@@ -306,7 +322,7 @@ class DeviceArray:
         order) and element size, placed at this array's strides (so `col` arrays get column-major
         bytes; see kspec.runtime.transfer)."""
         import numpy as np
-        from kspec.runtime.transfer import host_image
+        from kspec.runtime.hostimage import host_image
         a = np.asarray(array)
         if a.shape != self.shape and a.size == math.prod(self.shape):
             a = a.reshape(self.shape)
@@ -356,12 +372,5 @@ def _span_bytes(shape, strides, item) -> int:
 
 
 def _numpy_dtype(name: str):
-    from kspec.runtime.transfer import numpy_dtype
+    from kspec.runtime.hostimage import numpy_dtype
     return numpy_dtype(name)
-
-
-def from_numpy(array, dtype: str | None = None, *, layout: str = "row", device: int = 0) -> DeviceArray:
-    """A new DeviceArray holding a copy of a host numpy array in `layout` ("row" or "col"; see
-    kspec.runtime.to_device, which also takes a TensorSpec).  Blocking; for tests and scripts."""
-    from kspec.runtime.transfer import to_device
-    return to_device(array, layout, dtype=dtype, device=device)

@@ -111,6 +111,30 @@ extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const doubl
 
 SOURCES = {"scale_add_0": SCALE_ADD_SRC, "affine": AFFINE_SRC}
 
+# The semantics of the fixture's kernels as a spec, so `kspec selftest` can compare them with the reference.
+FIXTURE_SPEC = """# plain-CUDA runtime fixture (kspec.runtime.selftest)
+kernel scale_add {
+  in  A : f32[M, N]
+  in  B : f32[M, N] col
+  param alpha : f32 = 2.0
+  out D : f32[M, N]
+  out rmax : f32[M]
+
+  D[m, n] = alpha * A[m, n] + B[m, n]
+  rmax[m] = max(n) D[m, n]
+}
+
+kernel two_step {
+  in  X : f32[N]
+  param scale : f32
+  param shift : f32 = 1.0
+  out Y : f32[N]
+
+  t[n] = scale * X[n]
+  Y[n] = t[n] + shift
+}
+"""
+
 
 def _run(cmd: list[str]) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -168,7 +192,7 @@ def build_fixture(out: str | os.PathLike, archs: tuple[str, ...] = ("sm90a",), *
                Plan("two_step_1", "elementwise", (("d0", "N"),), ("t", "Y"), (1.0, "shift"), {}, {},
                     dict(bins["affine"]))))
     spec = d / "fixture.kspec"
-    spec.write_text("# plain-CUDA runtime fixture (kspec.runtime.selftest)\n")
+    spec.write_text(FIXTURE_SPEC)
     from kspec.artifact import sha256_file
     manifest = Manifest(spec=SpecRef("fixture.kspec", sha256_file(spec)), archs=tuple(archs),
                         kernels=(scale_add, two_step), toolchain={"nvcc": "fixture"})

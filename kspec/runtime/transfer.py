@@ -14,50 +14,12 @@ is what an upload copies, and needs no GPU.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from kspec.artifact import LAYOUTS, TensorSpec, layout_strides
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
-
-
-def numpy_dtype(name: str):
-    """The numpy dtype holding a kspec dtype's storage (bf16 and fp8 need ml_dtypes, imported only
-    here and only for them)."""
-    import numpy as np
-    name = dtypes.storage(name)
-    if name in ("bf16", "f8e4m3", "f8e5m2"):
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise KspecRuntimeError(f"host arrays of {name} need the ml_dtypes package",
-                                    hint="pip install ml_dtypes") from None
-        return np.dtype({"bf16": ml_dtypes.bfloat16, "f8e4m3": ml_dtypes.float8_e4m3fn,
-                         "f8e5m2": ml_dtypes.float8_e5m2}[name])
-    return np.dtype({"f16": np.float16, "f32": np.float32, "i8": np.int8, "i32": np.int32}[name])
-
-
-def span_elements(shape, strides) -> int:
-    """Elements of memory a dense tensor of these extents and (non-negative) strides covers."""
-    if math.prod(shape) == 0:
-        return 0
-    return sum((int(n) - 1) * int(s) for n, s in zip(shape, strides)) + 1
-
-
-def host_image(array: Any, strides, what: str = "array"):
-    """The flat host buffer an upload copies: `array`'s values placed at element `strides` (so
-    `as_strided(image, array.shape, strides * itemsize)` reads back `array`)."""
-    import numpy as np
-    a = np.asarray(array)
-    strides = tuple(int(s) for s in strides)
-    if len(strides) != a.ndim or any(s < 0 for s in strides):
-        raise KspecRuntimeError(f"{what}: strides {strides} do not fit an array of shape {a.shape}")
-    image = np.zeros(span_elements(a.shape, strides), dtype=a.dtype)
-    if a.size:
-        view = np.lib.stride_tricks.as_strided(image, a.shape, tuple(s * a.dtype.itemsize for s in strides))
-        view[...] = a
-    return image
+from kspec.runtime.hostimage import host_image, numpy_dtype, span_elements  # noqa: F401
 
 
 def _layout_and_dtype(spec_or_layout: Any, dtype: Any) -> tuple[str, str | None, str]:
@@ -111,3 +73,9 @@ def from_device(x: Any):
             return bits.view(numpy_dtype(name))
         return t.numpy()
     raise KspecRuntimeError(f"from_device: expected a DeviceArray or a torch tensor, got {type(x).__name__}")
+
+
+def from_numpy(array, dtype: str | None = None, *, layout: str = "row", device: int = 0):
+    """A new DeviceArray holding a copy of a host numpy array in `layout` ("row" or "col"; see
+    `to_device`, which also takes a TensorSpec).  Blocking; for tests and scripts."""
+    return to_device(array, layout, dtype=dtype, device=device)

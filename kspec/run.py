@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kspec.core import KspecError
+from kspec.core import KspecError, select_archs
 
 # max |gpu - ref| / max(1, max |ref|) allowed per output dtype (the reference rounds per node, the
 # GPU keeps epilogue values in registers and accumulates in a different order)
@@ -28,7 +28,6 @@ def relative_error(got, ref) -> float:
 
 def run_on_gpu(args, sizes: dict[str, int]) -> int:
     from kspec.backends.reference import reference
-    from kspec.cli import random_inputs
     from kspec.runtime import cuda_available, from_device, load
     from kspec.spec_lang import load_spec
 
@@ -44,10 +43,9 @@ def run_on_gpu(args, sizes: dict[str, int]) -> int:
             raise KspecError(f"{path} holds no copy of its spec, so there is no reference to compare with")
         spec_path = specs[0]
     else:
-        from kspec.cli import _archs
         from kspec.compile import Progress, compile_spec
         spec_path = path
-        artifact = compile_spec(path, _archs(args.arch, load_spec(path)), args.output or "build", args.kernel,
+        artifact = compile_spec(path, select_archs(args.arch, load_spec(path).targets), args.output or "build", args.kernel,
                                 progress=Progress())
     program = load_spec(spec_path)
     mod = load(artifact)
@@ -69,3 +67,27 @@ def run_on_gpu(args, sizes: dict[str, int]) -> int:
                 status = 1
             print(f"  {out.name}: max relative error {err:.3g} (tolerance {tol:g}) {verdict}")
     return status
+
+
+def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
+    """Random arrays for every input of a kernel, at the given symbol sizes (default 64)."""
+    import numpy as np
+
+    from kspec.backends.reference.numerics import is_int, to_storage
+    rng = np.random.default_rng(seed)
+    out = {}
+    fixed = dict(kernel.bindings)
+    for t in kernel.inputs:
+        shape = []
+        for d in t.shape:
+            if isinstance(d, int):
+                shape.append(d)
+            elif d in fixed:
+                shape.append(fixed[d])
+            else:
+                shape.append(sizes.get(d, 64))
+        if is_int(t.dtype):
+            out[t.name] = rng.integers(-4, 5, size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
+        else:
+            out[t.name] = to_storage(rng.standard_normal(shape).astype(np.float32), t.dtype)
+    return out

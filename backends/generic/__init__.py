@@ -9,23 +9,27 @@ Spec names never appear: buffers are `t0`, `t1`, ... and values `v0`, `v1`, ...
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import networkx as nx
 
-from kspec.compiler import KernelPlan, KernelSchedule, op, operands
-from kspec.core import ABI_VERSION
-
-from .desc import EmittedKernel
-from .lower import KspecLoweringError, LoweredPlan, _Names
+from kspec.backends.api import Capabilities, LoweredPlan
+from kspec.backends.desc import EmittedKernel
+from kspec.backends.names import Names
+from kspec.compiler.graph import op, operands
+from kspec.compiler.kir import KINDS, KernelIR
+from kspec.core import ABI_VERSION, ARCHS, INT_DTYPES, KspecError, KspecInternalError, check_ident
 
 BLOCK = 256
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class KspecLoweringError(KspecError):
+    """A kernel the plain-CUDA generator cannot express (named with the kernel and arch)."""
+
 
 _CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float", "tf32": "float", "f8e4m3": "__nv_fp8_e4m3",
           "f8e5m2": "__nv_fp8_e5m2", "i8": "int8_t", "i32": "int32_t"}
-_INT = ("i8", "i32")
+_INT = INT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,9 @@ _FN = {
 
 
 class _Gen:
-    def __init__(self, sched: KernelSchedule, plan: KernelPlan, arch: str):
-        self.s, self.plan, self.arch, self.g = sched, plan, arch, sched.graph
-        self.names = _Names()
+    def __init__(self, ir: KernelIR, arch: str):
+        self.ir, self.arch, self.g = ir, arch, ir.graph()
+        self.names = Names()
         self.scalars: dict[str, object] = {}
         self.dim_of: dict[str, str] = {}          # label -> d<i>
         self.dim_values: list[tuple[str, object]] = []
@@ -95,7 +99,7 @@ class _Gen:
 
     def offset(self, buffer: str, labels: tuple[str, ...]) -> str:
         """Element offset of buffer[labels] from the index variables i_<d>."""
-        b = self.s.buffers[buffer]
+        b = self.ir.buffer(buffer)
         order = list(range(len(labels)))
         if b.layout == "col" and len(order) >= 2:
             order[-1], order[-2] = order[-2], order[-1]
@@ -121,11 +125,13 @@ class _Gen:
                 return "(-INFINITY)" if v < 0 else ("INFINITY" if v > 0 else "NAN")
             return f"{float(v)!r}f"
         if o.kind == "param":
-            c = self.names(o.name)
-            self.scalars[c] = o.name
+            c = self.names(o.buffer)
+            self.scalars[c] = o.buffer
             return f"(float)p.scalar[{{{c}}}]" if o.dtype not in _INT else f"(long long)p.scalar[{{{c}}}]"
-        buf = self.s.value_buffer[n]
-        return _load(self.s.buffers[buf].dtype, f"p.ptr[{{{self.ptr(buf)}}}]", self.offset(buf, labels))
+        if o.kind != "input":
+            raise KspecInternalError(f"value {n} is neither computed in the kernel nor loaded")
+        buf = o.buffer
+        return _load(self.ir.buffer(buf).dtype, f"p.ptr[{{{self.ptr(buf)}}}]", self.offset(buf, labels))
 
     def node_expr(self, n, local: dict) -> str:
         o = op(self.g, n)
@@ -145,11 +151,12 @@ def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str) -> list[str]:
     return out
 
 
-def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:
-    g = sched.graph
-    gen = _Gen(sched, plan, arch)
-    nodes = [n for n in nx.topological_sort(g.subgraph(plan.group.nodes)) if op(g, n).kind != "const"]
-    leaving = [n for n in nodes if any(s not in plan.group.nodes for s in g.successors(n))]
+def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
+    gen = _Gen(ir, arch)
+    g = gen.g
+    plan_id = ir.id
+    nodes = [o.id for o in ir.internal if o.kind != "const"]
+    leaving = [n for n in nodes if ir.stores_of(n)]
     softmaxes = [n for n in nodes if op(g, n).kind == "softmax"]
     root = softmaxes[0] if softmaxes else (leaving[-1] if leaving else nodes[-1])
     ro = op(g, root)
@@ -166,7 +173,7 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
     loop_nodes = [n for n in nodes if op(g, n).kind in ("softmax", "reduction")]
     after = [n for n in nodes if loop_nodes and n in nx.descendants(g, loop_nodes[0])]
     if loop_nodes and (len(loop_nodes) > 1 or (op(g, loop_nodes[0]).kind == "reduction" and after)):
-        raise KspecLoweringError(f"plan {plan.id}: the CUDA backend runs one reduction or softmax per kernel, "
+        raise KspecLoweringError(f"plan {plan_id}: the CUDA backend runs one reduction or softmax per kernel, "
                                  "and a reduction as the kernel's only result", op(g, loop_nodes[0]).span)
     # elementwise nodes feeding a reduction/softmax are recomputed inside its loops
     gen.inline = set(nodes) - set(loop_nodes) - set(after) if loop_nodes else set()
@@ -185,10 +192,11 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
             ctype = "long long" if o.dtype in _INT else "float"
             if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
                 body.extend(_reduce_into(gen, n, v))
-            elif o.kind in ("elementwise", "broadcast", "cast") and (set(o.axes) == set(space) or not o.axes):
+            elif o.kind in ("elementwise", "broadcast", "cast") and set(o.axes) <= set(space):
+                # (a value over fewer axes, e.g. a cast bias vector, is recomputed per element)
                 body.append(f"{ctype} {v} = {_round(o.dtype, gen.node_expr(n, local))};")
             else:
-                raise KspecLoweringError(f"plan {plan.id}: the CUDA backend cannot run a "
+                raise KspecLoweringError(f"plan {plan_id}: the CUDA backend cannot run a "
                                          f"{'+'.join(sorted(kinds))} group", o.span)
             local[n] = v
         for n in leaving:
@@ -201,20 +209,15 @@ def lower_generic(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
         text = text.replace(f"{{{c}}}", str(i))
     for i, c in enumerate(scalars):
         text = text.replace(f"{{{c}}}", str(i))
-    desc = GenericDesc(name=f"k_{plan.id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
+    desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dim_values), threads=threads)
-    return LoweredPlan(plan, arch, desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
+    return LoweredPlan(ir, arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
 
 
 def _stores(gen: _Gen, n, value: str, body: list[str]) -> None:
-    g, s = gen.g, gen.s
-    o = op(g, n)
-    for t in s.stores(n):
-        labels = o.axes
-        for x in g.successors(n):
-            if op(g, x).kind == "output" and op(g, x).name == t:
-                labels = operands(g, x)[0][1]
-        b = s.buffers[t]
+    for t in gen.ir.stores_of(n):
+        labels = gen.ir.store_labels(n, t)
+        b = gen.ir.buffer(t)
         body.append(_store(b.dtype, f"p.ptr[{{{gen.ptr(t)}}}]", gen.offset(t, labels), value))
 
 
@@ -368,8 +371,7 @@ extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const doubl
 
 def emit_generic(desc: GenericDesc) -> EmittedKernel:
     for name in (desc.name, *desc.args, *desc.scalars, *desc.dims):
-        if not _IDENT.match(name):
-            raise KspecLoweringError(f"invalid identifier {name!r} in generated kernel")
+        check_ident(name, "generated kernel")
     sizes = {"nptr": max(1, len(desc.args)), "ndim": max(1, len(desc.dims)), "nscalar": max(1, len(desc.scalars)),
              "nptr_real": len(desc.args), "ndim_real": len(desc.dims), "nscalar_real": len(desc.scalars),
              "block": BLOCK, "body": desc.body, "threads": desc.threads, "abi": ABI_VERSION}
@@ -378,3 +380,56 @@ def emit_generic(desc: GenericDesc) -> EmittedKernel:
     return EmittedKernel(name=desc.name, arch=desc.arch, source=source, include_dirs=(),
                          flags=("-std=c++17", "-O3"), dims=desc.dims, args=desc.args, scalars=desc.scalars,
                          alignment=tuple((a, 1) for a in desc.args), config=(("kind", "generic"), ("block", str(BLOCK))))
+
+
+class GenericBackend:
+    """Plain CUDA loop kernels for every kernel IR: the backend of last resort.  Elementwise kernels
+    are what it is for; any other kind it runs is reported as a fallback (and refused by --strict)."""
+    name = "generic"
+    capabilities = Capabilities(archs=ARCHS, kinds=("elementwise",),
+                                fallback_kinds=tuple(k for k in KINDS if k != "elementwise"))
+
+    def available(self) -> str | None:
+        from kspec.backends.toolchain import find_toolchain_or_reason
+        return find_toolchain_or_reason()
+
+    def identity(self) -> str:
+        return "kspec-generic 1"
+
+    def can_implement(self, ir: KernelIR, arch: str) -> str | None:
+        if arch not in ARCHS:
+            return f"the generic backend does not target {arch}"
+        if ir.kind == "attention":
+            return "fused attention has no loop-kernel form (the unfused plan is used instead)"
+        if ir.kind == "gemm" and ir.epilogue.reductions:
+            return (f"it cannot fuse the epilogue reduction into {ir.epilogue.reductions[0].name} (use operand "
+                    "dtypes a tensor-core backend takes, or reduce a stored result in a statement of its own)")
+        loops = [o for o in ir.internal if o.kind in ("softmax", "reduction")]
+        if len(loops) > 1:
+            return "it runs one reduction or softmax per kernel"
+        return None
+
+    def is_fallback(self, ir: KernelIR) -> str | None:
+        if ir.kind == "elementwise":
+            return None
+        return {"gemm": "a naive loop GEMM (one thread per output element, no tensor cores)",
+                "contraction": "a naive loop contraction (one thread per output element)",
+                "reduction": "a loop reduction (one thread per output element)",
+                "softmax": "a loop softmax (one thread per row, three passes over memory)"}.get(
+                    ir.kind, f"a loop {ir.kind} kernel")
+
+    def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
+        return (("block", str(BLOCK)),)
+
+    def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
+        return [self.default_config(ir, arch)]
+
+    def lower(self, ir: KernelIR, arch: str) -> LoweredPlan:
+        return lower_generic(ir, arch)
+
+    def emit(self, lowered: LoweredPlan) -> EmittedKernel:
+        return emit_generic(lowered.desc)
+
+    def build_jobs(self, emitted, label: str) -> list:
+        from kspec.backends.build import nvcc_jobs
+        return nvcc_jobs(emitted, label, self.identity())

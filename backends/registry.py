@@ -1,0 +1,136 @@
+"""The backend registry: which backends exist, in which order kspec prefers them, and the planner
+the compiler asks (`Planner` implements `compiler.kir.Oracle`).
+
+Adding a backend = one folder under `backends/` with a class following `backends.api.Backend`,
+plus one entry below.  Nothing is imported until it is used.
+
+Preference order (the first backend whose `can_implement(ir, arch)` is None builds the kernel):
+    cutlass   CUTLASS C++ (cutlass_cppgen + nvcc): tensor-core GEMMs with EVT epilogues, fused attention
+    generic   plain CUDA loop kernels: elementwise kernels, and the fallback for everything else
+A kernel that only the generic backend can build as a loop kernel (a GEMM it cannot put on tensor
+cores, a softmax, ...) is a *fallback*: `kspec graph`/`compile` print it with the reasons the
+faster backends gave, and `--strict` turns it into an error.
+"""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+from kspec.compiler.kir import BackendChoice, KernelIR
+from kspec.core import KspecError
+
+from .api import Backend
+
+# name -> (module, class); the order is the preference order
+_ENTRIES: tuple[tuple[str, str, str], ...] = (
+    ("cutlass", "kspec.backends.cutlass.backend", "CutlassBackend"),
+    ("generic", "kspec.backends.generic", "GenericBackend"),
+)
+PREFERENCE: tuple[str, ...] = tuple(n for n, _, _ in _ENTRIES)
+
+
+@lru_cache(maxsize=None)
+def get(name: str) -> Backend:
+    for n, module, cls in _ENTRIES:
+        if n == name:
+            return getattr(importlib.import_module(module), cls)()
+    raise KspecError(f"unknown backend '{name}'", hint=f"backends: {', '.join(PREFERENCE)}")
+
+
+def backends() -> list[Backend]:
+    return [get(n) for n in PREFERENCE]
+
+
+def get_checked(name: str, ir: KernelIR) -> Backend:
+    """get(name), with an unknown name reported at the kernel that pins it."""
+    try:
+        return get(name)
+    except KspecError as e:
+        raise KspecError(f"kernel {ir.spec_kernel}: {e.message}", ir.span, e.hint) from None
+
+
+def _kinds(b: Backend) -> tuple[str, ...]:
+    return b.capabilities.kinds + b.capabilities.fallback_kinds
+
+
+class Planner:
+    """What the compiler asks while fusing and scheduling (compiler.kir.Oracle).
+
+    pinned: a backend every kernel must use (`--backend NAME`); a spec's `backend = NAME`
+    schedule setting pins one kernel.  strict: a fallback is an error instead of a note."""
+
+    def __init__(self, pinned: str | None = None, strict: bool = False):
+        if pinned is not None:
+            get(pinned)                      # unknown names fail here, before any planning
+        self.pinned = pinned
+        self.strict = strict
+
+    def _fast(self) -> list[Backend]:
+        """The backends that may implement fused kernels (not the loop-kernel fallback)."""
+        fast = [b for b in backends() if not b.capabilities.fallback_kinds]
+        if self.pinned and get(self.pinned) in fast:
+            return [get(self.pinned)]
+        return fast
+
+    def epilogue_fns(self, archs: tuple[str, ...]) -> frozenset[str] | None:
+        """Elementwise fns some GEMM backend fuses into epilogues on every arch (None: no limit known)."""
+        sets = []
+        for arch in archs:
+            s: set[str] = set()
+            for b in self._fast():
+                if arch in b.capabilities.archs and "gemm" in b.capabilities.kinds:
+                    s |= b.capabilities.epilogue_fns
+            sets.append(s)
+        return frozenset(set.intersection(*sets)) if sets else frozenset()
+
+    def epilogue_reductions(self, archs: tuple[str, ...]) -> frozenset[str]:
+        sets = []
+        for arch in archs:
+            s: set[str] = set()
+            for b in self._fast():
+                if arch in b.capabilities.archs and "gemm" in b.capabilities.kinds:
+                    s |= b.capabilities.epilogue_reductions
+            sets.append(s)
+        return frozenset(set.intersection(*sets)) if sets else frozenset()
+
+    def can_fuse(self, ir: KernelIR, archs: tuple[str, ...]) -> str | None:
+        """None when a non-fallback backend implements this candidate kernel on every arch."""
+        for arch in archs:
+            reasons = []
+            for b in self._fast():
+                why = b.can_implement(ir, arch)
+                if why is None:
+                    break
+                reasons.append(f"{b.name}: {why}")
+            else:
+                return f"{arch}: " + "; ".join(reasons or ["no backend"])
+        return None
+
+    def choose(self, ir: KernelIR, arch: str) -> BackendChoice:
+        pin = self.pinned or ir.hint(arch).backend
+        # a pin applies to the kinds of kernel the pinned backend builds at all; other kernels of
+        # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
+        if pin and ir.kind in _kinds(get_checked(pin, ir)):
+            b = get(pin)
+            why = b.can_implement(ir, arch)
+            if why:
+                raise KspecError(f"backend {pin} cannot build kernel {ir.id} ({ir.kind}) on {arch}: {why}", ir.span,
+                                 "drop the backend pin to let kspec choose")
+            return self._choice(b, ir, arch, ())
+        rejected: list[tuple[str, str]] = []
+        for b in backends():
+            why = b.can_implement(ir, arch)
+            if why is None:
+                return self._choice(b, ir, arch, tuple(rejected))
+            rejected.append((b.name, why))
+        raise KspecError(f"no backend can build kernel {ir.id} ({ir.kind}) on {arch}: "
+                         + "; ".join(f"{n}: {w}" for n, w in rejected), ir.span)
+
+    def _choice(self, b: Backend, ir: KernelIR, arch: str, rejected) -> BackendChoice:
+        fallback = b.is_fallback(ir)
+        if fallback and rejected:
+            fallback += " because " + "; ".join(f"{n}: {w}" for n, w in rejected)
+        if fallback and self.strict:
+            raise KspecError(f"kernel {ir.id} ({ir.kind}) on {arch} would run as {fallback}", ir.span,
+                             "--strict forbids loop-kernel fallbacks; change the spec, or drop --strict")
+        return BackendChoice(b.name, ir.kind, fallback, b.default_config(ir, arch), tuple(rejected))

@@ -1,0 +1,75 @@
+"""Prebuild every shipped spec for sm90a and sm100a on a CPU machine, for bench/gpu_check.sh.
+
+    python bench/prebuild.py [-o bench/prebuilt] [--arch sm90a,sm100a] [-j JOBS] [--wheels]
+
+Writes one artifact folder per spec into OUT (default bench/prebuilt/, ignored by git), plus
+OUT/SIZES.txt with the folder sizes; fails if the whole folder exceeds 60 MiB.  Needs nvcc and
+nvidia-cutlass (compiles are cached in $KSPEC_CACHE_DIR, so a rebuild after a small change is quick).
+
+With --wheels it also downloads, into .whl/ (ignored), the pure-Python wheels the GPU machine may
+lack for `kspec selftest` (lark; networkx, ml_dtypes and pytest are looked up by the script there
+and installed from .whl/ only when missing): `pip download --only-binary=:all:` for CPython 3.12
+manylinux x86-64, the GPU machine's Python.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 60 << 20
+WHEELS = ("lark", "networkx", "ml_dtypes", "pytest", "iniconfig", "pluggy", "packaging")
+
+
+def folder_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def download_wheels(dest: Path) -> int:
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+           "--platform", "manylinux2014_x86_64", "-d", str(dest), *WHEELS]
+    return subprocess.run(cmd).returncode
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-o", "--output", default=str(ROOT / "bench" / "prebuilt"))
+    ap.add_argument("--arch", default="sm90a,sm100a")
+    ap.add_argument("-j", "--jobs", type=int, default=None)
+    ap.add_argument("--only", help="comma-separated spec stems (default: every spec in specs/)")
+    ap.add_argument("--wheels", action="store_true", help="also download the wheels gpu_check.sh may need into .whl/")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from kspec.compile import compile_spec
+    from kspec.core import normalize_arch
+    archs = tuple(normalize_arch(a) for a in args.arch.split(","))
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    stems = args.only.split(",") if args.only else sorted(p.stem for p in (ROOT / "specs").glob("*.kspec"))
+    lines = []
+    for stem in stems:
+        t0 = time.time()
+        art = compile_spec(ROOT / "specs" / f"{stem}.kspec", archs, out, jobs=args.jobs)
+        size = folder_bytes(art)
+        lines.append(f"{stem:<28} {size / 2**20:7.2f} MiB  ({time.time() - t0:.0f} s)")
+        print(lines[-1], flush=True)
+    total = folder_bytes(out)
+    lines.append(f"{'total':<28} {total / 2**20:7.2f} MiB  (archs {', '.join(archs)})")
+    (out / "SIZES.txt").write_text("\n".join(lines) + "\n")
+    print(lines[-1])
+    rc = 0
+    if total > LIMIT:
+        print(f"prebuild: {out} is {total / 2**20:.1f} MiB, over the {LIMIT >> 20} MiB the GPU machine accepts")
+        rc = 1
+    if args.wheels:
+        rc = download_wheels(ROOT / ".whl") or rc
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Fused group + buffer assignment -> `KernelIR` (compiler/kir.py).
+
+This is where the compiler's graph stops: everything a backend needs is copied into the IR, with
+buffers named as the schedule names them.  GEMM epilogues become expression DAGs; attention groups
+get their structure (operands, axes, scale, head dims) so backends decide what they can run.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import networkx as nx
+
+from kspec.core import KspecError, KspecInternalError
+
+from .canon import GemmInfo
+from .graph import op, operands
+from .kir import (Accum, ArchHint, AttentionStructure, Const, EpiExpr, Epilogue, GemmStructure, IRBuffer, IROp,
+                  KernelIR, Load, Op, ReductionStore, Store)
+
+
+def _order(n) -> int:
+    s = str(n)
+    return int(s[1:]) if s[1:].isdigit() else 0
+
+
+def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Callable[[object], str],
+             buffer_info: Callable[[str], IRBuffer], stores: list[tuple[object, str]],
+             hints: tuple[tuple[str, ArchHint], ...] = ()) -> KernelIR:
+    """group: a fusion Group; buffer_of(node) -> the buffer holding an outside value;
+    buffer_info(name) -> its IRBuffer; stores: (node, buffer) for the values leaving the group."""
+    nodes = set(group.nodes)
+    ops: list[IROp] = []
+    made: set = set()
+    bufs: dict[str, IRBuffer] = {}
+
+    def use_buffer(name: str) -> None:
+        if name not in bufs:
+            bufs[name] = buffer_info(name)
+
+    def external(u) -> None:
+        if u in made:
+            return
+        o = op(g, u)
+        made.add(u)
+        if o.kind == "const":
+            ops.append(IROp(str(u), "const", o.dtype, o.axes, tuple(o.shape), value=o.value, span=o.span))
+            return
+        name = buffer_of(u)
+        use_buffer(name)
+        b = bufs[name]
+        kind = "param" if b.role == "param" else "input"
+        ops.append(IROp(str(u), kind, b.dtype, o.axes, tuple(o.shape), name=o.name, layout=b.layout, buffer=name,
+                        span=o.span))
+
+    order = list(nx.lexicographical_topological_sort(g.subgraph(nodes), key=_order))
+    for n in order:
+        for u, _ in operands(g, n):
+            if u not in nodes:
+                external(u)
+    for n in order:
+        o = op(g, n)
+        ops.append(IROp(str(n), o.kind, o.dtype, o.axes, tuple(o.shape),
+                        args=tuple((str(u), tuple(l)) for u, l in operands(g, n)), fn=o.fn, name=o.name,
+                        reduced=o.reduced, reduced_shape=tuple(o.reduced_shape), value=o.value, causal=o.causal,
+                        layout=o.layout, span=o.span))
+    for _, b in stores:
+        use_buffer(b)
+    gemm = epilogue = attention = None
+    if group.kind == "gemm":
+        gemm, epilogue = _gemm(g, group, buffer_of, stores, bufs, use_buffer)
+    elif group.kind == "attention":
+        attention = _attention(g, group, buffer_of, stores, bufs)
+    anchor = group.anchor if group.anchor is not None else order[-1]
+    return KernelIR(plan_id, group.kind, spec_kernel, tuple(bufs.values()), tuple(ops),
+                    tuple((str(n), b, _store_labels(g, n, b)) for n, b in stores), gemm, epilogue, attention, hints,
+                    op(g, anchor).span)
+
+
+def _store_labels(g, n, buffer_name: str) -> tuple[str, ...]:
+    """The labels under which the buffer's axes hold n's value: an output node may read n under
+    permuted labels (a transposed output); any other buffer holds n in its own axis order."""
+    for s in g.successors(n):
+        so = op(g, s)
+        if so.kind == "output" and so.name == buffer_name:
+            (_, labels), = [(u, l) for u, l in operands(g, s) if u == n]
+            return tuple(labels)
+    return tuple(op(g, n).axes)
+
+
+def _extent(g, node, label):
+    o = op(g, node)
+    return dict(zip(o.axes, o.shape))[label]
+
+
+def _batch_extent(g, node, labels):
+    ext = [_extent(g, node, l) for l in labels]
+    if not ext:
+        return 1
+    return ext[0] if len(ext) == 1 else tuple(ext)
+
+
+def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
+    gi: GemmInfo = group.info
+    anchor = group.anchor
+    nodes = group.nodes
+    memo: dict = {}
+
+    def fail(msg: str, node=None, hint: str | None = None):
+        raise KspecError(f"kernel {g.graph.get('kernel', '?')}: {msg}", op(g, node or anchor).span, hint)
+
+    def expr(n) -> EpiExpr:
+        if n in memo:
+            return memo[n]
+        o = op(g, n)
+        if n == anchor:
+            e: EpiExpr = Accum()
+        elif o.kind == "const":
+            e = Const(float(o.value))
+        elif n not in nodes:
+            name = buffer_of(n)
+            use_buffer(name)
+            e = Load(name, "scalar" if bufs[name].role == "param" else "full", o.dtype)
+        elif o.kind == "broadcast":
+            (src, labels), = operands(g, n)
+            if len(labels) == 1 and labels[0] == gi.n:
+                e = vector(src, "row")
+            elif len(labels) == 1 and labels[0] == gi.m and not gi.m_fold:
+                e = vector(src, "col")
+            else:
+                raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: cannot broadcast a "
+                                         f"[{', '.join(labels)}] value in a GEMM epilogue")
+        elif o.kind == "cast":
+            (src, _), = operands(g, n)
+            e = Op(f"cast:{o.dtype}", (expr(src),))
+        elif o.kind == "elementwise":
+            e = Op(o.fn, tuple(expr(u) for u, _ in operands(g, n)))
+        else:
+            raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: {o.kind} op inside a GEMM epilogue")
+        memo[n] = e
+        return e
+
+    def vector(n, kind) -> EpiExpr:
+        """A row/column vector load: an input, or casts (computed in the epilogue) of one."""
+        o = op(g, n)
+        if n in nodes and o.kind == "cast":
+            (src, _), = operands(g, n)
+            return Op(f"cast:{o.dtype}", (vector(src, kind),))
+        if n in nodes:
+            raise KspecInternalError(f"a {o.kind} op on a broadcast vector inside a GEMM epilogue")
+        name = buffer_of(n)
+        use_buffer(name)
+        return Load(name, kind, o.dtype)
+
+    out_stores: list[Store] = []
+    reductions: list[ReductionStore] = []
+    for n, b in stores:
+        o = op(g, n)
+        dtype = bufs[b].dtype
+        if o.kind == "reduction":
+            (src, _), = operands(g, n)
+            axis = "n" if o.reduced == (gi.n,) else "m"
+            reductions.append(ReductionStore(b, o.fn, axis, expr(src), dtype))
+            continue
+        out_stores.append(Store(b, expr(n), dtype, _store_layout(g, n, b, gi)))
+    if not out_stores:
+        fail("a GEMM whose only results are reductions has no output to store",
+             hint="also write the full result to an output")
+    a_buf, b_buf = buffer_of(gi.a), buffer_of(gi.b)
+    acc = op(g, anchor).dtype
+    structure = GemmStructure(
+        anchor=str(anchor), a=str(gi.a), b=str(gi.b), a_buffer=a_buf, b_buffer=b_buf,
+        a_dtype=op(g, gi.a).dtype, b_dtype=op(g, gi.b).dtype, acc_dtype="i32" if acc == "i32" else "f32",
+        a_layout=gi.a_layout, b_layout=gi.b_layout, m=gi.m, n=gi.n, k=gi.k, batch=tuple(gi.batch),
+        m_fold=tuple(gi.m_fold), k_fold=tuple(gi.k_fold),
+        dims=(("M", _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
+              ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
+    return structure, Epilogue(tuple(out_stores), tuple(reductions))
+
+
+def _reduced_extent(g, anchor, labels):
+    """The extent of a contraction's reduced labels: one, or the product of several (folded K)."""
+    o = op(g, anchor)
+    ext = dict(zip(o.reduced, o.reduced_shape))
+    return ext[labels[0]] if len(labels) == 1 else tuple(ext[l] for l in labels)
+
+
+def _store_layout(g, n, buffer_name, gi: GemmInfo) -> str:
+    """row if the stored buffer has n contiguous, col if m is (a transposed output)."""
+    for s in g.successors(n):
+        so = op(g, s)
+        if so.kind == "output" and so.name == buffer_name:
+            (_, labels), = [(u, l) for u, l in operands(g, s) if u == n]
+            order = list(labels)
+            if so.layout == "col":
+                order[-2], order[-1] = order[-1], order[-2]
+            return "row" if order[-1] == gi.n else "col"
+    return "row"
+
+
+def attention_scale(g, scale_nodes) -> str | float | None:
+    """The softmax scale as a param name or a folded constant; None if it is not a single factor."""
+    consts = 1.0
+    param = None
+    for n in scale_nodes:
+        o = op(g, n)
+        (x, _), (y, _) = operands(g, n)
+        scalar = y if op(g, x).kind not in ("param", "const") else x
+        so = op(g, scalar)
+        if so.kind == "const":
+            consts = consts * so.value if o.fn == "mul" else consts / so.value
+        elif o.fn == "mul" and param is None:
+            param = so.name
+        else:
+            return None
+    if param is not None and consts != 1.0:
+        return None
+    return param if param is not None else float(consts)
+
+
+def _label_extent(g, consumer, producer, label):
+    """The extent of the producer's axis that `consumer` reads under `label`."""
+    for u, labels in operands(g, consumer):
+        if u == producer and label in labels:
+            return op(g, producer).shape[labels.index(label)]
+    return None
+
+
+def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
+    info = group.info
+    qk = info.qk
+    batch = [_extent(g, qk, l) for l in info.batch]
+    bdim, hdim = ([1, 1] + batch)[-2:]          # [b, h] -> B, H;  [h] -> 1, H;  [] -> 1, 1
+    heads = (_label_extent(g, info.qk, info.q, info.head), _label_extent(g, info.qk, info.k, info.head),
+             _label_extent(g, info.pv, info.v, info.head))
+    row_major = all(op(g, n).kind == "input" and op(g, n).layout == "row" for n in (info.q, info.k, info.v))
+    return AttentionStructure(
+        qk=str(qk), softmax=str(info.softmax), pv=str(info.pv), q=str(info.q), k=str(info.k), v=str(info.v),
+        q_buffer=buffer_of(info.q), k_buffer=buffer_of(info.k), v_buffer=buffer_of(info.v),
+        dtypes=(op(g, info.q).dtype, op(g, info.k).dtype, op(g, info.v).dtype), batch=tuple(info.batch),
+        query=info.query, key=info.key, head=info.head, causal=bool(info.causal),
+        scale=attention_scale(g, info.scale), head_dims=heads,
+        dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)),
+              ("E", heads[0])),
+        inputs_row_major=row_major, out_buffers=tuple(b for _, b in stores),
+        kv_shared=tuple(x for x in info.batch if info.kv_batch is not None and x not in info.kv_batch),
+        p_dtypes=tuple(op(g, n).dtype for n in info.p_cast))
+
+
+def candidate_ir(g: nx.DiGraph, group, spec_kernel: str) -> KernelIR:
+    """The IR a group would become, with provisional buffer names (inputs, params and outputs keep
+    their spec names; other values are `tmp_<node>`): what fusion asks backends about."""
+    infos: dict[str, IRBuffer] = {}
+
+    def buffer_of(u) -> str:
+        o = op(g, u)
+        if o.kind in ("input", "param"):
+            infos.setdefault(o.name, IRBuffer(o.name, o.kind, o.dtype, () if o.kind == "param" else tuple(o.shape),
+                                              o.layout))
+            return o.name
+        name = f"tmp_{u}"
+        infos.setdefault(name, IRBuffer(name, "intermediate", o.dtype, tuple(o.shape)))
+        return name
+
+    stores: list[tuple[object, str]] = []
+    for n in sorted(group.nodes, key=_order):
+        outside = [s for s in g.successors(n) if s not in group.nodes]
+        for s in outside:
+            so = op(g, s)
+            if so.kind == "output":
+                infos.setdefault(so.name, IRBuffer(so.name, "output", so.dtype, tuple(so.shape), so.layout))
+                stores.append((n, so.name))
+        if any(op(g, s).kind != "output" for s in outside):
+            stores.append((n, buffer_of(n)))
+    return build_ir(f"{spec_kernel}_candidate", spec_kernel, g, group, buffer_of, lambda name: infos[name], stores)

@@ -1,0 +1,562 @@
+"""Kernel IR: the contract between planning and backends.
+
+One `KernelIR` per planned kernel: a frozen, self-contained value that holds no reference into the
+compiler's networkx graph.  It has
+- the buffers the kernel touches (name, role, dtype, symbolic shape, layout, alignment);
+- its ops, a closed SSA sub-graph in topological order: values that come from outside the kernel
+  are `input`/`param` ops naming the buffer they load; every other op is computed inside;
+- which values leave the kernel, and into which buffers (`stores`);
+- a structured view where one applies: `GemmStructure` (a contraction recognised as a GEMM, with
+  its epilogue as a small expression DAG, `Epilogue`) or `AttentionStructure`;
+- the user's per-arch schedule hints.
+
+`verify(ir)` checks its invariants, `format_ir(ir)` prints it, `ir_to_json`/`ir_from_json`
+round-trip it, and `ir.graph()` gives a fresh networkx view for backends that walk ops.
+Every backend consumes only this IR.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal, Protocol, Union
+
+from kspec.core import DTYPES, KspecInternalError, Span
+
+Extent = Union[str, int]                 # a size symbol or an int literal
+BatchExtent = Union[Extent, tuple]        # a flattened batch: the product of several extents
+
+KINDS = ("gemm", "attention", "elementwise", "reduction", "softmax", "contraction")
+OP_KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax", "cast")
+ROLES = ("input", "output", "param", "intermediate")
+
+
+# ---- epilogue expressions (evaluated per output element (m, n), in f32 unless cast) ----------
+
+@dataclass(frozen=True)
+class Accum:
+    """The GEMM accumulator value at (m, n)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """An epilogue input, by buffer name.  kind: 'row' = vector indexed by n (broadcast over m, e.g.
+    a bias[N]), 'col' = vector indexed by m, 'full' = an MxN tensor (e.g. a residual), 'scalar' = a
+    runtime scalar parameter (passed by value)."""
+    name: str
+    kind: Literal["row", "col", "full", "scalar"]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Const:
+    value: float
+
+
+@dataclass(frozen=True)
+class Op:
+    """fn: one of add, sub, mul, div, neg, maximum, minimum, relu, gelu (erf), gelu_tanh, silu,
+    sigmoid, tanh, exp, log, sqrt, rsqrt, abs, clamp (args: x, lo, hi), cast:<dtype> (one arg)."""
+    fn: str
+    args: tuple["EpiExpr", ...]
+
+
+EpiExpr = Union[Accum, Load, Const, Op]
+
+
+@dataclass(frozen=True)
+class Store:
+    """An MxN value written by the epilogue into a buffer: the main output D, or an auxiliary
+    store of an intermediate value that the spec also returns."""
+    name: str
+    value: EpiExpr
+    dtype: str
+    layout: Literal["row", "col"] = "row"
+
+
+@dataclass(frozen=True)
+class ReductionStore:
+    """A reduction of an epilogue value along one axis: axis 'n' gives a vector over m (row
+    reduction, e.g. a row max), axis 'm' a vector over n."""
+    name: str
+    op: Literal["max", "sum"]
+    axis: Literal["m", "n"]
+    value: EpiExpr
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    stores: tuple[Store, ...]                 # the main output D is the last
+    reductions: tuple[ReductionStore, ...] = ()
+
+    @property
+    def output(self) -> Store:
+        return self.stores[-1]
+
+
+def epi_fns(e: EpiExpr) -> set[str]:
+    """Every Op fn an expression uses."""
+    if isinstance(e, Op):
+        out = {e.fn}
+        for a in e.args:
+            out |= epi_fns(a)
+        return out
+    return set()
+
+
+def epi_loads(e: EpiExpr) -> list[Load]:
+    if isinstance(e, Load):
+        return [e]
+    if isinstance(e, Op):
+        return [x for a in e.args for x in epi_loads(a)]
+    return []
+
+
+def format_epi(e: EpiExpr) -> str:
+    if isinstance(e, Accum):
+        return "acc"
+    if isinstance(e, Load):
+        return e.name if e.kind in ("scalar", "full") else f"{e.name}[{'n' if e.kind == 'row' else 'm'}]"
+    if isinstance(e, Const):
+        return repr(e.value)
+    return f"{e.fn}({', '.join(format_epi(a) for a in e.args)})"
+
+
+# ---- the IR ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IRBuffer:
+    name: str                      # the spec's tensor/param name, or a generated intermediate name
+    role: str                      # input | output | param | intermediate
+    dtype: str
+    shape: tuple[Extent, ...]
+    layout: str = "row"
+    align: int = 16                # bytes the data pointer (and row pitches) are assumed aligned to
+
+    def describe(self) -> str:
+        if self.role == "param":
+            return f"param {self.name} : {self.dtype}"
+        shape = f"[{', '.join(map(str, self.shape))}]"
+        return f"{self.role} {self.name} : {self.dtype}{shape} {self.layout} align {self.align}"
+
+
+@dataclass(frozen=True)
+class IROp:
+    id: str
+    kind: str                      # see OP_KINDS
+    dtype: str
+    axes: tuple[str, ...]          # index labels of the value, in storage order
+    shape: tuple[Extent, ...]
+    args: tuple[tuple[str, tuple[str, ...]], ...] = ()   # (op id, labels this op reads its axes under)
+    fn: str = ""
+    name: str | None = None        # the spec name the value carries, if any
+    reduced: tuple[str, ...] = ()
+    reduced_shape: tuple[Extent, ...] = ()
+    value: float | int | None = None
+    causal: str | None = None
+    layout: str = "row"
+    buffer: str | None = None      # input/param ops: the buffer loaded
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+    def label(self) -> str:
+        ax = f"[{', '.join(self.axes)}]" if self.axes else ""
+        if self.kind in ("input", "param"):
+            return f"load {self.buffer}{ax} : {self.dtype}" + (" col" if self.layout == "col" else "")
+        if self.kind == "const":
+            return f"const {self.value}"
+        if self.kind in ("contraction", "reduction"):
+            return f"{self.kind} {self.fn}({', '.join(self.reduced)}){ax} : {self.dtype}"
+        if self.kind == "softmax":
+            c = f", causal={self.causal}" if self.causal else ""
+            return f"softmax({self.fn}{c}){ax} : {self.dtype}"
+        return f"{self.kind} {self.fn}{ax} : {self.dtype}"
+
+
+@dataclass(frozen=True)
+class GemmStructure:
+    """D[batch.., m, n] = epilogue(sum_k A[batch.., m, k] * B[batch.., k, n])."""
+    anchor: str                    # the contraction op
+    a: str                         # op ids of the operands (input ops)
+    b: str
+    a_buffer: str
+    b_buffer: str
+    a_dtype: str
+    b_dtype: str
+    acc_dtype: str
+    a_layout: str                  # "row": k contiguous in A; "col": m contiguous
+    b_layout: str                  # "row": n contiguous in B; "col": k contiguous
+    m: str                         # labels
+    n: str
+    k: str
+    batch: tuple[str, ...]
+    dims: tuple[tuple[str, BatchExtent], ...]     # ("M", ..), ("N", ..), ("K", ..), ("L", ..)
+    m_fold: tuple[str, ...] = ()                  # A's free labels folded into M before m (shared weight)
+    k_fold: tuple[str, ...] = ()                  # reduced labels folded into K before k
+
+
+@dataclass(frozen=True)
+class AttentionStructure:
+    """O[b, h, i, e] = sum_j softmax_j(scale * sum_e Q[b,h,i,e] K[b,h,j,e]) V[b,h,j,e]."""
+    qk: str
+    softmax: str
+    pv: str
+    q: str
+    k: str
+    v: str
+    q_buffer: str
+    k_buffer: str
+    v_buffer: str
+    dtypes: tuple[str, str, str]
+    batch: tuple[str, ...]
+    query: str
+    key: str
+    head: str
+    causal: bool
+    scale: str | float | None      # a param name, a folded constant, or None (not one factor)
+    head_dims: tuple[Extent | None, Extent | None, Extent | None]   # of Q, K, V
+    dims: tuple[tuple[str, Extent], ...]          # ("B", ..), ("H", ..), ("S", ..), ("T", ..), ("E", ..)
+    inputs_row_major: bool
+    out_buffers: tuple[str, ...]
+    kv_shared: tuple[str, ...] = ()                # batch axes of Q that K and V lack (MQA)
+    p_dtypes: tuple[str, ...] = ()                 # dtypes the probabilities are rounded to before PV
+
+    @property
+    def head_dim(self) -> Extent | None:
+        return self.head_dims[0] if len(set(self.head_dims)) == 1 else None
+
+
+@dataclass(frozen=True)
+class ArchHint:
+    tile: tuple[int, int, int] | None = None
+    cluster: tuple[int, int, int] | None = None
+    stages: int | None = None
+    backend: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelIR:
+    id: str                                        # unique within a spec: "<kernel>_<i>"
+    kind: str                                      # see KINDS
+    spec_kernel: str
+    buffers: tuple[IRBuffer, ...]
+    ops: tuple[IROp, ...]
+    stores: tuple[tuple[str, str, tuple[str, ...]], ...]   # (op id, buffer, labels of the buffer's axes)
+    gemm: GemmStructure | None = None
+    epilogue: Epilogue | None = None
+    attention: AttentionStructure | None = None
+    hints: tuple[tuple[str, ArchHint], ...] = ()   # arch -> the spec's schedule hint
+    span: Span | None = field(default=None, compare=False, repr=False)
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def op(self, op_id: str) -> IROp:
+        for o in self.ops:
+            if o.id == op_id:
+                return o
+        raise KeyError(op_id)
+
+    def buffer(self, name: str) -> IRBuffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def hint(self, arch: str) -> ArchHint:
+        return dict(self.hints).get(arch, ArchHint())
+
+    @property
+    def internal(self) -> tuple[IROp, ...]:
+        """The ops computed inside the kernel (not loads of outside values)."""
+        return tuple(o for o in self.ops if o.kind not in ("input", "param"))
+
+    def stores_of(self, op_id: str) -> list[str]:
+        return [b for n, b, _ in self.stores if n == op_id]
+
+    def store_labels(self, op_id: str, buffer: str) -> tuple[str, ...]:
+        """The labels under which `buffer`'s axes (in declared order) hold op `op_id`'s value."""
+        for n, b, labels in self.stores:
+            if n == op_id and b == buffer:
+                return labels
+        raise KeyError((op_id, buffer))
+
+    def reads(self) -> list[str]:
+        out: list[str] = []
+        for o in self.ops:
+            if o.kind in ("input", "param") and o.buffer not in out:
+                out.append(o.buffer)  # type: ignore[arg-type]
+        return out
+
+    def writes(self) -> list[str]:
+        out: list[str] = []
+        for _, b, _ in self.stores:
+            if b not in out:
+                out.append(b)
+        return out
+
+    def digest(self) -> str:
+        """A content hash (spans excluded): what a backend's cache keys on."""
+        return hashlib.sha256(json.dumps(ir_to_json(self, spans=False), sort_keys=True).encode()).hexdigest()
+
+    def graph(self):
+        """A fresh networkx view of the ops (the compiler's graph conventions: node attribute "op"
+        with the op's fields, edge attribute "uses" = ((position, labels), ...))."""
+        import networkx as nx
+        g = nx.DiGraph(kernel=self.id)
+        for o in self.ops:
+            g.add_node(o.id, op=o)
+            for pos, (u, labels) in enumerate(o.args):
+                if g.has_edge(u, o.id):
+                    g.edges[u, o.id]["uses"] += ((pos, tuple(labels)),)
+                else:
+                    g.add_edge(u, o.id, uses=((pos, tuple(labels)),))
+        return g
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which backend builds a kernel on one arch, as the registry decided while scheduling."""
+    backend: str
+    kind: str                                      # the kernel kind it builds
+    fallback: str | None                           # why this is a slow loop-kernel fallback, if it is
+    config: tuple[tuple[str, str], ...] = ()       # the backend's configuration (tile, cluster, ...)
+    rejected: tuple[tuple[str, str], ...] = ()     # (backend, reason) of preferred backends that declined
+
+    def describe(self) -> str:
+        cfg = " ".join(f"{k}={v}" for k, v in self.config)
+        out = f"{self.backend} {self.kind}" + (f" ({cfg})" if cfg else "")
+        return out + (f"  FALLBACK: {self.fallback}" if self.fallback else "")
+
+
+class Oracle(Protocol):
+    """What fusion and scheduling ask about backends (implemented by backends.registry.Planner);
+    the compiler holds no backend tables of its own."""
+
+    def epilogue_fns(self, archs: tuple[str, ...]) -> frozenset[str] | None: ...
+
+    def epilogue_reductions(self, archs: tuple[str, ...]) -> frozenset[str]: ...
+
+    def can_fuse(self, ir: "KernelIR", archs: tuple[str, ...]) -> str | None: ...
+
+    def choose(self, ir: "KernelIR", arch: str) -> BackendChoice: ...
+
+
+# ---- verifier ------------------------------------------------------------------------------------
+
+def verify(ir: KernelIR) -> KernelIR:
+    """Check the IR's invariants; raise KspecInternalError naming the first violation."""
+    def bad(msg: str):
+        raise KspecInternalError(f"kernel IR {ir.id}: {msg}")
+
+    if ir.kind not in KINDS:
+        bad(f"unknown kind {ir.kind!r}")
+    names = [b.name for b in ir.buffers]
+    if len(set(names)) != len(names):
+        bad("duplicate buffer names")
+    bufs = {b.name: b for b in ir.buffers}
+    for b in ir.buffers:
+        if b.role not in ROLES or b.dtype not in DTYPES or b.layout not in ("row", "col"):
+            bad(f"buffer {b.name}: bad role/dtype/layout")
+        if b.role == "param" and b.shape:
+            bad(f"param {b.name} has a shape")
+        if b.layout == "col" and len(b.shape) < 2:
+            bad(f"buffer {b.name}: col layout needs rank >= 2")
+    seen: dict[str, IROp] = {}
+    for o in ir.ops:
+        if o.id in seen:
+            bad(f"op {o.id} defined twice")
+        if o.kind not in OP_KINDS:
+            bad(f"op {o.id}: unknown kind {o.kind!r}")
+        if o.dtype not in DTYPES:
+            bad(f"op {o.id}: unknown dtype {o.dtype!r}")
+        if len(o.axes) != len(o.shape) or len(set(o.axes)) != len(o.axes):
+            bad(f"op {o.id}: axes {o.axes} do not match shape {o.shape}")
+        if o.kind in ("input", "param"):
+            if o.args or o.buffer not in bufs:
+                bad(f"op {o.id}: a load must name a buffer of the kernel and take no operands")
+            b = bufs[o.buffer]  # type: ignore[index]
+            if b.dtype != o.dtype or len(b.shape) != len(o.axes):
+                bad(f"op {o.id}: does not match buffer {b.name}")
+        elif o.kind == "const":
+            if o.args or o.value is None:
+                bad(f"const {o.id} must have a value and no operands")
+        elif not o.args:
+            bad(f"op {o.id} ({o.kind}) has no operands")
+        scope = set(o.axes) | set(o.reduced)
+        if o.kind == "softmax":
+            scope |= {o.fn}
+        for u, labels in o.args:
+            if u not in seen:
+                bad(f"op {o.id} reads {u} before it is defined")
+            if len(labels) != len(seen[u].axes):
+                bad(f"op {o.id} reads {u} with {len(labels)} labels for {len(seen[u].axes)} axes")
+            if o.kind != "broadcast" and not set(labels) <= scope:
+                bad(f"op {o.id} reads {u} under labels {labels} outside its iteration space")
+        if o.kind in ("contraction", "reduction") and len(o.reduced) != len(o.reduced_shape):
+            bad(f"op {o.id}: reduced labels and extents differ in length")
+        seen[o.id] = o
+    if not ir.stores:
+        bad("no value leaves the kernel")
+    for n, b, labels in ir.stores:
+        if n not in seen or seen[n].kind in ("input", "param"):
+            bad(f"store of {n}, which the kernel does not compute")
+        if b not in bufs or bufs[b].role not in ("output", "intermediate"):
+            bad(f"store into {b}, which is not an output or intermediate buffer")
+        if len(labels) != len(bufs[b].shape) or set(labels) != set(seen[n].axes):
+            bad(f"store of {n} into {b} under labels {labels} does not cover its axes {seen[n].axes}")
+    if (ir.kind == "gemm") != (ir.gemm is not None) or (ir.kind == "attention") != (ir.attention is not None):
+        bad("the structure does not match the kind")
+    if ir.gemm is not None:
+        s = ir.gemm
+        if seen.get(s.anchor) is None or seen[s.anchor].kind != "contraction":
+            bad("the GEMM anchor is not a contraction")
+        for x, buf in ((s.a, s.a_buffer), (s.b, s.b_buffer)):
+            if x not in seen or seen[x].buffer != buf:
+                bad(f"GEMM operand {x} is not a load of {buf}")
+        if ir.epilogue is None or not ir.epilogue.stores:
+            bad("a GEMM needs an epilogue with at least the output store")
+        for st in (*ir.epilogue.stores, *ir.epilogue.reductions):
+            if st.name not in bufs:
+                bad(f"epilogue store into unknown buffer {st.name}")
+            for ld in epi_loads(st.value):
+                if ld.name not in bufs:
+                    bad(f"epilogue load of unknown buffer {ld.name}")
+    if ir.attention is not None:
+        a = ir.attention
+        for x in (a.qk, a.softmax, a.pv, a.q, a.k, a.v):
+            if x not in seen:
+                bad(f"attention refers to unknown op {x}")
+    return ir
+
+
+# ---- printing ------------------------------------------------------------------------------------
+
+def format_ir(ir: KernelIR) -> str:
+    lines = [f"kernel {ir.id} : {ir.kind}   (spec kernel {ir.spec_kernel})", "  buffers:"]
+    lines += [f"    {b.describe()}" for b in ir.buffers]
+    lines.append("  ops:")
+    for o in ir.ops:
+        args = ", ".join(f"{u}[{', '.join(l)}]" if l else u for u, l in o.args)
+        lines.append(f"    {o.id:>5} = {o.label()}" + (f"  <- {args}" if args else ""))
+    lines.append("  stores: " + ", ".join(f"{n} -> {b}[{', '.join(l)}]" for n, b, l in ir.stores))
+    if ir.gemm is not None:
+        s = ir.gemm
+        batch = f"[{', '.join(s.batch)}] " if s.batch else ""
+        dims = ", ".join(f"{r}={_fmt_extent(v)}" for r, v in s.dims)
+        m = f"({', '.join((*s.m_fold, s.m))})" if s.m_fold else s.m
+        k = f"({', '.join((*s.k_fold, s.k))})" if s.k_fold else s.k
+        lines.append(f"  gemm: {batch}{s.a_buffer} ({s.a_dtype}, {s.a_layout}) x {s.b_buffer} ({s.b_dtype}, "
+                     f"{s.b_layout}) -> acc {s.acc_dtype}; m={m} n={s.n} k={k}; {dims}")
+    if ir.epilogue is not None:
+        lines.append("  epilogue:")
+        for st in ir.epilogue.stores:
+            lines.append(f"    {st.name} : {st.dtype} ({st.layout}) = {format_epi(st.value)}")
+        for r in ir.epilogue.reductions:
+            lines.append(f"    {r.name} : {r.dtype} = {r.op} over {r.axis} of {format_epi(r.value)}")
+    if ir.attention is not None:
+        a = ir.attention
+        dims = ", ".join(f"{r}={v}" for r, v in a.dims)
+        lines.append(f"  attention: Q={a.q_buffer} K={a.k_buffer} V={a.v_buffer} ({'/'.join(a.dtypes)}), "
+                     f"softmax over {a.key}{', causal' if a.causal else ''}, scale={a.scale}; {dims}")
+    for arch, h in ir.hints:
+        parts = [f"{k}={v}" for k, v in asdict(h).items() if v is not None]
+        if parts:
+            lines.append(f"  hint {arch}: {' '.join(parts)}")
+    return "\n".join(lines)
+
+
+def _fmt_extent(v) -> str:
+    return "*".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+# ---- JSON round trip -----------------------------------------------------------------------------
+
+_EPI_TYPES = {"Accum": Accum, "Load": Load, "Const": Const, "Op": Op}
+
+
+def _epi_to_json(e: EpiExpr):
+    if isinstance(e, Op):
+        return {"Op": [e.fn, [_epi_to_json(a) for a in e.args]]}
+    if isinstance(e, Accum):
+        return {"Accum": []}
+    if isinstance(e, Const):
+        v = e.value
+        return {"Const": [v if math.isfinite(v) else {"float": repr(v)}]}
+    return {"Load": [e.name, e.kind, e.dtype]}
+
+
+def _epi_from_json(d) -> EpiExpr:
+    (tag, v), = d.items()
+    if tag == "Op":
+        return Op(v[0], tuple(_epi_from_json(a) for a in v[1]))
+    if tag == "Accum":
+        return Accum()
+    if tag == "Const":
+        return Const(float(v[0]["float"]) if isinstance(v[0], dict) else float(v[0]))
+    return Load(*v)
+
+
+def _tup(x):
+    """JSON lists back to the tuples the dataclasses hold (recursively)."""
+    if isinstance(x, list):
+        return tuple(_tup(i) for i in x)
+    return x
+
+
+def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
+    def plain(dc) -> dict:
+        return {f.name: getattr(dc, f.name) for f in fields(dc) if f.name != "span"}
+
+    def span(s):
+        return None if (s is None or not spans) else [s.file, s.line, s.col, s.end_line, s.end_col]
+
+    def value(v):
+        return {"float": repr(v)} if isinstance(v, float) and not math.isfinite(v) else v
+
+    ops = []
+    for o in ir.ops:
+        d = plain(o)
+        d["value"] = value(o.value)
+        d["span"] = span(o.span)
+        ops.append(d)
+    doc = {"id": ir.id, "kind": ir.kind, "spec_kernel": ir.spec_kernel,
+           "buffers": [plain(b) for b in ir.buffers], "ops": ops, "stores": [[n, b, list(l)] for n, b, l in ir.stores],
+           "gemm": plain(ir.gemm) if ir.gemm else None,
+           "attention": {**plain(ir.attention), "scale": value(ir.attention.scale)} if ir.attention else None,
+           "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints], "span": span(ir.span)}
+    if ir.epilogue is not None:
+        doc["epilogue"] = {
+            "stores": [{"name": s.name, "value": _epi_to_json(s.value), "dtype": s.dtype, "layout": s.layout}
+                       for s in ir.epilogue.stores],
+            "reductions": [{"name": r.name, "op": r.op, "axis": r.axis, "value": _epi_to_json(r.value),
+                            "dtype": r.dtype} for r in ir.epilogue.reductions]}
+    return json.loads(json.dumps(doc))
+
+
+def ir_from_json(d: dict) -> KernelIR:
+    def span(s):
+        return Span(*s) if s else None
+
+    def num(v):
+        return float(v["float"]) if isinstance(v, dict) else v
+
+    def make(cls, obj: dict):
+        return cls(**{k: _tup(v) for k, v in obj.items()})
+
+    ops = tuple(IROp(**{**{k: _tup(v) for k, v in o.items() if k != "span"}, "value": num(o["value"]),
+                        "span": span(o.get("span"))}) for o in d["ops"])
+    epi = None
+    if d.get("epilogue"):
+        e = d["epilogue"]
+        epi = Epilogue(tuple(Store(s["name"], _epi_from_json(s["value"]), s["dtype"], s["layout"]) for s in e["stores"]),
+                       tuple(ReductionStore(r["name"], r["op"], r["axis"], _epi_from_json(r["value"]), r["dtype"])
+                             for r in e["reductions"]))
+    att = None
+    if d.get("attention"):
+        att = make(AttentionStructure, {**d["attention"], "scale": num(d["attention"]["scale"])})
+    return KernelIR(
+        id=d["id"], kind=d["kind"], spec_kernel=d["spec_kernel"],
+        buffers=tuple(make(IRBuffer, b) for b in d["buffers"]), ops=ops,
+        stores=tuple((n, b, tuple(l)) for n, b, l in d["stores"]),
+        gemm=make(GemmStructure, d["gemm"]) if d.get("gemm") else None, epilogue=epi, attention=att,
+        hints=tuple((a, make(ArchHint, h)) for a, h in d["hints"]), span=span(d.get("span")))

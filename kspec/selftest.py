@@ -1,0 +1,425 @@
+"""`kspec selftest ARTIFACT_DIR...`: every kernel of each artifact on the present GPU against the
+numpy reference, then a short benchmark against torch in the same run.
+
+For each kernel: several size sets (tile multiples, sizes that are not multiples of any tile, and a
+problem smaller than one tile; `--sizes` adds one), each in two layouts variants: the layouts the
+artifact declares with outputs allocated by the runtime, and every input and output placed at a
+256-byte offset inside a larger allocation and passed explicitly (the runtime accepts offset
+pointers that keep the plan's alignment; padded leading dimensions it rejects by design, so they
+are not tried).  Inputs are random (kspec.run.random_inputs), uploaded in their declared layout
+(a `col` tensor's storage is the transpose of its last two axes); outputs are compared with the
+reference backend run on the same inputs, with the dtype-aware tolerance of `kspec run`
+(kspec.run.TOLERANCE: max |got - ref| / max(1, max |ref|)).
+
+The reference needs the spec (a copy travels in the artifact), hence lark, networkx and ml_dtypes;
+the launch path itself is the lean runtime.  `--fake ARCH` runs everything up to the launches
+against the recording fake driver (kspec.runtime.fakedriver) and checks the launch ABI instead of
+numbers: the CPU test of this command.
+
+Exit status: 0 every check passed; 1 a mismatch, an error or a kernel that could not run; 3 no
+usable CUDA device (nothing was run).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 3
+
+# K and N (contiguous extents of the shipped layouts) stay multiples of 16 elements: TMA needs
+# 16-byte aligned rows for every dtype down to fp8.
+SIZE_SETS: dict[str, dict[str, int]] = {
+    "tiles": {"M": 256, "N": 384, "K": 256, "L": 2, "B": 2, "H": 4, "S": 256, "T": 256},
+    "ragged": {"M": 200, "N": 144, "K": 80, "L": 3, "B": 1, "H": 3, "S": 136, "T": 200},
+    "small": {"M": 8, "N": 16, "K": 16, "L": 1, "B": 1, "H": 1, "S": 8, "T": 24},
+}
+OFFSET = 256
+
+
+@dataclass
+class Check:
+    artifact: str
+    kernel: str
+    sizes: str
+    variant: str
+    ok: bool
+    detail: str
+    errors: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class BenchRow:
+    artifact: str
+    kernel: str
+    shape: str
+    kspec_ms: float | None
+    torch_ms: float | None
+    baseline: str
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.kspec_ms and self.torch_ms:
+            return self.torch_ms / self.kspec_ms
+        return None
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+class _Memory:
+    """Synchronous device memory for the test data, through the runtime's driver (real or fake)."""
+
+    def __init__(self, drv):
+        self.drv = drv
+        self.fake = hasattr(drv, "upload")
+        self.ctx = None if self.fake else drv.primary_context(0)
+        self.owned: list[int] = []
+
+    def alloc(self, nbytes: int) -> int:
+        if self.fake:
+            return self.drv.alloc(nbytes)
+        with self.drv.current(self.ctx):
+            ptr = int(self.drv.call("cuMemAlloc", max(int(nbytes), 1)))
+        self.owned.append(ptr)
+        return ptr
+
+    def upload(self, ptr: int, data: bytes) -> None:
+        if self.fake:
+            return self.drv.upload(ptr, data)
+        import numpy as np
+        from cuda.bindings import driver as cu
+        buf = np.frombuffer(data, dtype=np.uint8)
+        with self.drv.current(self.ctx):
+            self.drv.call("cuMemcpyHtoD", cu.CUdeviceptr(ptr), buf, len(data))
+
+    def download(self, ptr: int, nbytes: int) -> bytes:
+        if self.fake:
+            return self.drv.download(ptr, nbytes)
+        import numpy as np
+        from cuda.bindings import driver as cu
+        out = np.empty(nbytes, dtype=np.uint8)
+        with self.drv.current(self.ctx):
+            self.drv.call("cuCtxSynchronize")
+            self.drv.call("cuMemcpyDtoH", out, cu.CUdeviceptr(ptr), nbytes)
+        return out.tobytes()
+
+    def free_all(self) -> None:
+        if self.fake:
+            return
+        from cuda.bindings import driver as cu
+        with self.drv.current(self.ctx):
+            self.drv.call("cuCtxSynchronize")
+            for p in self.owned:
+                self.drv.call("cuMemFree", cu.CUdeviceptr(p))
+        self.owned.clear()
+
+
+def _storage(a, layout: str):
+    """Bytes of a logical array in the declared layout (col: last two axes swapped in memory)."""
+    import numpy as np
+    if layout == "col" and a.ndim >= 2:
+        a = np.swapaxes(a, -1, -2)
+    return np.ascontiguousarray(a).tobytes()
+
+
+def _from_storage(raw: bytes, shape, layout: str, np_dtype):
+    import numpy as np
+    a = np.frombuffer(raw, dtype=np_dtype)
+    if layout == "col" and len(shape) >= 2:
+        s = list(shape)
+        s[-1], s[-2] = s[-2], s[-1]
+        return np.swapaxes(a.reshape(s), -1, -2)
+    return a.reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+def _to_host(x, dtype: str):
+    """A runtime-allocated output (DeviceArray, or a torch tensor when torch is in use) as numpy."""
+    if hasattr(x, "to_numpy"):
+        return x.to_numpy()
+    import torch
+    npd = _np_dtype(dtype)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[npd.itemsize]
+    return x.contiguous().view(ints).cpu().numpy().view(npd)
+
+
+def _np_dtype(name: str):
+    from kspec.runtime import dtypes
+    from kspec.runtime.driver import _numpy_dtype
+    return _numpy_dtype(dtypes.storage(name))
+
+
+def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: str, drv, arch: str,
+                     seed: int, fake: bool) -> tuple[bool, str, dict[str, float]]:
+    import numpy as np
+
+    from kspec.artifact import layout_strides
+    from kspec.backends.reference import reference
+    from kspec.runtime import DeviceBuffer, dtypes
+    from kspec.run import TOLERANCE, random_inputs, relative_error
+
+    kernel = mod[kname]
+    entry = kernel.entry
+    ck = program.kernel(kname)
+    host = random_inputs(ck, sizes, seed)
+    # params: the declared default, else 1.5; the same values go to the reference
+    params = {p.name: (p.default if p.default is not None else 1.5) for p in entry.params}
+    mem = _Memory(drv)
+    try:
+        args: dict[str, Any] = dict(params)
+        placed: dict[str, tuple[int, tuple[int, ...], str, str]] = {}
+        for t in entry.inputs:
+            a = host[t.name]
+            data = _storage(a, t.layout)
+            off = OFFSET if variant == "offset" else 0
+            base = mem.alloc(len(data) + off)
+            mem.upload(base + off, data)
+            args[t.name] = DeviceBuffer(base + off, a.shape, dtypes.storage(t.dtype),
+                                        strides=layout_strides(a.shape, t.layout))
+        if variant == "offset":
+            sym = {**{e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)}}
+            for t in entry.outputs:
+                shape = tuple(e if isinstance(e, int) else sym.get(e, sizes.get(e, 64)) for e in t.shape)
+                nbytes = math.prod(shape) * dtypes.itemsize(t.dtype)
+                base = mem.alloc(nbytes + OFFSET)
+                mem.upload(base, bytes([0x7F]) * (nbytes + OFFSET))          # garbage the kernel must overwrite
+                args[t.name] = DeviceBuffer(base + OFFSET, shape, dtypes.storage(t.dtype),
+                                            strides=layout_strides(shape, t.layout))
+                placed[t.name] = (base + OFFSET, shape, t.layout, t.dtype)
+        first = len(getattr(drv, "launches", ()))
+        result = kernel(**args)
+        if fake:
+            from kspec.runtime.fakedriver import FakeCall, check_call
+            launches = drv.launches[first:]
+            plan_args = []
+            from kspec.runtime.fakedriver import ArgTensor
+            b = kernel.check(**args)
+            for plan, rec in zip(entry.plans, launches):
+                row = []
+                for name, ptr in zip(plan.args, rec.prepare.ptrs):
+                    spec = entry.tensor(name)
+                    strides = b.views[name].strides if name in b.views else (
+                        tuple(result[name].strides) if name in result else b.strides[name])
+                    row.append(ArgTensor(name, int(ptr), b.extents(spec), tuple(strides), spec.dtype))
+                plan_args.append(row)
+            call = FakeCall(kname, sizes, b, launches, plan_args, [p.id for p in entry.plans])
+            problems = check_call(call, arch, mod)
+            if len(launches) != len(entry.plans):
+                problems.append(f"{len(entry.plans)} plans, {len(launches)} launches")
+            if problems or getattr(drv, "on_launch", None) is None:
+                return not problems, "; ".join(problems) or f"{len(launches)} launch(es) recorded, ABI ok", {}
+            # an emulating fake driver computed the outputs: compare them like a GPU's
+        want = reference(program, kname)(**host, **params)
+        errors: dict[str, float] = {}
+        bad = []
+        for t in entry.outputs:
+            ref = np.asarray(want[t.name])
+            if t.name in placed:
+                ptr, shape, layout, dt = placed[t.name]
+                npd = _np_dtype(dt)
+                got = _from_storage(mem.download(ptr, math.prod(shape) * npd.itemsize), shape, layout, npd)
+            else:
+                got = _to_host(result[t.name], t.dtype)
+            if tuple(got.shape) != tuple(ref.shape):
+                bad.append(f"{t.name}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}")
+                continue
+            err = relative_error(got, ref)
+            errors[t.name] = err
+            tol = TOLERANCE[t.dtype]
+            if not err <= tol:
+                bad.append(f"{t.name}: max relative error {err:.3g} > {tol:g}")
+        detail = "; ".join(bad) or ", ".join(f"{n} err {e:.2g}" for n, e in errors.items())
+        return not bad, detail, errors
+    finally:
+        mem.free_all()
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
+    """kspec against torch on one size per kernel; GEMM-like kernels against torch.matmul, attention
+    against scaled_dot_product_attention, everything else timed alone."""
+    try:
+        import torch
+    except ImportError:
+        return [BenchRow(art, k, "", None, None, "", "torch not installed") for k in mod.kernels]
+    rows = []
+    for kname in mod.kernels:
+        entry = mod[kname].entry
+        kinds = {p.kind for p in entry.plans}
+        sizes = {"M": 4096, "N": 4096, "K": 4096, "L": 8, "B": 4, "H": 16, "S": 2048, "T": 2048}
+        if "attention" in kinds:
+            pass
+        elif entry.inputs and len(entry.inputs[0].shape) == 3:
+            sizes.update(M=2048, N=2048, K=2048)
+        try:
+            args, shapes = {}, {}
+            for t in (*entry.inputs, *entry.outputs):      # outputs passed: allocation is not timed
+                shape = tuple(e if isinstance(e, int) else sizes.get(e, 1024) for e in t.shape)
+                tdt = getattr(torch, {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "tf32": "float32",
+                                      "f8e4m3": "float8_e4m3fn", "f8e5m2": "float8_e5m2", "i8": "int8",
+                                      "i32": "int32"}[t.dtype])
+                if t.layout == "col" and len(shape) >= 2:
+                    s = list(shape)
+                    s[-1], s[-2] = s[-2], s[-1]
+                    x = torch.randn(s, device="cuda").to(tdt).transpose(-1, -2)
+                else:
+                    x = torch.randn(shape, device="cuda").to(tdt)
+                args[t.name] = x
+                if t in entry.inputs:
+                    shapes[t.name] = shape
+            fn = mod[kname]
+            k_ms = _time(torch, lambda: fn(**args), reps)
+            base, t_ms = "", None
+            ins = [args[t.name] for t in entry.inputs]
+            causal = any(str(b.config.get("mask", "")).startswith("causal")
+                         for p in entry.plans for b in p.binaries.values())
+            if "attention" in kinds and len(ins) >= 3:
+                import torch.nn.functional as F
+                q, k_, v = ins[:3]
+                base = "torch sdpa" + (" causal" if causal else "")
+                t_ms = _time(torch, lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=causal), reps)
+            elif "gemm" in kinds and len(ins) >= 2 and ins[0].dtype in (torch.float16, torch.bfloat16, torch.float32):
+                a, b = ins[0], ins[1]
+                base = "torch.matmul"
+                t_ms = _time(torch, lambda: torch.matmul(a, b), reps)
+            shape = " ".join(f"{n}{list(s)}" for n, s in shapes.items())
+            rows.append(BenchRow(art, kname, shape, k_ms, t_ms, base or "(no torch baseline)"))
+        except Exception as e:  # noqa: BLE001 - a benchmark failure is reported, not fatal
+            rows.append(BenchRow(art, kname, "", None, None, "", f"{type(e).__name__}: {str(e)[:120]}"))
+    return rows
+
+
+def _time(torch, fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int] | None = None,
+        bench: bool = True, reps: int = 20, seed: int = 0, json_path: str | None = None,
+        out=sys.stdout, driver=None) -> int:
+    """The command; `driver` (tests) is a FakeDriver to use instead of `--fake`'s."""
+    import kspec
+    from kspec.core import ARCH_TABLE, normalize_arch
+    from kspec.runtime import driver as rt_driver
+    from kspec.spec_lang import load_spec
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    fake_drv = driver
+    if driver is not None:
+        fake = fake or "injected"
+        driver.__enter__()
+    elif fake:
+        from kspec.runtime.fakedriver import FakeDriver
+        arch = normalize_arch(fake)
+        cc = ARCH_TABLE[arch].cc
+        fake_drv = FakeDriver((cc // 10, cc % 10), name=f"fake {arch}")
+        fake_drv.__enter__()
+    try:
+        drv = rt_driver.get()
+        ok, why = drv.available()
+        if not ok:
+            say(f"selftest: no CUDA device: {why}")
+            say("selftest: nothing was run (exit 3); run it on an sm_90a (Hopper) or sm_100a (Blackwell) GPU, "
+                "or use --fake sm90a|sm100a to check the launches on this machine")
+            _write_json(json_path, [], [], "no-gpu", why)
+            return EXIT_NO_GPU
+        major, minor, sms, name = drv.facts(0)
+        say(f"selftest on {name} (compute capability {major}.{minor}, {sms} SMs)" + (" [fake driver]" if fake else ""))
+        size_sets = dict(SIZE_SETS)
+        if sizes_extra:
+            size_sets["given"] = {**SIZE_SETS["tiles"], **sizes_extra}
+        checks: list[Check] = []
+        rows: list[BenchRow] = []
+        for p in paths:
+            art = Path(p)
+            try:
+                mod = kspec.load(art)
+                arch = mod.arch_for((major, minor), name, 0)
+                program = load_spec(art / mod.manifest.spec.file)
+            except kspec.KspecError as e:
+                checks.append(Check(str(art), "*", "-", "-", False, str(e).splitlines()[0]))
+                say(f"FAIL {art}: {str(e).splitlines()[0]}")
+                continue
+            say(f"{art.name} ({arch}):")
+            for kname in mod.kernels:
+                for sname, sizes in size_sets.items():
+                    for variant in ("declared", "offset"):
+                        t0 = time.perf_counter()
+                        try:
+                            good, detail, errs = run_kernel_check(mod, program, kname, sizes, variant, drv, arch,
+                                                                  seed, fake is not None)
+                        except kspec.KspecError as e:
+                            good, detail, errs = False, str(e).splitlines()[0], {}
+                        dt = time.perf_counter() - t0
+                        checks.append(Check(art.name, kname, sname, variant, good, detail, errs, dt))
+                        say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {sname:<7} {variant:<8} {detail}")
+            if bench and not fake:
+                rows += bench_artifact(mod, art.name, reps)
+        if rows:
+            say("benchmark (mean of %d calls after warm-up; ratio = torch time / kspec time):" % reps)
+            for r in rows:
+                if r.kspec_ms is None:
+                    say(f"  {r.artifact}/{r.kernel}: {r.note}")
+                    continue
+                t = f"{r.torch_ms:8.3f} ms" if r.torch_ms is not None else "       -   "
+                ratio = f"x{r.ratio:.2f}" if r.ratio else "-"
+                say(f"  {r.artifact + '/' + r.kernel:<40} kspec {r.kspec_ms:8.3f} ms  {r.baseline:<18} {t}  {ratio}")
+        failed = [c for c in checks if not c.ok]
+        say(f"selftest: {len(checks) - len(failed)}/{len(checks)} checks passed")
+        _write_json(json_path, checks, rows, "fail" if failed else "pass", "")
+        return EXIT_FAIL if failed else EXIT_OK
+    finally:
+        if fake_drv is not None:
+            fake_drv.__exit__(None, None, None)
+
+
+def _write_json(path: str | None, checks: list[Check], rows: list[BenchRow], status: str, why: str) -> None:
+    if not path:
+        return
+    data = {"status": status, "why": why, "checks": [asdict(c) for c in checks],
+            "bench": [{**asdict(r), "ratio": r.ratio} for r in rows]}
+    Path(path).write_text(json.dumps(data, indent=1, default=str))
+
+
+def register(sub) -> None:
+    import argparse
+    p = sub.add_parser(
+        "selftest", help="run every kernel of compiled artifacts on this GPU against the reference",
+        description=__doc__.split("\n\n")[0].replace("`", ""),
+        epilog="exit status: 0 all checks passed; 1 a mismatch or error; 3 no usable CUDA device (nothing run)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifacts", nargs="+", metavar="ARTIFACT_DIR")
+    p.add_argument("--fake", metavar="ARCH", help="check the launches against the recording fake driver "
+                                                  "(sm90a or sm100a) instead of a GPU")
+    p.add_argument("--sizes", help="one more size set, e.g. M=512,N=256,K=128")
+    p.add_argument("--no-bench", action="store_true", help="skip the benchmark against torch")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per benchmark (default 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args) -> int:
+    from kspec.core import parse_sizes
+    return run(args.artifacts, fake=args.fake, sizes_extra=parse_sizes(args.sizes) or None,
+               bench=not args.no_bench, reps=args.reps, seed=args.seed, json_path=args.json)

@@ -1,0 +1,191 @@
+"""The backend registry and the truthful tools: which backend builds each kernel on each arch, why
+a preferred one declined, fallbacks shown by `kspec graph`/`lower`/`compile` and refused by
+--strict, backend pins from the command line and from a spec's schedule block."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kspec.backends import registry
+from kspec.backends.api import Backend
+from kspec.backends.registry import Planner
+from kspec.cli import main
+from kspec.compiler import plan_kernel
+from kspec.core import ARCHS, KspecError
+from kspec.spec_lang import load_spec
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+INT8_GEMM = """kernel qgemm {
+  in  A : i8[M, K]
+  in  B : i8[K, N] col
+  out C : i32[M, N]
+  C[m, n] = sum(k) A[m, k] * B[k, n]
+}
+"""
+GEMV = """kernel gemv {
+  in  A : f16[M, K]
+  in  x : f16[K]
+  out y : f32[M]
+  y[m] = sum(k) A[m, k] * x[k]
+}
+"""
+ELEMENTWISE = """kernel ew {
+  in  X : f16[M, N]
+  out Y : f16[M, N]
+  Y[m, n] = relu(X[m, n]) * 2.0
+}
+"""
+HEAD96 = """kernel att96 {
+  param scale : f32 = 0.1
+  in  Q : f16[B, H, S, 96]
+  in  K : f16[B, H, T, 96]
+  in  V : f16[B, H, T, 96]
+  out O : f16[B, H, S, 96]
+  s[b, h, i, j] = scale * sum(e) Q[b, h, i, e] * K[b, h, j, e]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h, j, e]
+}
+"""
+
+
+def plans(src: str, **kw):
+    k = load_spec(src, is_text=True).kernels[0]
+    return plan_kernel(k, ARCHS, Planner(**kw)).plans
+
+
+def write(tmp_path, name, src) -> str:
+    p = tmp_path / f"{name}.kspec"
+    p.write_text(src)
+    return str(p)
+
+
+def run_cli(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_every_registered_backend_follows_the_protocol():
+    assert registry.PREFERENCE[-1] == "generic"          # the loop-kernel backend is the last resort
+    for b in registry.backends():
+        assert isinstance(b, Backend), b
+        assert set(b.capabilities.archs) <= set(ARCHS) and b.capabilities.describe()
+    with pytest.raises(KspecError, match="unknown backend 'nope'"):
+        registry.get("nope")
+
+
+def test_fusion_asks_the_registry_for_epilogue_ops():
+    from kspec.backends.cutlass.backend import CutlassBackend
+    planner = Planner()
+    assert planner.epilogue_fns(ARCHS) >= CutlassBackend.capabilities.epilogue_fns
+    assert "log" not in planner.epilogue_fns(ARCHS)
+
+
+def test_compiler_holds_no_backend_tables():
+    """The compiler asks backends; it names no arch, backend or CUTLASS rule of its own."""
+    root = Path(__file__).resolve().parent.parent / "compiler"
+    for p in root.glob("*.py"):
+        text = p.read_text()
+        for word in ("sm90a", "sm100a", "cutlass", "EPILOGUE_FNS", "attention_veto"):
+            assert word not in text.lower() if word.islower() else word not in text, (p.name, word)
+
+
+@pytest.mark.parametrize("src, kind, reason", [
+    (INT8_GEMM, "gemm", "cutlass: operands i8 x i8"),
+    (GEMV, "contraction", "cutlass: the CUTLASS backend implements GEMMs and fused attention, not contraction"),
+])
+def test_slow_paths_are_reported_as_fallbacks(src, kind, reason):
+    (p,) = plans(src)
+    for arch in ARCHS:
+        ch = p.choices[arch]
+        assert (ch.backend, ch.kind) == ("generic", kind) and "loop" in ch.fallback, ch
+        assert reason in ch.fallback and ch.rejected[0][0] == "cutlass"
+
+
+def test_unsupported_attention_head_dim_is_visible_and_strict_refuses_it(tmp_path, capsys):
+    ps = plans(HEAD96)
+    assert [(p.kind, p.choices["sm90a"].backend) for p in ps] == [("gemm", "cutlass"), ("softmax", "generic"),
+                                                                   ("gemm", "generic")]
+    assert ps[1].choices["sm90a"].fallback.startswith("a loop softmax")
+    assert "operands f32 x f16" in ps[2].choices["sm90a"].fallback        # P (f32) x V (f16)
+    f = write(tmp_path, "att96", HEAD96)
+    rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a")
+    assert rc == 0
+    assert "attention at" in out and "head dims 32, 64, 128, 256, not 96" in out
+    assert "FALLBACK att96_1 on sm90a: a loop softmax" in out
+    rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a", "--strict")
+    assert rc == 1 and "att96.kspec:" in err
+    assert "kernel att96_1 (softmax) on sm90a would run as a loop softmax" in err
+    assert "--strict forbids loop-kernel fallbacks" in err
+
+
+def test_strict_compile_fails_before_any_toolchain_runs(tmp_path, capsys):
+    f = write(tmp_path, "qgemm", INT8_GEMM)
+    rc, _, err = run_cli(capsys, "compile", f, "--strict", "-o", tmp_path / "out")
+    assert rc == 1 and "kernel qgemm_0 (gemm) on sm90a would run as a naive loop GEMM" in err
+    assert "operands i8 x i8" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_pinned_backend_from_the_command_line(tmp_path, capsys):
+    gemm = SPECS / "gemm.kspec"
+    rc, out, _ = run_cli(capsys, "lower", gemm, "--backend", "generic")
+    assert rc == 0 and "sm90a: generic gemm (block=256)  FALLBACK: a naive loop GEMM" in out
+    # a pin applies to the kernels the pinned backend builds at all: elementwise kernels stay generic
+    f = write(tmp_path, "ew", ELEMENTWISE)
+    rc, out, _ = run_cli(capsys, "lower", f, "--backend", "cutlass")
+    assert rc == 0 and "sm90a: generic elementwise" in out
+    # a pinned backend that cannot build the kernel is an error naming both
+    q = write(tmp_path, "qgemm", INT8_GEMM)
+    rc, _, err = run_cli(capsys, "lower", q, "--backend", "cutlass")
+    assert rc == 1 and "backend cutlass cannot build kernel qgemm_0 (gemm) on sm90a: operands i8 x i8" in err
+    rc, _, err = run_cli(capsys, "graph", gemm, "--backend", "nope")
+    assert rc == 1 and "unknown backend 'nope'" in err and "backends: cutlass, generic" in err
+
+
+def test_pinned_backend_from_a_schedule_block(tmp_path, capsys):
+    src = (SPECS / "gemm.kspec").read_text() + "\nschedule gemm for sm100a { backend = generic }\n"
+    (p,) = plans(src)
+    assert (p.choices["sm90a"].backend, p.choices["sm100a"].backend) == ("cutlass", "generic")
+    bad = (SPECS / "gemm.kspec").read_text() + "\nschedule gemm { backend = tensorrt }\n"
+    f = write(tmp_path, "bad", bad)
+    rc, _, err = run_cli(capsys, "graph", f)
+    assert rc == 1 and "kernel gemm: unknown backend 'tensorrt'" in err and "bad.kspec:" in err
+
+
+def test_kspec_lower_prints_ir_backend_and_cost(capsys):
+    rc, out, err = run_cli(capsys, "lower", SPECS / "gemm_rowmax.kspec", "--sizes", "M=4096,N=4096,K=4096")
+    assert rc == 0, err
+    assert "kernel gemm_rowmax_0 : gemm   (spec kernel gemm_rowmax)" in out
+    assert "rowmax : f32 = max over n of add(acc, bias[n])" in out
+    assert "sm100a: cutlass gemm (tile=256x128x64 cluster=2x1x1 source=heuristic)" in out
+    assert "cost at M=4096, N=4096, K=4096:" in out
+    rc, out, _ = run_cli(capsys, "lower", SPECS / "attention.kspec", "--format", "json")
+    (doc,) = json.loads(out)
+    assert doc["ir"]["kind"] == "attention" and doc["backends"]["sm90a"]["backend"] == "cutlass"
+
+
+def test_compile_manifest_records_backend_and_kind(tmp_path, capsys):
+    """Checked through --emit-only (no toolchain): what graph prints is what compile emits."""
+    f = write(tmp_path, "qgemm", INT8_GEMM)
+    rc, out, err = run_cli(capsys, "compile", f, "--emit-only", "-o", tmp_path / "src")
+    assert rc == 0, err
+    src = (tmp_path / "src" / "qgemm" / "qgemm_0.sm90a.cu").read_text()
+    assert "plain CUDA kernel" in src
+
+
+def test_internal_errors_exit_2_with_a_report_hint(monkeypatch, capsys, tmp_path):
+    from kspec.core import KspecInternalError
+
+    def boom(*a, **k):
+        raise KspecInternalError("the planner lost a node")
+
+    monkeypatch.setattr("kspec.compile.plan_spec", boom)
+    rc, _, err = run_cli(capsys, "graph", SPECS / "gemm.kspec")
+    assert rc == 2 and "kspec: internal error: the planner lost a node" in err
+    assert "please report it" in err and "--debug" in err and "Traceback" not in err
+    rc, _, err = run_cli(capsys, "graph", SPECS / "gemm.kspec", "--debug")
+    assert rc == 2 and "Traceback" in err
