@@ -277,7 +277,37 @@ def test_compiled_gemm_glue_reports_causes(gemm_source, kernel_cache):
     with pytest.raises(KspecRuntimeError, match="GEMM sizes M, N, K, L must be positive"):
         glue.prepare([0, 384, 192, 1], [0x100000, 0x200000, 0x300000, 0x400000], [], 0, 0, 132)
     from kspec.runtime import cuda_available
+    good = [0x100000, 0x200000, 0x300000, 0x400000]
     if not cuda_available()[0]:
         # no driver here: the entry point check fails cleanly instead of launching unset descriptors
         with pytest.raises(KspecRuntimeError, match="cuTensorMapEncodeTiled is unavailable"):
-            glue.prepare(dims, [0x100000, 0x200000, 0x300000, 0x400000], [], 0, 0, 132)
+            glue.prepare(dims, good, [], 0, 0, 132)
+
+    # every encode goes through the recorded path: an encoder that refuses B's descriptor (as the
+    # driver does for a bad address or stride) is an error naming B, never a launchable blob
+    import ctypes
+    from kspec.runtime.fakedriver import RecordingEncoder
+
+    class RefusesB(RecordingEncoder):
+        def _encode(self, tmap, data_type, rank, address, *rest):
+            if address == good[1]:
+                return 1                                        # CUDA_ERROR_INVALID_VALUE
+            return super()._encode(tmap, data_type, rank, address, *rest)
+
+    hook = glue._lib.kspec_set_tensor_map_encoder
+    hook.argtypes, hook.restype = [ctypes.c_void_p], ctypes.c_int
+    for encoder, refused in ((RecordingEncoder(), False), (RefusesB(), True)):
+        hook(ctypes.cast(encoder.fn, ctypes.c_void_p))
+        try:
+            if refused:
+                with pytest.raises(KspecRuntimeError, match=r"kernel 'k0', plan 'k0_0' \(sm90a\): kspec_prepare "
+                                                            r"failed: argument 'B': its TMA descriptor failed to "
+                                                            r"encode \(cuTensorMapEncodeTiled returned CUresult 1; "
+                                                            r"1 of \d+ descriptors failed\)"):
+                    glue.prepare(dims, good, [], 0, 0, 132)
+            else:
+                p = glue.prepare(dims, good, [], 0, 0, 132)
+                assert p.params_size > 0 and p.grid[0] >= 1
+                assert {r.address for r in encoder.records} >= {good[0], good[1]}
+        finally:
+            hook(None)
