@@ -188,6 +188,9 @@ def collect() -> Report:
     notes: list[str] = []
     head = Section("kspec")
     head.add("version", kspec.__version__)
+    from kspec.artifact import FORMAT_VERSION
+    from kspec.core import ABI_VERSION
+    head.add("artifacts", f"manifest format {FORMAT_VERSION}, host-glue ABI {ABI_VERSION}")
     head.add("location", Path(kspec.__file__).resolve().parent.parent)
     head.add("python", f"{platform.python_version()} ({sys.executable})")
     head.add("platform", f"{platform.system()} {platform.machine()}")

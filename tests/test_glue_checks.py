@@ -72,6 +72,28 @@ def test_gemm_glue_checks_every_status(gemm_source):
         assert name in host
 
 
+@pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
+def test_fmha_glue_checks_initialize_and_every_encode(arch):
+    pytest.importorskip("cutlass_library")
+    from kspec.backends.cutlass.fmha import emit_attention
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cutlass_fmha import make_desc
+    src = emit_attention(make_desc(arch)).source
+    hook = src.index("#define CUTLASS_CUDA_DRIVER_WRAPPER_CALL(func) kspec_tma::encode_##func")
+    assert hook < src.index('#include "cutlass/cutlass.h"')
+    host = src[src.index("int kspec_prepare("):]
+    order = [host.index(s) for s in (
+        "if (kspec_tensor_map_encoder() == nullptr)",
+        "if (!Kernel::can_implement(args))",
+        "Kernel::initialize_workspace(args, kernel_ws, nullptr)",
+        "kspec_tma::reset();",
+        "Kernel::to_underlying_arguments(args, kernel_ws)",
+        "if (tma.failures != 0)",
+        "std::memcpy(params, &kp, sizeof(kp));")]
+    assert order == sorted(order)
+    assert "argument #%d: its TMA descriptor failed to encode" in host
+
+
 def test_abi_doc_names_what_the_runtime_calls():
     doc = (Path(__file__).resolve().parents[1] / "backends" / "ABI.md").read_text()
     assert "cuLibraryLoadData" not in doc and "cuModuleLoadData" in doc
@@ -255,7 +277,37 @@ def test_compiled_gemm_glue_reports_causes(gemm_source, kernel_cache):
     with pytest.raises(KspecRuntimeError, match="GEMM sizes M, N, K, L must be positive"):
         glue.prepare([0, 384, 192, 1], [0x100000, 0x200000, 0x300000, 0x400000], [], 0, 0, 132)
     from kspec.runtime import cuda_available
+    good = [0x100000, 0x200000, 0x300000, 0x400000]
     if not cuda_available()[0]:
         # no driver here: the entry point check fails cleanly instead of launching unset descriptors
         with pytest.raises(KspecRuntimeError, match="cuTensorMapEncodeTiled is unavailable"):
-            glue.prepare(dims, [0x100000, 0x200000, 0x300000, 0x400000], [], 0, 0, 132)
+            glue.prepare(dims, good, [], 0, 0, 132)
+
+    # every encode goes through the recorded path: an encoder that refuses B's descriptor (as the
+    # driver does for a bad address or stride) is an error naming B, never a launchable blob
+    import ctypes
+    from kspec.runtime.fakedriver import RecordingEncoder
+
+    class RefusesB(RecordingEncoder):
+        def _encode(self, tmap, data_type, rank, address, *rest):
+            if address == good[1]:
+                return 1                                        # CUDA_ERROR_INVALID_VALUE
+            return super()._encode(tmap, data_type, rank, address, *rest)
+
+    hook = glue._lib.kspec_set_tensor_map_encoder
+    hook.argtypes, hook.restype = [ctypes.c_void_p], ctypes.c_int
+    for encoder, refused in ((RecordingEncoder(), False), (RefusesB(), True)):
+        hook(ctypes.cast(encoder.fn, ctypes.c_void_p))
+        try:
+            if refused:
+                with pytest.raises(KspecRuntimeError, match=r"kernel 'k0', plan 'k0_0' \(sm90a\): kspec_prepare "
+                                                            r"failed: argument 'B': its TMA descriptor failed to "
+                                                            r"encode \(cuTensorMapEncodeTiled returned CUresult 1; "
+                                                            r"1 of \d+ descriptors failed\)"):
+                    glue.prepare(dims, good, [], 0, 0, 132)
+            else:
+                p = glue.prepare(dims, good, [], 0, 0, 132)
+                assert p.params_size > 0 and p.grid[0] >= 1
+                assert {r.address for r in encoder.records} >= {good[0], good[1]}
+        finally:
+            hook(None)

@@ -25,6 +25,9 @@ class CopyRecorder:
     def require_device(self):
         pass
 
+    def available(self):
+        return True, ""
+
     def primary_context(self, ordinal):
         return ("ctx", ordinal)
 
@@ -148,9 +151,55 @@ def test_staging_without_a_device():
         staged(np.ones(3, np.float32), "diag")
 
 
-def test_gpu_spec_tests_and_kspec_run_upload_in_layout():
-    # the two GPU paths named in the issue go through the layout-aware upload, not from_numpy
+def test_gpu_spec_tests_upload_in_layout():
+    # the GPU spec tests go through the layout-aware upload, not a row-major from_numpy of everything
+    text = (Path(__file__).resolve().parent / "test_gpu_specs.py").read_text()
+    assert ".to_device(" in text and "from_numpy(" not in text
+
+
+def test_kspec_run_uploads_col_inputs_column_major(recorder, tmp_path, monkeypatch, capsys):
+    """`kspec run ARTIFACT` end to end on the CPU: uploads go through the recording driver, and a
+    stand-in kernel computes from the device bytes read at the strides its layout contract fixes
+    (as the GEMM does); a row-major upload of the col input B is what used to go wrong."""
+    import argparse
+    import shutil as sh
+
+    from kspec.artifact import layout_strides
+    from kspec.runtime import DeviceArray, module
+    from kspec.run import run_on_gpu
+    from kspec.runtime.transfer import numpy_dtype
+
     root = Path(__file__).resolve().parents[1]
-    for f in (root / "tests" / "test_gpu_specs.py", root / "kspec" / "run.py"):
-        text = f.read_text()
-        assert ".to_device(" in text and "from_numpy(" not in text, f
+    d = tmp_path / "gemm_bias_relu"
+    d.mkdir()
+    sh.copyfile(root / "specs" / "gemm_bias_relu.kspec", d / "gemm_bias_relu.kspec")
+    (d / "x.cubin").write_bytes(b"cubin")
+    (d / "x.so").write_bytes(b"glue")
+    b = {"sm90a": make_binary(d, "x.cubin", "x.so")}
+    k = KernelEntry("gemm_bias_relu",
+                    inputs=(TensorSpec("A", "f16", ("M", "K")), TensorSpec("B", "f16", ("K", "N"), "col"),
+                            TensorSpec("bias", "f16", ("N",))),
+                    outputs=(TensorSpec("D", "f16", ("M", "N")),),
+                    plans=(Plan("p0", "gemm", (("M", "M"), ("N", "N"), ("K", "K"), ("L", 1)), ("A", "B", "bias", "D"),
+                                binaries=b),))
+    write_manifest(d, Manifest(SpecRef("gemm_bias_relu.kspec", "0" * 64), ("sm90a",), (k,)))
+
+    def device_kernel(self, *args, stream=None, **kwargs):
+        bnd = self.check(*args, stream=stream, **kwargs)         # strides must match each layout
+        host = {}
+        for spec in self.entry.inputs:
+            v = bnd.views[spec.name]
+            raw = np.frombuffer(recorder.memory[v.ptr], dtype=numpy_dtype(spec.dtype))
+            item = raw.dtype.itemsize
+            host[spec.name] = np.lib.stride_tricks.as_strided(raw, v.shape, tuple(s * item for s in v.strides))
+        acc = host["A"].astype(np.float64) @ host["B"].astype(np.float64) + host["bias"].astype(np.float64)
+        D = np.maximum(acc, 0).astype(np.float16)
+        out = DeviceArray(D.shape, "f16", layout_strides(D.shape, "row")).copy_from(D)
+        return {"D": out}
+
+    monkeypatch.setattr(module.Kernel, "__call__", device_kernel)
+    recorder.available = lambda: (True, "")
+    args = argparse.Namespace(file=str(d), kernel=None, seed=3, arch=None, output=None)
+    assert run_on_gpu(args, {"M": 24, "N": 40, "K": 16}) == 0
+    out = capsys.readouterr().out
+    assert "kernel gemm_bias_relu:" in out and "D: max relative error" in out and " ok" in out

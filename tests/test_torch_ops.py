@@ -94,6 +94,11 @@ def test_fake_checks_arguments(mod):
             mod.one.as_torch_op()(torch.empty(5, 7))
 
 
+def test_real_call_with_cpu_tensors_says_so(mod):
+    with pytest.raises(KspecRuntimeError, match=r"one: argument 'x': torch tensor is on cpu; expected a CUDA tensor"):
+        mod.one.as_torch_op()(torch.zeros(5, 8))
+
+
 def test_unbound_output_sizes_cannot_be_functional(mod):
     with pytest.raises(KspecRuntimeError, match="output size.*R are not bound by any input"):
         mod.expand.as_torch_op()

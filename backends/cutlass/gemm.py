@@ -19,6 +19,8 @@ from kspec.backends.desc import ARCH_CC, EmittedKernel, GemmDesc
 from kspec.core import ABI_VERSION, DTYPE_TABLE, KspecError
 
 from . import compat, evt, tma_hook
+from .host_checks import TMA_CHECK
+from .host_checks import TMA_HOOK as _TMA_HOOK
 
 OPERAND_DTYPES = ("f16", "bf16", "tf32", "f8e4m3", "f8e5m2")
 _FP8 = ("f8e4m3", "f8e5m2")
@@ -334,6 +336,8 @@ def _host_glue(desc: GemmDesc, epi: evt.EvtEpilogue, cfg: GemmConfig,
     cm, cn, ck = cfg.cluster
     order = sorted(names.ptr_index, key=names.ptr_index.get)
     align = [a for _, a in _arg_alignment(desc, order)]
+    tma_check = TMA_CHECK.format(ptrs="ptrs", nargs="kNumArgs",
+                                 fail="kspec_set_err(err, err_cap, tma_msg);\n      return 7;")
     return f"""
 namespace {{
 
@@ -477,25 +481,7 @@ int kspec_prepare_checked(const int64_t* dims, void* const* ptrs, const double* 
   }}
   kspec_tma::reset();
   Params p = Kernel::to_underlying_arguments(args, workspace);
-  const kspec_tma::Record& tma = kspec_tma::record();
-  if (tma.failures != 0) {{
-    int which = -1;
-    for (int i = 0; i < kNumArgs; ++i) {{
-      if (ptrs[i] == tma.address) {{ which = i; break; }}
-    }}
-    if (which >= 0) {{
-      std::snprintf(msg, sizeof(msg), "argument #%d: its TMA descriptor failed to encode (cuTensorMapEncodeTiled "
-                    "returned CUresult %d; %d of %d descriptors failed)", which, static_cast<int>(tma.first),
-                    tma.failures, tma.encoded);
-    }} else {{
-      std::snprintf(msg, sizeof(msg), "a TMA descriptor for address %p failed to encode (cuTensorMapEncodeTiled "
-                    "returned CUresult %d; %d of %d descriptors failed)", tma.address, static_cast<int>(tma.first),
-                    tma.failures, tma.encoded);
-    }}
-    kspec_set_err(err, err_cap, msg);
-    return 7;
-  }}
-  std::memcpy(params, &p, sizeof(Params));
+{tma_check}  std::memcpy(params, &p, sizeof(Params));
   *params_size = static_cast<uint64_t>(sizeof(Params));
   dim3 g = Kernel::get_grid_shape(p);
   dim3 b = Kernel::get_block_shape();
@@ -527,40 +513,6 @@ extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const doubl
 """
 
 
-# Under KSPEC_HOST, every TMA descriptor CUTLASS encodes goes through kspec_tma, which records the
-# driver's status.  CUTLASS itself only prints and assert()s on a failed encode, which -DNDEBUG
-# compiles out (and an enabled assert would abort the Python process), so kspec_prepare checks the
-# record and fails with the argument's name instead of launching an unset descriptor.  The hook
-# replaces the CUTLASS_CUDA_DRIVER_WRAPPER_CALL macro after cuda_host_adapter.hpp defined it and
-# before the TMA headers use it.
-_TMA_HOOK = """#if defined(KSPEC_HOST)
-#include <exception>
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include "cutlass/cuda_host_adapter.hpp"
-namespace kspec_tma {
-struct Record { int encoded; int failures; CUresult first; const void* address; };
-inline Record& record() { static thread_local Record r{0, 0, CUDA_SUCCESS, nullptr}; return r; }
-inline void reset() { record() = Record{0, 0, CUDA_SUCCESS, nullptr}; }
-inline CUresult note(CUresult result, const void* address) {
-  Record& r = record();
-  ++r.encoded;
-  if (result != CUDA_SUCCESS && r.failures++ == 0) { r.first = result; r.address = address; }
-  return result;
-}
-template <class Map, class Type, class Rank, class... Rest>
-CUresult encode_cuTensorMapEncodeTiled(Map map, Type type, Rank rank, void* address, Rest... rest) {
-  return note(cutlass::call_cuTensorMapEncodeTiled(map, type, rank, address, rest...), address);
-}
-template <class Map, class Type, class Rank, class... Rest>
-CUresult encode_cuTensorMapEncodeIm2col(Map map, Type type, Rank rank, void* address, Rest... rest) {
-  return note(cutlass::call_cuTensorMapEncodeIm2col(map, type, rank, address, rest...), address);
-}
-}  // namespace kspec_tma
-#undef CUTLASS_CUDA_DRIVER_WRAPPER_CALL
-#define CUTLASS_CUDA_DRIVER_WRAPPER_CALL(func) kspec_tma::encode_##func
-#endif  // KSPEC_HOST
-"""
 
 
 _DEVICE_ENTRY = """

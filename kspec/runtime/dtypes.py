@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kspec.core import DTYPE_TABLE, KspecInternalError
 from kspec.runtime.errors import KspecRuntimeError
 
 
@@ -17,20 +18,25 @@ class DType:
     neg_inf: int                  # bit pattern of -inf (or the most negative finite value)
 
 
-# tf32 is an f32 tensor in memory that the kernel reads with tf32 precision.
+# tf32 is an f32 tensor in memory that the kernel reads with tf32 precision.  Sizes come from the
+# one dtype table (kspec.core); this adds only what the runtime's interop needs.
 DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("f16", 2, "<f2", (2, 16), "float16", 0xFC00),
-    DType("bf16", 2, None, (4, 16), "bfloat16", 0xFF80),
-    DType("f32", 4, "<f4", (2, 32), "float32", 0xFF800000),
-    DType("tf32", 4, "<f4", (2, 32), "float32", 0xFF800000),
-    DType("f8e4m3", 1, None, (10, 8), "float8_e4m3fn", 0xFE),    # e4m3fn has no inf: -448
-    DType("f8e5m2", 1, None, (12, 8), "float8_e5m2", 0xFC),
-    DType("i8", 1, "|i1", (0, 8), "int8", 0x80),
-    DType("i32", 4, "<i4", (0, 32), "int32", 0x80000000),
-)}
+    DType(name, DTYPE_TABLE[name].itemsize, typestr, dlpack, torch_name, neg_inf)
+    for name, typestr, dlpack, torch_name, neg_inf in (
+        ("f16", "<f2", (2, 16), "float16", 0xFC00),
+        ("bf16", None, (4, 16), "bfloat16", 0xFF80),
+        ("f32", "<f4", (2, 32), "float32", 0xFF800000),
+        ("tf32", "<f4", (2, 32), "float32", 0xFF800000),
+        ("f8e4m3", None, (10, 8), "float8_e4m3fn", 0xFE),    # e4m3fn has no inf: -448
+        ("f8e5m2", None, (12, 8), "float8_e5m2", 0xFC),
+        ("i8", "|i1", (0, 8), "int8", 0x80),
+        ("i32", "<i4", (0, 32), "int32", 0x80000000),
+    ))}
+if tuple(DTYPES) != tuple(DTYPE_TABLE):
+    raise KspecInternalError("kspec.runtime.dtypes does not cover kspec.core.DTYPE_TABLE")
 
 # What an argument's memory can be, whatever the spec calls it (tf32 tensors are f32 storage).
-STORAGE = {"tf32": "f32"}
+STORAGE = {d.name: d.storage for d in DTYPE_TABLE.values() if d.storage != d.name}
 
 _FROM_TYPESTR = {"<f2": "f16", "<f4": "f32", "|i1": "i8", "<i1": "i8", "<i4": "i32",
                  "|u1": "u8", "<f8": "f64", "<i8": "i64", "<i2": "i16"}

@@ -8,6 +8,9 @@ Calling a kernel, `mod.gemm(A, B, bias, D=None, alpha=1.0, stream=None) -> dict[
    cubin is loaded once per context, missing outputs are allocated, and the plans are launched in
    order on the caller's stream.
 
+Host numpy arrays: `mod.gemm.to_device(A=a, B=b)` uploads each in its spec's layout (see
+kspec.runtime.transfer).  PyTorch: `mod.gemm.as_torch_op()` (see kspec.runtime.torch_ops).
+
 Inputs are positional or keyword; outputs and params are keywords.  The result is a dict of
 every output by name (passed ones are returned as given, allocated ones as torch tensors when
 torch is already imported by the caller, else `DeviceArray`s).

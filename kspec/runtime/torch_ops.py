@@ -160,8 +160,12 @@ def _register(name: str, entry: KernelEntry, current_kernel):
     def split(args, kwargs) -> tuple[dict, dict]:
         return dict(zip(in_names, args)), {n: kwargs[n] for n in p_names if n in kwargs}
 
-    def cuda_impl(*args, **kwargs):
+    def impl(*args, **kwargs):
         tensors, params = split(args, kwargs)
+        for n, t in tensors.items():
+            if t.device.type != "cuda":
+                raise KspecRuntimeError(f"{entry.name}: argument '{n}': torch tensor is on {t.device}; "
+                                        f"expected a CUDA tensor", hint="move it with .cuda()")
         device = tensors[in_names[0]].device
         outs = {t.name: _empty(torch, shape, t, device)
                 for t, (shape, _) in zip(entry.outputs, output_meta(entry, tensors))}
@@ -175,7 +179,8 @@ def _register(name: str, entry: KernelEntry, current_kernel):
         return _result(tuple(_empty(torch, shape, t, device)
                              for t, (shape, _) in zip(entry.outputs, output_meta(entry, tensors))))
 
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", cuda_impl, mutates_args=(), device_types="cuda",
+    # registered for the CPU too, only to say clearly that the tensors must be on the GPU
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), device_types=("cuda", "cpu"),
                                  schema=schema(entry))
     op.register_fake(fake_impl)
     return getattr(getattr(torch.ops, NAMESPACE), name).default
