@@ -442,6 +442,7 @@ def lower_rowwise(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
         # the same step code three times: 8-element steps, the row's tail, and the element path
         emit(f"// pass {p}")
         emit("if (p.vec) {")
+        emit("  #pragma unroll 4")      # several 128-bit loads in flight per thread
         emit("  for (long long u = u0 + tx; u < u1; u += TX) {")
         emit("    constexpr int WW = KSPEC_V; const long long e = u * KSPEC_V;")
         body.extend("    " + x for x in lam)
