@@ -75,10 +75,6 @@ class RowwiseDesc:
     strides: tuple[tuple[str, str, int], ...] = ()   # stride dim role -> (argument, axis)
 
 
-def _pow2ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 class _RowGen:
     def __init__(self, sched: KernelSchedule, plan: KernelPlan, arch: str):
         self.s, self.plan, self.arch, self.g = sched, plan, arch, sched.graph

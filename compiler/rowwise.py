@@ -2,10 +2,11 @@
 
 A *row space* is a set of outer labels O (which row) and one row label r (the position in a row).
 The rule starts at a reduction over r (sum, max, min, mean), a row dot product (a contraction
-`sum(n) x[m, n] * y[m, n]` that is no GEMM) or a non-causal softmax over r whose operand covers O and r, and grows the group over connected operators whose values live in that
-space: element values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes
-within O, e.g. `rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers
-that pick one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
+`sum(n) x[m, n] * y[m, n]` that is no GEMM) or a non-causal softmax over r whose operand covers O
+and r, and grows the group over connected operators whose values live in that space: element
+values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes within O, e.g.
+`rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers that pick
+one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
 rowwise.py): the row's inputs are read once, every intermediate stays on chip, and only the
 group's results are written, so the cost model's bytes are each input once plus each output once.
 

@@ -18,7 +18,7 @@ from conftest import SPECS
 import kspec
 from kspec.backends.rowwise import RowwiseDesc
 from kspec.compile import emit_spec
-from kspec.compiler import cost, op, plan_kernel
+from kspec.compiler import cost, plan_kernel
 from kspec.spec_lang import KspecError, load_spec, parse, print_program
 from kspec.spec_lang.check import format_typed
 
