@@ -579,3 +579,39 @@ def test_embedding_gather_compiles_as_a_generic_kernel(tmp_path, kernel_cache):
     assert ": NAN)" in src                       # an out-of-range token reads nothing
     cubin, _, _ = build_emitted(plist[0].emitted, kernel_cache)
     assert "LDG" in _sass(cubin)
+
+
+@pytest.mark.nvcc
+def test_rows_at_a_pitch_reach_the_row_kernel(compiled, recording):
+    """The manifest names the plan's stride sizes; the runtime passes a view's real row pitch, so
+    row views of wider tensors run without a copy (vector path when the pitch allows it)."""
+    from kspec.runtime import DeviceBuffer, KspecRuntimeError
+    mod = kspec.load(compiled("layernorm", ("sm90a",)))
+    (plan,) = mod.manifest.kernels[0].plans
+    assert {t for t, _ in plan.strides.values()} == {"x", "y"}
+    g, b = DeviceBuffer(BASE + 0x10000000, (8192,), "bf16"), DeviceBuffer(BASE + 0x10010000, (8192,), "bf16")
+
+    def launch_dims(x, **kw):
+        recording.log.clear()
+        mod.layernorm(x, g, b, **kw)
+        (launch,) = [e for e in recording.log if e[0] == "launch"]
+        raw = launch[7]
+        dims = struct.unpack_from(f"<{len(plan.dims)}q", raw, 8 * len(plan.args))
+        return dict(zip((r for r, _ in plan.dims), dims)), _blob(mod, "layernorm", raw)
+    x_role = next(r for r, (t, _) in plan.strides.items() if t == "x")
+    y_role = next(r for r, (t, _) in plan.strides.items() if t == "y")
+    dims, blob = launch_dims(DeviceBuffer(BASE, (64, 8192), "bf16", strides=(8200, 1)))
+    assert dims[x_role] == 8200 and dims[y_role] == 8192 and blob["vec"] == 1
+    dims, blob = launch_dims(DeviceBuffer(BASE, (64, 8192), "bf16", strides=(8193, 1)))
+    assert dims[x_role] == 8193 and blob["vec"] == 0
+    y = DeviceBuffer(BASE + 0x20000000, (64, 8192), "bf16", strides=(16384, 1))       # every other row
+    dims, _ = launch_dims(DeviceBuffer(BASE, (64, 8192), "bf16"), y=y)
+    assert dims[y_role] == 16384
+    with pytest.raises(KspecRuntimeError, match="expected row layout"):
+        mod.layernorm(DeviceBuffer(BASE, (64, 8192), "bf16", strides=(16384, 2)), g, b)
+    with pytest.raises(KspecRuntimeError, match=r"argument 'y': stride 100 of dimension 0 is smaller than a dense row"):
+        mod.layernorm(DeviceBuffer(BASE, (64, 8192), "bf16"), g, b,
+                      y=DeviceBuffer(BASE + 0x20000000, (64, 8192), "bf16", strides=(100, 1)))
+    with pytest.raises(KspecRuntimeError, match="expected row layout"):            # gamma is not pitched
+        mod.layernorm(DeviceBuffer(BASE, (64, 8192), "bf16"), DeviceBuffer(BASE + 0x10000000, (8192,), "bf16",
+                                                                            strides=(2,)), b)
