@@ -393,6 +393,8 @@ def lower_rowwise(sched: KernelSchedule, plan: KernelPlan, arch: str) -> Lowered
 
         def el(u, labels) -> str:
             """An operand at element i of the step."""
+            if op(g, u).kind == "const":
+                return _const(op(g, u))
             if u in group:
                 if elem[u]:
                     return f"{ev[u]}[i]"

@@ -615,3 +615,79 @@ def test_rows_at_a_pitch_reach_the_row_kernel(compiled, recording):
     with pytest.raises(KspecRuntimeError, match="expected row layout"):            # gamma is not pitched
         mod.layernorm(DeviceBuffer(BASE, (64, 8192), "bf16"), DeviceBuffer(BASE + 0x10000000, (8192,), "bf16",
                                                                             strides=(2,)), b)
+
+
+# ---------------------------------------------------------------- more row groups, generated and emulated
+
+MORE_GROUPS = {
+"chain": """kernel chain {
+  in  x : f32[M, N]
+  out y : f32[M, N]
+  out r : f32[M]
+  a[m, n] = softmax(n) x[m, n]
+  b[m, n] = softmax(n) a[m, n]
+  c[m, n] = softmax(n) b[m, n]
+  r[m] = max(n) b[m, n]
+  y[m, n] = softmax(n) c[m, n]
+}""",
+"scores4d": """kernel sc {
+  param scale : f32 = 0.125
+  in s : f16[B, H, S, T]
+  out p : f16[B, H, S, T]
+  p[b, h, i, j] = softmax(j) (s[b, h, i, j] * scale)
+}""",
+"minmax": """kernel mm {
+  in x : bf16[M, N]
+  out lo : f32[M]
+  out hi : bf16[M]
+  out z : f32[M, N]
+  lo[m] = min(n) f32(x[m, n])
+  hi[m] = max(n) x[m, n]
+  z[m, n] = (f32(x[m, n]) - lo[m]) / (f32(hi[m]) - lo[m] + 1e-3)
+}""",
+"dot": """kernel dot {
+  in x : f32[M, N]
+  in y : f32[M, N]
+  out d : f32[M]
+  out c : f32[M]
+  d[m] = sum(n) x[m, n] * y[m, n]
+  c[m] = d[m] / sqrt((sum(n) x[m, n] * x[m, n]) * (sum(n) y[m, n] * y[m, n]))
+}""",
+"mean_scaled": """kernel r {
+  in X : bf16[N, C]
+  out m : f32[N]
+  m[n] = mean(c) f32(X[n, c]) * 2.0
+}""",
+"gelu_logsumexp": """kernel g {
+  in X : f16[N, C]
+  in bias : f16[C]
+  out y : f32[N]
+  out t : f16[N, C]
+  t[n, c] = gelu(X[n, c] + bias[c])
+  y[n] = log(sum(c) exp(f32(t[n, c])))
+}""",
+}
+
+
+@EMULATED
+@pytest.mark.parametrize("name", sorted(MORE_GROUPS))
+@pytest.mark.parametrize("odd", (True, False))
+def test_more_row_groups_match_the_reference(name, odd):
+    """Chains of softmaxes, a 4-D softmax with a scale, min/max with both as outputs, row dot
+    products, constants inside the reduced expression, a stored elementwise prologue."""
+    from kspec.backends.reference.numerics import storage_dtype
+    src = MORE_GROUPS[name]
+    prog = _load(src)
+    k = prog.kernels[0]
+    assert [p.kind for p in plan_kernel(k).plans] == ["rowwise"]
+    kern = _emu()(src, is_text=True)
+    sizes = {"M": 5, "N": 203 if odd else 208, "B": 2, "H": 2, "S": 3, "T": 77 if odd else 80, "C": 135 if odd else 136}
+    rng = np.random.default_rng(len(name))
+    arrays = {t.name: rng.standard_normal(tuple(sizes[d] if isinstance(d, str) else d for d in t.shape))
+              .astype(storage_dtype(t.dtype)) for t in k.inputs}
+    got, facts = kern(arrays)
+    assert facts["vec"] == (0 if odd else 1)
+    for o, r in kspec.reference(prog)(**arrays).items():
+        r64 = _f64(r)
+        ulp = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}[k.tensor(o).dtype]     # one rounding step apart at most
+        assert np.abs(_f64(got[o]) - r64).max() <= ulp * max(1.0, np.abs(r64).max()), o
