@@ -116,8 +116,8 @@ class _Grower:
                 return "a gather of whole rows is an elementwise kernel, not a row reduction"
             if any(u in group for u, _ in operands(g, n)):
                 return "a gather's tensor and indices must come from memory"
-        if o.dtype not in FLOAT and o.kind not in ("gather",) and info.axis in o.axes:
-            return f"integer ({o.dtype}) element values are not computed in row kernels"
+        if o.dtype not in FLOAT:
+            return f"integer ({o.dtype}) values are not computed in row kernels"
         for pos, (u, labels) in enumerate(operands(g, n)):
             uo = op(g, u)
             if u in group:
@@ -126,6 +126,9 @@ class _Grower:
                 continue
             if uo.kind in ("param", "const"):
                 continue
+            if uo.dtype not in FLOAT and not (o.kind == "gather" and pos > 0):
+                return (f"it reads integer ({uo.dtype}) values of {uo.name or u}; "
+                        "row kernels read integers only as subscripts")
             if o.kind == "gather" and pos == 0:
                 if _storage_last(g, u, tuple(labels)) is None:
                     return "it gathers from a scalar"

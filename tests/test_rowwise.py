@@ -691,3 +691,30 @@ def test_more_row_groups_match_the_reference(name, odd):
         r64 = _f64(r)
         ulp = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}[k.tensor(o).dtype]     # one rounding step apart at most
         assert np.abs(_f64(got[o]) - r64).max() <= ulp * max(1.0, np.abs(r64).max()), o
+
+
+def test_integer_values_stay_out_of_row_kernels():
+    src = """kernel cnt {
+  in x : f32[M, N]
+  in k : i32[M]
+  out y : f32[M]
+  y[m] = sum(n) x[m, n] + f32(k[m] * 2)
+}"""
+    prog = _load(src)
+    sched = plan_kernel(prog.kernels[0])
+    assert sorted(p.kind for p in sched.plans) == ["elementwise", "rowwise"]
+    assert any("row kernels read integers only as subscripts" in n or "integer (i32) values" in n
+               for n in sched.fusion.notes)
+    em = emit_spec_text(src)
+    assert len(em.plans) == 2
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    k = np.array([1, -2, 3], dtype=np.int32)
+    np.testing.assert_allclose(kspec.reference(prog)(x=x, k=k)["y"], x.sum(1) + 2 * k)
+
+
+def emit_spec_text(src: str):
+    import tempfile
+    from pathlib import Path
+    d = Path(tempfile.mkdtemp(prefix="kspec-row-"))
+    (d / "k.kspec").write_text(src)
+    return emit_spec(d / "k.kspec", ("sm90a", "sm100a"))
