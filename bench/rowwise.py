@@ -98,8 +98,7 @@ def gpu(rows: int, cols: int, reps: int, out: Path) -> int:
     loss = torch.empty(M, device="cuda", dtype=torch.float32)
     cases = {
         "layernorm": (dict(x=x, gamma=w, beta=b, y=y), lambda: F.layer_norm(x, (N,), w, b, 1e-5), 2 * M * N * 2),
-        "rmsnorm": (dict(x=x, w=w, y=y), lambda: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
-                                                                          + 1e-6) * w.float()).bfloat16(), 2 * M * N * 2),
+        "rmsnorm": (dict(x=x, w=w, y=y), lambda: _rms(torch, x, w), 2 * M * N * 2),
         "add_rmsnorm": (dict(x=x, res=res, w=w, h=h, y=y), lambda: _add_rms(torch, x, res, w), 4 * M * N * 2),
         "row_softmax": (dict(x=x, y=y), lambda: torch.softmax(x, -1), 2 * M * N * 2),
         "cross_entropy": (dict(logits=x, label=label, loss=loss),
@@ -120,6 +119,11 @@ def gpu(rows: int, cols: int, reps: int, out: Path) -> int:
               f"({nbytes / t_copy / 1e6:.0f} GB/s); x{t_eager / t:4.2f} vs eager"
               + (f", x{t_comp / t:4.2f} vs torch.compile" if t_comp else ""))
     return 0
+
+
+def _rms(torch, x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).bfloat16()
 
 
 def _add_rms(torch, x, res, w):

@@ -2,10 +2,11 @@
 
 A *row space* is a set of outer labels O (which row) and one row label r (the position in a row).
 The rule starts at a reduction over r (sum, max, min, mean), a row dot product (a contraction
-`sum(n) x[m, n] * y[m, n]` that is no GEMM) or a non-causal softmax over r whose operand covers O and r, and grows the group over connected operators whose values live in that
-space: element values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes
-within O, e.g. `rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers
-that pick one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
+`sum(n) x[m, n] * y[m, n]` that is no GEMM) or a non-causal softmax over r whose operand covers O
+and r, and grows the group over connected operators whose values live in that space: element
+values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes within O, e.g.
+`rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers that pick
+one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
 rowwise.py): the row's inputs are read once, every intermediate stays on chip, and only the
 group's results are written, so the cost model's bytes are each input once plus each output once.
 
@@ -115,8 +116,8 @@ class _Grower:
                 return "a gather of whole rows is an elementwise kernel, not a row reduction"
             if any(u in group for u, _ in operands(g, n)):
                 return "a gather's tensor and indices must come from memory"
-        if o.dtype not in FLOAT and o.kind not in ("gather",) and info.axis in o.axes:
-            return f"integer ({o.dtype}) element values are not computed in row kernels"
+        if o.dtype not in FLOAT:
+            return f"integer ({o.dtype}) values are not computed in row kernels"
         for pos, (u, labels) in enumerate(operands(g, n)):
             uo = op(g, u)
             if u in group:
@@ -125,6 +126,9 @@ class _Grower:
                 continue
             if uo.kind in ("param", "const"):
                 continue
+            if uo.dtype not in FLOAT and not (o.kind == "gather" and pos > 0):
+                return (f"it reads integer ({uo.dtype}) values of {uo.name or u}; "
+                        "row kernels read integers only as subscripts")
             if o.kind == "gather" and pos == 0:
                 if _storage_last(g, u, tuple(labels)) is None:
                     return "it gathers from a scalar"

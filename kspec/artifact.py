@@ -65,6 +65,10 @@ Meaning of the fields
   "zero" or "neg_inf" (-inf for floats; the most negative value for ints and f8e4m3).
 - plans[*].alignment: required byte alignment of the data pointer of a tensor argument; every
   non-unit stride of that tensor, in bytes, must be a multiple of it too (row pitches).
+- plans[*].strides (optional): dims roles whose value is a tensor argument's actual stride, in
+  elements, along one axis ({role: [tensor, axis]}) rather than its dense layout's.  A row-layout
+  tensor whose every axis but the last has such a role in every plan taking it may be passed with
+  any such strides (rows at a pitch, row views of wider tensors); its last axis stays contiguous.
 - intermediates: global buffers written by one plan and read by a later one; the loader allocates
   them per call, stream-ordered.
 - binaries: file names are relative to the artifact directory and stay inside it; sha256 is the
@@ -158,6 +162,7 @@ class Plan:
     init: dict[str, str] = field(default_factory=dict)
     alignment: dict[str, int] = field(default_factory=dict)
     binaries: dict[str, Binary] = field(default_factory=dict)
+    strides: dict[str, tuple[str, int]] = field(default_factory=dict)   # dims role -> (tensor, axis)
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,8 @@ def _binary_json(b: Binary) -> dict[str, Any]:
 def _plan_json(p: Plan) -> dict[str, Any]:
     return {"id": p.id, "kind": p.kind, "dims": [[r, list(v) if isinstance(v, tuple) else v] for r, v in p.dims], "args": list(p.args),
             "scalars": list(p.scalars), "init": dict(p.init), "alignment": dict(p.alignment),
-            "binaries": {a: _binary_json(b) for a, b in p.binaries.items()}}
+            "binaries": {a: _binary_json(b) for a, b in p.binaries.items()},
+            **({"strides": {r: [t, a] for r, (t, a) in p.strides.items()}} if p.strides else {})}
 
 
 def manifest_to_json(m: Manifest) -> dict[str, Any]:
@@ -400,7 +406,16 @@ class _Reader:
         for arch in archs:
             if arch not in binaries:
                 raise self.fail(f"{where}.binaries", f"no binary for arch '{arch}'")
-        return Plan(pid, kind, tuple(dims), args, tuple(scalars), dict(init), dict(alignment), binaries)
+        strides: dict[str, tuple[str, int]] = {}
+        roles = {r for r, _ in dims}
+        for role, ref in self.get(obj, "strides", where, dict, optional=True, default={}).items():
+            if role not in roles:
+                raise self.fail(f"{where}.strides", f"'{role}' is not a dims role of this plan")
+            if not (isinstance(ref, list) and len(ref) == 2 and ref[0] in args and isinstance(ref[1], int)
+                    and not isinstance(ref[1], bool) and 0 <= ref[1] < kernel.rank[ref[0]]):
+                raise self.fail(f"{where}.strides.{role}", "expected [tensor argument, axis]")
+            strides[role] = (ref[0], ref[1])
+        return Plan(pid, kind, tuple(dims), args, tuple(scalars), dict(init), dict(alignment), binaries, strides)
 
     def kernel(self, obj: Any, where: str, archs: tuple[str, ...]) -> KernelEntry:
         name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
@@ -476,6 +491,7 @@ class _KernelScope:
 
     def __post_init__(self):
         self.tensors = {t.name for t in (*self.inputs, *self.outputs, *self.intermediates)}
+        self.rank = {t.name: len(t.shape) for t in (*self.inputs, *self.outputs, *self.intermediates)}
         self.writable = {t.name for t in (*self.outputs, *self.intermediates)}
         self.params = {p.name for p in self.param_specs}
         self.bindable = {e for t in (*self.inputs, *self.outputs) for e in t.shape if isinstance(e, str)}

@@ -280,7 +280,8 @@ def _plan_entry(p, ep: EmittedPlan, binaries):
         scalars=tuple(lp.scalars[s] for s in em.scalars),
         init={names[n]: v for n, v in em.init},
         alignment={names[n]: a for n, a in em.alignment},
-        binaries=binaries)
+        binaries=binaries,
+        strides={role: (names[a], axis) for role, a, axis in getattr(lp.desc, "strides", ())})
 
 
 def _resources(cubin: Path, toolchain, cache_root: Path | None = None) -> tuple[int | None, int | None]:

@@ -470,7 +470,8 @@ def _check_nesting(tree: lark.Tree, file: str, source: str) -> None:
         for c in node.children:
             if isinstance(c, lark.Tree):
                 # lists are no level of their own: `gelu(x)` nests x one level deep
-                stack.append((c, depth if c.data in ("arg_list", "index_list", "subscript_list", "sub_name", "sub_int") else depth + 1, stmt))
+                flat = c.data in ("arg_list", "index_list", "subscript_list", "sub_name", "sub_int")
+                stack.append((c, depth if flat else depth + 1, stmt))
 
 
 def parse(source: str, file: str = "<string>") -> ast.Program:

@@ -18,7 +18,7 @@ from conftest import SPECS
 import kspec
 from kspec.backends.rowwise import RowwiseDesc
 from kspec.compile import emit_spec
-from kspec.compiler import cost, op, plan_kernel
+from kspec.compiler import cost, plan_kernel
 from kspec.spec_lang import KspecError, load_spec, parse, print_program
 from kspec.spec_lang.check import format_typed
 
@@ -579,3 +579,142 @@ def test_embedding_gather_compiles_as_a_generic_kernel(tmp_path, kernel_cache):
     assert ": NAN)" in src                       # an out-of-range token reads nothing
     cubin, _, _ = build_emitted(plist[0].emitted, kernel_cache)
     assert "LDG" in _sass(cubin)
+
+
+@pytest.mark.nvcc
+def test_rows_at_a_pitch_reach_the_row_kernel(compiled, recording):
+    """The manifest names the plan's stride sizes; the runtime passes a view's real row pitch, so
+    row views of wider tensors run without a copy (vector path when the pitch allows it)."""
+    from kspec.runtime import DeviceBuffer, KspecRuntimeError
+    mod = kspec.load(compiled("layernorm", ("sm90a",)))
+    (plan,) = mod.manifest.kernels[0].plans
+    assert {t for t, _ in plan.strides.values()} == {"x", "y"}
+    g, b = DeviceBuffer(BASE + 0x10000000, (8192,), "bf16"), DeviceBuffer(BASE + 0x10010000, (8192,), "bf16")
+
+    def launch_dims(x, **kw):
+        recording.log.clear()
+        mod.layernorm(x, g, b, **kw)
+        (launch,) = [e for e in recording.log if e[0] == "launch"]
+        raw = launch[7]
+        dims = struct.unpack_from(f"<{len(plan.dims)}q", raw, 8 * len(plan.args))
+        return dict(zip((r for r, _ in plan.dims), dims)), _blob(mod, "layernorm", raw)
+    x_role = next(r for r, (t, _) in plan.strides.items() if t == "x")
+    y_role = next(r for r, (t, _) in plan.strides.items() if t == "y")
+    dims, blob = launch_dims(DeviceBuffer(BASE, (64, 8192), "bf16", strides=(8200, 1)))
+    assert dims[x_role] == 8200 and dims[y_role] == 8192 and blob["vec"] == 1
+    dims, blob = launch_dims(DeviceBuffer(BASE, (64, 8192), "bf16", strides=(8193, 1)))
+    assert dims[x_role] == 8193 and blob["vec"] == 0
+    y = DeviceBuffer(BASE + 0x20000000, (64, 8192), "bf16", strides=(16384, 1))       # every other row
+    dims, _ = launch_dims(DeviceBuffer(BASE, (64, 8192), "bf16"), y=y)
+    assert dims[y_role] == 16384
+    with pytest.raises(KspecRuntimeError, match="expected row layout"):
+        mod.layernorm(DeviceBuffer(BASE, (64, 8192), "bf16", strides=(16384, 2)), g, b)
+    with pytest.raises(KspecRuntimeError, match=r"argument 'y': stride 100 of dimension 0 is smaller than a dense row"):
+        mod.layernorm(DeviceBuffer(BASE, (64, 8192), "bf16"), g, b,
+                      y=DeviceBuffer(BASE + 0x20000000, (64, 8192), "bf16", strides=(100, 1)))
+    with pytest.raises(KspecRuntimeError, match="expected row layout"):            # gamma is not pitched
+        mod.layernorm(DeviceBuffer(BASE, (64, 8192), "bf16"), DeviceBuffer(BASE + 0x10000000, (8192,), "bf16",
+                                                                            strides=(2,)), b)
+
+
+# ---------------------------------------------------------------- more row groups, generated and emulated
+
+MORE_GROUPS = {
+"chain": """kernel chain {
+  in  x : f32[M, N]
+  out y : f32[M, N]
+  out r : f32[M]
+  a[m, n] = softmax(n) x[m, n]
+  b[m, n] = softmax(n) a[m, n]
+  c[m, n] = softmax(n) b[m, n]
+  r[m] = max(n) b[m, n]
+  y[m, n] = softmax(n) c[m, n]
+}""",
+"scores4d": """kernel sc {
+  param scale : f32 = 0.125
+  in s : f16[B, H, S, T]
+  out p : f16[B, H, S, T]
+  p[b, h, i, j] = softmax(j) (s[b, h, i, j] * scale)
+}""",
+"minmax": """kernel mm {
+  in x : bf16[M, N]
+  out lo : f32[M]
+  out hi : bf16[M]
+  out z : f32[M, N]
+  lo[m] = min(n) f32(x[m, n])
+  hi[m] = max(n) x[m, n]
+  z[m, n] = (f32(x[m, n]) - lo[m]) / (f32(hi[m]) - lo[m] + 1e-3)
+}""",
+"dot": """kernel dot {
+  in x : f32[M, N]
+  in y : f32[M, N]
+  out d : f32[M]
+  out c : f32[M]
+  d[m] = sum(n) x[m, n] * y[m, n]
+  c[m] = d[m] / sqrt((sum(n) x[m, n] * x[m, n]) * (sum(n) y[m, n] * y[m, n]))
+}""",
+"mean_scaled": """kernel r {
+  in X : bf16[N, C]
+  out m : f32[N]
+  m[n] = mean(c) f32(X[n, c]) * 2.0
+}""",
+"gelu_logsumexp": """kernel g {
+  in X : f16[N, C]
+  in bias : f16[C]
+  out y : f32[N]
+  out t : f16[N, C]
+  t[n, c] = gelu(X[n, c] + bias[c])
+  y[n] = log(sum(c) exp(f32(t[n, c])))
+}""",
+}
+
+
+@EMULATED
+@pytest.mark.parametrize("name", sorted(MORE_GROUPS))
+@pytest.mark.parametrize("odd", (True, False))
+def test_more_row_groups_match_the_reference(name, odd):
+    """Chains of softmaxes, a 4-D softmax with a scale, min/max with both as outputs, row dot
+    products, constants inside the reduced expression, a stored elementwise prologue."""
+    from kspec.backends.reference.numerics import storage_dtype
+    src = MORE_GROUPS[name]
+    prog = _load(src)
+    k = prog.kernels[0]
+    assert [p.kind for p in plan_kernel(k).plans] == ["rowwise"]
+    kern = _emu()(src, is_text=True)
+    sizes = {"M": 5, "N": 203 if odd else 208, "B": 2, "H": 2, "S": 3, "T": 77 if odd else 80, "C": 135 if odd else 136}
+    rng = np.random.default_rng(len(name))
+    arrays = {t.name: rng.standard_normal(tuple(sizes[d] if isinstance(d, str) else d for d in t.shape))
+              .astype(storage_dtype(t.dtype)) for t in k.inputs}
+    got, facts = kern(arrays)
+    assert facts["vec"] == (0 if odd else 1)
+    for o, r in kspec.reference(prog)(**arrays).items():
+        r64 = _f64(r)
+        ulp = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}[k.tensor(o).dtype]     # one rounding step apart at most
+        assert np.abs(_f64(got[o]) - r64).max() <= ulp * max(1.0, np.abs(r64).max()), o
+
+
+def test_integer_values_stay_out_of_row_kernels():
+    src = """kernel cnt {
+  in x : f32[M, N]
+  in k : i32[M]
+  out y : f32[M]
+  y[m] = sum(n) x[m, n] + f32(k[m] * 2)
+}"""
+    prog = _load(src)
+    sched = plan_kernel(prog.kernels[0])
+    assert sorted(p.kind for p in sched.plans) == ["elementwise", "rowwise"]
+    assert any("row kernels read integers only as subscripts" in n or "integer (i32) values" in n
+               for n in sched.fusion.notes)
+    em = emit_spec_text(src)
+    assert len(em.plans) == 2
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    k = np.array([1, -2, 3], dtype=np.int32)
+    np.testing.assert_allclose(kspec.reference(prog)(x=x, k=k)["y"], x.sum(1) + 2 * k)
+
+
+def emit_spec_text(src: str):
+    import tempfile
+    from pathlib import Path
+    d = Path(tempfile.mkdtemp(prefix="kspec-row-"))
+    (d / "k.kspec").write_text(src)
+    return emit_spec(d / "k.kspec", ("sm90a", "sm100a"))

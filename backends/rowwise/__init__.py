@@ -76,10 +76,6 @@ class RowwiseDesc:
     strides: tuple[tuple[str, str, int], ...] = ()   # stride dim role -> (argument, axis)
 
 
-def _pow2ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 class _RowGen:
     def __init__(self, sched: ScheduleView, plan, arch: str):
         self.s, self.plan, self.arch, self.g = sched, plan, arch, sched.graph
@@ -248,14 +244,15 @@ def lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
     emit("const bool live = row < p.rows;")
     emit("const long long N = p.n;")
     emit("const int W = p.vec ? KSPEC_V : 1;")
-    emit("const long long nunits = N / W;")
+    emit("const long long nunits = p.vec ? N / KSPEC_V : N;     // no 64-bit division by a variable")
     emit("const long long u0 = live ? kspec_minll(nunits, (long long)rank * p.upr) : 0;")
     emit("const long long u1 = live ? kspec_minll(nunits, u0 + p.upr) : 0;")
     emit("const long long e0 = u0 * W;")
     emit("const bool tail = live && p.vec && rank == cs - 1;")
     emit("long long rr_ = live ? row : 0;")
     for j in reversed(range(k)):
-        emit(f"const long long i_{j} = rr_ % p.dim[{j}]; rr_ /= p.dim[{j}];")
+        # the outermost index is what is left (row < rows): no division for plain [rows, n] tensors
+        emit(f"const long long i_{j} = rr_ % p.dim[{j}]; rr_ /= p.dim[{j}];" if j else "const long long i_0 = rr_;")
     emit("(void)e0; (void)tail; (void)N;")
 
     row_base: dict = {}

@@ -98,7 +98,10 @@ class Binding:
             if isinstance(v, tuple):
                 return math.prod(value(x) for x in v)
             return v if isinstance(v, int) else self.sizes[v]
-        return [value(v) for _, v in plan.dims]
+
+        def stride(name: str, axis: int) -> int:    # a stride the kernel takes as a size
+            return (self.views[name].strides if name in self.views else self.strides[name])[axis]
+        return [stride(*plan.strides[r]) if r in plan.strides else value(v) for r, v in plan.dims]
 
     def scalars(self, plan: Plan) -> list[float]:
         return [float(self.params[s]) if isinstance(s, str) else float(s) for s in plan.scalars]
@@ -140,7 +143,8 @@ class Kernel:
         sizes: dict[str, int] = {}
         origin: dict[str, str] = {}
         for name, view in views.items():
-            self._check_tensor(specs[name], view, sizes, origin, is_output=name not in _names(k.inputs))
+            self._check_tensor(specs[name], view, sizes, origin, is_output=name not in _names(k.inputs),
+                               pitched=_pitched(k, name))
         device = self._check_devices(views)
         allocate = tuple(t.name for t in k.outputs if t.name not in views)
         for t in (*(specs[n] for n in allocate), *k.intermediates):
@@ -211,7 +215,7 @@ class Kernel:
 
     @staticmethod
     def _check_tensor(spec: TensorSpec, v: TensorView, sizes: dict[str, int], origin: dict[str, str],
-                      is_output: bool) -> None:
+                      is_output: bool, pitched: bool = False) -> None:
         what = f"argument '{spec.name}'"
         want = dtypes.storage(spec.dtype)
         if v.dtype != want:
@@ -234,6 +238,15 @@ class Kernel:
         if v.numel:
             want_strides = layout_strides(tuple(v.shape), spec.layout)
             for axis, n in enumerate(v.shape):
+                if pitched and axis < len(v.shape) - 1 and n > 1:
+                    # rows at any pitch; an output's rows must not overlap one another
+                    if v.strides[axis] < (want_strides[axis] if is_output else 0):
+                        raise KspecRuntimeError(
+                            f"{what}: stride {v.strides[axis]} of dimension {axis} is "
+                            f"{'smaller than a dense row' if is_output else 'negative'} (strides "
+                            f"{tuple(v.strides)}, shape {tuple(v.shape)})",
+                            hint="pass rows that do not overlap" if is_output else None)
+                    continue
                 if n > 1 and v.strides[axis] != want_strides[axis]:
                     raise KspecRuntimeError(
                         f"{what}: expected {spec.layout} layout, i.e. strides {want_strides} (elements) for "
@@ -534,6 +547,17 @@ class Module:
 
 def _names(specs) -> list[str]:
     return [t.name for t in specs]
+
+
+def _pitched(k: KernelEntry, name: str) -> bool:
+    """Whether every plan taking tensor `name` takes the strides of all its axes but the last as
+    sizes (row kernels), so the tensor may come with rows at any pitch."""
+    spec = k.tensor(name)
+    if spec.layout != "row" or len(spec.shape) < 2:
+        return False
+    users = [p for p in k.plans if name in p.args]
+    want = set(range(len(spec.shape) - 1))
+    return bool(users) and all({a for t, a in p.strides.values() if t == name} >= want for p in users)
 
 
 def _strides_of(b: Binding, name: str) -> tuple[int, ...]:
