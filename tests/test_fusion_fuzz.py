@@ -21,12 +21,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kspec.backends.lower import attention_veto, lower
+from kspec.backends.lower import attention_veto, lower, runs_tiled
 from kspec.backends.reference import ReferenceKernel
 from kspec.compile import emit_backend
-from kspec.compiler import plan_kernel
+from kspec.compiler import cost, plan_kernel
 from kspec.compiler.fusion import is_operator
 from kspec.compiler.graph import op
+from kspec.compiler.report import format_cost, format_plan
 from kspec.spec_lang import KspecError, KspecInternalError, load_spec
 
 SEED = 20261203
@@ -298,6 +299,11 @@ def run_case(seed: int, emit_all: bool = False) -> str:
         refused = False
         compiled = plan_kernel(kernel, ARCHS, attention_veto(ARCHS))    # what `kspec compile` plans
         check_plan(compiled)
+        for sched in (compiled, flat):                                   # what `kspec graph` prints
+            c = cost(sched, {}, runs_tiled(sched))
+            assert c.fused_bytes >= c.ideal_bytes > 0 or not sched.plans
+            format_plan(sched)
+            format_cost(c)
         for p in compiled.plans:
             for arch in ARCHS:
                 try:
