@@ -299,6 +299,9 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
         return None
     if so.kind not in ("elementwise", "broadcast", "cast"):
         return f"{so.kind} ops cannot be fused into an epilogue"
+    why = _store_order_reject(g, s, gi)
+    if why:
+        return why
     if so.kind == "elementwise" and so.fn not in EPILOGUE_FNS:
         return f"'{so.fn}' has no epilogue implementation"
     if set(so.axes) != gemm_axes:
@@ -458,6 +461,24 @@ def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) 
     res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
                      "the GEMM stores no full result for it to ride on")
     return keep
+
+
+def _store_order_reject(g: nx.DiGraph, s, gi: GemmInfo) -> str | None:
+    """An epilogue stores an output as [batch.., M, N] row-major or, transposed, [batch.., N, M]."""
+    full = (*gi.batch, *gi.m_labels, gi.n)
+    for v in g.successors(s):
+        vo = op(g, v)
+        if vo.kind != "output":
+            continue
+        (_, labels), = operands(g, v)
+        order = list(labels)
+        if vo.layout == "col" and len(order) >= 2:
+            order[-2], order[-1] = order[-1], order[-2]
+        if tuple(order) == full or (not gi.m_fold and tuple(order) == (*gi.batch, gi.n, gi.m)):
+            continue
+        return (f"it stores output {vo.name} as [{', '.join(order)}]; a GEMM epilogue stores "
+                f"[{', '.join(full)}] or its transpose")
+    return None
 
 
 def _loaded_input(g: nx.DiGraph, n):

@@ -773,3 +773,35 @@ def test_norm_after_a_gemm_reads_the_stored_f16_result_not_an_f32_copy():
     # X, W, R, H (write), then H twice more (norm, scale) and Y: 7 f16 [4096, 4096] tensors, plus vectors
     assert c.fused_bytes == pytest.approx(7 * 2 * 4096 * 4096, rel=1e-3)
     lower_all(sched)
+
+
+def test_layer_norm_recomputes_its_centred_value_instead_of_storing_it():
+    sched = plan_of("""kernel layernorm {
+  param eps : f32 = 1e-5
+  in  X : f16[M, C]
+  in  gamma : f16[C]
+  in  beta : f16[C]
+  out Y : f16[M, C]
+  mu[m] = mean(c) f32(X[m, c])
+  d[m, c] : f32 = f32(X[m, c]) - mu[m]
+  var[m] = mean(c) d[m, c] * d[m, c]
+  Y[m, c] = d[m, c] * rsqrt(var[m] + eps) * f32(gamma[c]) + f32(beta[c])
+}""")
+    check_partition(sched.graph, sched.fusion)
+    # d (f32) is recomputed from X (f16) and mu by the variance and the output kernels
+    assert not [b for b in sched.intermediates if len(b.shape) == 2], [b.describe() for b in sched.intermediates]
+    assert [p.kind for p in sched.plans] == ["reduction", "reduction", "elementwise", "elementwise"]
+    assert sum("X" in p.reads for p in sched.plans) == 3
+    lower_all(sched)
+
+
+def test_an_output_stored_with_batch_axes_inside_is_not_an_epilogue_store():
+    sched = plan_of("""kernel t {
+  in K : f16[B, H, T, 64]
+  in O : f16[B, H, S, 64]
+  out t0 : f16[T, S, B, H]
+  t0[t, s, b, h] = sum(e) K[b, h, t, e] * O[b, h, s, e]
+}""")
+    assert [p.kind for p in sched.plans] == ["gemm", "elementwise"]
+    assert any("stores output t0 as [t, s, b, h]" in n for n in sched.fusion.notes)
+    lower_all(sched)

@@ -308,11 +308,18 @@ def run_case(seed: int, emit_all: bool = False) -> str:
             for arch in ARCHS:
                 try:
                     lp = lower(compiled, p, arch)
-                    if emit_all or type(lp.desc).__name__ == "GenericDesc":
-                        emit_backend(lp.desc)       # (CUTLASS emission costs ~0.5 s a kernel: sampled)
                 except KspecError as e:
                     assert e.span is not None or e.message.startswith("kernel "), f"unlocated: {e.message}"
                     refused = True
+                    continue
+                if emit_all or type(lp.desc).__name__ == "GenericDesc":
+                    try:
+                        emit_backend(lp.desc)       # (CUTLASS emission costs ~0.5 s a kernel: sampled)
+                    except KspecError as e:
+                        # `kspec compile` names the kernel, arch and spec line of a backend refusal; a
+                        # descriptor the backend finds inconsistent is a planning bug
+                        assert "internal" not in e.message, e.message
+                        refused = True
     except (AssertionError, KspecInternalError, Exception) as e:
         raise AssertionError(f"fuzz case {seed} failed: {type(e).__name__}: {e}\n{text}") from e
     return "ok+refused" if refused else "ok"
