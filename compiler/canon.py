@@ -1,11 +1,16 @@
 """Canonicalisation passes over the dataflow graph: copy elimination, constant folding, common
-subexpression merging, dead-node removal and GEMM recognition (operand layouts absorb transposes)."""
+subexpression merging, dead-node removal, per-consumer copies of values that are cheaper to
+recompute than to share (broadcasts, casts of inputs, widening casts, scalars, elementwise values
+narrower at their sources), and GEMM recognition (operand layouts absorb transposes; free axes of A
+fold into M and several innermost reduced axes into K)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
 import networkx as nx
+
+from kspec.core import dtype_bytes
 
 from .graph import OpNode, op, operands, uses
 
@@ -275,19 +280,17 @@ def _split_per_consumer(g: nx.DiGraph, pick, budget: int | None = None) -> int:
 def is_widening_cast(g: nx.DiGraph, n) -> bool:
     """n converts a value to a wider dtype (f16 -> f32): reading the narrow value and converting it
     where it is needed never costs more memory traffic than storing the wide one."""
-    from .schedule import DTYPE_BYTES
     o = op(g, n)
     if o.kind != "cast":
         return False
     (src, _), = operands(g, n)
-    return DTYPE_BYTES.get(op(g, src).dtype, 4) < DTYPE_BYTES.get(o.dtype, 4)
+    return dtype_bytes(op(g, src).dtype) < dtype_bytes(o.dtype)
 
 
-def _weight(g: nx.DiGraph, n) -> int:
+def value_weight(g: nx.DiGraph, n) -> int:
     """Bytes of a value per element, weighted by rank (a full tensor outweighs any vector)."""
-    from .schedule import DTYPE_BYTES
     o = op(g, n)
-    return DTYPE_BYTES.get(o.dtype, 4) * (1 << (2 * len(o.axes)))
+    return dtype_bytes(o.dtype) * (1 << (2 * len(o.axes)))
 
 
 def is_cheap_to_recompute(g: nx.DiGraph, n, depth: int = 4) -> bool:
@@ -308,7 +311,7 @@ def is_cheap_to_recompute(g: nx.DiGraph, n, depth: int = 4) -> bool:
             return True
         return all(walk(u, d - 1) for u in g.predecessors(x))
     walk(n, depth)
-    return bool(leaves) and sum(_weight(g, x) for x in leaves) < _weight(g, n)
+    return bool(leaves) and sum(value_weight(g, x) for x in leaves) < value_weight(g, n)
 
 
 def split_shared_broadcasts(g: nx.DiGraph) -> int:

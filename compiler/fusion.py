@@ -14,7 +14,7 @@ from typing import Callable
 
 import networkx as nx
 
-from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value
+from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value, value_weight
 from .graph import op, operands
 
 OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "const")
@@ -338,14 +338,6 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set) -> str | No
 MAX_CONE = 16
 
 
-def _value_bytes(g: nx.DiGraph, n) -> int:
-    """Bytes of n's value per element of its iteration space, scaled by its rank (a proxy: full
-    tensors dominate vectors and scalars)."""
-    from .schedule import DTYPE_BYTES
-    o = op(g, n)
-    return DTYPE_BYTES.get(o.dtype, 4) * (1 << (2 * len(o.axes)))
-
-
 def _recompute_cheap_values(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
     """An epilogue value that only other kernels read (no output, no op of this kernel) is not
     stored when those kernels can compute it more cheaply from values in memory anyway: e.g.
@@ -364,7 +356,7 @@ def _recompute_cheap_values(g: nx.DiGraph, res: FusionResult, group: set, anchor
             sources = _recompute_sources(g, n, group, anchor)
             if sources is None or not sources:
                 continue
-            if sum(_value_bytes(g, u) for u in sources) <= _value_bytes(g, n):
+            if sum(value_weight(g, u) for u in sources) <= value_weight(g, n):
                 best = n
                 break
         if best is None:
