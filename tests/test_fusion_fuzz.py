@@ -262,6 +262,12 @@ def check_plan(sched) -> None:
     for u, v in g.edges:
         if u in where and v in where:
             assert where[u] <= where[v], f"kernel {where[v]} reads {op(g, u).label()} from later kernel {where[u]}"
+    written: set = set()
+    for p in sched.plans:
+        for b in p.reads:
+            assert sched.buffers[b].kind in ("input", "param") or b in written, f"{p.id} reads {b} before it is written"
+        written |= set(p.writes)
+    assert {t.name for t in sched.kernel.outputs} <= written, "an output is never written"
 
 
 def _arrays(kernel, rng: np.random.Generator) -> dict:
