@@ -598,17 +598,15 @@ def test_fp8_gemm_with_a_cast_bias_is_one_kernel():
     sched = plan_of((SPECS / "fp8_gemm_cast_bias.kspec").read_text())
     assert [p.kind for p in sched.plans] == ["gemm"] and not sched.intermediates
     from kspec.backends.desc import Load, Op
-    for (_, arch), lp in lower_all(sched).items():
-        found = []
 
-        def walk(e):
-            if isinstance(e, Op):
-                if e.fn == "cast:f32" and isinstance(e.args[0], Load):
-                    found.append(e.args[0])
-                for a in e.args:
-                    walk(a)
-        walk(lp.desc.output.value)
-        assert [(ld.kind, ld.dtype) for ld in found] == [("row", "bf16")]
+    def cast_loads(e) -> list:
+        if not isinstance(e, Op):
+            return []
+        here = [e.args[0]] if e.fn == "cast:f32" and isinstance(e.args[0], Load) else []
+        return here + [ld for a in e.args for ld in cast_loads(a)]
+
+    for lp in lower_all(sched).values():
+        assert [(ld.kind, ld.dtype) for ld in cast_loads(lp.desc.output.value)] == [("row", "bf16")]
 
 
 def test_cast_bias_shared_by_two_gemms_is_loaded_by_each():
@@ -668,7 +666,7 @@ def test_multi_query_attention_is_recognised_and_the_veto_says_why():
   p[b, h, i, j] = softmax(j) s[b, h, i, j]
   O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, j, e]
 }"""
-    g, res = fused(src)
+    _, res = fused(src)
     assert [grp.kind for grp in res.groups] == ["attention"]
     assert res.groups[0].info.kv_batch == ("b",)
     sched = plan_of(src)
@@ -689,13 +687,13 @@ def test_shared_weight_linear_folds_batch_and_sequence_into_m():
     assert p.kind == "gemm"
     gi = p.info
     assert (gi.m_fold, gi.m, gi.n, gi.k, gi.batch, gi.a_layout, gi.b_layout) == (("b",), "s", "n", "k", (), "row", "col")
-    for (_, arch), lp in lower_all(sched).items():
+    for lp in lower_all(sched).values():
         assert dict(lp.dims) == {"M": ("B", "S"), "N": "N", "K": "K", "L": 1}
         assert lp.desc.batched is False and lp.desc.a.layout == "row"
 
 
 def test_shared_weight_linear_with_a_shared_batch_axis():
-    g, res = fused("""kernel lin {
+    _, res = fused("""kernel lin {
   in X : f16[G, B, S, K]
   in W : f16[G, N, K]
   out Y : f16[G, B, S, N]
@@ -720,7 +718,7 @@ def test_shared_weight_linear_limits(body, why):
 }}""")
     check_partition(g, res)
     if why:
-        assert [grp.kind for grp in res.groups][0] == "gemm"
+        assert res.groups[0].kind == "gemm"
         assert any(why in n for n in res.notes)
     else:
         # the result's axis order is not [(b, s), n]: not a folded GEMM

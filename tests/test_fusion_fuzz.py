@@ -20,15 +20,15 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
 from kspec.backends.lower import attention_veto, lower, runs_tiled
 from kspec.backends.reference import ReferenceKernel
-from kspec.compile import emit_backend
 from kspec.compiler import cost, plan_kernel
 from kspec.compiler.fusion import is_operator
 from kspec.compiler.graph import op
 from kspec.compiler.report import format_cost, format_plan
 from kspec.spec_lang import KspecError, KspecInternalError, load_spec
+
+from kspec.compile import emit_backend
 
 SEED = 20261203
 N_DEFAULT = 100
@@ -55,7 +55,7 @@ class _Spec:
         self.bound: set = set()                               # labels reduced in the current statement
         self.extent = dict(LABELS)                            # label -> size symbol (or literal)
 
-    def build(self) -> "_Spec":
+    def build(self) -> _Spec:
         rng = self.rng
         labels = list(RANDOM_LABELS)
         if rng.random() < 0.35:
