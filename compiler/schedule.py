@@ -113,7 +113,7 @@ def _heuristic(plan: KernelPlan, dtype: str, arch: str, g) -> ArchConfig:
     k_tile = {1: 128, 2: 64, 4: 32}[width]
     anchor = op(g, plan.group.anchor)
     m_extent = dict(zip(anchor.axes, anchor.shape))[plan.info.m]
-    small = isinstance(m_extent, int)
+    small = isinstance(m_extent, int) and not getattr(plan.info, "m_fold", ())   # folded M: a product
     if arch == "sm90a":
         tile_m = 64 if small and m_extent <= 64 else 128
         return ArchConfig((tile_m, 128, k_tile), (2, 1, 1), None, "heuristic")

@@ -803,3 +803,15 @@ def test_an_output_stored_with_batch_axes_inside_is_not_an_epilogue_store():
     assert [p.kind for p in sched.plans] == ["gemm", "elementwise"]
     assert any("stores output t0 as [t, s, b, h]" in n for n in sched.fusion.notes)
     lower_all(sched)
+
+
+def test_folded_m_is_not_taken_for_a_small_literal_m():
+    sched = plan_of("""kernel decode {
+  in X : f16[B, 1, K]
+  in W : f16[N, K]
+  out Y : f16[B, 1, N]
+  Y[b, s, n] = sum(k) X[b, s, k] * W[n, k]
+}""")
+    (p,) = sched.plans
+    assert p.info.m_labels == ("b", "s")
+    assert p.configs["sm90a"].tile[0] == 128 and p.configs["sm100a"].tile[0] == 256
