@@ -1,5 +1,8 @@
 """Canonicalisation passes over the dataflow graph: copy elimination, constant folding, common
-subexpression merging, dead-node removal and GEMM recognition (operand layouts absorb transposes)."""
+subexpression merging, dead-node removal, per-consumer copies of values that are cheaper to
+recompute than to share (broadcasts, casts of inputs, widening casts, scalars, elementwise values
+narrower at their sources), and GEMM recognition (operand layouts absorb transposes; free axes of A
+fold into M and several innermost reduced axes into K)."""
 from __future__ import annotations
 
 import math
@@ -248,16 +251,18 @@ def is_scalar_value(g: nx.DiGraph, n) -> bool:
         all(op(g, u).kind == "param" or is_scalar_value(g, u) for u in g.predecessors(n))
 
 
-def _split_per_consumer(g: nx.DiGraph, pick) -> int:
+def _split_per_consumer(g: nx.DiGraph, pick, budget: int | None = None) -> int:
     """Give every consumer of a node `pick` selects its own copy of it (output consumers stay with
     the original, named node).  Nodes are visited consumers-first, so a chain of picked nodes is
-    copied whole."""
+    copied whole.  At most `budget` copies are made (None: no limit)."""
     count = 0
     ids = _next_id(g)
     for n in reversed(list(nx.topological_sort(g))):
         o = op(g, n)
         consumers = sorted(g.successors(n), key=lambda v: (op(g, v).kind != "output", str(v)))
         if len(consumers) < 2 or not pick(g, n):
+            continue
+        if budget is not None and count + len(consumers) - 1 > budget:
             continue
         ins = [(u, g.edges[u, n]["uses"]) for u in g.predecessors(n)]
         for v in consumers[1:]:
@@ -282,12 +287,42 @@ def is_widening_cast(g: nx.DiGraph, n) -> bool:
     return dtype_bytes(op(g, src).dtype) < dtype_bytes(o.dtype)
 
 
+def value_weight(g: nx.DiGraph, n) -> int:
+    """Bytes of a value per element, weighted by rank (a full tensor outweighs any vector)."""
+    o = op(g, n)
+    return dtype_bytes(o.dtype) * (1 << (2 * len(o.axes)))
+
+
+def is_cheap_to_recompute(g: nx.DiGraph, n, depth: int = 4) -> bool:
+    """n is an elementwise value (e.g. `f32(X[m, c]) - mean[m]` in a layer norm) computed through
+    elementwise ops from values that are narrower in memory than n itself: each kernel that needs it
+    recomputes it from those rather than reading it back (f32) from a buffer."""
+    o = op(g, n)
+    if o.kind not in ("elementwise", "cast") or not o.axes or o.fn == "copy":
+        return False
+    leaves: set = set()
+
+    def walk(x, d) -> bool:
+        xo = op(g, x)
+        if xo.kind in ("param", "const"):
+            return True
+        if x != n and (xo.kind not in ("elementwise", "cast", "broadcast") or d == 0):
+            leaves.add(x)
+            return True
+        return all(walk(u, d - 1) for u in g.predecessors(x))
+    walk(n, depth)
+    return bool(leaves) and sum(value_weight(g, x) for x in leaves) < value_weight(g, n)
+
+
 def split_shared_broadcasts(g: nx.DiGraph) -> int:
-    """Give every consumer of a broadcast, of a cast of an input, or of a widening cast its own copy.
-    Such a view is free to recompute where it is loaded; shared (e.g. after CSE) it would tie its
-    consumers into one kernel or force the expanded or converted tensor through memory (an f32 copy
-    of an f16 input, a [M, N] bias)."""
-    return _split_per_consumer(g, lambda g, n: is_input_view(g, n) or is_widening_cast(g, n))
+    """Give every consumer of a broadcast, of a cast of an input, of a widening cast, or of a value
+    cheaper to recompute than to read back, its own copy.  Such a view is free to recompute where it
+    is loaded; shared (e.g. after CSE) it would tie its consumers into one kernel or force the
+    expanded or converted tensor through memory (an f32 copy of an f16 input, a [M, N] bias)."""
+    views = _split_per_consumer(g, lambda g, n: is_input_view(g, n) or is_widening_cast(g, n))
+    remat = _split_per_consumer(g, lambda g, n: is_cheap_to_recompute(g, n) or is_input_view(g, n) or
+                                is_widening_cast(g, n), budget=max(32, g.number_of_nodes()))
+    return views + remat
 
 
 def split_shared_scalars(g: nx.DiGraph) -> int:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from kspec.core import dtype_bytes
+from kspec.core import dtype_bytes  # noqa: F401
 
-from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value
+from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
 
@@ -270,6 +270,9 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
         return None
     if so.kind not in ("elementwise", "broadcast", "cast"):
         return f"{so.kind} ops cannot be fused into an epilogue"
+    why = _store_order_reject(g, s, gi)
+    if why:
+        return why
     fns = ctx.epilogue_fns()
     if so.kind == "elementwise" and fns is not None and so.fn not in fns:
         return f"'{so.fn}' has no epilogue implementation"
@@ -307,13 +310,6 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
 MAX_CONE = 16
 
 
-def _value_bytes(g: nx.DiGraph, n) -> int:
-    """Bytes of n's value per element of its iteration space, scaled by its rank (a proxy: full
-    tensors dominate vectors and scalars)."""
-    o = op(g, n)
-    return dtype_bytes(o.dtype) * (1 << (2 * len(o.axes)))
-
-
 def _recompute_cheap_values(g: nx.DiGraph, res: FusionResult, group: set, anchor) -> set:
     """An epilogue value that only other kernels read (no output, no op of this kernel) is not
     stored when those kernels can compute it more cheaply from values in memory anyway: e.g.
@@ -332,7 +328,7 @@ def _recompute_cheap_values(g: nx.DiGraph, res: FusionResult, group: set, anchor
             sources = _recompute_sources(g, n, group, anchor)
             if sources is None or not sources:
                 continue
-            if sum(_value_bytes(g, u) for u in sources) <= _value_bytes(g, n):
+            if sum(value_weight(g, u) for u in sources) <= value_weight(g, n):
                 best = n
                 break
         if best is None:
@@ -431,6 +427,24 @@ def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) 
     res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
                      "the GEMM stores no full result for it to ride on")
     return keep
+
+
+def _store_order_reject(g: nx.DiGraph, s, gi: GemmInfo) -> str | None:
+    """An epilogue stores an output as [batch.., M, N] row-major or, transposed, [batch.., N, M]."""
+    full = (*gi.batch, *gi.m_labels, gi.n)
+    for v in g.successors(s):
+        vo = op(g, v)
+        if vo.kind != "output":
+            continue
+        (_, labels), = operands(g, v)
+        order = list(labels)
+        if vo.layout == "col" and len(order) >= 2:
+            order[-2], order[-1] = order[-1], order[-2]
+        if tuple(order) == full or (not gi.m_fold and tuple(order) == (*gi.batch, gi.n, gi.m)):
+            continue
+        return (f"it stores output {vo.name} as [{', '.join(order)}]; a GEMM epilogue stores "
+                f"[{', '.join(full)}] or its transpose")
+    return None
 
 
 def _loaded_input(g: nx.DiGraph, n):

@@ -34,7 +34,7 @@ def _heuristic(ir: KernelIR, arch: str) -> tuple[tuple[int, int, int], tuple[int
     s = ir.gemm
     k_tile = {1: 128, 2: 64, 4: 32}[dtype_bytes(s.a_dtype)]
     m_extent = dict(s.dims)["M"]
-    small = isinstance(m_extent, int)
+    small = isinstance(m_extent, int) and not s.m_fold      # a folded M is a product: never small
     if arch == "sm90a":
         return (64 if small and m_extent <= 64 else 128, 128, k_tile), (2, 1, 1)
     if small and m_extent <= 128:
