@@ -475,8 +475,14 @@ class FakeDriver:
         return ctypes.string_at(int(ptr), nbytes)
 
     def call(self, fn_name: str, *args, what: str = "") -> Any:
-        """The few raw driver calls `DeviceArray` makes."""
-        if fn_name == "cuStreamSynchronize":
+        """The few raw driver calls `DeviceArray` and `kspec selftest` make."""
+        if fn_name in ("cuStreamSynchronize", "cuCtxSynchronize"):
+            return None
+        if fn_name == "cuMemAlloc":
+            return self.alloc(int(args[0]), "cuMemAlloc")
+        if fn_name == "cuMemFree":
+            if int(args[0]) not in self.memory:
+                raise KspecRuntimeError(f"cuMemFree of 0x{int(args[0]):x}, which the fake device did not allocate")
             return None
         if fn_name == "cuMemcpyHtoD":
             dst, src, n = args
