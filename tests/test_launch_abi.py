@@ -43,10 +43,9 @@ from kspec.runtime.fakedriver import (
     fake_call,
     parse_cutlass_tma_report,
 )
+from kspec.selftest import SIZE_SETS
 
 ARCH_CC = {"sm90a": (9, 0), "sm100a": (10, 0)}
-EVEN = {"M": 256, "N": 384, "K": 192, "L": 3, "B": 2, "H": 3, "S": 256, "T": 384}
-ODD = {"M": 200, "N": 136, "K": 72, "L": 2, "B": 1, "H": 2, "S": 136, "T": 200}
 
 needs_fixture_tools = pytest.mark.skipif(shutil.which("nvcc") is None or fixture.find_cxx() is None,
                                          reason="the fixture artifact needs nvcc and a C++ compiler")
@@ -232,7 +231,7 @@ def test_shipped_spec_launch_abi(compiled, stem):
     mod = kspec.load(art)
     for arch in mod.archs:
         with FakeDriver(ARCH_CC[arch], sm_count=132) as fake:
-            for sizes in (EVEN, ODD):
+            for sizes in SIZE_SETS.values():    # tile multiples, ragged, smaller than a tile
                 for kname in mod.kernels:
                     call = fake_call(mod, kname, sizes, fake)
                     problems = check_call(call, arch, mod)
