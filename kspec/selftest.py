@@ -309,12 +309,14 @@ def _time(torch, fn, reps: int) -> float:
 
 def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int] | None = None,
         bench: bool = True, reps: int = 20, seed: int = 0, json_path: str | None = None,
-        out=sys.stdout, driver=None) -> int:
+        out=None, driver=None) -> int:
     """The command; `driver` (tests) is a FakeDriver to use instead of `--fake`'s."""
     import kspec
     from kspec.core import ARCH_TABLE, normalize_arch
     from kspec.runtime import driver as rt_driver
     from kspec.spec_lang import load_spec
+
+    out = out if out is not None else sys.stdout      # looked up per call (pytest swaps sys.stdout)
 
     def say(text: str) -> None:
         print(text, file=out, flush=True)
