@@ -10,9 +10,12 @@ are the tensors' in plan order and each appears in the blob or behind a TMA desc
 descriptor obeys cuTensorMapEncodeTiled's documented rules and addresses exactly the bytes of one
 tensor (address, element size, extents and byte strides, after merging contiguous axes).
 
-Limits (see the fakedriver docstring): nothing runs on a device; TMA descriptors are the
-arguments CUTLASS reports when the driver is absent, so their placement inside the parameter
-blob is not checked; with a real libcuda present the descriptors are not recorded.
+TMA descriptors are recorded through the glue's encoder hook (backends/cutlass/tma_hook.py): the
+fake encoder marks each descriptor, so its placement in the parameter blob (64-byte aligned) is
+checked too, and only the descriptors the kernel will use are matched against tensors.
+
+Limits (see the fakedriver docstring): nothing runs on a device; driver-side validation is limited
+to cuTensorMapEncodeTiled's documented rules and the attributes the cubin declares.
 
 The fixture tests build the plain-CUDA fixture artifact (g++ and a few seconds of nvcc); the
 shipped-spec tests compile every spec for sm90a and sm100a (marked nvcc, cached).
