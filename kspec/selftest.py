@@ -73,50 +73,44 @@ class BenchRow:
 # ------------------------------------------------------------------------------------------ memory
 
 class _Memory:
-    """Synchronous device memory for the test data, through the runtime's driver (real or fake)."""
+    """Synchronous device memory for the test data, through the runtime's driver object: the same
+    calls on a GPU and on the fake driver (whose "device" memory is host memory it owns)."""
 
     def __init__(self, drv):
         self.drv = drv
-        self.fake = hasattr(drv, "upload")
-        self.ctx = None if self.fake else drv.primary_context(0)
+        self.ctx = drv.primary_context(0)
         self.owned: list[int] = []
 
+    @staticmethod
+    def _ptr(ptr: int):
+        from cuda.bindings import driver as cu
+        return cu.CUdeviceptr(ptr)
+
     def alloc(self, nbytes: int) -> int:
-        if self.fake:
-            return self.drv.alloc(nbytes)
         with self.drv.current(self.ctx):
             ptr = int(self.drv.call("cuMemAlloc", max(int(nbytes), 1)))
         self.owned.append(ptr)
         return ptr
 
     def upload(self, ptr: int, data: bytes) -> None:
-        if self.fake:
-            return self.drv.upload(ptr, data)
         import numpy as np
-        from cuda.bindings import driver as cu
         buf = np.frombuffer(data, dtype=np.uint8)
         with self.drv.current(self.ctx):
-            self.drv.call("cuMemcpyHtoD", cu.CUdeviceptr(ptr), buf, len(data))
+            self.drv.call("cuMemcpyHtoD", self._ptr(ptr), buf, len(data))
 
     def download(self, ptr: int, nbytes: int) -> bytes:
-        if self.fake:
-            return self.drv.download(ptr, nbytes)
         import numpy as np
-        from cuda.bindings import driver as cu
         out = np.empty(nbytes, dtype=np.uint8)
         with self.drv.current(self.ctx):
             self.drv.call("cuCtxSynchronize")
-            self.drv.call("cuMemcpyDtoH", out, cu.CUdeviceptr(ptr), nbytes)
+            self.drv.call("cuMemcpyDtoH", out, self._ptr(ptr), nbytes)
         return out.tobytes()
 
     def free_all(self) -> None:
-        if self.fake:
-            return
-        from cuda.bindings import driver as cu
         with self.drv.current(self.ctx):
             self.drv.call("cuCtxSynchronize")
             for p in self.owned:
-                self.drv.call("cuMemFree", cu.CUdeviceptr(p))
+                self.drv.call("cuMemFree", self._ptr(p))
         self.owned.clear()
 
 
@@ -322,6 +316,8 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
     from kspec.core import ARCH_TABLE, normalize_arch
     from kspec.runtime import driver as rt_driver
     from kspec.spec_lang import load_spec
+
+    out = out if out is not None else sys.stdout      # looked up per call (pytest swaps sys.stdout)
 
     def say(text: str) -> None:
         print(text, file=out, flush=True)

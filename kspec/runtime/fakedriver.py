@@ -11,23 +11,25 @@ the dynamic-shared-memory limit set on the function.  While active it also wraps
 `HostGlue.prepare`, recording what the runtime handed the host glue (sizes, pointers, scalars,
 workspace, sm count) and the TMA descriptors the glue asked for.
 
-TMA descriptors.  The CUTLASS host glue links the static CUDA runtime and reaches
-`cuTensorMapEncodeTiled` through `cudaGetDriverEntryPointByVersion`, a function local to the glue
-(not interposable).  A fake `libcuda.so.1` cannot serve that path: static cudart initialises
-through `cuGetProcAddress` *and* the driver's private `cuGetExportTable`, which cannot be faked
-honestly.  Without a driver the lookup fails, and CUTLASS (cute/atom/copy_traits_sm90_tma.hpp)
-reports every argument of the failed call on stderr; the fake captures file descriptor 2 during
-`kspec_prepare` and parses that report (`parse_cutlass_tma_report`).  So the recorded descriptors
-are the exact arguments the glue passed: address, data type, extents, byte strides, box,
-swizzle.  `check_launch` checks them against cuTensorMapEncodeTiled's documented requirements and
-against the tensors passed.
+TMA descriptors.  The CUTLASS host glue links the static CUDA runtime, which reaches
+`cuTensorMapEncodeTiled` through `cudaGetDriverEntryPointByVersion` (local to the glue, so not
+interposable), and static cudart initialises through the driver's private `cuGetExportTable`: a
+fake `libcuda.so.1` cannot serve that path honestly (tried: cudart asks for `cuGetExportTable`
+and gives up).  So the glue routes the encode through an injectable encoder
+(backends/cutlass/tma_hook.py, exported as `kspec_set_tensor_map_encoder`).  While a prepare runs,
+the fake installs `RecordingEncoder`, which records every call, refuses what the driver documents
+as invalid, and writes a marker (magic, record index, address) into the 128-byte descriptor, so
+`check_launch` can find each descriptor inside the parameter blob (offset, 64-byte alignment) and
+check the ones the kernel will use against the tensors passed.  Glue built without the hook
+still gets its descriptors recorded on a machine without a driver: CUTLASS
+(cute/atom/copy_traits_sm90_tma.hpp) reports every argument of the encode it could not do on
+stderr, which the fake captures (file descriptor 2) and parses (`parse_cutlass_tma_report`); their
+placement in the blob is then unknown.
 
-Limits: nothing runs on a device (numbers are `kspec selftest`'s job on a GPU); where the encoded
-descriptors land inside the parameter blob is not visible (without a driver those bytes are
-undefined); this works only where no libcuda is present (with a driver, the encode succeeds and
-nothing is reported); and it relies on the glue finishing `kspec_prepare` after a failed encode
-(it does today: CUTLASS's `assert` is compiled out under NDEBUG).  The report format is CUTLASS
-4.2's; a change shows up as a KspecInternalError naming the unexpected line.
+Limits: nothing runs on a device (numbers are `kspec selftest`'s job on a GPU, or an `on_launch`
+emulator's in tests); driver-side validation is limited to cuTensorMapEncodeTiled's documented
+argument rules and the cubin's declared attributes; descriptors a backend encodes on the device
+or through another entry point are not seen.
 """
 from __future__ import annotations
 
@@ -475,8 +477,14 @@ class FakeDriver:
         return ctypes.string_at(int(ptr), nbytes)
 
     def call(self, fn_name: str, *args, what: str = "") -> Any:
-        """The few raw driver calls `DeviceArray` makes."""
-        if fn_name == "cuStreamSynchronize":
+        """The few raw driver calls `DeviceArray` and `kspec selftest` make."""
+        if fn_name in ("cuStreamSynchronize", "cuCtxSynchronize"):
+            return None
+        if fn_name == "cuMemAlloc":
+            return self.alloc(int(args[0]), "cuMemAlloc")
+        if fn_name == "cuMemFree":
+            if int(args[0]) not in self.memory:
+                raise KspecRuntimeError(f"cuMemFree of 0x{int(args[0]):x}, which the fake device did not allocate")
             return None
         if fn_name == "cuMemcpyHtoD":
             dst, src, n = args
