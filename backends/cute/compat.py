@@ -34,6 +34,9 @@ DSL_VERSION = "4.8.1"
 DSL_ARCH = {"sm90a": "sm_90a", "sm100a": "sm_100a"}
 # Used only if the DSL queries the device while tracing; kernels take the real count at run time.
 OFFLINE_SM_COUNT = {"sm90a": 132, "sm100a": 148}
+# Opt-in shared memory per block (bytes): a property of the arch (H100/H200 and B200 alike), which the
+# DSL's launcher asks the device for; the capture shim answers with this value.
+SMEM_OPTIN = {"sm90a": 232448, "sm100a": 232448}
 
 _LOCK = threading.RLock()
 
