@@ -232,7 +232,7 @@ def cmd_compile(args) -> int:
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
     if args.emit_only:
-        emitted = emit_spec(args.file, archs, args.kernel)
+        emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend)
         if args.output is None and args.print:
             for plist in emitted.plans.values():
                 for ep in plist:
@@ -245,7 +245,7 @@ def cmd_compile(args) -> int:
     import time
     t0 = time.monotonic()
     out = compile_spec(args.file, archs, args.output or "build", args.kernel, args.jobs,
-                       progress=Progress(enabled=not args.quiet))
+                       progress=Progress(enabled=not args.quiet), backend=args.backend)
     print(f"wrote {out}  ({time.monotonic() - t0:.1f}s)")
     return 0
 
@@ -282,6 +282,9 @@ def _register_compile(sub) -> None:
     p.add_argument("--emit-only", action="store_true", help="write the generated C++ instead of compiling")
     p.add_argument("--print", action="store_true", help="with --emit-only and no -o: print the C++ to stdout")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    p.add_argument("--backend", choices=("auto", "cute", "cutlass"), default="auto",
+                   help="GEMM backend: auto (default: the CuTe DSL where it can implement a kernel, else "
+                        "CUTLASS C++), cute (error where it cannot), cutlass (always CUTLASS C++ + nvcc)")
     p.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", help="show registers, shared memory and SASS of a compiled artifact",

@@ -18,6 +18,7 @@ import kspec
 from kspec.backends.desc import ARCHS, EmittedKernel
 from kspec.backends.lower import LoweredPlan, attention_veto, lower
 from kspec.compiler import KernelSchedule, op, plan_kernel
+from kspec.core import KspecInternalError
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 
 
@@ -25,6 +26,9 @@ from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 class EmittedPlan:
     lowered: LoweredPlan
     emitted: EmittedKernel
+    backend: str = "cutlass"           # "cutlass" (C++ + nvcc) or "cute" (CuTe DSL)
+    cute_config: object = None         # backends.cute.gemm.CuteConfig for cute plans
+    fallback: str | None = None        # why the preferred backend could not take this plan
 
     @property
     def label(self) -> str:
@@ -94,10 +98,44 @@ def emit_backend(desc) -> EmittedKernel:
     return emit_generic(desc)
 
 
+BACKENDS = ("auto", "cute", "cutlass")
+
+
+def _emit_cute(lp: LoweredPlan, backend: str) -> tuple[EmittedKernel | None, object, str | None]:
+    """The CuTe DSL backend's emission for a GEMM plan, or (None, None, reason) when it cannot
+    take the plan (then the CUTLASS C++ backend does, unless backend == "cute")."""
+    from kspec.backends.desc import GemmDesc
+    if backend == "cutlass":
+        return None, None, None
+    if not isinstance(lp.desc, GemmDesc):
+        return None, None, None if backend == "auto" else "only GEMM kernels have a CuTe DSL implementation"
+    from kspec.backends.cute import gemm as cute_gemm
+    why = cute_gemm.can_implement(lp.desc, lp.arch)
+    if why is not None:
+        return None, None, why
+    from kspec.backends.cute import epilogue as cute_epi
+    code = cute_epi.generate(lp.desc)
+    dims = {role: v for role, v in lp.dims if isinstance(v, int)}
+    cfg = cute_gemm.default_config(lp.desc, lp.arch, dims)
+    tensors = cute_gemm.tensor_abi(lp.desc, code)
+    names = cute_gemm.abi_names(lp.desc, code)
+    from kspec.core import dtype_bytes
+    em = EmittedKernel(
+        name=lp.desc.name, arch=lp.arch, source=cute_gemm.entry_source(lp.desc, lp.arch, cfg, code),
+        include_dirs=(), flags=(), dims=("M", "N", "K", "L"), args=names,
+        scalars=tuple(l.name for l in code.scalars),
+        alignment=tuple((n, 16 if t.tma else dtype_bytes(t.dtype)) for n, t in zip(names, tensors)),
+        config=tuple(cfg.as_dict().items()))
+    return em, cfg, None
+
+
 def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None,
-              cache_root: Path | None = None) -> EmittedSpec:
+              cache_root: Path | None = None, backend: str = "auto") -> EmittedSpec:
     """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
-    before nvcc runs."""
+    before nvcc runs.  backend: "auto" (the CuTe DSL where it can implement a GEMM, else CUTLASS
+    C++), "cute" (an error where it cannot) or "cutlass"."""
+    if backend not in BACKENDS:
+        raise KspecError(f"unknown backend '{backend}'", hint="use one of: " + ", ".join(BACKENDS))
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
     veto = attention_veto(archs)
@@ -107,18 +145,40 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
     for sched in schedules:
         for p in sched.plans:
             plans[p.id] = []
+            lowered, cute = [], []
             for arch in archs:
                 try:
                     lp = lower(sched, p, arch)
+                    lowered.append(lp)
+                    cute.append(_emit_cute(lp, backend))
+                except KspecError as e:
+                    raise _located(e, sched, p, arch, program) from None
+            # one plan has one ABI across archs: the CuTe DSL takes it on every arch or on none
+            whys = [f"{lp.arch}: {why}" for lp, (_, _, why) in zip(lowered, cute) if why]
+            all_cute = all(em is not None for em, _, _ in cute)
+            if backend == "cute" and not all_cute:
+                raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}): the CuTe DSL backend cannot "
+                                 f"implement it ({'; '.join(whys)})", op(sched.graph, p.group.anchor).span,
+                                 "use --backend auto to fall back to the CUTLASS C++ backend", program.source)
+            for lp, (cem, ccfg, why) in zip(lowered, cute):
+                if all_cute:
+                    plans[p.id].append(EmittedPlan(lp, cem, "cute", ccfg))
+                    continue
+                try:
                     em = emit_cached(lp.desc, cache_root)
                 except KspecError as e:
-                    if e.span is None and not e.message.startswith("kernel "):
-                        # a backend message about a descriptor: say which kernel and arch, and where
-                        raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
-                                         op(sched.graph, p.group.anchor).span, e.hint, program.source) from None
-                    raise e.with_source(program.source)
-                plans[p.id].append(EmittedPlan(lp, em))
+                    raise _located(e, sched, p, lp.arch, program) from None
+                reason = "; ".join(whys) if (whys and backend == "auto") else None
+                plans[p.id].append(EmittedPlan(lp, em, fallback=reason))
     return EmittedSpec(program, archs, schedules, plans)
+
+
+def _located(e: KspecError, sched, p, arch, program) -> KspecError:
+    if e.span is None and not e.message.startswith("kernel "):
+        # a backend message about a descriptor: say which kernel and arch, and where
+        return KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
+                          op(sched.graph, p.group.anchor).span, e.hint, program.source)
+    return e.with_source(program.source)
 
 
 class Progress:
@@ -137,6 +197,8 @@ class Progress:
             msg = f"[{ev.finished}/{ev.total}] compiling {ev.job.label} ({ev.job.kind})"
         elif ev.kind == "cached":
             msg = f"[{ev.finished}/{ev.total}] cached    {ev.job.label} ({ev.job.kind})"
+        elif ev.kind == "running":
+            msg = f"[{ev.finished}/{ev.total}] ...       {ev.job.label} ({ev.job.kind}) {ev.elapsed:.0f}s"
         elif ev.kind == "done":
             msg = f"[{ev.finished}/{ev.total}] built     {ev.job.label} ({ev.job.kind}) in {ev.elapsed:.1f}s"
         else:
@@ -152,6 +214,8 @@ def _jobs(emitted: EmittedSpec):
     for plist in emitted.plans.values():
         for ep in plist:
             em = ep.emitted
+            if ep.backend != "cutlass":
+                continue
             for kind in ("cubin", "host"):
                 jobs.append(BuildJob(ep.label, em.source, em.arch, kind, em.include_dirs, em.flags, identity))
     return jobs
@@ -159,8 +223,9 @@ def _jobs(emitted: EmittedSpec):
 
 def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = "build",
                  kernel: str | None = None, jobs: int | None = None, cache=None,
-                 progress: Callable | None = None) -> Path:
-    """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path."""
+                 progress: Callable | None = None, backend: str = "auto") -> Path:
+    """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
+    backend: see `emit_spec`."""
     from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
                                 write_manifest)
     from kspec.backends.build import CompileCache, build_all
@@ -168,10 +233,17 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     from kspec.backends.toolchain import find_toolchain
 
     cache = cache or CompileCache()
-    emitted = emit_spec(path, archs, kernel, cache.root)
-    toolchain = find_toolchain()
+    emitted = emit_spec(path, archs, kernel, cache.root, backend)
     build_jobs = _jobs(emitted)
-    results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress)
+    toolchain = _toolchain(required=bool(build_jobs))
+    if progress is not None:
+        for plist in emitted.plans.values():
+            for ep in plist:
+                if ep.fallback:
+                    print(f"note: {ep.label}: CUTLASS C++ backend (the CuTe DSL backend cannot: {ep.fallback})",
+                          file=getattr(progress, "stream", sys.stderr))
+    cute_built = _build_cute(emitted, cache.root, jobs, progress)
+    results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress) if build_jobs else []
     by_job = {(r.job.label, r.job.kind): r for r in results}
 
     stem = Path(path).stem
@@ -191,11 +263,23 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                 for ep in emitted.plans[p.id]:
                     arch = ep.lowered.arch
                     cubin, host = f"{p.id}.{arch}.cubin", f"{p.id}.{arch}.so"
-                    shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
-                    shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
-                    regs, smem = _resources(staging / cubin, toolchain, cache.root)
-                    binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
-                                                 registers=regs, smem=smem)
+                    if ep.backend == "cute":
+                        cb = cute_built[ep.label]
+                        shutil.copyfile(cb.cubin, staging / cubin)
+                        shutil.copyfile(cb.host, staging / host)
+                        regs, smem = _resources(staging / cubin, toolchain, cache.root, cb.symbol)
+                        config = dict(cb.config)
+                        config["param_offsets"] = ",".join(map(str, cb.param_offsets))
+                        binaries[arch] = make_binary(staging, cubin, host, symbol=cb.symbol, config=config,
+                                                     registers=regs, smem=smem)
+                        if cb.args != ep.emitted.args or cb.scalars != ep.emitted.scalars:
+                            raise KspecInternalError(f"plan {p.id}: the CuTe DSL build's ABI differs from its emission")
+                    else:
+                        shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
+                        shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
+                        regs, smem = _resources(staging / cubin, toolchain, cache.root)
+                        binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
+                                                     registers=regs, smem=smem)
                     if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
                         raise KspecError(f"internal: plan {p.id} has a different ABI on {arch}")
                 plans.append(_plan_entry(p, first, binaries))
@@ -209,7 +293,7 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
         spec_text = emitted.program.source.encode()
         manifest = Manifest(spec=SpecRef(Path(path).name, hashlib.sha256(spec_text).hexdigest()),
                             archs=emitted.archs, kernels=tuple(entries),
-                            toolchain={"nvcc": toolchain.version, "cutlass": cutlass_version()},
+                            toolchain=_toolchain_versions(emitted, toolchain),
                             kspec_version=kspec.__version__)
         shutil.copyfile(path, staging / Path(path).name)
         write_manifest(staging, manifest)
@@ -220,6 +304,42 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _toolchain(required: bool):
+    """The nvcc toolchain; only required when a plan uses the CUTLASS C++ backend (cuobjdump, when
+    present, also gives register/shared-memory counts for `kspec inspect`)."""
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        return find_toolchain()
+    except KspecError:
+        if required:
+            raise
+        return None
+
+
+def _toolchain_versions(emitted: EmittedSpec, toolchain) -> dict:
+    backends = {ep.backend for plist in emitted.plans.values() for ep in plist}
+    out = {}
+    if "cutlass" in backends or not backends:
+        from kspec.backends.cutlass.compat import cutlass_version
+        out["nvcc"] = toolchain.version if toolchain is not None else "none"
+        out["cutlass"] = cutlass_version()
+    if "cute" in backends:
+        from kspec.backends.cute import compat as cute_compat
+        out["cutlass-dsl"] = f"{cute_compat.dsl_version()} ({cute_compat.cuda_flavour()})"
+    return out
+
+
+def _build_cute(emitted: EmittedSpec, cache_root: Path, jobs: int | None, progress) -> dict:
+    """Build every CuTe DSL plan (cache lookups first, misses in parallel); label -> CuteBuild."""
+    items = [ep for plist in emitted.plans.values() for ep in plist if ep.backend == "cute"]
+    if not items:
+        return {}
+    from kspec.backends.cute.parallel import CuteJob, build_many
+    cjobs = [CuteJob(ep.label, ep.lowered.desc, ep.lowered.arch, ep.cute_config) for ep in items]
+    built = build_many(cjobs, Path(cache_root), max_parallel=jobs, progress=progress)
+    return {j.label: b for j, b in zip(cjobs, built)}
 
 
 def _plan_entry(p, ep: EmittedPlan, binaries):
@@ -237,14 +357,15 @@ def _plan_entry(p, ep: EmittedPlan, binaries):
         binaries=binaries)
 
 
-def _resources(cubin: Path, toolchain, cache_root: Path | None = None) -> tuple[int | None, int | None]:
+def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
+               symbol: str = "kspec_kernel") -> tuple[int | None, int | None]:
     """Registers and static shared memory of the entry point, when cuobjdump is available
     (remembered per cubin digest under the cache root, so a warm compile runs no cuobjdump)."""
     import json
 
     from kspec.artifact import sha256_file
     from kspec.backends.inspect import sass_summary
-    if toolchain.cuobjdump is None:
+    if toolchain is None or toolchain.cuobjdump is None:
         return None, None
     memo = cache_root / "resources" / f"{sha256_file(cubin)}.json" if cache_root else None
     if memo is not None and memo.is_file():
@@ -254,7 +375,7 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None) -> tuple[
         except (ValueError, TypeError):
             pass
     try:
-        k = sass_summary(cubin, toolchain).kernel("kspec_kernel")
+        k = sass_summary(cubin, toolchain).kernel(symbol)
     except (KspecError, KeyError):
         return None, None
     if memo is not None:

@@ -334,6 +334,33 @@ def _compile_into(work: Path, desc: GemmDesc, arch: str, cfg: gemm.CuteConfig, k
     return {"symbol": entry, "param_offsets": list(offs), "param_sizes": list(sizes), "compile_seconds": seconds}
 
 
+def _entry_dir(cache_root: Path | None, key: str) -> Path:
+    root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-cute-")) / "cute"
+    return root / key[:2] / key
+
+
+def _result(desc: GemmDesc, cfg: gemm.CuteConfig, key: str, code: epilogue.EpilogueCode, entry_dir: Path,
+            meta: dict, seconds: float, cached: bool) -> CuteBuild:
+    tensors = gemm.tensor_abi(desc, code)
+    alignment = tuple((n, 16 if t.tma else _elem(t.dtype)) for n, t in zip(gemm.abi_names(desc, code), tensors))
+    return CuteBuild(key=key, dir=str(entry_dir), cubin=str(entry_dir / "kernel.cubin"),
+                     host=str(entry_dir / "kernel.so"), symbol=meta["symbol"],
+                     param_offsets=tuple(meta["param_offsets"]), param_sizes=tuple(meta["param_sizes"]),
+                     config=tuple(cfg.as_dict().items()), args=gemm.abi_names(desc, code),
+                     scalars=tuple(l.name for l in code.scalars), dims=("M", "N", "K", "L"),
+                     alignment=alignment, seconds=seconds, cached=cached)
+
+
+def lookup(desc: GemmDesc, arch: str, cache_root: Path | None, config: gemm.CuteConfig) -> CuteBuild | None:
+    """The cached build of `desc` on `arch`, or None; never imports the DSL."""
+    if cache_root is None:
+        return None
+    key, _src, code = build_key(desc, arch, config)
+    d = _entry_dir(cache_root, key)
+    meta = _read_entry(d)
+    return None if meta is None else _result(desc, config, key, code, d, meta, 0.0, True)
+
+
 def build(desc: GemmDesc, arch: str, cache_root: Path | None, config: gemm.CuteConfig | None = None,
           dims: dict | None = None) -> CuteBuild:
     """Build (or find in the cache) the CuTe DSL kernel for `desc` on `arch`."""
@@ -342,8 +369,8 @@ def build(desc: GemmDesc, arch: str, cache_root: Path | None, config: gemm.CuteC
         raise KspecError(f"GEMM '{desc.name}' on {arch}: the CuTe DSL backend cannot build it: {why}")
     cfg = config or gemm.default_config(desc, arch, dims)
     key, src, code = build_key(desc, arch, cfg)
-    root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-cute-")) / "cute"
-    entry_dir = root / key[:2] / key
+    entry_dir = _entry_dir(cache_root, key)
+    root = entry_dir.parent.parent
     t0 = time.monotonic()
     meta = _read_entry(entry_dir)
     cached = meta is not None
@@ -359,20 +386,12 @@ def build(desc: GemmDesc, arch: str, cache_root: Path | None, config: gemm.CuteC
             try:
                 os.replace(work, entry_dir)
             except OSError:
-                # another process built the same key meanwhile: keep theirs
-                shutil.rmtree(work, ignore_errors=True)
+                pass            # another process built the same key meanwhile: keep theirs
         finally:
             if work.exists():
                 shutil.rmtree(work, ignore_errors=True)
         meta = _read_entry(entry_dir) or meta
-    tensors = gemm.tensor_abi(desc, code)
-    alignment = tuple((n, 16 if t.tma else _elem(t.dtype)) for n, t in zip(gemm.abi_names(desc, code), tensors))
-    return CuteBuild(key=key, dir=str(entry_dir), cubin=str(entry_dir / "kernel.cubin"),
-                     host=str(entry_dir / "kernel.so"), symbol=meta["symbol"],
-                     param_offsets=tuple(meta["param_offsets"]), param_sizes=tuple(meta["param_sizes"]),
-                     config=tuple(cfg.as_dict().items()), args=gemm.abi_names(desc, code),
-                     scalars=tuple(l.name for l in code.scalars), dims=("M", "N", "K", "L"),
-                     alignment=alignment, seconds=time.monotonic() - t0, cached=cached)
+    return _result(desc, cfg, key, code, entry_dir, meta, time.monotonic() - t0, cached)
 
 
 def _elem(dtype: str) -> int:
