@@ -269,11 +269,18 @@ def cutlass_can_run(sched: KernelSchedule, plan: KernelPlan) -> str | None:
     return None
 
 
-def lower(sched: KernelSchedule, plan: KernelPlan, arch: str) -> LoweredPlan:
+def lower(sched: KernelSchedule, plan: KernelPlan, arch: str, tensor_core_only: str | None = None) -> LoweredPlan:
+    """tensor_core_only: "cute" lets a GEMM that CUTLASS C++ cannot run (e.g. i8 x i8 -> i32) lower to
+    a GemmDesc when the CuTe DSL backend can implement it on `arch`."""
     if plan.kind == "gemm":
         why = cutlass_can_run(sched, plan)
         if why is None:
             return lower_gemm(sched, plan, arch)
+        if tensor_core_only == "cute":
+            from .cute.gemm import can_implement
+            lp = lower_gemm(sched, plan, arch)
+            if can_implement(lp.desc, arch) is None:
+                return lp
         from .generic import lower_generic
         note = f"{plan.id}: {why}; compiled as a plain CUDA kernel"
         if note not in sched.fusion.notes:

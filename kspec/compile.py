@@ -16,7 +16,7 @@ from typing import Callable
 
 import kspec
 from kspec.backends.desc import ARCHS, EmittedKernel
-from kspec.backends.lower import LoweredPlan, attention_veto, lower
+from kspec.backends.lower import LoweredPlan, attention_veto, cutlass_can_run, lower
 from kspec.compiler import KernelSchedule, op, plan_kernel
 from kspec.core import KspecInternalError
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
@@ -124,7 +124,7 @@ def _emit_cute(lp: LoweredPlan, backend: str) -> tuple[EmittedKernel | None, obj
         name=lp.desc.name, arch=lp.arch, source=cute_gemm.entry_source(lp.desc, lp.arch, cfg, code),
         include_dirs=(), flags=(), dims=("M", "N", "K", "L"), args=names,
         scalars=tuple(l.name for l in code.scalars),
-        alignment=tuple((n, 16 if t.tma else dtype_bytes(t.dtype)) for n, t in zip(names, tensors)),
+        alignment=tuple((names[t.ptr_index], 16 if t.tma else dtype_bytes(t.dtype)) for t in tensors),
         config=tuple(cfg.as_dict().items()))
     return em, cfg, None
 
@@ -148,29 +148,45 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
             lowered, cute = [], []
             for arch in archs:
                 try:
-                    lp = lower(sched, p, arch)
+                    lp = lower(sched, p, arch, None if backend == "cutlass" else "cute")
                     lowered.append(lp)
                     cute.append(_emit_cute(lp, backend))
                 except KspecError as e:
                     raise _located(e, sched, p, arch, program) from None
-            # one plan has one ABI across archs: the CuTe DSL takes it on every arch or on none
             whys = [f"{lp.arch}: {why}" for lp, (_, _, why) in zip(lowered, cute) if why]
             all_cute = all(em is not None for em, _, _ in cute)
             if backend == "cute" and not all_cute:
                 raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}): the CuTe DSL backend cannot "
                                  f"implement it ({'; '.join(whys)})", op(sched.graph, p.group.anchor).span,
                                  "use --backend auto to fall back to the CUTLASS C++ backend", program.source)
+            # A plan has one ABI (manifest args/scalars/dims) across archs.  The CuTe DSL backend
+            # uses the CUTLASS C++ backend's argument order, so archs may differ in backend; when
+            # the ABIs still differ (a plain CUDA fallback), every arch falls back.
+            chosen: list[EmittedPlan] = []
             for lp, (cem, ccfg, why) in zip(lowered, cute):
-                if all_cute:
-                    plans[p.id].append(EmittedPlan(lp, cem, "cute", ccfg))
+                if cem is not None:
+                    chosen.append(EmittedPlan(lp, cem, "cute", ccfg))
                     continue
-                try:
-                    em = emit_cached(lp.desc, cache_root)
-                except KspecError as e:
-                    raise _located(e, sched, p, lp.arch, program) from None
-                reason = "; ".join(whys) if (whys and backend == "auto") else None
-                plans[p.id].append(EmittedPlan(lp, em, fallback=reason))
+                chosen.append(_emit_cpp(sched, p, lp, cache_root, program, why if backend == "auto" else None))
+            abis = {(ep.emitted.args, ep.emitted.scalars, ep.emitted.dims) for ep in chosen}
+            if len(abis) > 1:
+                chosen = [ep if ep.backend != "cute" else
+                          _emit_cpp(sched, p, ep.lowered, cache_root, program,
+                                    "; ".join(whys) + " (and one ABI is needed on every arch)")
+                          for ep in chosen]
+            plans[p.id].extend(chosen)
     return EmittedSpec(program, archs, schedules, plans)
+
+
+def _emit_cpp(sched, p, lp: LoweredPlan, cache_root, program, fallback: str | None) -> EmittedPlan:
+    """The CUTLASS C++ (or plain CUDA) emission of a plan on lp.arch."""
+    if p.kind == "gemm" and cutlass_can_run(sched, p) is not None and type(lp.desc).__name__ == "GemmDesc":
+        lp = lower(sched, p, lp.arch)          # not for CUTLASS C++ either: a plain CUDA kernel
+    try:
+        em = emit_cached(lp.desc, cache_root)
+    except KspecError as e:
+        raise _located(e, sched, p, lp.arch, program) from None
+    return EmittedPlan(lp, em, fallback=fallback)
 
 
 def _located(e: KspecError, sched, p, arch, program) -> KspecError:
@@ -387,13 +403,14 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
 
 
 def write_emitted(emitted: EmittedSpec, out_dir: str | Path, stem: str) -> list[Path]:
-    """`--emit-only`: write each plan's C++ per arch under out_dir/<stem>/."""
+    """`--emit-only`: write each plan's generated source per arch under out_dir/<stem>/ (`.cu` C++
+    for the CUTLASS and generic backends, `.py` for the CuTe DSL backend)."""
     d = Path(out_dir) / stem
     d.mkdir(parents=True, exist_ok=True)
     paths = []
     for pid, plist in emitted.plans.items():
         for ep in plist:
-            p = d / f"{pid}.{ep.lowered.arch}.cu"
+            p = d / f"{pid}.{ep.lowered.arch}.{'py' if ep.backend == 'cute' else 'cu'}"
             p.write_text(ep.emitted.source)
             paths.append(p)
     return paths

@@ -18,7 +18,7 @@ ARCHS = ("sm90a", "sm100a")
 
 @pytest.fixture(scope="module")
 def emitted():
-    return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS) for stem in SHIPPED}
+    return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS, backend="cutlass") for stem in SHIPPED}
 
 
 @pytest.mark.parametrize("stem", SHIPPED)
@@ -106,7 +106,7 @@ def _sass(path):
 
 @pytest.mark.nvcc
 def test_gemm_bias_relu_compiles_for_both_archs_with_tensor_cores(compiled):
-    art = compiled("gemm_bias_relu")
+    art = compiled("gemm_bias_relu", backend="cutlass")
     m = json.loads((art / "manifest.json").read_text())
     (plan,) = m["kernels"][0]["plans"]
     assert plan["args"] == ["A", "B", "bias", "D"]
@@ -131,7 +131,7 @@ def test_attention_compiles_to_one_fused_kernel_per_arch(compiled):
 
 @pytest.mark.nvcc
 def test_second_compile_is_a_cache_hit(compiled, kernel_cache, tmp_path, monkeypatch):
-    compiled("gemm_bias_relu")
+    compiled("gemm_bias_relu", backend="cutlass")
     from kspec.backends import build
     from kspec.compile import compile_spec
 
@@ -139,7 +139,7 @@ def test_second_compile_is_a_cache_hit(compiled, kernel_cache, tmp_path, monkeyp
         raise AssertionError("nvcc ran on a warm cache")
     monkeypatch.setattr(build.CompileCache, "build", no_nvcc)
     t0 = time.monotonic()
-    compile_spec(SPECS / "gemm_bias_relu.kspec", ARCHS, tmp_path, cache=kernel_cache)
+    compile_spec(SPECS / "gemm_bias_relu.kspec", ARCHS, tmp_path, cache=kernel_cache, backend="cutlass")
     assert time.monotonic() - t0 < 30
 
 
@@ -148,7 +148,7 @@ def test_compiled_artifact_loads_and_inspects_without_a_gpu(compiled):
     import kspec
     from kspec.inspect_artifact import inspect_artifact
     from kspec.runtime import cuda_available
-    art = compiled("gemm_bias_relu")
+    art = compiled("gemm_bias_relu", backend="cutlass")
     mod = kspec.load(art)
     assert mod.kernels == ("gemm_bias_relu",) and mod.archs == ARCHS
     assert "A: f16[M, K]" in repr(mod)
@@ -177,7 +177,7 @@ kernel attn80 {
 def fallback(tmp_path_factory):
     path = tmp_path_factory.mktemp("fallback") / "attn80.kspec"
     path.write_text(FALLBACK)
-    return path, emit_spec(path, ARCHS)
+    return path, emit_spec(path, ARCHS, backend="cutlass")
 
 
 def test_unsupported_head_dim_falls_back_to_the_unfused_plan(fallback):

@@ -209,10 +209,10 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
             el = 16 // dtype_bytes(t.dtype)
             lines.append(f"    if ({lead} % {el} != 0) KS_FAIL(\"{lead} = %lld: the CuTe DSL kernel needs it to be a "
                          f"multiple of {el} ({t.dtype}, 16-byte TMA rows)\", (long long){lead});")
-    for i, t in enumerate(tensors):
+    for t in tensors:
         shapes = ", ".join(f"(int32_t){s}" for s in t.dynamic_shapes)
         strides = ", ".join("(int64_t)" + "*".join(s) for s in t.dynamic_strides)
-        init = [f"ptrs[{i}]"]
+        init = [f"ptrs[{t.ptr_index}]"]
         if t.dynamic_shapes:
             init.append(f"{{{shapes}}}")
         if t.dynamic_strides:
@@ -342,7 +342,8 @@ def _entry_dir(cache_root: Path | None, key: str) -> Path:
 def _result(desc: GemmDesc, cfg: gemm.CuteConfig, key: str, code: epilogue.EpilogueCode, entry_dir: Path,
             meta: dict, seconds: float, cached: bool) -> CuteBuild:
     tensors = gemm.tensor_abi(desc, code)
-    alignment = tuple((n, 16 if t.tma else _elem(t.dtype)) for n, t in zip(gemm.abi_names(desc, code), tensors))
+    names = gemm.abi_names(desc, code)
+    alignment = tuple((names[t.ptr_index], 16 if t.tma else _elem(t.dtype)) for t in tensors)
     return CuteBuild(key=key, dir=str(entry_dir), cubin=str(entry_dir / "kernel.cubin"),
                      host=str(entry_dir / "kernel.so"), symbol=meta["symbol"],
                      param_offsets=tuple(meta["param_offsets"]), param_sizes=tuple(meta["param_sizes"]),

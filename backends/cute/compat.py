@@ -29,7 +29,11 @@ from typing import Iterator
 
 from kspec.core import KspecInternalError
 
-# Versions this backend is written and tested against (pyproject pins the same).
+# Versions this backend is written and tested against (pyproject pins the same).  kspec depends on
+# `nvidia-cutlass-dsl-libs-cu13` (which brings -libs-base and -libs-core, the Python package and its
+# .pth) and not on the `nvidia-cutlass-dsl` meta package, whose default also installs the cu12
+# libraries: with both present the DSL picks a flavour by the driver it finds, so a GPU-less build
+# box and a GPU box could disagree.  cu13 matches the nvcc 13 toolchain kspec uses.
 DSL_VERSION = "4.8.1"
 DSL_ARCH = {"sm90a": "sm_90a", "sm100a": "sm_100a"}
 # Used only if the DSL queries the device while tracing; kernels take the real count at run time.
@@ -47,11 +51,11 @@ def available() -> str | None:
     installed distribution only: importing the DSL costs a second, and a warm build needs none."""
     from importlib.metadata import PackageNotFoundError, version
     try:
-        v = version("nvidia-cutlass-dsl")
+        v = version("nvidia-cutlass-dsl-libs-base")
     except PackageNotFoundError:
-        return "the CuTe DSL (pip nvidia-cutlass-dsl) is not installed"
+        return f"the CuTe DSL is not installed (pip install nvidia-cutlass-dsl-libs-cu13=={DSL_VERSION})"
     if v != DSL_VERSION:
-        return f"nvidia-cutlass-dsl {v} is installed; kspec's CuTe DSL backend needs {DSL_VERSION}"
+        return f"CuTe DSL {v} is installed; kspec's CuTe DSL backend needs {DSL_VERSION}"
     if cuda_flavour() == "unknown":
         return "no CuTe DSL library flavour (nvidia-cutlass-dsl-libs-cu13) is installed"
     return None

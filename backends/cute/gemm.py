@@ -145,12 +145,15 @@ def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None
 class TensorABI:
     """One tensor argument as the DSL sees it.  shape entries are dim roles ("M", "N", "K", "L");
     stride entries are 1 (static unit stride) or a tuple of dim roles whose product is the stride.
-    `tma`: the kernel reads/writes it with TMA (16-byte aligned base and strides required)."""
+    `tma`: the kernel reads/writes it with TMA (16-byte aligned base and strides required).
+    `ptr_index`: its position in the ABI's pointer list (`abi_names`), which differs from the
+    kernel's parameter order (the ABI is the CUTLASS C++ backend's: A, B, epilogue inputs, D)."""
     name: str
     dtype: str
     shape: tuple[str, ...]
     stride: tuple[object, ...]
     tma: bool
+    ptr_index: int = 0
 
     @property
     def dynamic_shapes(self) -> tuple[str, ...]:
@@ -169,24 +172,30 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
     a_row = desc.a.layout == "row"
     b_row = desc.b.layout == "row"
     d_row = desc.output.layout == "row"
+    n_in = len(code.inputs)
     out = [
-        TensorABI("a", desc.a.dtype, ("M", "K", "L"), (("K",), 1, ("M", "K")) if a_row else (1, ("M",), ("M", "K")), True),
-        TensorABI("b", desc.b.dtype, ("N", "K", "L"), (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N")), True),
-        TensorABI("d", desc.output.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N")), True),
+        TensorABI("a", desc.a.dtype, ("M", "K", "L"), (("K",), 1, ("M", "K")) if a_row else (1, ("M",), ("M", "K")),
+                  True, 0),
+        TensorABI("b", desc.b.dtype, ("N", "K", "L"), (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N")),
+                  True, 1),
+        TensorABI("d", desc.output.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N")),
+                  True, 2 + n_in),
     ]
     for j, ld in enumerate(code.inputs):
         if ld.kind == "row":
-            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False))
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, 2 + j))
         elif ld.kind == "col":
-            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False))
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, 2 + j))
         else:
-            out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), False))
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), False, 2 + j))
     return out
 
 
 def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
-    """Descriptor names of the tensor arguments in ABI order (a, b, d, inputs...)."""
-    return (desc.a.name, desc.b.name, desc.output.name, *(l.name for l in code.inputs))
+    """Descriptor names of the tensor arguments in ABI order: A, B, the epilogue's tensor inputs in
+    first-use order, D -- the same order as the CUTLASS C++ backend, so one plan may use either
+    backend per arch under one manifest signature."""
+    return (desc.a.name, desc.b.name, *(l.name for l in code.inputs), desc.output.name)
 
 
 # ---------------------------------------------------------------------------------------------
