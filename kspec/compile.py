@@ -116,7 +116,14 @@ def _emit_cute(lp: LoweredPlan, backend: str) -> tuple[EmittedKernel | None, obj
     from kspec.backends.cute import epilogue as cute_epi
     code = cute_epi.generate(lp.desc)
     dims = {role: v for role, v in lp.dims if isinstance(v, int)}
-    cfg = cute_gemm.default_config(lp.desc, lp.arch, dims)
+    arch_cfg = getattr(lp.plan, "configs", {}).get(lp.arch)
+    if arch_cfg is not None and getattr(arch_cfg, "source", "") == "hint" and lp.desc.tile is not None:
+        cfg = cute_gemm.hint_config(lp.desc, lp.arch)          # the spec's schedule: exactly, or not at all
+        bad = cute_gemm.valid_config(cfg, lp.arch)
+        if bad is not None:
+            return None, None, f"the schedule hint is not a CuTe DSL configuration: {bad}"
+    else:
+        cfg = cute_gemm.default_config(lp.desc, lp.arch, dims)
     tensors = cute_gemm.tensor_abi(lp.desc, code)
     names = cute_gemm.abi_names(lp.desc, code)
     from kspec.core import dtype_bytes

@@ -78,12 +78,13 @@ def test_attention_specs_instantiate_fmha(emitted):
             assert ("causal" in cfg["mask"]) == causal
 
 
-def test_emit_only_cli_writes_sources(tmp_path):
+@pytest.mark.parametrize("backend,ext", [("cutlass", "cu"), ("auto", "py")])
+def test_emit_only_cli_writes_sources(tmp_path, backend, ext):
     r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(SPECS / "gemm_bias_relu.kspec"), "--emit-only",
-                        "-o", str(tmp_path)], capture_output=True, text=True)
+                        "-o", str(tmp_path), "--backend", backend], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     files = sorted(p.name for p in (tmp_path / "gemm_bias_relu").iterdir())
-    assert files == ["gemm_bias_relu_0.sm100a.cu", "gemm_bias_relu_0.sm90a.cu"]
+    assert files == [f"gemm_bias_relu_0.sm100a.{ext}", f"gemm_bias_relu_0.sm90a.{ext}"]
 
 
 def test_bad_plan_fails_before_nvcc(tmp_path):

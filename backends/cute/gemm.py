@@ -113,18 +113,46 @@ def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     return out
 
 
+def valid_config(cfg: CuteConfig, arch: str) -> str | None:
+    """None when the kernels accept `cfg` on `arch`, else why not."""
+    (tm, tn), (cm, cn) = cfg.tile, cfg.cluster
+    pow2 = lambda x: x > 0 and x & (x - 1) == 0          # noqa: E731
+    if not (pow2(cm) and pow2(cn)) or cm * cn > (8 if arch == "sm90a" else 16):
+        return f"cluster {cm}x{cn} (powers of two, at most {8 if arch == 'sm90a' else 16} CTAs)"
+    if cfg.stages is not None and cfg.stages < 2:
+        return "stages must be at least 2"
+    if arch == "sm90a":
+        if cfg.use_2cta:
+            return "2-CTA MMA is a sm100a feature"
+        if tm not in (64, 128) or tn not in (64, 128, 192, 256):
+            return f"tile {tm}x{tn} (M 64 or 128; N 64, 128, 192 or 256)"
+        return None
+    if cfg.use_2cta:
+        if tm not in (128, 256) or cm % 2:
+            return f"2-CTA tile {tm}x{tn} with cluster {cm}x{cn} (M 128 or 256, even cluster M)"
+    elif tm not in (64, 128):
+        return f"tile {tm}x{tn} (M 64 or 128, or 256 with 2-CTA MMA)"
+    if tn % 32 or not 32 <= tn <= 256:
+        return f"tile N {tn} (a multiple of 32 up to 256)"
+    return None
+
+
+def hint_config(desc: GemmDesc, arch: str) -> CuteConfig:
+    """The configuration a schedule hint (desc.tile/cluster/stages) asks for (K is the kernel's own)."""
+    tm, tn = desc.tile[0], desc.tile[1]
+    cl = (desc.cluster[0], desc.cluster[1]) if desc.cluster else (1, 1)
+    two = arch == "sm100a" and tm == 256
+    return CuteConfig((tm, tn), cl, two, desc.stages)
+
+
 def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None) -> CuteConfig:
-    """Heuristic: big tiles (and 2-CTA UMMA on sm100a) for big problems, 128x128 otherwise, 64-row
-    tiles for skinny M.  A schedule hint in the spec (desc.tile/cluster/stages) wins where valid."""
+    """Heuristic: the planner's tile hint where the kernels accept it, else big tiles (and 2-CTA UMMA
+    on sm100a) for big problems, 128x128 otherwise, 64-row tiles for skinny M."""
     dims = dims or {}
     m, n = dims.get("M"), dims.get("N")
     if desc.tile is not None:
-        tm, tn = desc.tile[0], desc.tile[1]
-        cl = (desc.cluster[0], desc.cluster[1]) if desc.cluster else (1, 1)
-        if arch == "sm100a" and tm == 256:
-            return CuteConfig((256, tn), (max(2, cl[0]), cl[1]), True, desc.stages)
-        cfg = CuteConfig((tm, tn), cl, False, desc.stages)
-        if cfg in candidates(desc, arch) or (cfg.tile, cfg.cluster) in {(c.tile, c.cluster) for c in candidates(desc, arch)}:
+        cfg = hint_config(desc, arch)
+        if valid_config(cfg, arch) is None:
             return cfg
     small_m = isinstance(m, int) and m <= 64
     big = isinstance(m, int) and isinstance(n, int) and m >= 4096 and n >= 4096
