@@ -243,14 +243,16 @@ def cute_artifacts(tmp_path_factory):
     return get
 
 
-def _sass_counts(cubin: Path, symbol: str) -> str:
-    from kspec.backends.inspect import sass_summary
-    return sass_summary(cubin).kernel(symbol)
+def _sass(cubin: Path, tc) -> str:
+    r = subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, env=tc.env())
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
 @needs_dsl
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", sorted(CUTE_SPECS))
+@pytest.mark.parametrize("stem", [pytest.param(s, marks=pytest.mark.nvcc) if CUTE_SPECS[s][0] is None else s
+                                  for s in sorted(CUTE_SPECS)])
 def test_shipped_gemm_spec_builds_offline_for_both_archs(cute_artifacts, stem):
     from kspec.backends.toolchain import find_toolchain
     art = cute_artifacts(stem)
@@ -268,17 +270,19 @@ def test_shipped_gemm_spec_builds_offline_for_both_archs(cute_artifacts, stem):
             continue
         assert b["config"]["backend"] == "cute" and b["symbol"].startswith("kernel_cutlass_kernel_kspec")
         so = art / b["host"]
-        # the host library needs libc only and resolves every CUDA wrapper itself
+        # the host library needs glibc only (libc and, for thread-local capture state, the loader's
+        # __tls_get_addr) and resolves every CUDA wrapper itself
         deps = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
-        assert [l.split("[")[1].rstrip("]") for l in deps.splitlines() if "(NEEDED)" in l] == ["libc.so.6"]
+        needed = {l.split("[")[1].rstrip("]") for l in deps.splitlines() if "(NEEDED)" in l}
+        assert needed <= {"libc.so.6", "ld-linux-x86-64.so.2"} and "libc.so.6" in needed
         undef = subprocess.run(["nm", "-D", "--undefined-only", str(so)], capture_output=True, text=True).stdout
         assert "_cuda" not in undef and "_cu" not in undef.replace("__cxa", "")
         exported = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
         assert sorted(l.split()[-1] for l in exported.splitlines()) == ["kspec_prepare", "kspec_workspace_size"]
         if tc is not None and tc.cuobjdump is not None:
-            k = _sass_counts(art / b["cubin"], b["symbol"])
-            assert k.count(insn) > 0, f"{stem} {arch}: no {insn}"
-            assert k.count("UTMALDG") > 0 and k.count("UTMASTG") > 0
+            sass = _sass(art / b["cubin"], tc)
+            assert f" {insn}." in sass or f" {insn} " in sass, f"{stem} {arch}: no {insn}"
+            assert "UTMALDG" in sass and "UTMASTG" in sass
 
 
 class _Recorder:
