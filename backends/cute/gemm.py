@@ -215,7 +215,8 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
         elif ld.kind == "col":
             out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, 2 + j))
         else:
-            out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), False, 2 + j))
+            # full inputs are read by TMA, a sub-tile at a time
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, 2 + j))
     return out
 
 

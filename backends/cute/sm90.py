@@ -65,7 +65,17 @@ class Sm90Gemm:
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
         self.epi_stage = 4
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8 * self.epi_stage
-        stages = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
+        # epilogue inputs staged in shared memory: row/col slices of the tile (f32), full-tensor
+        # sub-tiles (their dtype, loaded by TMA)
+        in_bytes = 0
+        for kind, width in zip(self.input_kinds, self.input_widths):
+            if kind == "row":
+                in_bytes += tn * 4 + 128
+            elif kind == "col":
+                in_bytes += tm * 4 + 128
+            else:
+                in_bytes += self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128
+        stages = (SMEM_CAPACITY - 1024 - epi_bytes - in_bytes) // ab_bytes
         if self.stages_override is not None:
             stages = min(stages, self.stages_override)
         self.ab_stage = stages
@@ -101,8 +111,18 @@ class Sm90Gemm:
         self.a_layout = utils.LayoutEnum.from_tensor(a)
         self.b_layout = utils.LayoutEnum.from_tensor(b)
         self.d_layout = utils.LayoutEnum.from_tensor(d)
+        self.input_widths = tuple(t.element_type.width for t in inputs)
         self._setup()
         tm, tn, tk = self.tile_shape_mnk
+        # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
+        in_layout = cute.make_layout(self.epi_tile, stride=(self.epi_tile[1], 1))
+        full_atoms, full_tmas = [], []
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "full"):
+                atom, t = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), inputs[j], in_layout, self.epi_tile)
+                full_atoms.append(atom)
+                full_tmas.append(t)
         tma_a, gA = self._tma_load(a, self.a_smem_staged, (tm, tk), self.cluster_shape_mn[1])
         tma_b, gB = self._tma_load(b, self.b_smem_staged, (tn, tk), self.cluster_shape_mn[0])
         tma_d, gD = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -122,7 +142,8 @@ class Sm90Gemm:
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
                                   self.buffer_align_bytes]
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, inputs, scalars, self.tiled_mma, self.cta_layout_mnk,
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, inputs, tuple(full_atoms), tuple(full_tmas), scalars,
+                    self.tiled_mma, self.cta_layout_mnk,
                     self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1, stream=stream)
@@ -130,7 +151,7 @@ class Sm90Gemm:
     # ------------------------------------------------------------------ device code
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, inputs, scalars,
+               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, inputs, full_atoms, full_tmas, scalars,
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -151,6 +172,26 @@ class Sm90Gemm:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        tm, tn, _ = self.tile_shape_mnk
+        # shared-memory staging of the epilogue inputs and the barrier of their TMA loads
+        sIn = []
+        n_full = 0
+        full_bytes = 0
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "row"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tn,)), 128))
+            elif cutlass.const_expr(kind == "col"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
+            else:
+                sIn.append(smem.allocate_tensor(inputs[j].element_type, cute.make_layout(
+                    (*self.epi_tile, 1), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
+                n_full += 1
+                full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
+        in_bar = smem.allocate_array(cutlass.Int64, 1)
+        if cutlass.const_expr(n_full > 0):
+            if tidx == 0:
+                cute.arch.mbarrier_init(in_bar, 1)
+            cute.arch.mbarrier_init_fence()
         consumers = (self.num_mcast_a + self.num_mcast_b - 1) * self.num_mma_warp_groups * 4
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(), num_stages=self.ab_stage,
@@ -230,6 +271,8 @@ class Sm90Gemm:
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
             rIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in self.input_kinds]
+            tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
+            in_phase = cutlass.Int32(0)
             n_v = cute.size(tRS_rD)
             epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
             store_pipe = pipeline.PipelineTmaStore.create(
@@ -262,30 +305,57 @@ class Sm90Gemm:
 
                 # epilogue: per sub-tile, registers -> math -> smem -> TMA store
                 gD_epi = cute.zipped_divide(gD[None, None, *tc], self.epi_tile)
-                cD_epi = cute.flat_divide(cD[None, None, *tc], self.epi_tile)
                 bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
                     tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi)
                 n_epi = cute.size(gD_epi, mode=[1])
                 epi_shape = gD_epi.shape[1]
                 epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
                 prev = sched.num_tiles_executed * n_epi
+                # stage this tile's slices of row/col inputs in shared memory (coalesced, once per tile)
+                m0 = tc[0] * tm
+                n0 = tc[1] * tn
+                if cutlass.const_expr(n_full < len(self.input_kinds)):
+                    for j in cutlass.range_constexpr(len(self.input_kinds)):
+                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                            for i in range(epi_tidx, tn, self.num_mma_threads):
+                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                            for i in range(epi_tidx, tm, self.num_mma_threads):
+                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                    epi_bar.arrive_and_wait()
+                full_src = []
+                k = 0
+                for j in cutlass.range_constexpr(len(self.input_kinds)):
+                    if cutlass.const_expr(self.input_kinds[j] == "full"):
+                        gR = cute.local_tile(full_tmas[k], tile_mn, (None, None, None))
+                        full_src.append(cute.nvgpu.cpasync.tma_partition(
+                            full_atoms[k], 0, cute.make_layout(1), cute.group_modes(sIn[j], 0, 2),
+                            cute.zipped_divide(gR[None, None, *tc], self.epi_tile)))
+                        k += 1
                 for e in cutlass.range_constexpr(n_epi):
                     ec = epi_layout.get_hier_coord(e)
-                    tRS_cD = thr_r2s.partition_S(cD_epi[None, None, ec[0], ec[1]])
+                    if cutlass.const_expr(n_full > 0):
+                        # one TMA load per full input for this sub-tile, then everyone waits on it
+                        if warp_idx == self.epi_store_warp_id:
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive_and_expect_tx(in_bar, full_bytes)
+                            for f in cutlass.range_constexpr(n_full):
+                                bS, bG = full_src[f]
+                                cute.copy(full_atoms[f], bG[None, ec], bS[None, 0], tma_bar_ptr=in_bar)
+                        cute.arch.mbarrier_wait(in_bar, in_phase)
+                        in_phase = in_phase ^ 1
                     for v in cutlass.range_constexpr(n_v):
                         tRS_rD[v] = tRS_rAcc[e * n_v + v]
                         if cutlass.const_expr(len(self.input_kinds) > 0):
-                            m, n, l = tRS_cD[v]
-                            m = cutlass.min(m, M - 1)
-                            n = cutlass.min(n, N - 1)
+                            lm, ln = tRS_cL[v]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
                                 if cutlass.const_expr(kind == "row"):
-                                    rIn[j][v] = inputs[j][n].to(self.acc_dtype)
+                                    rIn[j][v] = sIn[j][ec[1] * self.epi_tile[1] + ln]
                                 elif cutlass.const_expr(kind == "col"):
-                                    rIn[j][v] = inputs[j][m].to(self.acc_dtype)
+                                    rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
-                                    rIn[j][v] = inputs[j][m, n, l].to(self.acc_dtype)
+                                    rIn[j][v] = sIn[j][lm, ln, 0].to(self.acc_dtype)
                     value = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
                     tRS_rOut.store(value.to(self.d_dtype))
                     buf = (prev + e) % self.epi_stage
