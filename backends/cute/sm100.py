@@ -43,6 +43,11 @@ class Sm100Gemm:
         self.tmem_alloc_sync_bar_id = 2
         self.arch = "sm_100"
 
+    def _in_layout(self):
+        """Shared-memory layout of one full-input sub-tile: (EPI_M, EPI_N), n contiguous."""
+        em, en = self.epi_mn
+        return cute.make_layout((em, en), stride=(en, 1))
+
     def _tiled_mma(self):
         return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.a_major, self.b_major, self.acc_dtype,
                                                   self.cta_group, self.mma_tiler[:2])
@@ -59,6 +64,7 @@ class Sm100Gemm:
         self.num_mcast_b = cute.size(self.cluster_layout_vmnk.shape[1])
         self.epi_tile = sm100_utils.compute_epilogue_tile_shape(self.cta_tile_shape_mnk, self.use_2cta_instrs,
                                                                 self.c_layout, self.c_dtype)
+        self.epi_mn = (int(cute.size(self.epi_tile[0])), int(cute.size(self.epi_tile[1])))
         smem_cap = utils.get_smem_capacity_in_bytes()
         self.num_acc_stage = 2
         a1 = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, 1)
@@ -67,7 +73,17 @@ class Sm100Gemm:
         c1 = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
         c_bytes = cute.size_in_bytes(self.c_dtype, c1)
         self.num_c_stage = 2
-        stages = (smem_cap - 1024 - c_bytes * self.num_c_stage) // ab_bytes
+        # epilogue inputs staged in shared memory: row/col slices of the MMA tile (f32), full-tensor
+        # sub-tiles (their dtype, loaded by TMA)
+        in_bytes = 0
+        for kind, width in zip(self.input_kinds, self.input_widths):
+            if kind == "row":
+                in_bytes += self.mma_tiler[1] * 4 + 128
+            elif kind == "col":
+                in_bytes += self.mma_tiler[0] * 4 + 128
+            else:
+                in_bytes += self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128
+        stages = (smem_cap - 1024 - c_bytes * self.num_c_stage - in_bytes) // ab_bytes
         if self.stages_override is not None:
             stages = min(stages, self.stages_override)
         self.num_ab_stage = stages
@@ -88,8 +104,17 @@ class Sm100Gemm:
         self.a_major = utils.LayoutEnum.from_tensor(a).mma_major_mode()
         self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
         self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.input_widths = tuple(t.element_type.width for t in inputs)
         tiled_mma = self._tiled_mma()
         self._setup()
+        # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
+        full_atoms, full_tmas = [], []
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "full"):
+                atom, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), inputs[j],
+                                                      self._in_layout(), self.epi_tile)
+                full_atoms.append(atom)
+                full_tmas.append(t)
         v = cute.size(tiled_mma.thr_id.shape)
         tf32 = cutlass.TFloat32 if a.element_type is cutlass.Float32 else None
         a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
@@ -108,13 +133,15 @@ class Sm100Gemm:
             0, (None, None, None)].shape
         sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
-        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, inputs, scalars, self.cluster_layout_vmnk,
+        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, inputs, tuple(full_atoms), tuple(full_tmas),
+                    scalars, self.cluster_layout_vmnk,
                     self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
-               mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, inputs, scalars,
+               mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, inputs, full_atoms,
+               full_tmas, scalars,
                cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -248,7 +275,27 @@ class Sm100Gemm:
 
         sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
                                   swizzle=c_smem_staged.inner)
+        # shared-memory staging of the epilogue inputs and the barrier of their TMA loads
+        sIn = []
+        n_full = 0
+        full_bytes = 0
+        em, en = self.epi_mn
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "row"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
+            elif cutlass.const_expr(kind == "col"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
+            else:
+                sIn.append(smem.allocate_tensor(inputs[j].element_type,
+                                                cute.make_layout((em, en, 1), stride=(en, 1, em * en)), 128))
+                n_full += 1
+                full_bytes += em * en * inputs[j].element_type.width // 8
+        in_bar = smem.allocate_array(cutlass.Int64, 1)
         if warp_idx < self.mma_warp_id:
+            if cutlass.const_expr(n_full > 0):
+                if tidx == 0:
+                    cute.arch.mbarrier_init(in_bar, 1)
+                cute.arch.mbarrier_init_fence()
             tmem.allocate(self.num_tmem_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
@@ -270,6 +317,19 @@ class Sm100Gemm:
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
             rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in self.input_kinds]
+            # the sub-tile boxes of the output, as coordinates, and the matching TMA sources of full inputs
+            cEpi_all = cute.flat_divide(tCcC_t, epi_tile)
+            full_src = []
+            k = 0
+            for j in cutlass.range_constexpr(len(self.input_kinds)):
+                if cutlass.const_expr(self.input_kinds[j] == "full"):
+                    gR = cute.local_tile(full_tmas[k], tile_mn, (None, None, None))
+                    tCgR_t = transform_partitioned_tensor_layout(thr_mma.partition_C(gR))
+                    full_src.append(cpasync.tma_partition(
+                        full_atoms[k], 0, cute.make_layout(1), cute.group_modes(sIn[j], 0, 2),
+                        cute.group_modes(cute.flat_divide(tCgR_t, epi_tile), 0, 2)))
+                    k += 1
+            in_phase = cutlass.Int32(0)
             n_v = cute.size(tTR_rAcc)
             M, N, L = mC.shape
             while work.is_valid_tile:
@@ -286,22 +346,49 @@ class Sm100Gemm:
                 bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
                 n_sub = cute.size(tTR_tAcc.shape, mode=[3])
                 prev = sched.num_tiles_executed * n_sub
+                cEpi = cute.group_modes(cEpi_all[(None, None, None, None, *mt)], 2, 4)
+                bIn = []
+                for f in cutlass.range_constexpr(n_full):
+                    g_tile = full_src[f][1][(None, None, None, *mt)]
+                    bIn.append((full_src[f][0], cute.group_modes(g_tile, 1, cute.rank(g_tile))))
+                # stage this MMA tile's slices of row/col inputs in shared memory (coalesced)
+                m0 = mt[0] * self.mma_tiler[0]
+                n0 = mt[1] * self.mma_tiler[1]
+                if cutlass.const_expr(n_full < len(self.input_kinds)):
+                    for j in cutlass.range_constexpr(len(self.input_kinds)):
+                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                            for i in range(tidx, self.mma_tiler[1], 128):
+                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                            for i in range(tidx, self.mma_tiler[0], 128):
+                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                    epi_bar.arrive_and_wait()
                 for s in range(n_sub):
+                    if cutlass.const_expr(n_full > 0):
+                        # one TMA load per full input for this sub-tile, then everyone waits on it
+                        if warp_idx == self.epilogue_warp_id[0]:
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_arrive_and_expect_tx(in_bar, full_bytes)
+                            for f in cutlass.range_constexpr(n_full):
+                                cute.copy(full_atoms[f], bIn[f][1][(None, s)], bIn[f][0][(None, 0)],
+                                          tma_bar_ptr=in_bar)
                     cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
                     if cutlass.const_expr(len(self.input_kinds) > 0):
                         tTR_cC_s = tTR_cC[(None, None, None, s)]
+                        sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
+                        if cutlass.const_expr(n_full > 0):
+                            cute.arch.mbarrier_wait(in_bar, in_phase)
+                            in_phase = in_phase ^ 1
                         for e in cutlass.range_constexpr(n_v):
                             m, n, l = tTR_cC_s[e]
-                            m = cutlass.min(m, M - 1)
-                            n = cutlass.min(n, N - 1)
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
                                 if cutlass.const_expr(kind == "row"):
-                                    rIn[j][e] = inputs[j][n].to(self.acc_dtype)
+                                    rIn[j][e] = sIn[j][n - n0]
                                 elif cutlass.const_expr(kind == "col"):
-                                    rIn[j][e] = inputs[j][m].to(self.acc_dtype)
+                                    rIn[j][e] = sIn[j][m - m0]
                                 else:
-                                    rIn[j][e] = inputs[j][m, n, l].to(self.acc_dtype)
+                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, 0].to(self.acc_dtype)
                     value = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
                     tRS_rC.store(value.to(self.c_dtype))

@@ -340,8 +340,8 @@ class Sm90Gemm:
                             with cute.arch.elect_one():
                                 cute.arch.mbarrier_arrive_and_expect_tx(in_bar, full_bytes)
                             for f in cutlass.range_constexpr(n_full):
-                                bS, bG = full_src[f]
-                                cute.copy(full_atoms[f], bG[None, ec], bS[None, 0], tma_bar_ptr=in_bar)
+                                cute.copy(full_atoms[f], full_src[f][1][None, ec], full_src[f][0][None, 0],
+                                          tma_bar_ptr=in_bar)
                         cute.arch.mbarrier_wait(in_bar, in_phase)
                         in_phase = in_phase ^ 1
                     for v in cutlass.range_constexpr(n_v):
