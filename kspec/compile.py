@@ -258,7 +258,9 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     cache = cache or CompileCache()
     emitted = emit_spec(path, archs, kernel, cache.root, backend)
     build_jobs = _jobs(emitted)
-    toolchain = _toolchain(required=bool(build_jobs))
+    # nvcc is needed for CUTLASS C++ / plain CUDA jobs; otherwise the toolchain (cuobjdump, for the
+    # register and shared-memory counts) is looked up only when those counts are not memoised
+    toolchain = _toolchain(required=True) if build_jobs else _LazyToolchain()
     if progress is not None:
         for plist in emitted.plans.values():
             for ep in plist:
@@ -329,6 +331,24 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     return target
 
 
+class _LazyToolchain:
+    """find_toolchain() on first use (None when there is none): a warm CuTe DSL-only compile runs
+    no subprocess at all."""
+
+    def __init__(self):
+        self._tc: list = []
+
+    def get(self):
+        if not self._tc:
+            self._tc.append(_toolchain(required=False))
+        return self._tc[0]
+
+    @property
+    def version(self):
+        tc = self.get()
+        return tc.version if tc is not None else "none"
+
+
 def _toolchain(required: bool):
     """The nvcc toolchain; only required when a plan uses the CUTLASS C++ backend (cuobjdump, when
     present, also gives register/shared-memory counts for `kspec inspect`)."""
@@ -388,8 +408,6 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
 
     from kspec.artifact import sha256_file
     from kspec.backends.inspect import sass_summary
-    if toolchain is None or toolchain.cuobjdump is None:
-        return None, None
     memo = cache_root / "resources" / f"{sha256_file(cubin)}.json" if cache_root else None
     if memo is not None and memo.is_file():
         try:
@@ -397,6 +415,10 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
             return regs, smem
         except (ValueError, TypeError):
             pass
+    if isinstance(toolchain, _LazyToolchain):
+        toolchain = toolchain.get()
+    if toolchain is None or toolchain.cuobjdump is None:
+        return None, None
     try:
         k = sass_summary(cubin, toolchain).kernel(symbol)
     except (KspecError, KeyError):

@@ -9,6 +9,7 @@ Per build: `kernel.cubin` (the device code the runtime loads), `kernel.so` (host
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -56,6 +57,7 @@ class CuteBuild:
 # keys
 # ---------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1)
 def _source_identity() -> str:
     h = hashlib.sha256(f"cute-build-{BUILD_FORMAT}".encode())
     for p in sorted(_HERE.rglob("*")):
@@ -68,18 +70,11 @@ def _source_identity() -> str:
 def build_key(desc: GemmDesc, arch: str, cfg: gemm.CuteConfig) -> tuple[str, str, epilogue.EpilogueCode]:
     code = epilogue.generate(desc)
     src = gemm.entry_source(desc, arch, cfg, code)
+    # The C compiler is not part of the key: the host glue is plain C11 whose behaviour does not
+    # depend on its version (and a key never holds machine paths).
     material = {"src": src, "arch": arch, "dsl": compat.dsl_version(), "flavour": compat.cuda_flavour(),
-                "backend": _source_identity(), "names": gemm.abi_names(desc, code),
-                "cc": _cc_identity()}
+                "backend": _source_identity(), "names": gemm.abi_names(desc, code)}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest(), src, code
-
-
-def _cc_identity() -> str:
-    try:
-        out = subprocess.run([_cc(), "--version"], capture_output=True, text=True, timeout=30).stdout
-        return out.splitlines()[0] if out else "cc"
-    except (OSError, subprocess.SubprocessError):
-        return "cc"
 
 
 def _cc() -> str:
