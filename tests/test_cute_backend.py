@@ -370,3 +370,37 @@ def test_prepare_rejects_misaligned_leading_dimensions(cute_artifacts):
         g.prepare([256, 256, 60, 1], [1 << 20, 2 << 20, 3 << 20], [], 0, 0, 132)
     empty = g.prepare([0, 256, 64, 1], [1 << 20, 2 << 20, 3 << 20], [], 0, 0, 132)
     assert 0 in empty.grid
+
+
+LAYOUT_CASES = [  # (arch, A layout, B layout, D layout, dtype, config)
+    ("sm90a", "row", "row", "row", "f16", gemm.CuteConfig((128, 256), (1, 2))),
+    ("sm90a", "col", "col", "col", "bf16", gemm.CuteConfig((64, 128), (2, 1))),
+    ("sm90a", "col", "row", "row", "f16", gemm.CuteConfig((128, 128), (1, 1), stages=3)),
+    ("sm100a", "row", "row", "col", "bf16", gemm.CuteConfig((64, 256), (1, 1))),
+    ("sm100a", "col", "col", "row", "f16", gemm.CuteConfig((256, 128), (4, 1), use_2cta=True)),
+    ("sm100a", "col", "row", "row", "tf32", gemm.CuteConfig((128, 64), (2, 1))),
+]
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch,la,lb,ld,dt,cfg", LAYOUT_CASES)
+def test_layouts_and_candidate_configurations_compile(arch, la, lb, ld, dt, cfg):
+    """Every A/B layout combination, column-major D and non-default candidates (clusters, 2-CTA,
+    64-row tiles, a stage cap) compile to tensor-core code, with a column bias and a residual."""
+    v = Op("add", (Op("mul", (Accum(), Load("t2", "col", "f32"))), Load("t3", "full", dt if dt != "tf32" else "f32")))
+    out = "f32" if dt == "tf32" else dt
+    d = GemmDesc("k_0", arch, Operand("t0", dt, la), Operand("t1", dt, lb), "f32", Store("t9", v, out, ld))
+    assert gemm.can_implement(d, arch) is None
+    assert cfg in gemm.candidates(d, arch) or gemm.valid_config(cfg, arch) is None
+    b = cbuild.build(d, arch, test_cache_root(), cfg)
+    assert dict(b.config)["tile"] == f"{cfg.tile[0]}x{cfg.tile[1]}"
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    sass = _sass(Path(b.cubin), tc)
+    assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+    if cfg.use_2cta:
+        assert "UTCHMMA.2CTA" in sass
