@@ -56,8 +56,8 @@ def test_generated_epilogue_matches_float64_numpy():
     b = rng.standard_normal(24).astype(np.float32)
     r = rng.standard_normal((16, 24)).astype(np.float32)
     c = rng.standard_normal(16).astype(np.float32)
-    got = epilogue.run_numpy(code, acc, (np.broadcast_to(b, acc.shape), np.broadcast_to(c[:, None], acc.shape), r),
-                             (np.float32(0.5),))
+    (got,) = epilogue.run_numpy(code, acc, (np.broadcast_to(b, acc.shape), np.broadcast_to(c[:, None], acc.shape), r),
+                                (np.float32(0.5),))
     x = acc.astype(np.float64)
     sig = 1 / (1 + np.exp(-x))
     want = _gelu64(0.5 * x + b) * c[:, None] + r
@@ -74,7 +74,7 @@ def test_generated_epilogue_shares_subexpressions_and_casts():
     code = epilogue.generate(_desc(v))
     assert code.source.count("F.add(") == 1 and "F.cast(v0, 'bf16', 'f32')" in code.source
     acc = np.array([[1.0 + 2 ** -10]], np.float32)
-    got = epilogue.run_numpy(code, acc, (np.zeros((1, 1), np.float32),), ())
+    (got,) = epilogue.run_numpy(code, acc, (np.zeros((1, 1), np.float32),), ())
     assert got[0, 0] == np.float32(1.0) * acc[0, 0]          # bf16 rounds 1 + 2^-10 to 1
 
 
@@ -86,9 +86,10 @@ def test_no_user_text_in_generated_code():
 
 
 def test_unsupported_epilogues_have_reasons():
-    aux = _desc(Accum(), aux_stores=(Store("t7", Accum(), "f16"),))
+    aux = _desc(Accum(), aux_stores=(Store("t7", Accum(), "f32"),))
     red = _desc(Accum(), reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))
     assert "auxiliary" in epilogue.unsupported(aux)
+    assert epilogue.unsupported(_desc(Accum(), aux_stores=(Store("t7", Accum(), "f16"),))) is None
     assert "reductions" in epilogue.unsupported(red)
     assert "not supported" in epilogue.unsupported(_desc(Op("log", (Accum(),))))
     with pytest.raises(KspecInternalError):
@@ -404,3 +405,30 @@ def test_layouts_and_candidate_configurations_compile(arch, la, lb, ld, dt, cfg)
     assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
     if cfg.use_2cta:
         assert "UTCHMMA.2CTA" in sass
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auxiliary_output_is_stored_by_tma_beside_d(arch):
+    """h = gelu(acc + bias) stored as an extra output while D = h + R: two TMA stores per sub-tile,
+    ABI order A, B, inputs, D, aux (the CUTLASS C++ backend's)."""
+    h = Op("gelu", (Op("add", (Accum(), Load("t2", "row", "f16"))),))
+    d = GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                 Store("t4", Op("add", (h, Load("t3", "full", "f16"))), "f16"), aux_stores=(Store("t5", h, "f16"),))
+    assert gemm.can_implement(d, arch) is None
+    code = epilogue.generate(d)
+    acc = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    bias, res = np.full((3, 4), 0.25, np.float32), np.ones((3, 4), np.float32)
+    dv, hv = epilogue.run_numpy(code, acc, (bias, res), ())
+    np.testing.assert_allclose(hv, _gelu64(acc.astype(np.float64) + 0.25), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dv, hv + 1, rtol=1e-6)
+    b = cbuild.build(d, arch, test_cache_root())
+    assert b.args == ("t0", "t1", "t2", "t3", "t4", "t5")
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    sass = _sass(Path(b.cubin), tc)
+    assert sass.count("UTMASTG") >= 2

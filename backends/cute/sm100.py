@@ -83,7 +83,8 @@ class Sm100Gemm:
                 in_bytes += self.mma_tiler[0] * 4 + 128
             else:
                 in_bytes += self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128
-        stages = (smem_cap - 1024 - c_bytes * self.num_c_stage - in_bytes) // ab_bytes
+        # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
+        stages = (smem_cap - 1024 - c_bytes * self.num_c_stage * (1 + self.num_aux) - in_bytes) // ab_bytes
         if self.stages_override is not None:
             stages = min(stages, self.stages_override)
         self.num_ab_stage = stages
@@ -96,7 +97,7 @@ class Sm100Gemm:
             tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage)), arch=self.arch)
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, inputs, scalars,
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
@@ -105,6 +106,7 @@ class Sm100Gemm:
         self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
         self.c_layout = utils.LayoutEnum.from_tensor(c)
         self.input_widths = tuple(t.element_type.width for t in inputs)
+        self.num_aux = len(auxes)
         tiled_mma = self._tiled_mma()
         self._setup()
         # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
@@ -127,20 +129,28 @@ class Sm100Gemm:
             self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32)
         self.num_tma_load_bytes = (cute.size_in_bytes(self.a_dtype, a_smem)
                                    + cute.size_in_bytes(self.b_dtype, b_smem)) * v
+        aux_atoms, aux_tmas = [], []
+        for x in auxes:
+            atom, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), x,
+                                                  cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
+            aux_atoms.append(atom)
+            aux_tmas.append(t)
         tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
                                                 cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
         ntiles = cute.zipped_divide(c, tiler=cute.slice_(self.cta_tile_shape_mnk, (None, None, 0)))[
             0, (None, None, None)].shape
         sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
-        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, inputs, tuple(full_atoms), tuple(full_tmas),
+        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, tuple(aux_atoms), tuple(aux_tmas), inputs,
+                    tuple(full_atoms), tuple(full_tmas),
                     scalars, self.cluster_layout_vmnk,
                     self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
-               mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, inputs, full_atoms,
+               mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, aux_atoms, aux_tmas,
+               inputs, full_atoms,
                full_tmas, scalars,
                cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
@@ -275,6 +285,8 @@ class Sm100Gemm:
 
         sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
                                   swizzle=c_smem_staged.inner)
+        sAux = [smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                     swizzle=c_smem_staged.inner) for _ in range(self.num_aux)]
         # shared-memory staging of the epilogue inputs and the barrier of their TMA loads
         sIn = []
         n_full = 0
@@ -313,6 +325,14 @@ class Sm100Gemm:
             tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
             tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
             copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+            tRS_sAux = [copy_r2s.get_slice(tidx).partition_D(x) for x in sAux]
+            aux_all = []
+            for x in cutlass.range_constexpr(self.num_aux):
+                tCgX_t = transform_partitioned_tensor_layout(
+                    thr_mma.partition_C(cute.local_tile(aux_tmas[x], tile_mn, (None, None, None))))
+                aux_all.append(cpasync.tma_partition(
+                    aux_atoms[x], 0, cute.make_layout(1), cute.group_modes(sAux[x], 0, 2),
+                    cute.group_modes(cute.flat_divide(tCgX_t, epi_tile), 0, 2)))
             bSG_sC, bSG_gC_all = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
@@ -344,6 +364,10 @@ class Sm100Gemm:
                 tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
                 tTR_cC = cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))
                 bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                aux_dst = []
+                for x in cutlass.range_constexpr(self.num_aux):
+                    g_aux = aux_all[x][1][(None, None, None, *mt)]
+                    aux_dst.append((aux_all[x][0], cute.group_modes(g_aux, 1, cute.rank(g_aux))))
                 n_sub = cute.size(tTR_tAcc.shape, mode=[3])
                 prev = sched.num_tiles_executed * n_sub
                 cEpi = cute.group_modes(cEpi_all[(None, None, None, None, *mt)], 2, 4)
@@ -389,15 +413,20 @@ class Sm100Gemm:
                                     rIn[j][e] = sIn[j][m - m0]
                                 else:
                                     rIn[j][e] = sIn[j][m - sm0, n - sn0, 0].to(self.acc_dtype)
-                    value = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
-                                        tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
-                    tRS_rC.store(value.to(self.c_dtype))
+                    values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
+                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
+                    tRS_rC.store(values[0].to(self.c_dtype))
                     buf = (prev + s) % self.num_c_stage
                     cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                    for x in cutlass.range_constexpr(self.num_aux):
+                        tRS_rC.store(values[1 + x].to(self.c_dtype))
+                        cute.copy(copy_r2s, tRS_rC, tRS_sAux[x][(None, None, None, buf)])
                     cute.arch.fence_proxy("async.shared", space="cta")
                     epi_bar.arrive_and_wait()
                     if warp_idx == self.epilogue_warp_id[0]:
                         cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
+                        for x in cutlass.range_constexpr(self.num_aux):
+                            cute.copy(aux_atoms[x], aux_dst[x][0][(None, buf)], aux_dst[x][1][(None, s)])
                         c_pipe.producer_commit()
                         c_pipe.producer_acquire()
                     epi_bar.arrive_and_wait()

@@ -64,7 +64,8 @@ class Sm90Gemm:
             self.epi_tile = (min(64, tm), min(64 if self.d_dtype.width == 8 else 32, tn))
         ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
         self.epi_stage = 4
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8 * self.epi_stage
+        # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8 * self.epi_stage * (1 + self.num_aux)
         # epilogue inputs staged in shared memory: row/col slices of the tile (f32), full-tensor
         # sub-tiles (their dtype, loaded by TMA)
         in_bytes = 0
@@ -103,7 +104,7 @@ class Sm90Gemm:
                                                       num_multicast=mcast)
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, inputs, scalars,
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
@@ -112,6 +113,7 @@ class Sm90Gemm:
         self.b_layout = utils.LayoutEnum.from_tensor(b)
         self.d_layout = utils.LayoutEnum.from_tensor(d)
         self.input_widths = tuple(t.element_type.width for t in inputs)
+        self.num_aux = len(auxes)
         self._setup()
         tm, tn, tk = self.tile_shape_mnk
         # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
@@ -128,6 +130,13 @@ class Sm90Gemm:
         tma_d, gD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(self.d_smem_staged, (None, None, 0)),
             self.epi_tile)
+        aux_atoms, aux_tmas = [], []
+        for x in auxes:
+            atom, t = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), x, cute.slice_(self.d_smem_staged, (None, None, 0)),
+                self.epi_tile)
+            aux_atoms.append(atom)
+            aux_tmas.append(t)
         ntiles = cute.zipped_divide(d, tiler=(tm, tn))[0, (None, None, None)].shape
         sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
@@ -142,7 +151,8 @@ class Sm90Gemm:
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
                                   self.buffer_align_bytes]
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, inputs, tuple(full_atoms), tuple(full_tmas), scalars,
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), inputs,
+                    tuple(full_atoms), tuple(full_tmas), scalars,
                     self.tiled_mma, self.cta_layout_mnk,
                     self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
@@ -151,7 +161,8 @@ class Sm90Gemm:
     # ------------------------------------------------------------------ device code
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, inputs, full_atoms, full_tmas, scalars,
+               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, aux_atoms, aux_tmas, inputs,
+               full_atoms, full_tmas, scalars,
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -203,6 +214,8 @@ class Sm90Gemm:
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        sAux = [smem.allocate_tensor(self.d_dtype, d_smem_staged.outer, self.buffer_align_bytes,
+                                     d_smem_staged.inner) for _ in range(self.num_aux)]
         tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
@@ -266,6 +279,7 @@ class Sm90Gemm:
             copy_r2s = cute.make_tiled_copy_S(atom_r2s, cute.make_tiled_copy_C_atom(atom_d, tiled_mma))
             thr_r2s = copy_r2s.get_slice(epi_tidx)
             tRS_sD = thr_r2s.partition_D(sD)
+            tRS_sAux = [thr_r2s.partition_D(x) for x in sAux]
             tRS_rAcc = copy_r2s.retile(acc)
             rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
@@ -311,6 +325,12 @@ class Sm90Gemm:
                 epi_shape = gD_epi.shape[1]
                 epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
                 prev = sched.num_tiles_executed * n_epi
+                aux_dst = []
+                for x in cutlass.range_constexpr(self.num_aux):
+                    aux_dst.append(cute.nvgpu.cpasync.tma_partition(
+                        aux_atoms[x], 0, cute.make_layout(1), cute.group_modes(sAux[x], 0, 2),
+                        cute.zipped_divide(cute.local_tile(aux_tmas[x], tile_mn, (None, None, None))[None, None, *tc],
+                                           self.epi_tile)))
                 # stage this tile's slices of row/col inputs in shared memory (coalesced, once per tile)
                 m0 = tc[0] * tm
                 n0 = tc[1] * tn
@@ -356,14 +376,19 @@ class Sm90Gemm:
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
                                     rIn[j][v] = sIn[j][lm, ln, 0].to(self.acc_dtype)
-                    value = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
-                    tRS_rOut.store(value.to(self.d_dtype))
+                    values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
+                    tRS_rOut.store(values[0].to(self.d_dtype))
                     buf = (prev + e) % self.epi_stage
                     cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
+                    for x in cutlass.range_constexpr(self.num_aux):
+                        tRS_rOut.store(values[1 + x].to(self.d_dtype))
+                        cute.copy(copy_r2s, tRS_rOut, tRS_sAux[x][None, None, None, buf])
                     cute.arch.fence_proxy("async.shared", space="cta")
                     epi_bar.arrive_and_wait()
                     if warp_idx == self.epi_store_warp_id:
                         cute.copy(tma_d, bSG_sD[None, buf], bSG_gD[None, ec])
+                        for x in cutlass.range_constexpr(self.num_aux):
+                            cute.copy(aux_atoms[x], aux_dst[x][0][None, buf], aux_dst[x][1][None, ec])
                         store_pipe.producer_commit()
                         store_pipe.producer_acquire()
                     epi_bar.arrive_and_wait()
