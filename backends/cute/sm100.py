@@ -2,7 +2,8 @@
 tensor memory, TMA loads (multicast across the cluster, 2-CTA UMMA when the MMA tile is 256 rows),
 a static persistent tile scheduler, warp specialization (one TMA warp, one MMA warp, four epilogue
 warps, double-buffered accumulators in TMEM) and a fused epilogue: TMEM -> registers -> the
-generated math -> shared memory -> TMA store.
+generated math -> shared memory -> TMA store (D and auxiliary outputs); epilogue inputs staged in
+shared memory (row/column vectors per MMA tile, residual sub-tiles by double-buffered TMA loads).
 
 Built only from the DSL wheel's building blocks (`cutlass.utils.sm100`, `cutlass.utils.gemm.sm100`
 partition helpers, pipelines, TMEM allocator).  Same tensor and epilogue conventions as `sm90.py`.
@@ -82,7 +83,7 @@ class Sm100Gemm:
             elif kind == "col":
                 in_bytes += self.mma_tiler[0] * 4 + 128
             else:
-                in_bytes += self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128
+                in_bytes += 2 * self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128   # double-buffered
         # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
         stages = (smem_cap - 1024 - c_bytes * self.num_c_stage * (1 + self.num_aux) - in_bytes) // ab_bytes
         if self.stages_override is not None:
@@ -299,14 +300,15 @@ class Sm100Gemm:
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
             else:
                 sIn.append(smem.allocate_tensor(inputs[j].element_type,
-                                                cute.make_layout((em, en, 1), stride=(en, 1, em * en)), 128))
+                                                cute.make_layout((em, en, 2), stride=(en, 1, em * en)), 128))
                 n_full += 1
                 full_bytes += em * en * inputs[j].element_type.width // 8
-        in_bar = smem.allocate_array(cutlass.Int64, 1)
+        in_bar = smem.allocate_array(cutlass.Int64, 2)
         if warp_idx < self.mma_warp_id:
             if cutlass.const_expr(n_full > 0):
                 if tidx == 0:
                     cute.arch.mbarrier_init(in_bar, 1)
+                    cute.arch.mbarrier_init(in_bar + 1, 1)
                 cute.arch.mbarrier_init_fence()
             tmem.allocate(self.num_tmem_cols)
             tmem.wait_for_alloc()
@@ -349,7 +351,6 @@ class Sm100Gemm:
                         full_atoms[k], 0, cute.make_layout(1), cute.group_modes(sIn[j], 0, 2),
                         cute.group_modes(cute.flat_divide(tCgR_t, epi_tile), 0, 2)))
                     k += 1
-            in_phase = cutlass.Int32(0)
             n_v = cute.size(tTR_rAcc)
             M, N, L = mC.shape
             while work.is_valid_tile:
@@ -387,22 +388,31 @@ class Sm100Gemm:
                             for i in range(tidx, self.mma_tiler[0], 128):
                                 sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
                     epi_bar.arrive_and_wait()
+                # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
+                # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
+                if cutlass.const_expr(n_full > 0):
+                    if warp_idx == self.epilogue_warp_id[0]:
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + prev % 2, full_bytes)
+                        for f in cutlass.range_constexpr(n_full):
+                            cute.copy(full_atoms[f], bIn[f][1][(None, 0)], bIn[f][0][(None, prev % 2)],
+                                      tma_bar_ptr=in_bar + prev % 2)
                 for s in range(n_sub):
+                    g = prev + s
                     if cutlass.const_expr(n_full > 0):
-                        # one TMA load per full input for this sub-tile, then everyone waits on it
                         if warp_idx == self.epilogue_warp_id[0]:
-                            with cute.arch.elect_one():
-                                cute.arch.mbarrier_arrive_and_expect_tx(in_bar, full_bytes)
-                            for f in cutlass.range_constexpr(n_full):
-                                cute.copy(full_atoms[f], bIn[f][1][(None, s)], bIn[f][0][(None, 0)],
-                                          tma_bar_ptr=in_bar)
+                            if s + 1 < n_sub:
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + (g + 1) % 2, full_bytes)
+                                for f in cutlass.range_constexpr(n_full):
+                                    cute.copy(full_atoms[f], bIn[f][1][(None, s + 1)], bIn[f][0][(None, (g + 1) % 2)],
+                                              tma_bar_ptr=in_bar + (g + 1) % 2)
                     cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
                     if cutlass.const_expr(len(self.input_kinds) > 0):
                         tTR_cC_s = tTR_cC[(None, None, None, s)]
                         sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
                         if cutlass.const_expr(n_full > 0):
-                            cute.arch.mbarrier_wait(in_bar, in_phase)
-                            in_phase = in_phase ^ 1
+                            cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
                         for e in cutlass.range_constexpr(n_v):
                             m, n, l = tTR_cC_s[e]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
@@ -412,7 +422,7 @@ class Sm100Gemm:
                                 elif cutlass.const_expr(kind == "col"):
                                     rIn[j][e] = sIn[j][m - m0]
                                 else:
-                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, 0].to(self.acc_dtype)
+                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, g % 2].to(self.acc_dtype)
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
                     tRS_rC.store(values[0].to(self.c_dtype))

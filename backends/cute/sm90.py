@@ -75,7 +75,7 @@ class Sm90Gemm:
             elif kind == "col":
                 in_bytes += tm * 4 + 128
             else:
-                in_bytes += self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128
+                in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
         stages = (SMEM_CAPACITY - 1024 - epi_bytes - in_bytes) // ab_bytes
         if self.stages_override is not None:
             stages = min(stages, self.stages_override)
@@ -194,14 +194,16 @@ class Sm90Gemm:
             elif cutlass.const_expr(kind == "col"):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
             else:
+                # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
                 sIn.append(smem.allocate_tensor(inputs[j].element_type, cute.make_layout(
-                    (*self.epi_tile, 1), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
+                    (*self.epi_tile, 2), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
                 n_full += 1
                 full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
-        in_bar = smem.allocate_array(cutlass.Int64, 1)
+        in_bar = smem.allocate_array(cutlass.Int64, 2)
         if cutlass.const_expr(n_full > 0):
             if tidx == 0:
                 cute.arch.mbarrier_init(in_bar, 1)
+                cute.arch.mbarrier_init(in_bar + 1, 1)
             cute.arch.mbarrier_init_fence()
         consumers = (self.num_mcast_a + self.num_mcast_b - 1) * self.num_mma_warp_groups * 4
         ab_pipe = pipeline.PipelineTmaAsync.create(
@@ -286,7 +288,6 @@ class Sm90Gemm:
             tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
             rIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in self.input_kinds]
             tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
-            in_phase = cutlass.Int32(0)
             n_v = cute.size(tRS_rD)
             epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
             store_pipe = pipeline.PipelineTmaStore.create(
@@ -352,18 +353,27 @@ class Sm90Gemm:
                             full_atoms[k], 0, cute.make_layout(1), cute.group_modes(sIn[j], 0, 2),
                             cute.zipped_divide(gR[None, None, *tc], self.epi_tile)))
                         k += 1
+                # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
+                # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
+                if cutlass.const_expr(n_full > 0):
+                    if warp_idx == self.epi_store_warp_id:
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + prev % 2, full_bytes)
+                        for f in cutlass.range_constexpr(n_full):
+                            cute.copy(full_atoms[f], full_src[f][1][None, epi_layout.get_hier_coord(0)],
+                                      full_src[f][0][None, prev % 2], tma_bar_ptr=in_bar + prev % 2)
                 for e in cutlass.range_constexpr(n_epi):
                     ec = epi_layout.get_hier_coord(e)
+                    g = prev + e
                     if cutlass.const_expr(n_full > 0):
-                        # one TMA load per full input for this sub-tile, then everyone waits on it
-                        if warp_idx == self.epi_store_warp_id:
-                            with cute.arch.elect_one():
-                                cute.arch.mbarrier_arrive_and_expect_tx(in_bar, full_bytes)
-                            for f in cutlass.range_constexpr(n_full):
-                                cute.copy(full_atoms[f], full_src[f][1][None, ec], full_src[f][0][None, 0],
-                                          tma_bar_ptr=in_bar)
-                        cute.arch.mbarrier_wait(in_bar, in_phase)
-                        in_phase = in_phase ^ 1
+                        if cutlass.const_expr(e + 1 < n_epi):
+                            if warp_idx == self.epi_store_warp_id:
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + (g + 1) % 2, full_bytes)
+                                for f in cutlass.range_constexpr(n_full):
+                                    cute.copy(full_atoms[f], full_src[f][1][None, epi_layout.get_hier_coord(e + 1)],
+                                              full_src[f][0][None, (g + 1) % 2], tma_bar_ptr=in_bar + (g + 1) % 2)
+                        cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
                     for v in cutlass.range_constexpr(n_v):
                         tRS_rD[v] = tRS_rAcc[e * n_v + v]
                         if cutlass.const_expr(len(self.input_kinds) > 0):
@@ -375,7 +385,7 @@ class Sm90Gemm:
                                 elif cutlass.const_expr(kind == "col"):
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
-                                    rIn[j][v] = sIn[j][lm, ln, 0].to(self.acc_dtype)
+                                    rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)
                     values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
                     tRS_rOut.store(values[0].to(self.d_dtype))
                     buf = (prev + e) % self.epi_stage
