@@ -5,6 +5,7 @@ Adding a backend = one folder under `backends/` with a class following `backends
 plus one entry below.  Nothing is imported until it is used.
 
 Preference order (the first backend whose `can_implement(ir, arch)` is None builds the kernel):
+    cute      the CuTe DSL (pinned nvidia-cutlass-dsl): kspec's own sm90a/sm100a GEMM kernels, built in seconds
     cutlass   CUTLASS C++ (cutlass_cppgen + nvcc): tensor-core GEMMs with EVT epilogues, fused attention
     rowwise   kspec's own plain-CUDA row kernels: norms, softmax, cross-entropy, row reductions
     generic   plain CUDA loop kernels: elementwise kernels, and the fallback for everything else
@@ -24,6 +25,7 @@ from .api import Backend
 
 # name -> (module, class); the order is the preference order
 _ENTRIES: tuple[tuple[str, str, str], ...] = (
+    ("cute", "kspec.backends.cute.backend", "CuteBackend"),
     ("cutlass", "kspec.backends.cutlass.backend", "CutlassBackend"),
     ("rowwise", "kspec.backends.rowwise", "RowwiseBackend"),
     ("generic", "kspec.backends.generic", "GenericBackend"),
@@ -62,6 +64,8 @@ class Planner:
     schedule setting pins one kernel.  strict: a fallback is an error instead of a note."""
 
     def __init__(self, pinned: str | None = None, strict: bool = False):
+        if pinned == "auto":
+            pinned = None                    # the preference order
         if pinned is not None:
             get(pinned)                      # unknown names fail here, before any planning
         self.pinned = pinned

@@ -188,8 +188,8 @@ def _planning_options(p) -> None:
     p.add_argument("--kernel", help="only this kernel of the spec")
     p.add_argument("--arch", help="archs to plan for, comma-separated (default: the spec's target, else sm90a,sm100a)")
     p.add_argument("--backend", metavar="NAME",
-                   help="build GEMM/attention kernels with this backend (cutlass, generic); default: the "
-                        "first backend that can, in the registry's preference order")
+                   help="build the kernels this backend implements with it (cute, cutlass, rowwise, generic; "
+                        "auto = the default): the first backend that can, in the registry's preference order")
     p.add_argument("--strict", action="store_true",
                    help="fail instead of falling back to a slow loop kernel (names the kernel, arch and reason)")
 

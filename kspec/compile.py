@@ -30,6 +30,10 @@ class EmittedPlan:
     emitted: EmittedKernel
 
     @property
+    def backend(self) -> str:
+        return self.lowered.backend
+
+    @property
     def label(self) -> str:
         return f"kernel {self.lowered.ir.id} on {self.lowered.arch.replace('sm', 'sm_')}"
 
@@ -159,13 +163,44 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
                     lp = registry.get(choice.backend).lower(p.ir, arch)
                     em = emit_cached(lp, cache_root)
                 except KspecError as e:
-                    if e.span is None and not e.message.startswith("kernel "):
-                        # a backend message about a descriptor: say which kernel and arch, and where
-                        raise KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
-                                         p.ir.span, e.hint, program.source) from None
-                    raise e.with_source(program.source)
+                    raise _located(e, sched, p, arch, program) from None
                 plans[p.id].append(EmittedPlan(lp, em))
+            _one_abi(plans[p.id], sched, p, cache_root, program)
     return EmittedSpec(program, archs, schedules, plans)
+
+
+def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program) -> None:
+    """A plan has one ABI (manifest args, scalars, dims) on every arch.  The CuTe DSL and CUTLASS
+    backends share an argument order, so archs may differ in backend; where the ABIs still differ,
+    the archs whose backend does not match the first arch's are rebuilt by that backend."""
+    abis = {(ep.emitted.args, ep.emitted.scalars, ep.emitted.dims) for ep in eps}
+    if len(abis) <= 1:
+        return
+    first = registry.get(eps[0].backend)
+    for i, ep in enumerate(eps[1:], 1):
+        if (ep.emitted.args, ep.emitted.scalars, ep.emitted.dims) == (eps[0].emitted.args, eps[0].emitted.scalars,
+                                                                      eps[0].emitted.dims):
+            continue
+        why = first.can_implement(p.ir, ep.lowered.arch)
+        if why is not None:
+            raise KspecInternalError(f"plan {p.id}: backends {eps[0].backend} and {ep.backend} give different "
+                                     f"ABIs and {first.name} cannot build {ep.lowered.arch}: {why}")
+        try:
+            lp = first.lower(p.ir, ep.lowered.arch)
+            eps[i] = EmittedPlan(lp, emit_cached(lp, cache_root))
+        except KspecError as e:
+            raise _located(e, sched, p, ep.lowered.arch, program) from None
+        p.choices[ep.lowered.arch] = p.choices[eps[0].lowered.arch].__class__(
+            first.name, p.ir.kind, None, first.default_config(p.ir, ep.lowered.arch),
+            ((ep.backend, "one ABI is needed on every arch"),))
+
+
+def _located(e: KspecError, sched, p, arch, program) -> KspecError:
+    if e.span is None and not e.message.startswith("kernel "):
+        # a backend message about a descriptor: say which kernel and arch, and where
+        return KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",
+                          p.ir.span, e.hint, program.source)
+    return e.with_source(program.source)
 
 
 class Progress:
@@ -184,6 +219,8 @@ class Progress:
             msg = f"[{ev.finished}/{ev.total}] compiling {ev.job.label} ({ev.job.kind})"
         elif ev.kind == "cached":
             msg = f"[{ev.finished}/{ev.total}] cached    {ev.job.label} ({ev.job.kind})"
+        elif ev.kind == "running":
+            msg = f"[{ev.finished}/{ev.total}] ...       {ev.job.label} ({ev.job.kind}) {ev.elapsed:.0f}s"
         elif ev.kind == "done":
             msg = f"[{ev.finished}/{ev.total}] built     {ev.job.label} ({ev.job.kind}) in {ev.elapsed:.1f}s"
         else:
@@ -208,13 +245,15 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
                                 write_manifest)
     from kspec.backends.build import CompileCache, build_all
-    from kspec.backends.toolchain import find_toolchain
 
     cache = cache or CompileCache()
     emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict)
-    toolchain = find_toolchain()
     build_jobs = _jobs(emitted)
-    results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress)
+    # nvcc is needed for CUTLASS C++ / plain CUDA jobs; otherwise the toolchain (cuobjdump, for the
+    # register and shared-memory counts) is looked up only when those counts are not memoised
+    toolchain = _toolchain(required=True) if build_jobs else _LazyToolchain()
+    built = _build_binaries(emitted, cache.root, jobs, progress)
+    results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress) if build_jobs else []
     by_job = {(r.job.label, r.job.kind): r for r in results}
 
     stem = Path(path).stem
@@ -234,12 +273,26 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                 for ep in emitted.plans[p.id]:
                     arch = ep.lowered.arch
                     cubin, host = f"{p.id}.{arch}.cubin", f"{p.id}.{arch}.so"
-                    shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
-                    shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
-                    regs, smem = _resources(staging / cubin, toolchain, cache.root)
-                    binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
-                                                 registers=regs, smem=smem, backend=ep.lowered.backend,
-                                                 kind=p.choices[arch].kind)
+                    prebuilt = built.get(ep.label)
+                    if prebuilt is not None:          # a backend that builds its own binaries (CuTe DSL)
+                        shutil.copyfile(prebuilt.cubin, staging / cubin)
+                        shutil.copyfile(prebuilt.host, staging / host)
+                        regs, smem = _resources(staging / cubin, toolchain, cache.root, prebuilt.symbol)
+                        config = dict(prebuilt.config)
+                        config["param_offsets"] = ",".join(map(str, prebuilt.param_offsets))
+                        binaries[arch] = make_binary(staging, cubin, host, symbol=prebuilt.symbol, config=config,
+                                                     registers=regs, smem=smem, backend=ep.lowered.backend,
+                                                     kind=p.choices[arch].kind)
+                        if prebuilt.args != ep.emitted.args or prebuilt.scalars != ep.emitted.scalars:
+                            raise KspecInternalError(f"plan {p.id}: the {ep.lowered.backend} build's ABI differs "
+                                                     "from its emission")
+                    else:
+                        shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
+                        shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
+                        regs, smem = _resources(staging / cubin, toolchain, cache.root)
+                        binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
+                                                     registers=regs, smem=smem, backend=ep.lowered.backend,
+                                                     kind=p.choices[arch].kind)
                     if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
                         raise KspecInternalError(f"plan {p.id} has a different ABI on {arch}")
                 plans.append(_plan_entry(p, first, binaries))
@@ -251,11 +304,9 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                 intermediates=tuple(TensorSpec(b.name, b.dtype, b.shape, b.layout) for b in sched.intermediates),
                 plans=tuple(plans)))
         spec_text = emitted.program.source.encode()
-        used = sorted({ep.lowered.backend for plist in emitted.plans.values() for ep in plist})
         manifest = Manifest(spec=SpecRef(Path(path).name, hashlib.sha256(spec_text).hexdigest()),
                             archs=emitted.archs, kernels=tuple(entries),
-                            toolchain={"nvcc": toolchain.version,
-                                       **{f"backend:{n}": registry.get(n).identity() for n in used}},
+                            toolchain=_toolchain_versions(emitted, toolchain if build_jobs else None),
                             kspec_version=kspec.__version__)
         shutil.copyfile(path, staging / Path(path).name)
         write_manifest(staging, manifest)
@@ -266,6 +317,59 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+class _LazyToolchain:
+    """find_toolchain() on first use (None when there is none): a warm CuTe DSL-only compile runs
+    no subprocess at all."""
+
+    def __init__(self):
+        self._tc: list = []
+
+    def get(self):
+        if not self._tc:
+            self._tc.append(_toolchain(required=False))
+        return self._tc[0]
+
+    @property
+    def version(self):
+        tc = self.get()
+        return tc.version if tc is not None else "none"
+
+
+def _toolchain(required: bool):
+    """The nvcc toolchain; only required when a plan uses the CUTLASS C++ backend (cuobjdump, when
+    present, also gives register/shared-memory counts for `kspec inspect`)."""
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        return find_toolchain()
+    except KspecError:
+        if required:
+            raise
+        return None
+
+
+def _toolchain_versions(emitted: EmittedSpec, toolchain) -> dict:
+    """The manifest's toolchain record: each backend used, and nvcc when one built with it."""
+    used = sorted({ep.backend for plist in emitted.plans.values() for ep in plist})
+    out = {f"backend:{n}": registry.get(n).identity() for n in used}
+    if toolchain is not None:
+        out["nvcc"] = toolchain.version
+    return out
+
+
+def _build_binaries(emitted: EmittedSpec, cache_root: Path, jobs: int | None, progress) -> dict:
+    """Binaries of the backends that build their own (no nvcc jobs; the CuTe DSL): label -> build."""
+    out: dict = {}
+    by_backend: dict[str, list] = {}
+    for plist in emitted.plans.values():
+        for ep in plist:
+            by_backend.setdefault(ep.backend, []).append((ep.label, ep.lowered))
+    for name, items in by_backend.items():
+        b = registry.get(name)
+        if hasattr(b, "build_binaries"):
+            out.update(b.build_binaries(items, cache_root, jobs, progress))
+    return out
 
 
 def _plan_entry(p, ep: EmittedPlan, binaries):
@@ -284,15 +388,14 @@ def _plan_entry(p, ep: EmittedPlan, binaries):
         strides={role: (names[a], axis) for role, a, axis in getattr(lp.desc, "strides", ())})
 
 
-def _resources(cubin: Path, toolchain, cache_root: Path | None = None) -> tuple[int | None, int | None]:
+def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
+               symbol: str = "kspec_kernel") -> tuple[int | None, int | None]:
     """Registers and static shared memory of the entry point, when cuobjdump is available
     (remembered per cubin digest under the cache root, so a warm compile runs no cuobjdump)."""
     import json
 
     from kspec.artifact import sha256_file
     from kspec.backends.inspect import sass_summary
-    if toolchain.cuobjdump is None:
-        return None, None
     memo = cache_root / "resources" / f"{sha256_file(cubin)}.json" if cache_root else None
     if memo is not None and memo.is_file():
         try:
@@ -300,8 +403,12 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None) -> tuple[
             return regs, smem
         except (ValueError, TypeError):
             pass
+    if isinstance(toolchain, _LazyToolchain):
+        toolchain = toolchain.get()
+    if toolchain is None or toolchain.cuobjdump is None:
+        return None, None
     try:
-        k = sass_summary(cubin, toolchain).kernel("kspec_kernel")
+        k = sass_summary(cubin, toolchain).kernel(symbol)
     except (KspecError, KeyError):
         return None, None
     if memo is not None:
@@ -313,13 +420,14 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None) -> tuple[
 
 
 def write_emitted(emitted: EmittedSpec, out_dir: str | Path, stem: str) -> list[Path]:
-    """`--emit-only`: write each plan's C++ per arch under out_dir/<stem>/."""
+    """`--emit-only`: write each plan's generated source per arch under out_dir/<stem>/ (`.cu` C++
+    for the CUTLASS and generic backends, `.py` for the CuTe DSL backend)."""
     d = Path(out_dir) / stem
     d.mkdir(parents=True, exist_ok=True)
     paths = []
     for pid, plist in emitted.plans.items():
         for ep in plist:
-            p = d / f"{pid}.{ep.lowered.arch}.cu"
+            p = d / f"{pid}.{ep.lowered.arch}.{'py' if ep.backend == 'cute' else 'cu'}"
             p.write_text(ep.emitted.source)
             paths.append(p)
     return paths

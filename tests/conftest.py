@@ -29,16 +29,16 @@ def kernel_cache():
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, kernel_cache):
-    """compiled(stem, archs=("sm90a", "sm100a")) -> artifact directory of specs/<stem>.kspec."""
+    """compiled(stem, archs=("sm90a", "sm100a"), backend="auto") -> artifact directory of specs/<stem>.kspec."""
     out = tmp_path_factory.mktemp("artifacts")
     done: dict = {}
 
-    def get(stem: str, archs: tuple[str, ...] = ("sm90a", "sm100a")) -> Path:
-        key = (stem, tuple(archs))
+    def get(stem: str, archs: tuple[str, ...] = ("sm90a", "sm100a"), backend: str = "auto") -> Path:
+        key = (stem, tuple(archs), backend)
         if key not in done:
             from kspec.compile import compile_spec
-            done[key] = compile_spec(SPECS / f"{stem}.kspec", tuple(archs), out / "-".join(archs),
-                                     cache=kernel_cache)
+            done[key] = compile_spec(SPECS / f"{stem}.kspec", tuple(archs), out / backend / "-".join(archs),
+                                     cache=kernel_cache, backend=backend)
         return done[key]
     return get
 

@@ -49,4 +49,4 @@ def test_compile_with_an_unknown_arch():
 def test_graph_and_compile_accept_sm_underscore_spelling(tmp_path):
     r = kspec("compile", SPECS / "gemm.kspec", "--arch", "sm_90a", "--emit-only", "-o", tmp_path)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "gemm" / "gemm_0.sm90a.cu").exists()
+    assert (tmp_path / "gemm" / "gemm_0.sm90a.py").exists()

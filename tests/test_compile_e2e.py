@@ -18,7 +18,7 @@ ARCHS = ("sm90a", "sm100a")
 
 @pytest.fixture(scope="module")
 def emitted():
-    return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS) for stem in SHIPPED}
+    return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS, backend="cutlass") for stem in SHIPPED}
 
 
 PLANS = {"mlp2": 2, "swiglu_mlp": 3}       # specs that are more than one kernel (two or three GEMMs)
@@ -81,12 +81,13 @@ def test_attention_specs_instantiate_fmha(emitted):
             assert ("causal" in cfg["mask"]) == causal
 
 
-def test_emit_only_cli_writes_sources(tmp_path):
+@pytest.mark.parametrize("backend,ext", [("cutlass", "cu"), ("auto", "py")])
+def test_emit_only_cli_writes_sources(tmp_path, backend, ext):
     r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(SPECS / "gemm_bias_relu.kspec"), "--emit-only",
-                        "-o", str(tmp_path)], capture_output=True, text=True)
+                        "-o", str(tmp_path), "--backend", backend], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     files = sorted(p.name for p in (tmp_path / "gemm_bias_relu").iterdir())
-    assert files == ["gemm_bias_relu_0.sm100a.cu", "gemm_bias_relu_0.sm90a.cu"]
+    assert files == [f"gemm_bias_relu_0.sm100a.{ext}", f"gemm_bias_relu_0.sm90a.{ext}"]
 
 
 def test_bad_plan_fails_before_nvcc(tmp_path):
@@ -109,7 +110,7 @@ def _sass(path):
 
 @pytest.mark.nvcc
 def test_gemm_bias_relu_compiles_for_both_archs_with_tensor_cores(compiled):
-    art = compiled("gemm_bias_relu")
+    art = compiled("gemm_bias_relu", backend="cutlass")
     m = json.loads((art / "manifest.json").read_text())
     (plan,) = m["kernels"][0]["plans"]
     assert plan["args"] == ["A", "B", "bias", "D"]
@@ -134,7 +135,7 @@ def test_attention_compiles_to_one_fused_kernel_per_arch(compiled):
 
 @pytest.mark.nvcc
 def test_second_compile_is_a_cache_hit(compiled, kernel_cache, tmp_path, monkeypatch):
-    compiled("gemm_bias_relu")
+    compiled("gemm_bias_relu", backend="cutlass")
     from kspec.backends import build
     from kspec.compile import compile_spec
 
@@ -142,7 +143,7 @@ def test_second_compile_is_a_cache_hit(compiled, kernel_cache, tmp_path, monkeyp
         raise AssertionError("nvcc ran on a warm cache")
     monkeypatch.setattr(build.CompileCache, "build", no_nvcc)
     t0 = time.monotonic()
-    compile_spec(SPECS / "gemm_bias_relu.kspec", ARCHS, tmp_path, cache=kernel_cache)
+    compile_spec(SPECS / "gemm_bias_relu.kspec", ARCHS, tmp_path, cache=kernel_cache, backend="cutlass")
     assert time.monotonic() - t0 < 30
 
 
@@ -151,7 +152,7 @@ def test_compiled_artifact_loads_and_inspects_without_a_gpu(compiled):
     import kspec
     from kspec.inspect_artifact import inspect_artifact
     from kspec.runtime import cuda_available
-    art = compiled("gemm_bias_relu")
+    art = compiled("gemm_bias_relu", backend="cutlass")
     mod = kspec.load(art)
     assert mod.kernels == ("gemm_bias_relu",) and mod.archs == ARCHS
     assert "A: f16[M, K]" in repr(mod)
@@ -180,7 +181,7 @@ kernel attn80 {
 def fallback(tmp_path_factory):
     path = tmp_path_factory.mktemp("fallback") / "attn80.kspec"
     path.write_text(FALLBACK)
-    return path, emit_spec(path, ARCHS)
+    return path, emit_spec(path, ARCHS, backend="cutlass")
 
 
 def test_unsupported_head_dim_falls_back_to_the_unfused_plan(fallback):

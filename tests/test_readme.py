@@ -56,4 +56,4 @@ def test_tutorial_compile_emit_only(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (tmp_path / "src" / "mlp_tail").iterdir()) == [
-        "mlp_tail_0.sm100a.cu", "mlp_tail_0.sm90a.cu"]
+        "mlp_tail_0.sm100a.py", "mlp_tail_0.sm90a.py"]   # CuTe DSL modules (the default GEMM backend)

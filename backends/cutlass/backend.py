@@ -155,35 +155,7 @@ class CutlassBackend:
         return self._lower_gemm(ir, arch) if ir.kind == "gemm" else self._lower_attention(ir, arch)
 
     def _lower_gemm(self, ir: KernelIR, arch: str) -> LoweredPlan:
-        s = ir.gemm
-        names = Names()
-        scalars: dict[str, object] = {}
-        a = Operand(names(s.a_buffer), s.a_dtype, s.a_layout)
-        b = Operand(names(s.b_buffer), s.b_dtype, s.b_layout)
-
-        def rename(e):
-            from kspec.compiler.kir import Op
-            if isinstance(e, Load):
-                c = names(e.name)
-                if e.kind == "scalar":
-                    scalars[c] = e.name
-                return Load(c, e.kind, e.dtype)
-            if isinstance(e, Op):
-                return Op(e.fn, tuple(rename(x) for x in e.args))
-            return e
-
-        from kspec.compiler.kir import ReductionStore, Store
-        stores = [Store(names(st.name), rename(st.value), st.dtype, st.layout) for st in ir.epilogue.stores]
-        reds = [ReductionStore(names(r.name), r.op, r.axis, rename(r.value), r.dtype) for r in ir.epilogue.reductions]
-        cfg = dict(self.default_config(ir, arch))
-        tile = tuple(int(x) for x in cfg["tile"].split("x"))
-        cluster = tuple(int(x) for x in cfg["cluster"].split("x"))
-        hint = ir.hint(arch)
-        desc = GemmDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, a=a, b=b, acc_dtype=s.acc_dtype,
-                        output=stores[-1], aux_stores=tuple(stores[:-1]), reductions=tuple(reds),
-                        batched=bool(s.batch), tile=tile, cluster=cluster,
-                        stages=hint.stages if cfg.get("source") == "hint" else None)
-        return LoweredPlan(ir, arch, self.name, desc, names.back(), s.dims, scalars)
+        return lower_gemm_desc(ir, arch, self.name, dict(self.default_config(ir, arch)))
 
     def _lower_attention(self, ir: KernelIR, arch: str) -> LoweredPlan:
         a = ir.attention
@@ -213,3 +185,40 @@ class CutlassBackend:
     def build_jobs(self, emitted, label: str) -> list:
         from kspec.backends.build import nvcc_jobs
         return nvcc_jobs(emitted, label, self.identity())
+
+
+def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = None) -> LoweredPlan:
+    """A GEMM kernel IR as a `GemmDesc` with C identifiers (shared by the CUTLASS and CuTe DSL
+    backends, which use one argument order).  cfg: the CUTLASS configuration to record in it
+    (None: the spec's hint, if any)."""
+    from kspec.compiler.kir import Op, ReductionStore, Store
+    s = ir.gemm
+    names = Names()
+    scalars: dict[str, object] = {}
+    a = Operand(names(s.a_buffer), s.a_dtype, s.a_layout)
+    b = Operand(names(s.b_buffer), s.b_dtype, s.b_layout)
+
+    def rename(e):
+        if isinstance(e, Load):
+            c = names(e.name)
+            if e.kind == "scalar":
+                scalars[c] = e.name
+            return Load(c, e.kind, e.dtype)
+        if isinstance(e, Op):
+            return Op(e.fn, tuple(rename(x) for x in e.args))
+        return e
+
+    stores = [Store(names(st.name), rename(st.value), st.dtype, st.layout) for st in ir.epilogue.stores]
+    reds = [ReductionStore(names(r.name), r.op, r.axis, rename(r.value), r.dtype) for r in ir.epilogue.reductions]
+    hint = ir.hint(arch)
+    if cfg is None:
+        tile, cluster, hinted = hint.tile, hint.cluster, True
+    else:
+        tile = tuple(int(x) for x in cfg["tile"].split("x"))
+        cluster = tuple(int(x) for x in cfg["cluster"].split("x"))
+        hinted = cfg.get("source") == "hint"
+    desc = GemmDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, a=a, b=b, acc_dtype=s.acc_dtype,
+                    output=stores[-1], aux_stores=tuple(stores[:-1]), reductions=tuple(reds),
+                    batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None)
+    return LoweredPlan(ir, arch, backend, desc, names.back(), s.dims, scalars)
+

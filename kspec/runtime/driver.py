@@ -216,7 +216,10 @@ class Driver:
                   what=f"{what}: {nbytes} bytes of dynamic shared memory")
         self._smem_set[k] = nbytes
 
-    def launch(self, func, grid, block, cluster, smem: int, stream: int, params_ptr: int, what: str) -> None:
+    def launch(self, func, grid, block, cluster, smem: int, stream: int, params_ptr: int, what: str,
+               param_offsets: tuple[int, ...] | None = None) -> None:
+        """param_offsets: None for kernels with one by-value Params struct (CUTLASS C++, generic);
+        else the byte offset of each kernel parameter inside the blob (CuTe DSL kernels)."""
         cu = _cu()
         cfg = cu.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(g) for g in grid)
@@ -231,8 +234,9 @@ class Driver:
             cfg.numAttrs = 1
         else:
             cfg.numAttrs = 0
-        # kernelParams is a void**: one entry, pointing at the by-value Params blob
-        argv = (ctypes.c_void_p * 1)(params_ptr)
+        # kernelParams is a void**: one entry per kernel parameter, pointing at its bytes in the blob
+        offsets = param_offsets if param_offsets else (0,)
+        argv = (ctypes.c_void_p * len(offsets))(*(params_ptr + o for o in offsets))
         self.call("cuLaunchKernelEx", cfg, func, ctypes.addressof(argv), 0, what=f"launching {what}")
 
     # ------------------------------------------------------------------ memory and streams

@@ -532,18 +532,37 @@ class Module:
         # and a new module at an old id must not get the old module's function
         func = drv.function(ctx, (self.image_digest(plan, arch), plan.id, arch), self.image(plan, arch),
                             binary.symbol, what)
-        want = drv.param_size(func)
+        offsets = _param_offsets(binary, what)
+        want = drv.param_size(func) if offsets is None else None
         if want is not None and want != prepared.params_size:
             raise KspecRuntimeError(f"{what}: the host glue built a {prepared.params_size}-byte parameter "
                                     f"block but the kernel takes {want} bytes; the artifact is inconsistent",
                                     hint="rebuild the artifact with `kspec compile`")
         if prepared.smem_bytes:
             drv.set_dynamic_smem(func, prepared.smem_bytes, what)
+        extra = {} if offsets is None else {"param_offsets": offsets}
         drv.launch(func, prepared.grid, prepared.block, prepared.cluster, prepared.smem_bytes, b.stream,
-                   prepared.params_ptr, what)
+                   prepared.params_ptr, what, **extra)
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+def _param_offsets(binary, what: str) -> tuple[int, ...] | None:
+    """Per-parameter offsets of a multi-parameter kernel (CuTe DSL: Binary.config["param_offsets"]),
+    None for a kernel taking one Params struct."""
+    raw = binary.config.get("param_offsets")
+    if not raw:
+        return None
+    try:
+        offs = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise KspecRuntimeError(f"{what}: malformed param_offsets {raw[:60]!r} in the manifest",
+                                hint="rebuild the artifact with `kspec compile`") from None
+    if any(o < 0 for o in offs) or list(offs) != sorted(offs):
+        raise KspecRuntimeError(f"{what}: malformed param_offsets in the manifest",
+                                hint="rebuild the artifact with `kspec compile`")
+    return offs
+
 
 def _names(specs) -> list[str]:
     return [t.name for t in specs]

@@ -1,0 +1,118 @@
+"""The CuTe DSL backend behind the backend protocol (backends/api.py): kspec's own persistent GEMM
+kernels for sm_90a (WGMMA, TMA, warp-specialised) and sm_100a (tcgen05/UMMA, TMEM, 2-CTA), written on
+the pinned nvidia-cutlass-dsl wheel's building blocks, with the epilogue generated from the kernel
+IR's expression DAG.  Builds in seconds without nvcc (the DSL compiles and exports ahead of time);
+the host `.so` is linked by kspec against its own capture shim (csrc/), so an artifact contains no
+NVIDIA runtime library.  Preferred over the CUTLASS C++ backend wherever it can implement a GEMM."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kspec.backends.api import Capabilities, LoweredPlan
+from kspec.backends.desc import EmittedKernel, GemmDesc
+from kspec.compiler.kir import KernelIR
+from kspec.core import ARCHS, dtype_bytes
+
+from . import epilogue as cute_epi
+from . import gemm as cute_gemm
+
+
+@dataclass(frozen=True)
+class CuteDesc:
+    """A GEMM descriptor plus the CuTe DSL configuration chosen for it."""
+    gemm: GemmDesc
+    config: cute_gemm.CuteConfig
+
+
+class CuteBackend:
+    name = "cute"
+    capabilities = Capabilities(
+        archs=ARCHS, kinds=("gemm",),
+        gemm_operands=(("f16", "f16"), ("bf16", "bf16"), ("f8e4m3", "f8e4m3"), ("f8e5m2", "f8e5m2"),
+                       ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
+        epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
+                                "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs", "clamp")),
+        epilogue_loads=frozenset(("row", "col", "full", "scalar")))
+
+    def available(self) -> str | None:
+        from . import compat
+        return compat.available()
+
+    def identity(self) -> str:
+        from . import compat
+        return f"nvidia-cutlass-dsl {compat.dsl_version()} ({compat.cuda_flavour()})"
+
+    # ---- capability ------------------------------------------------------------------------
+    def _gemm_desc(self, ir: KernelIR, arch: str) -> LoweredPlan:
+        from kspec.backends.cutlass.backend import lower_gemm_desc
+        return lower_gemm_desc(ir, arch, self.name)
+
+    def can_implement(self, ir: KernelIR, arch: str) -> str | None:
+        if ir.kind != "gemm":
+            return f"the CuTe DSL backend implements GEMMs, not {ir.kind} kernels"
+        desc = self._gemm_desc(ir, arch).desc
+        why = cute_gemm.can_implement(desc, arch)
+        if why:
+            return why
+        if self._hinted(ir, arch):
+            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch)
+            if bad is not None:
+                return f"the schedule hint is not a CuTe DSL configuration: {bad}"
+        return None
+
+    def is_fallback(self, ir: KernelIR) -> str | None:
+        return None
+
+    @staticmethod
+    def _hinted(ir: KernelIR, arch: str) -> bool:
+        h = ir.hint(arch)
+        return bool(h.tile or h.cluster or h.stages)
+
+    def _config(self, desc: GemmDesc, ir: KernelIR, arch: str) -> cute_gemm.CuteConfig:
+        if self._hinted(ir, arch):
+            return cute_gemm.hint_config(desc, arch)          # the spec's schedule: exactly
+        dims = {role: v for role, v in ir.gemm.dims if isinstance(v, int)}
+        return cute_gemm.default_config(desc, arch, dims)
+
+    def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
+        desc = self._gemm_desc(ir, arch).desc
+        cfg = self._config(desc, ir, arch)
+        return tuple(cfg.as_dict().items()) + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
+
+    def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
+        desc = self._gemm_desc(ir, arch).desc
+        return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
+
+    # ---- lowering, emission, build ---------------------------------------------------------------
+    def lower(self, ir: KernelIR, arch: str) -> LoweredPlan:
+        lp = self._gemm_desc(ir, arch)
+        cfg = self._config(lp.desc, ir, arch)
+        return LoweredPlan(ir, arch, self.name, CuteDesc(lp.desc, cfg), lp.names, lp.dims, lp.scalars,
+                           tuple(cfg.as_dict().items()))
+
+    def emit(self, lowered: LoweredPlan) -> EmittedKernel:
+        desc, cfg = lowered.desc.gemm, lowered.desc.config
+        code = cute_epi.generate(desc)
+        tensors = cute_gemm.tensor_abi(desc, code)
+        names = cute_gemm.abi_names(desc, code)
+        return EmittedKernel(
+            name=desc.name, arch=lowered.arch, source=cute_gemm.entry_source(desc, lowered.arch, cfg, code),
+            include_dirs=(), flags=(), dims=("M", "N", "K", "L"), args=names,
+            scalars=tuple(l.name for l in code.scalars),
+            alignment=tuple((names[t.ptr_index], 16 if t.tma else dtype_bytes(t.dtype)) for t in tensors),
+            config=tuple(cfg.as_dict().items()))
+
+    def build_jobs(self, emitted, label: str) -> list:
+        return []            # no nvcc: see build_binaries
+
+    def build_binaries(self, items, cache_root, jobs=None, progress=None) -> dict:
+        """Build (cache lookups first, misses in parallel processes) every (label, LoweredPlan) of
+        this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets)."""
+        from pathlib import Path
+
+        from .parallel import CuteJob, build_many
+        cjobs = [CuteJob(label, lp.desc.gemm, lp.arch, lp.desc.config) for label, lp in items]
+        if not cjobs:
+            return {}
+        built = build_many(cjobs, Path(cache_root), max_parallel=jobs, progress=progress)
+        return {j.label: b for j, b in zip(cjobs, built)}

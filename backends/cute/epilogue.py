@@ -1,0 +1,133 @@
+"""Epilogue DAG (backends/desc.py expressions) -> the Python source of a CuTe DSL epilogue function.
+
+The generated function is
+
+    def kspec_epilogue(acc, ins, sc):
+        v0 = F.mul(sc[0], acc)
+        v1 = F.add(v0, ins[0])
+        v2 = F.gelu(v1)
+        return (v2, v1,)          # D, then each auxiliary output
+
+`acc` is the accumulator vector of one epilogue sub-tile, `ins[j]` the matching vector of the j-th
+tensor input (a row/col broadcast or a full M x N tensor, already converted to the accumulator
+type), `sc[k]` the k-th runtime scalar.  `F` is `backends/cute/dslops.py` when the kernel is traced,
+or its numpy twin in tests.  Shared sub-expressions are computed once.  No user text reaches the
+source: inputs and scalars are positional, constants are printed with `repr(float)`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kspec.backends.desc import Accum, Const, EpiExpr, GemmDesc, Load, Op
+from kspec.core import DTYPES, KspecInternalError
+
+UNARY = ("neg", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs")
+BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
+SUPPORTED_FNS = UNARY + BINARY + ("clamp", "cast:<dtype>")
+
+
+@dataclass(frozen=True)
+class EpilogueCode:
+    inputs: tuple[Load, ...]      # ins[j]: 'row' / 'col' / 'full' loads, in first-use order
+    scalars: tuple[Load, ...]     # sc[k]: 'scalar' loads, in first-use order
+    source: str                   # the function definition (module-level, named kspec_epilogue)
+
+    @property
+    def input_kinds(self) -> tuple[str, ...]:
+        return tuple(l.kind for l in self.inputs)
+
+
+def _walk(e: EpiExpr):
+    yield e
+    if isinstance(e, Op):
+        for a in e.args:
+            yield from _walk(a)
+
+
+def unsupported(desc: GemmDesc) -> str | None:
+    """Why this backend's epilogue cannot express `desc` (None when it can)."""
+    for st in desc.aux_stores:
+        if st.dtype != desc.output.dtype or st.layout != desc.output.layout:
+            return (f"an auxiliary epilogue output of dtype {st.dtype} ({st.layout}) beside D of "
+                    f"{desc.output.dtype} ({desc.output.layout}): the CuTe DSL backend stores aux outputs "
+                    "like D only")
+    if desc.reductions:
+        return "row/column reductions in the epilogue are not implemented by the CuTe DSL backend yet"
+    for e in (x for st in (desc.output, *desc.aux_stores) for x in _walk(st.value)):
+        if isinstance(e, Op):
+            fn = e.fn
+            if fn.startswith("cast:"):
+                if fn[5:] not in DTYPES:
+                    return f"cast to unknown dtype {fn[5:]!r}"
+            elif fn not in UNARY + BINARY + ("clamp",):
+                return f"epilogue function '{fn}' is not supported by the CuTe DSL backend"
+        elif isinstance(e, Const) and not math.isfinite(e.value):
+            return "non-finite constant in the epilogue"
+        elif isinstance(e, Load) and e.kind not in ("row", "col", "full", "scalar"):
+            return f"epilogue input kind {e.kind!r}"
+    if desc.acc_dtype == "i32":
+        v = desc.output.value
+        while isinstance(v, Op) and v.fn.startswith("cast:"):
+            v = v.args[0]
+        if not isinstance(v, Accum):
+            return "integer GEMMs support only a plain (optionally cast) accumulator store on the CuTe DSL backend"
+    return None
+
+
+def generate(desc: GemmDesc) -> EpilogueCode:
+    why = unsupported(desc)
+    if why is not None:
+        raise KspecInternalError(f"epilogue generation called for an unsupported GEMM {desc.name}: {why}")
+    inputs: dict[str, Load] = {}
+    scalars: dict[str, Load] = {}
+    lines: list[str] = []
+    memo: dict[EpiExpr, str] = {}
+    acc = desc.acc_dtype
+
+    def emit(e: EpiExpr) -> str:
+        if e in memo:
+            return memo[e]
+        if isinstance(e, Accum):
+            ref = "acc"
+        elif isinstance(e, Const):
+            ref = repr(float(e.value))
+        elif isinstance(e, Load):
+            if e.kind == "scalar":
+                scalars.setdefault(e.name, e)
+                ref = f"sc[{list(scalars).index(e.name)}]"
+            else:
+                inputs.setdefault(e.name, e)
+                ref = f"ins[{list(inputs).index(e.name)}]"
+        elif isinstance(e, Op):
+            args = [emit(a) for a in e.args]
+            if e.fn.startswith("cast:"):
+                call = f"F.cast({args[0]}, {e.fn[5:]!r}, {acc!r})"
+            else:
+                call = f"F.{e.fn}({', '.join(args)})"
+            ref = f"v{len(lines)}"
+            lines.append(f"    {ref} = {call}")
+        else:
+            raise KspecInternalError(f"unknown epilogue expression {e!r}")
+        memo[e] = ref
+        return ref
+
+    outs = []
+    for st in (desc.output, *desc.aux_stores):
+        out = emit(st.value)
+        if out != "acc" and not out.startswith("v"):
+            # a bare load or constant: broadcast it over the sub-tile
+            out = f"F.add(F.mul(acc, 0.0), {out})"
+        outs.append(out)
+    lines.append(f"    return ({', '.join(outs)},)")
+    src = "def kspec_epilogue(acc, ins, sc):\n" + "\n".join(lines) + "\n"
+    return EpilogueCode(tuple(inputs.values()), tuple(scalars.values()), src)
+
+
+def run_numpy(code: EpilogueCode, acc, ins, sc):
+    """Evaluate a generated epilogue with numpy (tests; same source the kernel traces): a tuple of
+    D and the auxiliary outputs."""
+    from .dslops import numpy_ops
+    ns = {"F": numpy_ops()}
+    exec(compile(code.source, "<kspec_epilogue>", "exec"), ns)   # noqa: S102  (generated by kspec)
+    return ns["kspec_epilogue"](acc, ins, sc)

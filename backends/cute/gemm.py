@@ -1,0 +1,269 @@
+"""GEMM descriptors -> CuTe DSL kernels: capability checks, configurations, and the generated entry module.
+
+    can_implement(desc, arch) -> None | reason
+    candidates(desc, arch)    -> every configuration this backend would accept (autotuning list)
+    default_config(desc, arch, dims=None) -> the heuristic's choice
+    entry_source(desc, arch, config) -> the Python module `build.py` traces with `cute.compile`
+    tensor_abi(desc)          -> how each tensor argument is described to the DSL and filled by the glue
+
+Conventions (backends/desc.py): A is [M, K] ("row" = K contiguous), B is [K, N] ("row" = N
+contiguous), D is [M, N]; batched adds a leading L.  The DSL kernels see A as (M, K, L), B as
+(N, K, L), D and full epilogue inputs as (M, N, L): every extent and non-unit stride is a runtime
+value, so one binary serves every problem size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kspec.backends.desc import GemmDesc
+from kspec.core import FP8_DTYPES
+
+from . import epilogue
+
+ARCHS = ("sm90a", "sm100a")
+TMA_ALIGN_BYTES = 16
+_FLOAT16 = ("f16", "bf16")
+_D_DTYPES = ("f16", "bf16", "f32", "i32")
+
+
+@dataclass(frozen=True)
+class CuteConfig:
+    """tile: (M, N) CTA tile on sm90a, UMMA tile on sm100a (two CTAs' worth with use_2cta);
+    cluster: (M, N) CTAs per cluster; stages: cap on the A/B shared-memory ring (None = as many as fit)."""
+    tile: tuple[int, int]
+    cluster: tuple[int, int] = (1, 1)
+    use_2cta: bool = False
+    stages: int | None = None
+
+    def describe(self) -> str:
+        s = f"tile={self.tile[0]}x{self.tile[1]} cluster={self.cluster[0]}x{self.cluster[1]}"
+        if self.use_2cta:
+            s += " 2cta"
+        if self.stages:
+            s += f" stages<={self.stages}"
+        return s
+
+    def as_dict(self) -> dict[str, str]:
+        return {"backend": "cute", "tile": f"{self.tile[0]}x{self.tile[1]}",
+                "cluster": f"{self.cluster[0]}x{self.cluster[1]}", "2cta": str(self.use_2cta).lower(),
+                "stages": str(self.stages or "auto")}
+
+
+def can_implement(desc: GemmDesc, arch: str) -> str | None:
+    """None when this backend can build `desc` for `arch`, else the reason (for fallback reports)."""
+    from . import compat
+    if arch not in ARCHS:
+        return f"arch {arch} is not supported by the CuTe DSL backend (supported: {', '.join(ARCHS)})"
+    why = compat.available()
+    if why:
+        return why
+    a, b = desc.a.dtype, desc.b.dtype
+    if a in _FLOAT16 or a == "tf32":
+        if a != b:
+            return f"mixed operand dtypes {a} x {b}"
+    elif a in FP8_DTYPES:
+        if b not in FP8_DTYPES:
+            return f"mixed operand dtypes {a} x {b}"
+        if arch == "sm100a" and a != b:
+            return f"mixed fp8 operands {a} x {b} on {arch}"
+    elif a == "i8":
+        if b != "i8":
+            return f"mixed operand dtypes {a} x {b}"
+    else:
+        return f"operand dtype {a} is not supported by the CuTe DSL backend"
+    if (a == "i8") != (desc.acc_dtype == "i32"):
+        return f"accumulator {desc.acc_dtype} with {a} operands"
+    if arch == "sm90a":
+        if a == "tf32":
+            return "tf32 GEMMs on sm90a are not implemented by the CuTe DSL backend"
+        if (a in FP8_DTYPES or a == "i8") and (desc.a.layout != "row" or desc.b.layout != "col"):
+            return (f"{a} WGMMA on sm90a needs K-major operands (A row-major, B column-major); "
+                    f"got A {desc.a.layout} / B {desc.b.layout}")
+    if desc.output.dtype not in _D_DTYPES:
+        return f"output dtype {desc.output.dtype} is not supported by the CuTe DSL backend"
+    if (desc.output.dtype == "i32") != (desc.acc_dtype == "i32"):
+        return f"output dtype {desc.output.dtype} with accumulator {desc.acc_dtype}"
+    for e in (x for st in (desc.output, *desc.aux_stores) for x in epilogue._walk(st.value)):
+        if isinstance(e, epilogue.Load) and e.kind != "scalar" and e.dtype not in ("f16", "bf16", "f32", "i32", "i8"):
+            return f"epilogue input dtype {e.dtype}"
+    why = epilogue.unsupported(desc)
+    if why:
+        return why
+    return None
+
+
+def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
+    """The configurations worth trying for autotuning (all compile; which is fastest needs a GPU)."""
+    out: list[CuteConfig] = []
+    if arch == "sm90a":
+        for tm in (64, 128):
+            for tn in (64, 128, 256):
+                if tm == 64 and tn == 256:
+                    continue
+                for cl in ((1, 1), (2, 1), (1, 2)):
+                    out.append(CuteConfig((tm, tn), cl))
+    else:
+        for tm in (64, 128):
+            for tn in (64, 128, 256):
+                for cl in ((1, 1), (2, 1)):
+                    out.append(CuteConfig((tm, tn), cl))
+        for tn in (128, 256):
+            for cl in ((2, 1), (4, 1)):
+                out.append(CuteConfig((256, tn), cl, use_2cta=True))
+    return out
+
+
+def valid_config(cfg: CuteConfig, arch: str) -> str | None:
+    """None when the kernels accept `cfg` on `arch`, else why not."""
+    (tm, tn), (cm, cn) = cfg.tile, cfg.cluster
+    pow2 = lambda x: x > 0 and x & (x - 1) == 0          # noqa: E731
+    if not (pow2(cm) and pow2(cn)) or cm * cn > (8 if arch == "sm90a" else 16):
+        return f"cluster {cm}x{cn} (powers of two, at most {8 if arch == 'sm90a' else 16} CTAs)"
+    if cfg.stages is not None and cfg.stages < 2:
+        return "stages must be at least 2"
+    if arch == "sm90a":
+        if cfg.use_2cta:
+            return "2-CTA MMA is a sm100a feature"
+        if tm not in (64, 128) or tn not in (64, 128, 192, 256):
+            return f"tile {tm}x{tn} (M 64 or 128; N 64, 128, 192 or 256)"
+        return None
+    if cfg.use_2cta:
+        if tm not in (128, 256) or cm % 2:
+            return f"2-CTA tile {tm}x{tn} with cluster {cm}x{cn} (M 128 or 256, even cluster M)"
+    elif tm not in (64, 128):
+        return f"tile {tm}x{tn} (M 64 or 128, or 256 with 2-CTA MMA)"
+    if tn % 32 or not 32 <= tn <= 256:
+        return f"tile N {tn} (a multiple of 32 up to 256)"
+    return None
+
+
+def hint_config(desc: GemmDesc, arch: str) -> CuteConfig:
+    """The configuration a schedule hint (desc.tile/cluster/stages) asks for (K is the kernel's own)."""
+    tm, tn = desc.tile[0], desc.tile[1]
+    cl = (desc.cluster[0], desc.cluster[1]) if desc.cluster else (1, 1)
+    two = arch == "sm100a" and tm == 256
+    return CuteConfig((tm, tn), cl, two, desc.stages)
+
+
+def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None) -> CuteConfig:
+    """Heuristic: the planner's tile hint where the kernels accept it, else big tiles (and 2-CTA UMMA
+    on sm100a) for big problems, 128x128 otherwise, 64-row tiles for skinny M."""
+    dims = dims or {}
+    m, n = dims.get("M"), dims.get("N")
+    if desc.tile is not None:
+        cfg = hint_config(desc, arch)
+        if valid_config(cfg, arch) is None:
+            return cfg
+    small_m = isinstance(m, int) and m <= 64
+    big = isinstance(m, int) and isinstance(n, int) and m >= 4096 and n >= 4096
+    if arch == "sm90a":
+        if small_m:
+            return CuteConfig((64, 128))
+        return CuteConfig((128, 256), (2, 1)) if big else CuteConfig((128, 128))
+    if small_m:
+        return CuteConfig((64, 128))
+    return CuteConfig((256, 256), (2, 1), True) if big else CuteConfig((128, 128))
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor ABI
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorABI:
+    """One tensor argument as the DSL sees it.  shape entries are dim roles ("M", "N", "K", "L");
+    stride entries are 1 (static unit stride) or a tuple of dim roles whose product is the stride.
+    `tma`: the kernel reads/writes it with TMA (16-byte aligned base and strides required).
+    `ptr_index`: its position in the ABI's pointer list (`abi_names`), which differs from the
+    kernel's parameter order (the ABI is the CUTLASS C++ backend's: A, B, epilogue inputs, D)."""
+    name: str
+    dtype: str
+    shape: tuple[str, ...]
+    stride: tuple[object, ...]
+    tma: bool
+    ptr_index: int = 0
+
+    @property
+    def dynamic_shapes(self) -> tuple[str, ...]:
+        return self.shape
+
+    @property
+    def dynamic_strides(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(s for s in self.stride if s != 1)
+
+    def leading(self) -> str:
+        """The extent of the contiguous mode (its byte size must be 16-byte aligned for TMA)."""
+        return self.shape[self.stride.index(1)]
+
+
+def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]:
+    a_row = desc.a.layout == "row"
+    b_row = desc.b.layout == "row"
+    d_row = desc.output.layout == "row"
+    n_in = len(code.inputs)
+    d_stride = (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N"))
+    out = [
+        TensorABI("a", desc.a.dtype, ("M", "K", "L"), (("K",), 1, ("M", "K")) if a_row else (1, ("M",), ("M", "K")),
+                  True, 0),
+        TensorABI("b", desc.b.dtype, ("N", "K", "L"), (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N")),
+                  True, 1),
+        TensorABI("d", desc.output.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N")),
+                  True, 2 + n_in),
+    ]
+    for j, ld in enumerate(code.inputs):
+        if ld.kind == "row":
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, 2 + j))
+        elif ld.kind == "col":
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, 2 + j))
+        else:
+            # full inputs are read by TMA, a sub-tile at a time
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, 2 + j))
+    for k, st in enumerate(desc.aux_stores):
+        out.append(TensorABI(f"x{k}", st.dtype, ("M", "N", "L"), d_stride, True, 3 + n_in + k))
+    return out
+
+
+def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
+    """Descriptor names of the tensor arguments in ABI order: A, B, the epilogue's tensor inputs in
+    first-use order, D, the auxiliary outputs -- the same order as the CUTLASS C++ backend, so one
+    plan may use either backend per arch under one manifest signature."""
+    return (desc.a.name, desc.b.name, *(l.name for l in code.inputs), desc.output.name,
+            *(st.name for st in desc.aux_stores))
+
+
+# ---------------------------------------------------------------------------------------------
+# the generated entry module
+# ---------------------------------------------------------------------------------------------
+
+def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.EpilogueCode") -> str:
+    """A self-contained Python module: the epilogue, the kernel object, and `kspec_entry`, the
+    `@cute.jit` function that `cute.compile` traces and `export_to_c` exports."""
+    from .dslops import _DSL_TYPES
+    acc = _DSL_TYPES[desc.acc_dtype]
+    kinds = repr(code.input_kinds)
+    ns = len(code.scalars)
+    if arch == "sm90a":
+        ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
+                f"{cfg.stages!r})")
+        imp = "from kspec.backends.cute.sm90 import Sm90Gemm"
+    else:
+        ctor = (f"Sm100Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, {cfg.use_2cta!r}, kspec_epilogue, "
+                f"{kinds}, {ns}, {cfg.stages!r})")
+        imp = "from kspec.backends.cute.sm100 import Sm100Gemm"
+    tensors = [f"{t.name}: cute.Tensor" for t in tensor_abi(desc, code)]
+    scalars = [f"s{k}: cutlass.Float32" for k in range(ns)]
+    params = ", ".join(tensors + scalars + ["max_clusters: cutlass.Int32", "stream: cuda.CUstream"])
+    ins = "".join(f"i{j}, " for j in range(len(code.inputs)))
+    auxes = "".join(f"x{k}, " for k in range(len(desc.aux_stores)))
+    scs = "".join(f"s{k}, " for k in range(ns))
+    return (f'"""Generated by kspec (CuTe DSL backend) for GEMM {desc.name} on {arch}; do not edit."""\n'
+            "import cuda.bindings.driver as cuda\n"
+            "import cutlass\n"
+            "import cutlass.cute as cute\n\n"
+            "from kspec.backends.cute import dslops as F\n"
+            f"{imp}\n\n\n"
+            f"{code.source}\n\n"
+            f"GEMM = {ctor}\n\n\n"
+            "@cute.jit\n"
+            f"def kspec_entry({params}):\n"
+            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream)\n")

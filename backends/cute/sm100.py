@@ -1,0 +1,449 @@
+"""kspec's Blackwell (sm_100a) GEMM kernel on the CuTe DSL: tcgen05 UMMA with the accumulator in
+tensor memory, TMA loads (multicast across the cluster, 2-CTA UMMA when the MMA tile is 256 rows),
+a static persistent tile scheduler, warp specialization (one TMA warp, one MMA warp, four epilogue
+warps, double-buffered accumulators in TMEM) and a fused epilogue: TMEM -> registers -> the
+generated math -> shared memory -> TMA store (D and auxiliary outputs); epilogue inputs staged in
+shared memory (row/column vectors per MMA tile, residual sub-tiles by double-buffered TMA loads).
+
+Built only from the DSL wheel's building blocks (`cutlass.utils.sm100`, `cutlass.utils.gemm.sm100`
+partition helpers, pipelines, TMEM allocator).  Same tensor and epilogue conventions as `sm90.py`.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
+                                      transform_partitioned_tensor_layout)
+
+
+class Sm100Gemm:
+    """mma_tiler_mn: the UMMA tile (M 64/128, or 128/256 with `use_2cta`); cluster_mn: cluster
+    shape (M must be even with 2-CTA UMMA)."""
+
+    def __init__(self, acc_dtype, mma_tiler_mn, cluster_mn, use_2cta, epi_fn, input_kinds, num_scalars,
+                 stages=None):
+        self.acc_dtype = acc_dtype
+        self.mma_tiler = (*mma_tiler_mn, 1)
+        self.cluster_shape_mn = tuple(cluster_mn)
+        self.use_2cta_instrs = use_2cta
+        self.cta_group = tcgen05.CtaGroup.TWO if use_2cta else tcgen05.CtaGroup.ONE
+        self.epi_fn = epi_fn
+        self.input_kinds = tuple(input_kinds)
+        self.num_scalars = num_scalars
+        self.stages_override = stages
+        self.epilogue_warp_id = (0, 1, 2, 3)
+        self.mma_warp_id = 4
+        self.tma_warp_id = 5
+        self.threads_per_cta = 32 * 6
+        self.epilog_sync_bar_id = 1
+        self.tmem_alloc_sync_bar_id = 2
+        self.arch = "sm_100"
+
+    def _in_layout(self):
+        """Shared-memory layout of one full-input sub-tile: (EPI_M, EPI_N), n contiguous."""
+        em, en = self.epi_mn
+        return cute.make_layout((em, en), stride=(en, 1))
+
+    def _tiled_mma(self):
+        return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.a_major, self.b_major, self.acc_dtype,
+                                                  self.cta_group, self.mma_tiler[:2])
+
+    def _setup(self):
+        tiled_mma = self._tiled_mma()
+        k_inst = cute.size(tiled_mma.shape_mnk, mode=[2])
+        self.mma_tiler = (self.mma_tiler[0], self.mma_tiler[1], k_inst * 4)
+        v = cute.size(tiled_mma.thr_id.shape)
+        self.cta_tile_shape_mnk = (self.mma_tiler[0] // v, self.mma_tiler[1], self.mma_tiler[2])
+        self.cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_shape_mn, 1)),
+                                                     (tiled_mma.thr_id.shape,))
+        self.num_mcast_a = cute.size(self.cluster_layout_vmnk.shape[2])
+        self.num_mcast_b = cute.size(self.cluster_layout_vmnk.shape[1])
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(self.cta_tile_shape_mnk, self.use_2cta_instrs,
+                                                                self.c_layout, self.c_dtype)
+        self.epi_mn = (int(cute.size(self.epi_tile[0])), int(cute.size(self.epi_tile[1])))
+        smem_cap = utils.get_smem_capacity_in_bytes()
+        self.num_acc_stage = 2
+        a1 = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, 1)
+        b1 = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, 1)
+        ab_bytes = cute.size_in_bytes(self.a_dtype, a1) + cute.size_in_bytes(self.b_dtype, b1)
+        c1 = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
+        c_bytes = cute.size_in_bytes(self.c_dtype, c1)
+        self.num_c_stage = 2
+        # epilogue inputs staged in shared memory: row/col slices of the MMA tile (f32), full-tensor
+        # sub-tiles (their dtype, loaded by TMA)
+        in_bytes = 0
+        for kind, width in zip(self.input_kinds, self.input_widths):
+            if kind == "row":
+                in_bytes += self.mma_tiler[1] * 4 + 128
+            elif kind == "col":
+                in_bytes += self.mma_tiler[0] * 4 + 128
+            else:
+                in_bytes += 2 * self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128   # double-buffered
+        # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
+        stages = (smem_cap - 1024 - c_bytes * self.num_c_stage * (1 + self.num_aux) - in_bytes) // ab_bytes
+        if self.stages_override is not None:
+            stages = min(stages, self.stages_override)
+        self.num_ab_stage = stages
+        self.a_smem_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, stages)
+        self.b_smem_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, stages)
+        self.c_smem_staged = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile,
+                                                              self.num_c_stage)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        self.num_tmem_cols = utils.get_num_tmem_alloc_cols(
+            tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage)), arch=self.arch)
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
+                 max_active_clusters: cutlass.Int32, stream):
+        self.a_dtype = a.element_type
+        self.b_dtype = b.element_type
+        self.c_dtype = c.element_type
+        self.a_major = utils.LayoutEnum.from_tensor(a).mma_major_mode()
+        self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
+        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.input_widths = tuple(t.element_type.width for t in inputs)
+        self.num_aux = len(auxes)
+        tiled_mma = self._tiled_mma()
+        self._setup()
+        # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
+        full_atoms, full_tmas = [], []
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "full"):
+                atom, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), inputs[j],
+                                                      self._in_layout(), self.epi_tile)
+                full_atoms.append(atom)
+                full_tmas.append(t)
+        v = cute.size(tiled_mma.thr_id.shape)
+        tf32 = cutlass.TFloat32 if a.element_type is cutlass.Float32 else None
+        a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
+        b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
+        tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id), a, a_smem,
+            self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32)
+        tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id), b, b_smem,
+            self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32)
+        self.num_tma_load_bytes = (cute.size_in_bytes(self.a_dtype, a_smem)
+                                   + cute.size_in_bytes(self.b_dtype, b_smem)) * v
+        aux_atoms, aux_tmas = [], []
+        for x in auxes:
+            atom, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), x,
+                                                  cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
+            aux_atoms.append(atom)
+            aux_tmas.append(t)
+        tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
+                                                cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
+        ntiles = cute.zipped_divide(c, tiler=cute.slice_(self.cta_tile_shape_mnk, (None, None, 0)))[
+            0, (None, None, None)].shape
+        sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, tuple(aux_atoms), tuple(aux_tmas), inputs,
+                    tuple(full_atoms), tuple(full_tmas),
+                    scalars, self.cluster_layout_vmnk,
+                    self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
+            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+               mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, aux_atoms, aux_tmas,
+               inputs, full_atoms,
+               full_tmas, scalars,
+               cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
+               b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
+               sched_params: utils.PersistentTileSchedulerParams):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == self.tma_warp_id:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+        use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
+        v = cute.size(tiled_mma.thr_id.shape)
+        bidx, _, _ = cute.arch.block_idx()
+        mma_v = bidx % v
+        is_leader = mma_v == 0
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        crd_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank)
+        tidx, _, _ = cute.arch.thread_idx()
+
+        @cute.struct
+        class SharedStorage:
+            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
+            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+            tmem_dealloc_mbar: cutlass.Int64
+            tmem_holding_buf: cutlass.Int32
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.num_mcast_a + self.num_mcast_b - 1),
+            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True).make_participants()
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * (2 if use_2cta else 1)),
+            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        tmem = utils.TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
+            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=use_2cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
+        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+        sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
+                                  swizzle=a_smem_staged.inner)
+        sB = smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
+                                  swizzle=b_smem_staged.inner)
+        a_mask = None
+        b_mask = None
+        if cutlass.const_expr(self.num_mcast_a > 1 or self.num_mcast_b > 1 or self.use_2cta_instrs):
+            a_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, crd_vmnk, mcast_mode=2)
+            b_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, crd_vmnk, mcast_mode=1)
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+        thr_mma = tiled_mma.get_slice(mma_v)
+        tCgA = thr_mma.partition_A(gA)
+        tCgB = thr_mma.partition_B(gB)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, crd_vmnk[2], cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape),
+            cute.group_modes(sA, 0, 3), cute.group_modes(tCgA, 0, 3))
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, crd_vmnk[1], cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 3), cute.group_modes(tCgB, 0, 3))
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                           cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        if warp_idx == self.tma_warp_id:
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                mt = (tc[0] // v, tc[1], tc[2])
+                tAgA_t = tAgA[None, mt[0], None, mt[2]]
+                tBgB_t = tBgB[None, mt[1], None, mt[2]]
+                ab_producer.reset()
+                peek = ab_producer.try_acquire()
+                for k in cutlass.range(0, k_tiles, 1, unroll=1):
+                    h = ab_producer.acquire_and_advance(peek)
+                    cute.copy(tma_a, tAgA_t[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier,
+                              mcast_mask=a_mask)
+                    cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier,
+                              mcast_mask=b_mask)
+                    peek = cutlass.Boolean(1)
+                    if h.count + 1 < k_tiles:
+                        peek = ab_producer.try_acquire()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_producer.tail()
+
+        if warp_idx == self.mma_warp_id:
+            tmem.wait_for_alloc()
+            tCtAcc_base = cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), tCtAcc_fake.layout)
+            acc_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
+            while work.is_valid_tile:
+                tCtAcc = tCtAcc_base[None, None, None, acc_prod.index]
+                ab_consumer.reset()
+                peek = cutlass.Boolean(1)
+                if is_leader:
+                    peek = ab_consumer.try_wait()
+                    acc_pipe.producer_acquire(acc_prod)
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for k in range(k_tiles):
+                    if is_leader:
+                        h = ab_consumer.wait_and_advance(peek)
+                        for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
+                            crd = (None, None, kb, h.index)
+                            cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                        h.release()
+                        peek = cutlass.Boolean(1)
+                        if h.count + 1 < k_tiles:
+                            peek = ab_consumer.try_wait()
+                if is_leader:
+                    acc_pipe.producer_commit(acc_prod)
+                acc_prod.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            acc_pipe.producer_tail(acc_prod)
+
+        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                  swizzle=c_smem_staged.inner)
+        sAux = [smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                     swizzle=c_smem_staged.inner) for _ in range(self.num_aux)]
+        # shared-memory staging of the epilogue inputs and the barrier of their TMA loads
+        sIn = []
+        n_full = 0
+        full_bytes = 0
+        em, en = self.epi_mn
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "row"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
+            elif cutlass.const_expr(kind == "col"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
+            else:
+                sIn.append(smem.allocate_tensor(inputs[j].element_type,
+                                                cute.make_layout((em, en, 2), stride=(en, 1, em * en)), 128))
+                n_full += 1
+                full_bytes += em * en * inputs[j].element_type.width // 8
+        in_bar = smem.allocate_array(cutlass.Int64, 2)
+        if warp_idx < self.mma_warp_id:
+            if cutlass.const_expr(n_full > 0):
+                if tidx == 0:
+                    cute.arch.mbarrier_init(in_bar, 1)
+                    cute.arch.mbarrier_init(in_bar + 1, 1)
+                cute.arch.mbarrier_init_fence()
+            tmem.allocate(self.num_tmem_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
+            c_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            # partitions (the same for every tile)
+            tCgC_t = transform_partitioned_tensor_layout(tCgC)
+            tCcC_t = transform_partitioned_tensor_layout(tCcC)
+            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
+            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
+                self, tidx, tCtAcc_t, tCgC_t, epi_tile, self.use_2cta_instrs)
+            tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+            tRS_sAux = [copy_r2s.get_slice(tidx).partition_D(x) for x in sAux]
+            aux_all = []
+            for x in cutlass.range_constexpr(self.num_aux):
+                tCgX_t = transform_partitioned_tensor_layout(
+                    thr_mma.partition_C(cute.local_tile(aux_tmas[x], tile_mn, (None, None, None))))
+                aux_all.append(cpasync.tma_partition(
+                    aux_atoms[x], 0, cute.make_layout(1), cute.group_modes(sAux[x], 0, 2),
+                    cute.group_modes(cute.flat_divide(tCgX_t, epi_tile), 0, 2)))
+            bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
+            rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in self.input_kinds]
+            # the sub-tile boxes of the output, as coordinates, and the matching TMA sources of full inputs
+            cEpi_all = cute.flat_divide(tCcC_t, epi_tile)
+            full_src = []
+            k = 0
+            for j in cutlass.range_constexpr(len(self.input_kinds)):
+                if cutlass.const_expr(self.input_kinds[j] == "full"):
+                    gR = cute.local_tile(full_tmas[k], tile_mn, (None, None, None))
+                    tCgR_t = transform_partitioned_tensor_layout(thr_mma.partition_C(gR))
+                    full_src.append(cpasync.tma_partition(
+                        full_atoms[k], 0, cute.make_layout(1), cute.group_modes(sIn[j], 0, 2),
+                        cute.group_modes(cute.flat_divide(tCgR_t, epi_tile), 0, 2)))
+                    k += 1
+            n_v = cute.size(tTR_rAcc)
+            M, N, L = mC.shape
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                mt = (tc[0] // v, tc[1], tc[2])
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+                bSG_gC = bSG_gC_all[(None, None, None, *mt)]
+                tTR_cC = tTR_cC_all[(None, None, None, None, None, *mt)]
+                tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cons.index)]
+                acc_pipe.consumer_wait(acc_cons)
+                tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                tTR_cC = cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))
+                bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                aux_dst = []
+                for x in cutlass.range_constexpr(self.num_aux):
+                    g_aux = aux_all[x][1][(None, None, None, *mt)]
+                    aux_dst.append((aux_all[x][0], cute.group_modes(g_aux, 1, cute.rank(g_aux))))
+                n_sub = cute.size(tTR_tAcc.shape, mode=[3])
+                prev = sched.num_tiles_executed * n_sub
+                cEpi = cute.group_modes(cEpi_all[(None, None, None, None, *mt)], 2, 4)
+                bIn = []
+                for f in cutlass.range_constexpr(n_full):
+                    g_tile = full_src[f][1][(None, None, None, *mt)]
+                    bIn.append((full_src[f][0], cute.group_modes(g_tile, 1, cute.rank(g_tile))))
+                # stage this MMA tile's slices of row/col inputs in shared memory (coalesced)
+                m0 = mt[0] * self.mma_tiler[0]
+                n0 = mt[1] * self.mma_tiler[1]
+                if cutlass.const_expr(n_full < len(self.input_kinds)):
+                    for j in cutlass.range_constexpr(len(self.input_kinds)):
+                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                            for i in range(tidx, self.mma_tiler[1], 128):
+                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                            for i in range(tidx, self.mma_tiler[0], 128):
+                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                    epi_bar.arrive_and_wait()
+                # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
+                # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
+                if cutlass.const_expr(n_full > 0):
+                    if warp_idx == self.epilogue_warp_id[0]:
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + prev % 2, full_bytes)
+                        for f in cutlass.range_constexpr(n_full):
+                            cute.copy(full_atoms[f], bIn[f][1][(None, 0)], bIn[f][0][(None, prev % 2)],
+                                      tma_bar_ptr=in_bar + prev % 2)
+                for s in range(n_sub):
+                    g = prev + s
+                    if cutlass.const_expr(n_full > 0):
+                        if warp_idx == self.epilogue_warp_id[0]:
+                            if s + 1 < n_sub:
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + (g + 1) % 2, full_bytes)
+                                for f in cutlass.range_constexpr(n_full):
+                                    cute.copy(full_atoms[f], bIn[f][1][(None, s + 1)], bIn[f][0][(None, (g + 1) % 2)],
+                                              tma_bar_ptr=in_bar + (g + 1) % 2)
+                    cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
+                    if cutlass.const_expr(len(self.input_kinds) > 0):
+                        tTR_cC_s = tTR_cC[(None, None, None, s)]
+                        sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
+                        if cutlass.const_expr(n_full > 0):
+                            cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
+                        for e in cutlass.range_constexpr(n_v):
+                            m, n, l = tTR_cC_s[e]
+                            for j in cutlass.range_constexpr(len(self.input_kinds)):
+                                kind = self.input_kinds[j]
+                                if cutlass.const_expr(kind == "row"):
+                                    rIn[j][e] = sIn[j][n - n0]
+                                elif cutlass.const_expr(kind == "col"):
+                                    rIn[j][e] = sIn[j][m - m0]
+                                else:
+                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, g % 2].to(self.acc_dtype)
+                    values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
+                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
+                    tRS_rC.store(values[0].to(self.c_dtype))
+                    buf = (prev + s) % self.num_c_stage
+                    cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                    for x in cutlass.range_constexpr(self.num_aux):
+                        tRS_rC.store(values[1 + x].to(self.c_dtype))
+                        cute.copy(copy_r2s, tRS_rC, tRS_sAux[x][(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_bar.arrive_and_wait()
+                    if warp_idx == self.epilogue_warp_id[0]:
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
+                        for x in cutlass.range_constexpr(self.num_aux):
+                            cute.copy(aux_atoms[x], aux_dst[x][0][(None, buf)], aux_dst[x][1][(None, s)])
+                        c_pipe.producer_commit()
+                        c_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                epi_bar.arrive_and_wait()
+                with cute.arch.elect_one():
+                    acc_pipe.consumer_release(acc_cons)
+                acc_cons.advance()
+            c_pipe.producer_tail()
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)

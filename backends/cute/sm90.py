@@ -1,0 +1,407 @@
+"""kspec's Hopper (sm_90a) GEMM kernel on the CuTe DSL: TMA loads into a multi-stage shared-memory
+ring, WGMMA on one or two consumer warpgroups, one producer warp (warp specialization), a static
+persistent tile scheduler, and a fused epilogue that writes D through shared memory and a TMA store.
+
+Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/copy atoms,
+`cutlass.utils.hopper_helpers`).  The epilogue math is a generated function (`epilogue.py`):
+`epi(acc, inputs, scalars) -> value` on register vectors (TensorSSA) in f32/i32.
+
+Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
+epilogue inputs: kind "row" (N,), "col" (M,), "full" (M, N, L).
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+SMEM_CAPACITY = 232448 - 1024          # sm_90 opt-in shared memory per CTA, less a margin
+
+
+class Sm90Gemm:
+    """One configuration of the kernel.  tile_mn: CTA tile (M in 64/128, N in 64..256);
+    cluster_mn: cluster shape (TMA multicast of A along N, of B along M)."""
+
+    def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None):
+        self.acc_dtype = acc_dtype
+        self.tile_shape_mnk = (tile_mn[0], tile_mn[1], 1)
+        self.cluster_shape_mn = tuple(cluster_mn)
+        self.epi_fn = epi_fn
+        self.input_kinds = tuple(input_kinds)
+        self.num_scalars = num_scalars
+        self.stages_override = stages
+        # two consumer warpgroups share an M=128 tile when N is wide ("cooperative")
+        self.atom_layout_mnk = (2, 1, 1) if tile_mn[0] > 64 and tile_mn[1] > 128 else (1, 1, 1)
+        self.num_mma_warp_groups = math.prod(self.atom_layout_mnk)
+        self.threads_per_wg = 128
+        self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_wg
+        self.num_mma_threads = self.num_mma_warp_groups * self.threads_per_wg
+        self.load_warp_id = 0
+        self.epi_store_warp_id = 4
+        self.load_regs = 40
+        self.mma_regs = 232
+        self.buffer_align_bytes = 1024
+
+    # ------------------------------------------------------------------ host-side planning
+    def _setup(self):
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
+        k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        self.tile_shape_mnk = (self.tile_shape_mnk[0], self.tile_shape_mnk[1], k_inst * 4)
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+        self.num_mcast_a = self.cluster_shape_mn[1]
+        self.num_mcast_b = self.cluster_shape_mn[0]
+        tm, tn, tk = self.tile_shape_mnk
+        if self.atom_layout_mnk == (2, 1, 1):
+            self.epi_tile = (min(128, tm), min(32, tn))
+        else:
+            self.epi_tile = (min(64, tm), min(64 if self.d_dtype.width == 8 else 32, tn))
+        ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
+        self.epi_stage = 4
+        # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8 * self.epi_stage * (1 + self.num_aux)
+        # epilogue inputs staged in shared memory: row/col slices of the tile (f32), full-tensor
+        # sub-tiles (their dtype, loaded by TMA)
+        in_bytes = 0
+        for kind, width in zip(self.input_kinds, self.input_widths):
+            if kind == "row":
+                in_bytes += tn * 4 + 128
+            elif kind == "col":
+                in_bytes += tm * 4 + 128
+            else:
+                in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
+        stages = (SMEM_CAPACITY - 1024 - epi_bytes - in_bytes) // ab_bytes
+        if self.stages_override is not None:
+            stages = min(stages, self.stages_override)
+        self.ab_stage = stages
+        a_major_k = self.a_layout.sm90_mma_major_mode() == cute.nvgpu.warpgroup.OperandMajorMode.K
+        b_major_k = self.b_layout.sm90_mma_major_mode() == cute.nvgpu.warpgroup.OperandMajorMode.K
+        a_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.a_layout, self.a_dtype, tk if a_major_k else tm), self.a_dtype)
+        self.a_smem_staged = cute.tile_to_shape(a_atom, (tm, tk, self.ab_stage),
+                                                order=(0, 1, 2) if a_major_k else (1, 0, 2))
+        b_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.b_layout, self.b_dtype, tk if b_major_k else tn), self.b_dtype)
+        self.b_smem_staged = cute.tile_to_shape(b_atom, (tn, tk, self.ab_stage),
+                                                order=(0, 1, 2) if b_major_k else (1, 0, 2))
+        d_major = self.epi_tile[1] if self.d_layout.is_n_major_c() else self.epi_tile[0]
+        d_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.d_layout, self.d_dtype, d_major), self.d_dtype)
+        self.d_smem_staged = cute.tile_to_shape(d_atom, (*self.epi_tile, self.epi_stage),
+                                                order=(1, 0, 2) if self.d_layout.is_m_major_c() else (0, 1, 2))
+
+    @staticmethod
+    def _tma_load(tensor, smem_staged, tile, mcast):
+        op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1
+              else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile,
+                                                      num_multicast=mcast)
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
+                 max_active_clusters: cutlass.Int32, stream):
+        self.a_dtype = a.element_type
+        self.b_dtype = b.element_type
+        self.d_dtype = d.element_type
+        self.a_layout = utils.LayoutEnum.from_tensor(a)
+        self.b_layout = utils.LayoutEnum.from_tensor(b)
+        self.d_layout = utils.LayoutEnum.from_tensor(d)
+        self.input_widths = tuple(t.element_type.width for t in inputs)
+        self.num_aux = len(auxes)
+        self._setup()
+        tm, tn, tk = self.tile_shape_mnk
+        # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
+        in_layout = cute.make_layout(self.epi_tile, stride=(self.epi_tile[1], 1))
+        full_atoms, full_tmas = [], []
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "full"):
+                atom, t = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), inputs[j], in_layout, self.epi_tile)
+                full_atoms.append(atom)
+                full_tmas.append(t)
+        tma_a, gA = self._tma_load(a, self.a_smem_staged, (tm, tk), self.cluster_shape_mn[1])
+        tma_b, gB = self._tma_load(b, self.b_smem_staged, (tn, tk), self.cluster_shape_mn[0])
+        tma_d, gD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(self.d_smem_staged, (None, None, 0)),
+            self.epi_tile)
+        aux_atoms, aux_tmas = [], []
+        for x in auxes:
+            atom, t = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), x, cute.slice_(self.d_smem_staged, (None, None, 0)),
+                self.epi_tile)
+            aux_atoms.append(atom)
+            aux_tmas.append(t)
+        ntiles = cute.zipped_divide(d, tiler=(tm, tn))[0, (None, None, None)].shape
+        sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)],
+                                  self.buffer_align_bytes]
+            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
+                                  self.buffer_align_bytes]
+        self.shared_storage = SharedStorage
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), inputs,
+                    tuple(full_atoms), tuple(full_tmas), scalars,
+                    self.tiled_mma, self.cta_layout_mnk,
+                    self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched).launch(
+            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
+            min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------------ device code
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, aux_atoms, aux_tmas, inputs,
+               full_atoms, full_tmas, scalars,
+               tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
+               b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
+               sched_params: utils.PersistentTileSchedulerParams):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        a_mask = a_mask if self.num_mcast_a > 1 else 0
+        b_mask = b_mask if self.num_mcast_b > 1 else 0
+        tx_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+                    + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0))))
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tm, tn, _ = self.tile_shape_mnk
+        # shared-memory staging of the epilogue inputs and the barrier of their TMA loads
+        sIn = []
+        n_full = 0
+        full_bytes = 0
+        for j, kind in enumerate(self.input_kinds):
+            if cutlass.const_expr(kind == "row"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tn,)), 128))
+            elif cutlass.const_expr(kind == "col"):
+                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
+            else:
+                # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
+                sIn.append(smem.allocate_tensor(inputs[j].element_type, cute.make_layout(
+                    (*self.epi_tile, 2), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
+                n_full += 1
+                full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
+        in_bar = smem.allocate_array(cutlass.Int64, 2)
+        if cutlass.const_expr(n_full > 0):
+            if tidx == 0:
+                cute.arch.mbarrier_init(in_bar, 1)
+                cute.arch.mbarrier_init(in_bar + 1, 1)
+            cute.arch.mbarrier_init_fence()
+        consumers = (self.num_mcast_a + self.num_mcast_b - 1) * self.num_mma_warp_groups * 4
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+            tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)), defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        sAux = [smem.allocate_tensor(self.d_dtype, d_smem_staged.outer, self.buffer_align_bytes,
+                                     d_smem_staged.inner) for _ in range(self.num_aux)]
+        tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
+        gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
+        gD = cute.local_tile(mD_tma, tile_mn, (None, None, None))
+        cD = cute.local_tile(cute.make_identity_tensor(mD.shape), tile_mn, (None, None, None))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        thr_mma = tiled_mma.get_slice(
+            cute.make_layout(self.num_mma_warp_groups, stride=self.threads_per_wg)(wg_idx - 1))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype)
+        k_tiles = cute.size(gA, mode=[3])
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+        if warp_idx == self.load_warp_id:
+            # producer: TMA loads of A and B tiles into the stage ring
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                               cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                tAgA_t = tAgA[None, tc[0], None, tc[2]]
+                tBgB_t = tBgB[None, tc[1], None, tc[2]]
+                prod.reset_count()
+                for _k in range(k_tiles):
+                    ab_pipe.producer_acquire(prod)
+                    bar = ab_pipe.producer_get_barrier(prod)
+                    cute.copy(tma_a, tAgA_t[None, prod.count], tAsA[None, prod.index], tma_bar_ptr=bar,
+                              mcast_mask=a_mask)
+                    cute.copy(tma_b, tBgB_t[None, prod.count], tBsB[None, prod.index], tma_bar_ptr=bar,
+                              mcast_mask=b_mask)
+                    ab_pipe.producer_commit(prod)
+                    prod.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_pipe.producer_tail(prod)
+
+        if wg_idx > 0:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                               cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            k_blocks = cute.size(tCrA, mode=[2])
+            epi_tidx = tidx - self.threads_per_wg
+            atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype,
+                                                         elem_ty_acc=self.acc_dtype)
+            atom_d = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4),
+                                         self.d_dtype)
+            copy_r2s = cute.make_tiled_copy_S(atom_r2s, cute.make_tiled_copy_C_atom(atom_d, tiled_mma))
+            thr_r2s = copy_r2s.get_slice(epi_tidx)
+            tRS_sD = thr_r2s.partition_D(sD)
+            tRS_sAux = [thr_r2s.partition_D(x) for x in sAux]
+            tRS_rAcc = copy_r2s.retile(acc)
+            rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
+            rIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in self.input_kinds]
+            tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
+            n_v = cute.size(tRS_rD)
+            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+            M, N, L = mD.shape
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                read.reset_count()
+                release.reset_count()
+                acc.fill(0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                # keep one WGMMA batch in flight: release a stage only after the next one issued
+                for k in range(k_tiles):
+                    ab_pipe.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        crd = (None, None, kb, read.index)
+                        cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read.advance()
+                    if k > 0:
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ab_pipe.consumer_release(release)
+                        release.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                if k_tiles > 0:
+                    ab_pipe.consumer_release(release)
+                    release.advance()
+
+                # epilogue: per sub-tile, registers -> math -> smem -> TMA store
+                gD_epi = cute.zipped_divide(gD[None, None, *tc], self.epi_tile)
+                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi)
+                n_epi = cute.size(gD_epi, mode=[1])
+                epi_shape = gD_epi.shape[1]
+                epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                prev = sched.num_tiles_executed * n_epi
+                aux_dst = []
+                for x in cutlass.range_constexpr(self.num_aux):
+                    aux_dst.append(cute.nvgpu.cpasync.tma_partition(
+                        aux_atoms[x], 0, cute.make_layout(1), cute.group_modes(sAux[x], 0, 2),
+                        cute.zipped_divide(cute.local_tile(aux_tmas[x], tile_mn, (None, None, None))[None, None, *tc],
+                                           self.epi_tile)))
+                # stage this tile's slices of row/col inputs in shared memory (coalesced, once per tile)
+                m0 = tc[0] * tm
+                n0 = tc[1] * tn
+                if cutlass.const_expr(n_full < len(self.input_kinds)):
+                    for j in cutlass.range_constexpr(len(self.input_kinds)):
+                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                            for i in range(epi_tidx, tn, self.num_mma_threads):
+                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                            for i in range(epi_tidx, tm, self.num_mma_threads):
+                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                    epi_bar.arrive_and_wait()
+                full_src = []
+                k = 0
+                for j in cutlass.range_constexpr(len(self.input_kinds)):
+                    if cutlass.const_expr(self.input_kinds[j] == "full"):
+                        gR = cute.local_tile(full_tmas[k], tile_mn, (None, None, None))
+                        full_src.append(cute.nvgpu.cpasync.tma_partition(
+                            full_atoms[k], 0, cute.make_layout(1), cute.group_modes(sIn[j], 0, 2),
+                            cute.zipped_divide(gR[None, None, *tc], self.epi_tile)))
+                        k += 1
+                # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
+                # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
+                if cutlass.const_expr(n_full > 0):
+                    if warp_idx == self.epi_store_warp_id:
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + prev % 2, full_bytes)
+                        for f in cutlass.range_constexpr(n_full):
+                            cute.copy(full_atoms[f], full_src[f][1][None, epi_layout.get_hier_coord(0)],
+                                      full_src[f][0][None, prev % 2], tma_bar_ptr=in_bar + prev % 2)
+                for e in cutlass.range_constexpr(n_epi):
+                    ec = epi_layout.get_hier_coord(e)
+                    g = prev + e
+                    if cutlass.const_expr(n_full > 0):
+                        if cutlass.const_expr(e + 1 < n_epi):
+                            if warp_idx == self.epi_store_warp_id:
+                                with cute.arch.elect_one():
+                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + (g + 1) % 2, full_bytes)
+                                for f in cutlass.range_constexpr(n_full):
+                                    cute.copy(full_atoms[f], full_src[f][1][None, epi_layout.get_hier_coord(e + 1)],
+                                              full_src[f][0][None, (g + 1) % 2], tma_bar_ptr=in_bar + (g + 1) % 2)
+                        cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
+                    for v in cutlass.range_constexpr(n_v):
+                        tRS_rD[v] = tRS_rAcc[e * n_v + v]
+                        if cutlass.const_expr(len(self.input_kinds) > 0):
+                            lm, ln = tRS_cL[v]
+                            for j in cutlass.range_constexpr(len(self.input_kinds)):
+                                kind = self.input_kinds[j]
+                                if cutlass.const_expr(kind == "row"):
+                                    rIn[j][v] = sIn[j][ec[1] * self.epi_tile[1] + ln]
+                                elif cutlass.const_expr(kind == "col"):
+                                    rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
+                                else:
+                                    rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)
+                    values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
+                    tRS_rOut.store(values[0].to(self.d_dtype))
+                    buf = (prev + e) % self.epi_stage
+                    cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
+                    for x in cutlass.range_constexpr(self.num_aux):
+                        tRS_rOut.store(values[1 + x].to(self.d_dtype))
+                        cute.copy(copy_r2s, tRS_rOut, tRS_sAux[x][None, None, None, buf])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_bar.arrive_and_wait()
+                    if warp_idx == self.epi_store_warp_id:
+                        cute.copy(tma_d, bSG_sD[None, buf], bSG_gD[None, ec])
+                        for x in cutlass.range_constexpr(self.num_aux):
+                            cute.copy(aux_atoms[x], aux_dst[x][0][None, buf], aux_dst[x][1][None, ec])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            store_pipe.producer_tail()

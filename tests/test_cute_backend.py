@@ -1,0 +1,434 @@
+"""The CuTe DSL backend (backends/cute): epilogue generation checked with numpy (fast), capability
+and configuration rules, the capture shim's ABI, and real offline builds (marker `cute`) of every
+GEMM-family shipped spec for sm_90a and sm_100a: tensor-core SASS, a libc-only host library, and the
+launch ABI through the fake-driver layer."""
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SPECS, test_cache_root
+
+from kspec.backends.cute import build as cbuild
+from kspec.backends.cute import compat, epilogue, gemm
+from kspec.backends.desc import Accum, Const, GemmDesc, Load, Op, Operand, ReductionStore, Store
+from kspec.core import KspecInternalError
+
+ARCHS = ("sm90a", "sm100a")
+HAVE_DSL = compat.available() is None
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason=f"CuTe DSL unavailable: {compat.available()}")
+needs_cc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+
+
+def _desc(value, *, a="f16", b="f16", la="row", lb="col", out="f16", acc="f32", arch="sm90a", **kw):
+    return GemmDesc("k_0", arch, Operand("t0", a, la), Operand("t1", b, lb), acc, Store("t9", value, out), **kw)
+
+
+# ------------------------------------------------------------------ epilogue generation (numpy)
+
+def _gelu64(x):
+    from math import erf
+    return 0.5 * x * (1.0 + np.vectorize(erf)(x / math.sqrt(2.0)))
+
+
+def test_generated_epilogue_matches_float64_numpy():
+    alpha = Load("t5", "scalar", "f32")
+    bias, res, rs = Load("t2", "row", "f16"), Load("t3", "full", "f16"), Load("t4", "col", "f32")
+    h = Op("gelu", (Op("add", (Op("mul", (alpha, Accum())), bias)),))
+    v = Op("add", (Op("mul", (h, rs)), res))
+    v = Op("clamp", (Op("sub", (v, Op("silu", (Accum(),)))), Const(-3.0), Const(3.0)))
+    v = Op("maximum", (Op("div", (v, Const(2.0))), Op("neg", (Op("sigmoid", (Accum(),)),))))
+    v = Op("add", (v, Op("gelu_tanh", (Op("tanh", (Op("abs", (Accum(),)),)),))))
+    code = epilogue.generate(_desc(v))
+    assert [l.name for l in code.inputs] == ["t2", "t4", "t3"] and [l.name for l in code.scalars] == ["t5"]
+    assert code.input_kinds == ("row", "col", "full")
+    rng = np.random.default_rng(0)
+    acc = rng.standard_normal((16, 24)).astype(np.float32) * 2
+    b = rng.standard_normal(24).astype(np.float32)
+    r = rng.standard_normal((16, 24)).astype(np.float32)
+    c = rng.standard_normal(16).astype(np.float32)
+    (got,) = epilogue.run_numpy(code, acc, (np.broadcast_to(b, acc.shape), np.broadcast_to(c[:, None], acc.shape), r),
+                                (np.float32(0.5),))
+    x = acc.astype(np.float64)
+    sig = 1 / (1 + np.exp(-x))
+    want = _gelu64(0.5 * x + b) * c[:, None] + r
+    want = np.clip(want - x * sig, -3, 3)
+    want = np.maximum(want / 2, -sig)
+    t = np.tanh(np.abs(x))
+    want = want + 0.5 * t * (1 + np.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_generated_epilogue_shares_subexpressions_and_casts():
+    s = Op("add", (Accum(), Load("t2", "row", "f16")))
+    v = Op("mul", (Op("cast:bf16", (s,)), s))
+    code = epilogue.generate(_desc(v))
+    assert code.source.count("F.add(") == 1 and "F.cast(v0, 'bf16', 'f32')" in code.source
+    acc = np.array([[1.0 + 2 ** -10]], np.float32)
+    (got,) = epilogue.run_numpy(code, acc, (np.zeros((1, 1), np.float32),), ())
+    assert got[0, 0] == np.float32(1.0) * acc[0, 0]          # bf16 rounds 1 + 2^-10 to 1
+
+
+def test_no_user_text_in_generated_code():
+    code = epilogue.generate(_desc(Op("add", (Accum(), Load("evil'); import os #", "row", "f16")))))
+    assert "evil" not in code.source and "import" not in code.source
+    src = gemm.entry_source(_desc(Op("relu", (Accum(),))), "sm90a", gemm.CuteConfig((128, 128)), code)
+    assert "evil" not in src
+
+
+def test_unsupported_epilogues_have_reasons():
+    aux = _desc(Accum(), aux_stores=(Store("t7", Accum(), "f32"),))
+    red = _desc(Accum(), reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))
+    assert "auxiliary" in epilogue.unsupported(aux)
+    assert epilogue.unsupported(_desc(Accum(), aux_stores=(Store("t7", Accum(), "f16"),))) is None
+    assert "reductions" in epilogue.unsupported(red)
+    assert "not supported" in epilogue.unsupported(_desc(Op("log", (Accum(),))))
+    with pytest.raises(KspecInternalError):
+        epilogue.generate(red)
+
+
+# ------------------------------------------------------------------ capabilities and configurations
+
+@needs_dsl
+@pytest.mark.parametrize("a,b,la,lb,arch,ok", [
+    ("f16", "f16", "col", "row", "sm90a", True),
+    ("bf16", "bf16", "row", "row", "sm100a", True),
+    ("f8e4m3", "f8e5m2", "row", "col", "sm90a", True),
+    ("f8e4m3", "f8e4m3", "col", "col", "sm90a", False),     # WGMMA fp8 needs K-major operands
+    ("f8e4m3", "f8e5m2", "row", "col", "sm100a", False),
+    ("tf32", "tf32", "row", "col", "sm90a", False),
+    ("tf32", "tf32", "col", "row", "sm100a", True),
+    ("f16", "bf16", "row", "col", "sm100a", False),
+])
+def test_can_implement(a, b, la, lb, arch, ok):
+    d = _desc(Accum(), a=a, b=b, la=la, lb=lb, out="f32", arch=arch)
+    why = gemm.can_implement(d, arch)
+    assert (why is None) == ok, why
+
+
+@needs_dsl
+def test_int8_needs_an_int32_accumulator_and_a_plain_store():
+    assert gemm.can_implement(_desc(Accum(), a="i8", b="i8", out="i32", acc="i32"), "sm90a") is None
+    bad = _desc(Op("relu", (Accum(),)), a="i8", b="i8", out="i32", acc="i32")
+    assert "integer" in gemm.can_implement(bad, "sm100a")
+
+
+def test_configurations():
+    d = _desc(Accum())
+    for arch in ARCHS:
+        cands = gemm.candidates(d, arch)
+        assert len(cands) >= 10 and all(gemm.valid_config(c, arch) is None for c in cands)
+    assert gemm.default_config(d, "sm100a", {"M": 8192, "N": 8192}).use_2cta
+    assert gemm.default_config(d, "sm90a", {"M": 32, "N": 4096}).tile == (64, 128)
+    assert "2-CTA" in gemm.valid_config(gemm.CuteConfig((256, 128), (1, 1), True), "sm100a")
+    assert gemm.valid_config(gemm.CuteConfig((64, 8)), "sm90a") is not None
+
+
+def test_target_arch_restores_dsl_state():
+    if not HAVE_DSL:
+        pytest.skip("CuTe DSL unavailable")
+    import os
+
+    from cutlass.cutlass_dsl import CuTeDSL
+    before = (CuTeDSL._get_dsl().envar.arch, os.environ.get("CUTE_DSL_ARCH"))
+    with compat.target_arch("sm90a") as sm:
+        assert sm == "sm_90a" and CuTeDSL._get_dsl().envar.arch == "sm_90a"
+    assert (CuTeDSL._get_dsl().envar.arch, os.environ.get("CUTE_DSL_ARCH")) == before
+    with pytest.raises(KspecInternalError):
+        compat.dsl_arch("sm80")
+
+
+# ------------------------------------------------------------------ parsing what the DSL writes
+
+def test_ptx_param_layout():
+    ptx = """.visible .entry kfn(
+        .param .align 64 .b8 kfn_param_0[128],
+        .param .align 4 .b8 kfn_param_1[12],
+        .param .f32 kfn_param_2,
+        .param .align 1 .b8 kfn_param_3[1],
+        .param .u64 kfn_param_4,
+        .param .align 8 .b8 kfn_param_5[40]
+    )
+    { ret; }"""
+    name, offs, sizes = cbuild.ptx_params(ptx)
+    assert name == "kfn"
+    assert offs == (0, 128, 140, 144, 152, 160) and sizes == (128, 12, 4, 1, 8, 40)
+    with pytest.raises(KspecInternalError):
+        cbuild.ptx_params(ptx + ptx.replace("kfn", "kfn2"))
+
+
+def test_header_check_catches_a_changed_export():
+    code = epilogue.generate(_desc(Op("add", (Accum(), Load("t2", "row", "f16")))))
+    tensors = gemm.tensor_abi(_desc(Accum()), code)
+    structs = "".join(
+        f"typedef struct {{\n    void *data;\n    int32_t dynamic_shapes[{len(t.dynamic_shapes)}];\n"
+        + (f"    int64_t dynamic_strides[{len(t.dynamic_strides)}];\n" if t.dynamic_strides else "")
+        + f"}} kspec_k_Tensor_{t.name}_t;\n" for t in tensors)
+    params = ", ".join(["kspec_k_Kernel_Module_t *module"] + [f"kspec_k_Tensor_{t.name}_t *{t.name}" for t in tensors]
+                       + ["int32_t max_clusters", "cudaStream_t stream"])
+    wrapper = (f"static inline int32_t cute_dsl_kspec_k_wrapper({params}) {{\n"
+               f"    _mlir_kspec_k__mlir_ciface_cutlass_kspec_entry_X(args, {len(tensors) + 3});\n}}\n")
+    assert cbuild.check_header(structs + wrapper, tensors, 0) == "_mlir_kspec_k__mlir_ciface_cutlass_kspec_entry_X"
+    with pytest.raises(KspecInternalError, match="tensor d"):
+        cbuild.check_header(structs.replace("dynamic_strides[2];\n} kspec_k_Tensor_d_t", "dynamic_strides[1];\n} "
+                                            "kspec_k_Tensor_d_t"), tensors, 0)
+    with pytest.raises(KspecInternalError, match="signature"):
+        cbuild.check_header(structs + wrapper.replace("int32_t max_clusters", "int64_t max_clusters"), tensors, 0)
+
+
+def test_abi_order_matches_the_cutlass_backend():
+    d = _desc(Op("add", (Op("mul", (Accum(), Load("t3", "full", "f16"))), Load("t2", "row", "f16"))))
+    code = epilogue.generate(d)
+    assert gemm.abi_names(d, code) == ("t0", "t1", "t3", "t2", "t9")
+    idx = {t.name: t.ptr_index for t in gemm.tensor_abi(d, code)}
+    assert idx == {"a": 0, "b": 1, "i0": 2, "i1": 3, "d": 4}
+
+
+@needs_cc
+def test_shim_structs_match_the_cuda_headers(tmp_path):
+    inc = next((p for p in (Path("/usr/local/cuda/include"), *Path("/usr/local").glob("cuda-*/include"))
+                if (p / "driver_types.h").exists()), None)
+    if inc is None:
+        pytest.skip("no CUDA headers")
+    src = tmp_path / "check.c"
+    src.write_text(f'#include "{cbuild.SHIM_C}"\n#include <driver_types.h>\n#include <stddef.h>\n'
+                   "_Static_assert(sizeof(kspec_launch_config) == sizeof(cudaLaunchConfig_t), \"config\");\n"
+                   "_Static_assert(offsetof(kspec_launch_config, dynamicSmemBytes) == offsetof(cudaLaunchConfig_t, dynamicSmemBytes), \"smem\");\n"
+                   "_Static_assert(offsetof(kspec_launch_config, attrs) == offsetof(cudaLaunchConfig_t, attrs), \"attrs\");\n"
+                   "_Static_assert(offsetof(kspec_launch_config, numAttrs) == offsetof(cudaLaunchConfig_t, numAttrs), \"n\");\n"
+                   "_Static_assert(sizeof(kspec_launch_attribute) == sizeof(cudaLaunchAttribute), \"attr\");\n"
+                   "_Static_assert(offsetof(kspec_launch_attribute, val) == offsetof(cudaLaunchAttribute, val), \"val\");\n"
+                   "_Static_assert(KS_ATTR_CLUSTER_DIMENSION == cudaLaunchAttributeClusterDimension, \"cl\");\n"
+                   "_Static_assert(KS_FUNC_ATTR_MAX_DYNAMIC_SMEM == cudaFuncAttributeMaxDynamicSharedMemorySize, \"f\");\n"
+                   "_Static_assert(KS_DEV_ATTR_SM_COUNT == cudaDevAttrMultiProcessorCount, \"sm\");\n"
+                   "_Static_assert(KS_DEV_ATTR_SMEM_OPTIN == cudaDevAttrMaxSharedMemoryPerBlockOptin, \"optin\");\n")
+    r = subprocess.run(["gcc", "-fsyntax-only", f"-I{inc}", str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ real offline builds (CuTe DSL)
+
+CUTE_SPECS = {   # spec -> tensor-core instruction per arch (by operand dtype)
+    "gemm": ("HGMMA", "UTCHMMA"),
+    "gemm_bias_relu": ("HGMMA", "UTCHMMA"),
+    "gemm_bias_gelu_residual": ("HGMMA", "UTCHMMA"),
+    "batched_gemm": ("HGMMA", "UTCHMMA"),
+    "fp8_gemm_scaled": ("QGMMA", "UTCQMMA"),
+    "gemm_int8": ("IGMMA", "UTCIMMA"),
+    "gemm_tf32": (None, "UTCHMMA"),          # sm90a: CUTLASS C++ (no tf32 WGMMA in the DSL wheel)
+}
+
+
+@pytest.fixture(scope="module")
+def cute_artifacts(tmp_path_factory):
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    out = tmp_path_factory.mktemp("cute")
+    cache = CompileCache(test_cache_root())
+    done = {}
+
+    def get(stem):
+        if stem not in done:
+            backend = "auto" if CUTE_SPECS[stem][0] is None else "cute"
+            done[stem] = compile_spec(SPECS / f"{stem}.kspec", ARCHS, out, cache=cache, backend=backend)
+        return done[stem]
+    return get
+
+
+def _sass(cubin: Path, tc) -> str:
+    r = subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, env=tc.env())
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("stem", [pytest.param(s, marks=pytest.mark.nvcc) if CUTE_SPECS[s][0] is None else s
+                                  for s in sorted(CUTE_SPECS)])
+def test_shipped_gemm_spec_builds_offline_for_both_archs(cute_artifacts, stem):
+    from kspec.backends.toolchain import find_toolchain
+    art = cute_artifacts(stem)
+    m = json.loads((art / "manifest.json").read_text())
+    (plan,) = m["kernels"][0]["plans"]
+    assert "cutlass-dsl" in m["toolchain"]
+    try:
+        tc = find_toolchain()
+    except Exception:
+        tc = None
+    for arch, insn in zip(ARCHS, CUTE_SPECS[stem]):
+        b = plan["binaries"][arch]
+        if insn is None:
+            assert b["config"].get("backend") != "cute"
+            continue
+        assert b["config"]["backend"] == "cute" and b["symbol"].startswith("kernel_cutlass_kernel_kspec")
+        so = art / b["host"]
+        # the host library needs glibc only (libc and, for thread-local capture state, the loader's
+        # __tls_get_addr) and resolves every CUDA wrapper itself
+        deps = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
+        needed = {l.split("[")[1].rstrip("]") for l in deps.splitlines() if "(NEEDED)" in l}
+        assert needed <= {"libc.so.6", "ld-linux-x86-64.so.2"} and "libc.so.6" in needed
+        undef = subprocess.run(["nm", "-D", "--undefined-only", str(so)], capture_output=True, text=True).stdout
+        assert "_cuda" not in undef and "_cu" not in undef.replace("__cxa", "")
+        exported = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
+        assert sorted(l.split()[-1] for l in exported.splitlines()) == ["kspec_prepare", "kspec_workspace_size"]
+        if tc is not None and tc.cuobjdump is not None:
+            sass = _sass(art / b["cubin"], tc)
+            assert f" {insn}." in sass or f" {insn} " in sass, f"{stem} {arch}: no {insn}"
+            assert "UTMALDG" in sass and "UTMASTG" in sass
+
+
+class _Recorder:
+    """The fake-driver layer (tests/test_runtime.RecordingDriver's interface) with multi-parameter launches."""
+
+    def __init__(self, cc):
+        from test_runtime import RecordingDriver
+        self.base = RecordingDriver(cc)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what, param_offsets=None):
+        self.base.log.append(("launch", what, grid, block, cluster, smem, stream, param_offsets,
+                              ctypes.string_at(params_ptr, (param_offsets[-1] + 256) if param_offsets else 64)))
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_launch_abi_through_the_fake_driver(cute_artifacts, monkeypatch, arch):
+    import kspec
+    from kspec.runtime import driver
+    from test_runtime import FakeCAI
+    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    monkeypatch.setattr(driver, "_driver", rec)
+    art = cute_artifacts("gemm_bias_gelu_residual")
+    mod = kspec.load(art)
+    base = 0x7F0000000000
+    M, N, K = 1000, 512, 256
+    A = FakeCAI(base, (M, K))
+    B = FakeCAI(base + 0x1000000, (K, N), strides=(2, K * 2))
+    bias = FakeCAI(base + 0x2000000, (N,))
+    R = FakeCAI(base + 0x3000000, (M, N))
+    D = FakeCAI(base + 0x4000000, (M, N))
+    mod.gemm_bias_gelu_residual(A, B, bias, R, D=D, alpha=0.5)
+    (fn,) = [e for e in rec.log if e[0] == "function"]
+    (launch,) = [e for e in rec.log if e[0] == "launch"]
+    m = json.loads((art / "manifest.json").read_text())
+    b = m["kernels"][0]["plans"][0]["binaries"][arch]
+    assert fn[2] == b["symbol"] and fn[3].startswith(b"\x7fELF")
+    _, what, grid, block, cluster, smem, stream, offsets, blob = launch
+    assert offsets == tuple(int(x) for x in b["config"]["param_offsets"].split(","))
+    tm, tn = (int(x) for x in b["config"]["tile"].split("x"))
+    cm, cn = (int(x) for x in b["config"]["cluster"].split("x"))
+    if b["config"]["2cta"] == "true":
+        tm //= 2
+    tiles = math.ceil(M / tm) * math.ceil(N / tn)
+    assert cluster == (cm, cn, 1) and grid[0] == cm and grid[1] == cn
+    assert grid[0] * grid[1] * grid[2] == min(tiles, 132 // (cm * cn) * (cm * cn))  # persistent, <= SM count
+    assert block[0] in (192, 256, 384) and 0 < smem <= 232448
+    # TMA descriptors carry the A, B and D addresses; the gathered inputs are passed as raw pointers
+    words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+    for t in (A, B, D, bias, R):
+        assert t.__cuda_array_interface__["data"][0] in words
+    alpha = struct.pack("<f", 0.5)
+    assert alpha in blob
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_warm_compile_does_not_import_the_dsl(cute_artifacts, tmp_path):
+    cute_artifacts("gemm_bias_relu")
+    code = ("import sys, time; t = time.monotonic(); from kspec.compile import compile_spec; "
+            "from kspec.backends.build import CompileCache; "
+            f"compile_spec({str(SPECS / 'gemm_bias_relu.kspec')!r}, ('sm90a', 'sm100a'), {str(tmp_path)!r}, "
+            f"cache=CompileCache({str(test_cache_root())!r}), backend='cute'); "
+            "assert 'cutlass.cute' not in sys.modules, 'the DSL was imported'; print(time.monotonic() - t)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "gemm_bias_relu" / "manifest.json").exists()
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_prepare_rejects_misaligned_leading_dimensions(cute_artifacts):
+    from kspec.runtime.glue import HostGlue
+    art = cute_artifacts("gemm")
+    m = json.loads((art / "manifest.json").read_text())
+    b = m["kernels"][0]["plans"][0]["binaries"]["sm90a"]
+    g = HostGlue(art / b["host"], "gemm")
+    ok = g.prepare([256, 256, 64, 1], [1 << 20, 2 << 20, 3 << 20], [], 0, 0, 132)
+    assert ok.grid[2] >= 1 and ok.params_size > 0
+    with pytest.raises(Exception, match="K = 60: .*multiple of 8"):
+        g.prepare([256, 256, 60, 1], [1 << 20, 2 << 20, 3 << 20], [], 0, 0, 132)
+    empty = g.prepare([0, 256, 64, 1], [1 << 20, 2 << 20, 3 << 20], [], 0, 0, 132)
+    assert 0 in empty.grid
+
+
+LAYOUT_CASES = [  # (arch, A layout, B layout, D layout, dtype, config)
+    ("sm90a", "row", "row", "row", "f16", gemm.CuteConfig((128, 256), (1, 2))),
+    ("sm90a", "col", "col", "col", "bf16", gemm.CuteConfig((64, 128), (2, 1))),
+    ("sm90a", "col", "row", "row", "f16", gemm.CuteConfig((128, 128), (1, 1), stages=3)),
+    ("sm100a", "row", "row", "col", "bf16", gemm.CuteConfig((64, 256), (1, 1))),
+    ("sm100a", "col", "col", "row", "f16", gemm.CuteConfig((256, 128), (4, 1), use_2cta=True)),
+    ("sm100a", "col", "row", "row", "tf32", gemm.CuteConfig((128, 64), (2, 1))),
+]
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch,la,lb,ld,dt,cfg", LAYOUT_CASES)
+def test_layouts_and_candidate_configurations_compile(arch, la, lb, ld, dt, cfg):
+    """Every A/B layout combination, column-major D and non-default candidates (clusters, 2-CTA,
+    64-row tiles, a stage cap) compile to tensor-core code, with a column bias and a residual."""
+    v = Op("add", (Op("mul", (Accum(), Load("t2", "col", "f32"))), Load("t3", "full", dt if dt != "tf32" else "f32")))
+    out = "f32" if dt == "tf32" else dt
+    d = GemmDesc("k_0", arch, Operand("t0", dt, la), Operand("t1", dt, lb), "f32", Store("t9", v, out, ld))
+    assert gemm.can_implement(d, arch) is None
+    assert cfg in gemm.candidates(d, arch) or gemm.valid_config(cfg, arch) is None
+    b = cbuild.build(d, arch, test_cache_root(), cfg)
+    assert dict(b.config)["tile"] == f"{cfg.tile[0]}x{cfg.tile[1]}"
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    sass = _sass(Path(b.cubin), tc)
+    assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+    if cfg.use_2cta:
+        assert "UTCHMMA.2CTA" in sass
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auxiliary_output_is_stored_by_tma_beside_d(arch):
+    """h = gelu(acc + bias) stored as an extra output while D = h + R: two TMA stores per sub-tile,
+    ABI order A, B, inputs, D, aux (the CUTLASS C++ backend's)."""
+    h = Op("gelu", (Op("add", (Accum(), Load("t2", "row", "f16"))),))
+    d = GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                 Store("t4", Op("add", (h, Load("t3", "full", "f16"))), "f16"), aux_stores=(Store("t5", h, "f16"),))
+    assert gemm.can_implement(d, arch) is None
+    code = epilogue.generate(d)
+    acc = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    bias, res = np.full((3, 4), 0.25, np.float32), np.ones((3, 4), np.float32)
+    dv, hv = epilogue.run_numpy(code, acc, (bias, res), ())
+    np.testing.assert_allclose(hv, _gelu64(acc.astype(np.float64) + 0.25), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dv, hv + 1, rtol=1e-6)
+    b = cbuild.build(d, arch, test_cache_root())
+    assert b.args == ("t0", "t1", "t2", "t3", "t4", "t5")
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    sass = _sass(Path(b.cubin), tc)
+    assert sass.count("UTMASTG") >= 2
