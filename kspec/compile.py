@@ -102,10 +102,16 @@ def plan_spec(program: CheckedProgram, archs: tuple[str, ...], kernel: str | Non
         raise e.with_source(program.source)
 
 
+# (kernel IR, arch, backend name) -> a configuration from the backend's candidates, or None for
+# its default (kspec.tune.TuningDB.chooser looks winners up in a tuning database)
+ConfigChooser = Callable[..., "tuple[tuple[str, str], ...] | None"]
+
+
 def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None,
-              cache_root: Path | None = None, backend: str | None = None, strict: bool = False) -> EmittedSpec:
+              cache_root: Path | None = None, backend: str | None = None, strict: bool = False,
+              tuned: ConfigChooser | None = None) -> EmittedSpec:
     """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
-    before any toolchain runs."""
+    before any toolchain runs.  tuned: picks each kernel's configuration (default: the backend's)."""
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
     schedules = plan_spec(program, archs, kernel, backend, strict)
@@ -116,7 +122,9 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
             for arch in archs:
                 choice = p.choices[arch]
                 try:
-                    lp = registry.get(choice.backend).lower(p.ir, arch)
+                    config = tuned(p.ir, arch, choice.backend) if tuned else None
+                    b = registry.get(choice.backend)
+                    lp = b.lower(p.ir, arch, config) if config else b.lower(p.ir, arch)
                     em = emit_cached(lp, cache_root)
                 except KspecError as e:
                     if e.span is None and not e.message.startswith("kernel "):
@@ -162,16 +170,17 @@ def _jobs(emitted: EmittedSpec):
 def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = "build",
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None, backend: str | None = None, strict: bool = False,
-                 emitted: EmittedSpec | None = None) -> Path:
+                 emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None) -> Path:
     """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
-    `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments)."""
+    `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments);
+    `tuned`: see emit_spec."""
     from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
                                 write_manifest)
     from kspec.backends.build import CompileCache, build_all
     from kspec.backends.toolchain import find_toolchain
 
     cache = cache or CompileCache()
-    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict)
+    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned)
     toolchain = find_toolchain()
     build_jobs = _jobs(emitted)
     results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress)
