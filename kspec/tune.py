@@ -331,12 +331,13 @@ class TuneResult:
 
 def tune_spec(path: str | Path, archs: tuple[str, ...] | None, buckets: list[dict[str, int]] | None,
               db: TuningDB | None, *, cache_root: Path | None = None, measure_gpu: bool | None = None,
-              backend: str | None = None, verify: bool = True, log: Callable[[str], None] | None = None
-              ) -> list[TuneResult]:
+              backend: str | None = None, verify: bool = True, log: Callable[[str], None] | None = None,
+              only_missing: bool = False) -> list[TuneResult]:
     """Rank every planned kernel's candidates for every arch and bucket; with `verify`, the winner
     is emitted (no toolchain) and a candidate the backend rejects gives way to the next; on a GPU
     machine (measure_gpu None = when present) the top candidates are built and timed.  Winners go to
-    `db` (when given).  Returns one TuneResult per kernel, arch and bucket."""
+    `db` (when given).  Returns one TuneResult per kernel, arch and bucket (only_missing: skip
+    those `db` already holds a winner for)."""
     from kspec.backends import registry
     from kspec.compile import emit_cached, plan_spec
     from kspec.core import ARCHS
@@ -360,6 +361,9 @@ def tune_spec(path: str | Path, archs: tuple[str, ...] | None, buckets: list[dic
                 if name not in toolchains:
                     toolchains[name] = toolchain_identity(name)
                 for sizes in (buckets or [None]):
+                    if only_missing and db is not None and db.lookup(p.ir.digest(), arch, bucket_key(sizes), name,
+                                                                     toolchains[name], gpu) is not None:
+                        continue
                     ranking = rank(p.ir, arch, b, sizes)
                     rejected: list[tuple[Config, str]] = []
                     usable = list(ranking)
