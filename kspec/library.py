@@ -245,6 +245,23 @@ class TaskResult:
         return "cached" if self.built == 0 else "built"
 
 
+class _ToolchainMemo:
+    """find_toolchain() once per worker process and environment (it runs nvcc --version; a pool
+    worker runs many tasks)."""
+
+    def __init__(self):
+        self._found: dict[tuple, object] = {}
+
+    def get(self, find):
+        key = tuple(os.environ.get(v, "") for v in ("KSPEC_NVCC", "CUDA_HOME", "CUDA_PATH", "PATH"))
+        if key not in self._found:
+            self._found[key] = find()
+        return self._found[key]
+
+
+_TOOLCHAINS = _ToolchainMemo()
+
+
 def run_task(task: BuildTask) -> TaskResult:
     """Plan, emit and compile one task's kernels into the shared cache.  A user-facing error
     (KspecError) is returned in the result; anything else is an internal fault and is raised."""
@@ -260,7 +277,7 @@ def run_task(task: BuildTask) -> TaskResult:
     try:
         tuned = TuningDB(task.tuning_db).chooser(dict(task.sizes)) if task.tuning_db else None
         emitted = emit_spec(task.spec, (task.arch,), task.kernel, cache.root, task.backend, task.strict, tuned)
-        results = build_all(_jobs(emitted), find_toolchain(), cache, max_parallel=1)
+        results = build_all(_jobs(emitted), _TOOLCHAINS.get(find_toolchain), cache, max_parallel=1)
     except KspecError as e:
         return TaskResult(task, False, seconds=time.monotonic() - t0, error=e.render(), host=host)
     configs = tuple(f"{pid}: {ep.lowered.backend} {describe(ep.emitted.config) if ep.emitted.config else ''}".rstrip()
@@ -272,6 +289,8 @@ def run_task(task: BuildTask) -> TaskResult:
 
 
 def plan_tasks(library: Library, cache_root: str, tuning_db: str | None = None) -> list[BuildTask]:
+    """One task per spec kernel, arch and bucket.  Without a tuning database every bucket builds
+    the same binaries, so the buckets of a kernel and arch share one task."""
     from kspec.core import ARCHS
     from kspec.spec_lang import load_spec
     tasks = []
@@ -281,7 +300,7 @@ def plan_tasks(library: Library, cache_root: str, tuning_db: str | None = None) 
         archs = s.archs or tuple(program.targets or ARCHS)
         for k in program.kernels:
             for arch in archs:
-                for b in (s.buckets or (None,)):
+                for b in (s.buckets if db else ()) or (None,):
                     tasks.append(BuildTask(s.path, k.name, arch, b.name if b else "", b.sizes if b else (),
                                            cache_root, s.backend, s.strict, db))
     return tasks
