@@ -61,9 +61,10 @@ def _generator_identity(backend) -> str:
 _GENERATOR_ID: dict[str, str] = {}
 
 
-def emit_cached(lowered: LoweredPlan, cache_root: Path | None) -> EmittedKernel:
+def emit_cached(lowered: LoweredPlan, cache_root: Path | None, memo_only: bool = False) -> EmittedKernel | None:
     """backend.emit(lowered), memoised on disk: planning through cutlass_cppgen costs seconds per
-    kernel, and a warm `kspec compile` should not pay it.  Entries are JSON, written atomically."""
+    kernel, and a warm `kspec compile` should not pay it.  Entries are JSON, written atomically.
+    memo_only: return None instead of emitting when the memo has no entry."""
     import json
     import tempfile
     from dataclasses import asdict
@@ -81,6 +82,8 @@ def emit_cached(lowered: LoweredPlan, cache_root: Path | None) -> EmittedKernel:
         return EmittedKernel(**fields)
     except (OSError, ValueError, TypeError):
         pass
+    if memo_only:
+        return None
     em = backend.emit(lowered)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -170,7 +173,8 @@ def _jobs(emitted: EmittedSpec):
 def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = "build",
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None, backend: str | None = None, strict: bool = False,
-                 emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None) -> Path:
+                 emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None,
+                 toolchain=None) -> Path:
     """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
     `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments);
     `tuned`: see emit_spec."""
@@ -181,7 +185,7 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
 
     cache = cache or CompileCache()
     emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned)
-    toolchain = find_toolchain()
+    toolchain = toolchain or find_toolchain()
     build_jobs = _jobs(emitted)
     results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress)
     by_job = {(r.job.label, r.job.kind): r for r in results}

@@ -288,6 +288,46 @@ def run_task(task: BuildTask) -> TaskResult:
                       configs=configs, host=host)
 
 
+def probe_task(task: BuildTask, programs: dict | None = None) -> tuple[TaskResult | None, int]:
+    """(the task's result when everything it would build is already in the cache (generated
+    sources in the emit memo, binaries verified), else None; corrupt cache entries it found and
+    discarded).  Runs in the driver so that an incremental build starts no worker at all; it never
+    emits or compiles."""
+    from kspec.backends import registry
+    from kspec.backends.build import CompileCache
+    from kspec.backends.toolchain import find_toolchain
+    from kspec.compile import emit_cached, plan_spec
+    from kspec.spec_lang import load_spec
+    from kspec.tune import TuningDB, describe
+    t0 = time.monotonic()
+    cache = CompileCache(task.cache_root)
+    programs = {} if programs is None else programs
+    try:
+        if task.spec not in programs:
+            programs[task.spec] = load_spec(task.spec)
+        scheds = plan_spec(programs[task.spec], (task.arch,), task.kernel, task.backend, task.strict)
+        tuned = TuningDB(task.tuning_db).chooser(dict(task.sizes)) if task.tuning_db else None
+        toolchain = _TOOLCHAINS.get(find_toolchain)
+        n, configs = 0, []
+        for sched in scheds:
+            for p in sched.plans:
+                choice = p.choices[task.arch]
+                b = registry.get(choice.backend)
+                config = tuned(p.ir, task.arch, choice.backend) if tuned else None
+                lp = b.lower(p.ir, task.arch, config) if config else b.lower(p.ir, task.arch)
+                em = emit_cached(lp, cache.root, memo_only=True)
+                if em is None:
+                    return None, cache.stats.corrupt
+                for job in b.build_jobs(em, f"kernel {p.ir.id} on {task.arch}"):
+                    if cache.lookup(job, toolchain) is None:
+                        return None, cache.stats.corrupt
+                    n += 1
+                configs.append(f"{p.id}: {choice.backend} {describe(em.config) if em.config else ''}".rstrip())
+    except KspecError:
+        return None, cache.stats.corrupt       # the task reports it
+    return TaskResult(task, True, cached=n, seconds=time.monotonic() - t0, configs=tuple(configs), host="driver"), 0
+
+
 def plan_tasks(library: Library, cache_root: str, tuning_db: str | None = None) -> list[BuildTask]:
     """One task per spec kernel, arch and bucket.  Without a tuning database every bucket builds
     the same binaries, so the buckets of a kernel and arch share one task."""
@@ -464,10 +504,13 @@ class BuildSummary:
         failed = sum(not r.ok for r in self.results)
         cpu = sum(r.compile_seconds for r in self.results)
         lines.append("")
-        lines.append(f"{len(self.results)} tasks on {self.executor} ({self.workers} workers): {built} binaries built, "
+        probed = sum(r.host == "driver" for r in self.results)
+        where = f"on {self.executor} ({self.workers} workers)" if self.workers else "all found in the cache"
+        lines.append(f"{len(self.results)} tasks {where}: {built} binaries built, "
                      f"{cached} cached" + (f", {corrupt} corrupt cache entries rebuilt" if corrupt else "")
                      + (f", {failed} FAILED" if failed else "")
-                     + f"; nvcc {cpu:.1f}s; wall {self.seconds:.1f}s; {len(self.artifacts)} artifacts")
+                     + f"; nvcc {cpu:.1f}s; wall {self.seconds:.1f}s; {len(self.artifacts)} artifacts"
+                     + (f" ({probed} tasks complete in the cache before any worker started)" if probed and self.workers else ""))
         return "\n".join(lines)
 
 
@@ -489,16 +532,35 @@ def build_library(library: Library, *, jobs: int | None = None, executor: str = 
     if library.tune and db:
         _tune_missing(library, db, root)
     tasks = plan_tasks(library, root, db)
-    if executor == "serial":
-        results, workers = run_serial(tasks, report), 1
+    # incremental: tasks whose sources and binaries are all cached finish here, with no worker
+    done: dict[int, TaskResult] = {}
+    programs: dict = {}
+    corrupt: dict[int, int] = {}
+    for i, t in enumerate(tasks):
+        r, corrupt[i] = probe_task(t, programs)
+        if r is not None:
+            done[i] = r
+            if report:
+                report("done", t, r)
+    todo = [t for i, t in enumerate(tasks) if i not in done]
+    workers = 0
+    if not todo:
+        results = []
+    elif executor == "serial":
+        results, workers = run_serial(todo, report), 1
     elif executor == "local":
-        workers = max(1, min(jobs or default_jobs(), len(tasks) or 1))
-        results = run_local(tasks, workers, report, retries)
+        workers = max(1, min(jobs or default_jobs(), len(todo)))
+        results = run_local(todo, workers, report, retries)
     elif executor == "ray":
         from kspec.raybuild import run_ray
-        results, workers = run_ray(tasks, ray_address, report, retries, jobs)
+        results, workers = run_ray(todo, ray_address, report, retries, jobs)
     else:
         raise KspecInternalError(f"unknown executor {executor!r}")
+    from dataclasses import replace
+    it = iter(results)
+    results = [done[i] if i in done else next(it) for i in range(len(tasks))]
+    # entries the probe found corrupt (and removed) were rebuilt by their task
+    results = [replace(r, corrupt=r.corrupt + corrupt[i]) if corrupt[i] else r for i, r in enumerate(results)]
     summary = BuildSummary(results, executor=executor, workers=workers)
     failed_specs = {r.task.spec for r in results if not r.ok}
     summary.artifacts = assemble(library, root, db, skip=failed_specs)
@@ -536,7 +598,9 @@ def assemble(library: Library, cache_root: str, tuning_db: str | None, skip=froz
     from kspec.backends.build import CompileCache
     from kspec.compile import compile_spec
     from kspec.tune import TuningDB, bucket_key
+    from kspec.backends.toolchain import find_toolchain
     cache = CompileCache(cache_root)
+    toolchain = _TOOLCHAINS.get(find_toolchain)
     index = []
     for s in library.specs:
         if s.path in skip:
@@ -545,7 +609,7 @@ def assemble(library: Library, cache_root: str, tuning_db: str | None, skip=froz
             tuned = TuningDB(tuning_db).chooser(b.as_dict if b else None) if tuning_db else None
             target = artifact_dir(library, s, b)
             art = compile_spec(s.path, s.archs, target.parent, jobs=1, cache=cache, backend=s.backend,
-                               strict=s.strict, tuned=tuned)
+                               strict=s.strict, tuned=tuned, toolchain=toolchain)
             manifest = json.loads((art / "manifest.json").read_text())
             index.append({"spec": Path(s.path).name, "bucket": b.name if b else None,
                           "sizes": dict(b.sizes) if b else {}, "size_key": bucket_key(b.as_dict if b else None),
