@@ -288,7 +288,8 @@ def cmd_compile(args) -> int:
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
     if args.emit_only:
-        emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict)
+        emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
+                            tuned=_tuned(args))
         if args.output is None and args.print:
             for plist in emitted.plans.values():
                 for ep in plist:
