@@ -384,7 +384,7 @@ def cmd_build(args) -> int:
     lib = load_library(args.manifest, out=args.output)
     executor = "ray" if args.ray is not None else ("serial" if args.jobs == 1 else "local")
     from kspec.backends.build import CompileCache
-    n = len(plan_tasks(lib, str(CompileCache().root)))
+    n = len(plan_tasks(lib, str(CompileCache().root), args.tuning_db))
     reporter = ProgressReporter(n, enabled=not args.quiet)
     try:
         summary = build_library(lib, jobs=args.jobs, executor=executor, ray_address=args.ray or None,

@@ -93,3 +93,22 @@ def test_ray_worker_killed_mid_compile_is_retried_and_the_cache_stays_consistent
     clean = load_library(write_library(tmp_path, buckets=False), out=str(tmp_path / "clean"))
     build_library(clean, jobs=2, cache_root=str(tmp_path / "clean-cache"))
     assert tree(tmp_path / "out") == tree(tmp_path / "clean")
+
+
+def test_ray_tune_ranks_on_cpu_workers_and_writes_one_database(tmp_path, ctl):
+    """With no GPU in the cluster, tuning tasks rank by the cost model on CPU workers; their
+    winners land in one database file (merged under its lock)."""
+    from library_fixtures import SPEC_AXPY, SPEC_ROWSUM
+
+    from kspec.raybuild import tune_ray
+    from kspec.tune import MODEL_DRIVER, TuningDB
+    for name, text in (("axpy.kspec", SPEC_AXPY), ("rowsum.kspec", SPEC_ROWSUM)):
+        (tmp_path / name).write_text(text)
+    db = tmp_path / "tune.json"
+    jobs = [(str(tmp_path / n), ("sm90a", "sm100a"), [{"N": 4096, "M": 8}], str(db), str(tmp_path / "cache"), None)
+            for n in ("axpy.kspec", "rowsum.kspec")]
+    results = tune_ray(jobs)
+    assert [len(r) for r in results] == [4, 2]
+    entries = TuningDB(db).entries()
+    assert len(entries) == 6 and {e.driver for e in entries} == {MODEL_DRIVER}
+    assert {e.kernel.split(":")[0] for e in entries} == {"axpy.kspec", "rowsum.kspec"}
