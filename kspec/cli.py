@@ -410,7 +410,8 @@ def _register_build(sub) -> None:
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="worker processes (default: cores, bounded by free memory); with --ray, local cluster CPUs")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run the tasks on a Ray cluster (no ADDRESS: a local one); the cache must be shared")
+                   help="run the tasks on a Ray cluster (no ADDRESS: a local one; put --ray after MANIFEST); "
+                        "the compile cache must be shared by every worker")
     p.add_argument("--tuning-db", metavar="PATH", help="tuning database to apply (default: the manifest's)")
     p.add_argument("--retries", type=int, default=2, help="re-runs of a task whose worker died (default 2)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
