@@ -50,9 +50,15 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None):
 def run_ray(tasks: Sequence[BuildTask], address: str | None = None, report: Reporter | None = None,
             retries: int = 2, num_cpus: int | None = None) -> tuple[list[TaskResult], int]:
     """Run every task as a Ray task (1 CPU each); returns (results in task order, cluster CPUs)."""
+    from kspec.backends.build import NVCC_BYTES
     ray = ensure_ray(address, num_cpus)
-    workers = int(ray.cluster_resources().get("CPU", 1))
-    remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=False)(run_task)
+    res = ray.cluster_resources()
+    workers = int(res.get("CPU", 1))
+    # memory-aware placement: each task reserves one nvcc's peak memory, capped at the cluster's
+    # memory per CPU so that a small cluster can still place every task
+    memory = int(min(NVCC_BYTES, res.get("memory", 0) / max(1.0, res.get("CPU", 1.0))))
+    opts = {"memory": memory} if memory > 0 else {}
+    remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=False, **opts)(run_task)
     refs = {}
     for i, t in enumerate(tasks):
         if report:
