@@ -190,3 +190,15 @@ def test_candidates_are_in_cutlass_configuration_list(gemm_ir):
         for cfg in b.candidates(gemm_ir, arch)[1:]:
             tile, cluster = (tuple(int(x) for x in v.split("x")) for v in _tile(cfg))
             assert (tile, cluster) in valid, (arch, tile, cluster)
+
+
+def test_tune_cli_takes_a_library_manifest(tmp_path):
+    from library_fixtures import write_library
+    m = write_library(tmp_path)
+    db = tmp_path / "tune.json"
+    r = subprocess.run([sys.executable, "-m", "kspec", "tune", str(m), "--tuning-db", str(db)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # axpy.kspec: 2 kernels x 2 archs x 2 buckets; rowsum.kspec: 1 kernel x 2 archs, no bucket
+    assert "wrote 10 winners" in r.stdout
+    assert sorted({e.bucket for e in TuningDB(db).entries()}) == ["*", "M=4096,N=65536", "M=8,N=256"]
