@@ -215,6 +215,7 @@ class BuildTask:
     backend: str | None = None
     strict: bool = False
     tuning_db: str | None = None
+    tune: bool = False                         # rank this kernel's candidates first when the db has no winner
 
     @property
     def label(self) -> str:
@@ -275,6 +276,11 @@ def run_task(task: BuildTask) -> TaskResult:
     host = f"{socket.gethostname()}:{os.getpid()}"
     cache = CompileCache(task.cache_root)
     try:
+        if task.tune and task.tuning_db:
+            from kspec.tune import tune_spec
+            tune_spec(task.spec, (task.arch,), [dict(task.sizes)] if task.sizes else None, TuningDB(task.tuning_db),
+                      cache_root=cache.root, measure_gpu=False, backend=task.backend, kernel=task.kernel,
+                      only_missing=True)
         tuned = TuningDB(task.tuning_db).chooser(dict(task.sizes)) if task.tuning_db else None
         emitted = emit_spec(task.spec, (task.arch,), task.kernel, cache.root, task.backend, task.strict, tuned)
         results = build_all(_jobs(emitted), _TOOLCHAINS.get(find_toolchain), cache, max_parallel=1)
@@ -314,6 +320,8 @@ def probe_task(task: BuildTask, programs: dict | None = None) -> tuple[TaskResul
                 choice = p.choices[task.arch]
                 b = registry.get(choice.backend)
                 config = tuned(p.ir, task.arch, choice.backend) if tuned else None
+                if config is None and task.tune and len(b.candidates(p.ir, task.arch)) > 1:
+                    return None, cache.stats.corrupt          # not tuned yet: the task tunes first
                 lp = b.lower(p.ir, task.arch, config) if config else b.lower(p.ir, task.arch)
                 em = emit_cached(lp, cache.root, memo_only=True)
                 if em is None:
@@ -342,7 +350,7 @@ def plan_tasks(library: Library, cache_root: str, tuning_db: str | None = None) 
             for arch in archs:
                 for b in (s.buckets if db else ()) or (None,):
                     tasks.append(BuildTask(s.path, k.name, arch, b.name if b else "", b.sizes if b else (),
-                                           cache_root, s.backend, s.strict, db))
+                                           cache_root, s.backend, s.strict, db, library.tune and bool(db)))
     return tasks
 
 
@@ -529,8 +537,6 @@ def build_library(library: Library, *, jobs: int | None = None, executor: str = 
     cache = CompileCache(cache_root)
     root = str(cache.root.resolve())
     db = tuning_db or library.tuning_db
-    if library.tune and db:
-        _tune_missing(library, db, root)
     tasks = plan_tasks(library, root, db)
     # incremental: tasks whose sources and binaries are all cached finish here, with no worker
     done: dict[int, TaskResult] = {}
@@ -576,16 +582,6 @@ class LibraryBuildError(KspecError):
     def __init__(self, message: str, summary: BuildSummary, hint: str | None = None):
         super().__init__(message, hint=hint)
         self.summary = summary
-
-
-def _tune_missing(library: Library, db_path: str, cache_root: str) -> None:
-    """Rank (cost model) the kernels of the library that have no tuning entry yet."""
-    from kspec.tune import TuningDB, tune_spec
-    db = TuningDB(db_path)
-    for s in library.specs:
-        buckets = [b.as_dict for b in s.buckets] or None
-        tune_spec(s.path, s.archs, buckets, db, cache_root=Path(cache_root), measure_gpu=False,
-                  backend=s.backend, only_missing=True)
 
 
 def artifact_dir(library: Library, spec: SpecEntry, bucket: Bucket | None) -> Path:

@@ -332,7 +332,7 @@ class TuneResult:
 def tune_spec(path: str | Path, archs: tuple[str, ...] | None, buckets: list[dict[str, int]] | None,
               db: TuningDB | None, *, cache_root: Path | None = None, measure_gpu: bool | None = None,
               backend: str | None = None, verify: bool = True, log: Callable[[str], None] | None = None,
-              only_missing: bool = False) -> list[TuneResult]:
+              only_missing: bool = False, kernel: str | None = None) -> list[TuneResult]:
     """Rank every planned kernel's candidates for every arch and bucket; with `verify`, the winner
     is emitted (no toolchain) and a candidate the backend rejects gives way to the next; on a GPU
     machine (measure_gpu None = when present) the top candidates are built and timed.  Winners go to
@@ -345,7 +345,7 @@ def tune_spec(path: str | Path, archs: tuple[str, ...] | None, buckets: list[dic
 
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
-    schedules = plan_spec(program, archs, backend=backend)
+    schedules = plan_spec(program, archs, kernel, backend=backend)
     gpu = driver_identity() if measure_gpu in (None, True) else None
     if measure_gpu and gpu is None:
         raise KspecError("--measure needs a CUDA device, and none is usable here",

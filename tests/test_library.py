@@ -232,6 +232,9 @@ def test_tuned_library_builds_a_configuration_per_bucket(tmp_path, fake):
     from kspec.tune import TuningDB
     assert {e.bucket for e in TuningDB(tmp_path / "tuning.json").entries()} == {"K=4096,M=64,N=4096",
                                                                                "K=8192,M=8192,N=8192"}
+    # tuned and built: a re-run finds everything in the cache and starts no worker
+    again = build_library(lib, jobs=2)
+    assert again.workers == 0 and all(r.status == "cached" for r in again.results)
     # `kspec compile` applies the same database for a bucket
     r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(tmp_path / "gemm.kspec"), "--arch", "sm90a",
                         "--emit-only", "--print", "--tuning-db", str(tmp_path / "tuning.json"),
