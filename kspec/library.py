@@ -461,7 +461,7 @@ class ProgressReporter:
             self.done += 1
         elapsed = time.monotonic() - self.t0
         if event == "start":
-            line = f"[{self.done}/{self.total}] building  {task.label}"
+            line = f"[{self.done}/{self.total}] queued    {task.label}"
         elif event == "retry":
             line = f"[{self.done}/{self.total}] RETRY     {task.label} (its worker died)"
         elif result is not None and result.ok:
