@@ -446,9 +446,10 @@ class ProgressReporter:
         self._rich = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             try:
+                from rich.console import Console
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
                 self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), transient=False)
+                                      TimeElapsedColumn(), transient=False, console=Console(file=self.stream))
                 self._bar = self._rich.add_task("building", total=total)
                 self._rich.start()
             except ImportError:

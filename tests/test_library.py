@@ -255,3 +255,31 @@ def test_library_build_with_real_nvcc(tmp_path, monkeypatch):
     import kspec
     mod = kspec.load(tmp_path / "lib" / "axpy")
     assert hasattr(mod, "axpy") and hasattr(mod, "act")
+
+
+def test_progress_lines_and_rich_bar(tmp_path):
+    import io
+
+    from kspec.library import BuildTask, ProgressReporter, TaskResult
+    t = BuildTask(str(tmp_path / "a.kspec"), "k", "sm90a", "decode", (("M", 64),), str(tmp_path))
+    plain = io.StringIO()
+    r = ProgressReporter(2, stream=plain)
+    r("start", t, None)
+    r("done", t, TaskResult(t, True, built=2, seconds=1.25))
+    r("retry", t, None)
+    r("done", t, TaskResult(t, False, error="error: x"))
+    lines = [line.split("   [")[0] for line in plain.getvalue().splitlines()]
+    assert lines == ["[0/2] queued    a.kspec:k sm90a [decode]",
+                     "[1/2] built     a.kspec:k sm90a [decode] in 1.2s (2 built, 0 cached)",
+                     "[1/2] RETRY     a.kspec:k sm90a [decode] (its worker died)",
+                     "[2/2] FAILED    a.kspec:k sm90a [decode]"]
+    pytest.importorskip("rich", reason="rich draws the bar on a terminal when it is installed")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    term = Terminal()
+    r = ProgressReporter(1, stream=term)
+    r("done", t, TaskResult(t, True, cached=2))
+    r.close()
+    assert "cached    a.kspec:k sm90a [decode]" in term.getvalue() and "1/1" in term.getvalue()
