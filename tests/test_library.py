@@ -282,4 +282,6 @@ def test_progress_lines_and_rich_bar(tmp_path):
     r = ProgressReporter(1, stream=term)
     r("done", t, TaskResult(t, True, cached=2))
     r.close()
-    assert "cached    a.kspec:k sm90a [decode]" in term.getvalue() and "1/1" in term.getvalue()
+    import re
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term.getvalue())
+    assert "cached    a.kspec:k sm90a [decode]" in text and "1/1" in text
