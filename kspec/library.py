@@ -448,7 +448,8 @@ class ProgressReporter:
             try:
                 from rich.console import Console
                 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-                self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                # markup off: "[bucket]" in a label is text, not a rich style tag
+                self._rich = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), transient=False, console=Console(file=self.stream))
                 self._bar = self._rich.add_task("building", total=total)
                 self._rich.start()
@@ -472,7 +473,7 @@ class ProgressReporter:
             line = f"[{self.done}/{self.total}] FAILED    {task.label}"
         if self._rich is not None:
             if event != "start":
-                self._rich.console.print(line)
+                self._rich.console.print(line, markup=False, highlight=False)
             self._rich.update(self._bar, completed=self.done, description=task.label)
         else:
             print(f"{line}   [{elapsed:6.1f}s]", file=self.stream, flush=True)
