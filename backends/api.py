@@ -82,7 +82,8 @@ class Backend(Protocol):
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
         """Configurations worth autotuning over; the default first."""
 
-    def lower(self, ir: KernelIR, arch: str) -> LoweredPlan: ...
+    def lower(self, ir: KernelIR, arch: str, config: tuple[tuple[str, str], ...] | None = None) -> LoweredPlan:
+        """config: one of `candidates(ir, arch)` (a tuning winner); None means `default_config`."""
 
     def emit(self, lowered: LoweredPlan): ...
 

@@ -60,8 +60,8 @@ def _kinds(b: Backend) -> tuple[str, ...]:
 class Planner:
     """What the compiler asks while fusing and scheduling (compiler.kir.Oracle).
 
-    pinned: a backend every kernel must use (`--backend NAME`); a spec's `backend = NAME`
-    schedule setting pins one kernel.  strict: a fallback is an error instead of a note."""
+    pinned: the backend preferred for every kernel it can build (`--backend NAME`); a spec's
+    `backend = NAME` schedule setting pins one kernel.  strict: a fallback is an error."""
 
     def __init__(self, pinned: str | None = None, strict: bool = False):
         if pinned == "auto":
@@ -74,8 +74,8 @@ class Planner:
     def _fast(self) -> list[Backend]:
         """The backends that may implement fused kernels (not the loop-kernel fallback)."""
         fast = [b for b in backends() if not b.capabilities.fallback_kinds]
-        if self.pinned and get(self.pinned) in fast:
-            return [get(self.pinned)]
+        if self.pinned:
+            fast.sort(key=lambda b: b.name != self.pinned)      # the preferred backend first
         return fast
 
     def epilogue_fns(self, archs: tuple[str, ...]) -> frozenset[str] | None:
@@ -113,7 +113,10 @@ class Planner:
         return None
 
     def choose(self, ir: KernelIR, arch: str) -> BackendChoice:
-        pin = self.pinned or ir.hint(arch).backend
+        """The backend for `ir` on `arch`.  A spec's `backend = NAME` schedule setting pins the kernel:
+        that backend builds it or it is an error.  `--backend NAME` (self.pinned) puts NAME first
+        in the preference order: it builds every kernel it can, the others are chosen as usual."""
+        pin = ir.hint(arch).backend
         # a pin applies to the kinds of kernel the pinned backend builds at all; other kernels of
         # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
         if pin and ir.kind in _kinds(get_checked(pin, ir)):
@@ -123,12 +126,16 @@ class Planner:
                 raise KspecError(f"backend {pin} cannot build kernel {ir.id} ({ir.kind}) on {arch}: {why}", ir.span,
                                  "drop the backend pin to let kspec choose")
             return self._choice(b, ir, arch, ())
+        order = backends()
+        if self.pinned:
+            order = [get(self.pinned)] + [b for b in order if b.name != self.pinned]
         rejected: list[tuple[str, str]] = []
-        for b in backends():
+        for b in order:
             why = b.can_implement(ir, arch)
             if why is None:
                 return self._choice(b, ir, arch, tuple(rejected))
-            rejected.append((b.name, why))
+            if ir.kind in _kinds(b):             # a backend for other kinds of kernel has nothing to say
+                rejected.append((b.name, why))
         raise KspecError(f"no backend can build kernel {ir.id} ({ir.kind}) on {arch}: "
                          + "; ".join(f"{n}: {w}" for n, w in rejected), ir.span)
 
@@ -136,6 +143,8 @@ class Planner:
         fallback = b.is_fallback(ir)
         if fallback and rejected:
             fallback += " because " + "; ".join(f"{n}: {w}" for n, w in rejected)
+        elif fallback:
+            fallback += f": no other backend implements {ir.kind} kernels"
         if fallback and self.strict:
             raise KspecError(f"kernel {ir.id} ({ir.kind}) on {arch} would run as {fallback}", ir.span,
                              "--strict forbids loop-kernel fallbacks; change the spec, or drop --strict")

@@ -244,7 +244,8 @@ def cmd_compile(args) -> int:
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
     if args.emit_only:
-        emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict)
+        emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
+                            tuned=_tuned(args))
         if args.output is None and args.print:
             for plist in emitted.plans.values():
                 for ep in plist:
@@ -258,7 +259,9 @@ def cmd_compile(args) -> int:
     t0 = time.monotonic()
     from kspec.backends.build import CompileCache
     cache = CompileCache()
-    emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict)
+    tuned = _tuned(args)
+    emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict,
+                        tuned=tuned)
     for sched in emitted.schedules:
         for p in sched.plans:
             for arch, ch in p.choices.items():
@@ -268,6 +271,17 @@ def cmd_compile(args) -> int:
                        progress=Progress(enabled=not args.quiet), emitted=emitted)
     print(f"wrote {out}  ({time.monotonic() - t0:.1f}s)")
     return 0
+
+
+def _tuned(args):
+    """The tuning database's chooser for `kspec compile` (None when there is no database)."""
+    from kspec.tune import TuningDB, driver_identity
+    db = TuningDB(getattr(args, "tuning_db", None))
+    if not db.path.is_file():
+        if getattr(args, "tuning_db", None):
+            raise KspecError(f"tuning database {db.path} does not exist", hint="create it with `kspec tune`")
+        return None
+    return db.chooser(parse_sizes(getattr(args, "sizes", None)) or None, driver_identity())
 
 
 def cmd_inspect(args) -> int:
@@ -301,6 +315,10 @@ def _register_compile(sub) -> None:
     p.add_argument("--emit-only", action="store_true", help="write the generated C++ instead of compiling")
     p.add_argument("--print", action="store_true", help="with --emit-only and no -o: print the C++ to stdout")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    p.add_argument("--tuning-db", metavar="PATH",
+                   help="apply this tuning database's winners (default $KSPEC_TUNING_DB, else "
+                        "$KSPEC_CACHE_DIR/tuning.json when it exists)")
+    p.add_argument("--sizes", metavar="SIZES", help="the size bucket to take tuned configurations for, e.g. M=64")
     p.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", help="show registers, shared memory and SASS of a compiled artifact",
@@ -327,8 +345,128 @@ def _register_selftest(sub) -> None:
     register(sub)
 
 
+def cmd_build(args) -> int:
+    from kspec.library import LibraryBuildError, ProgressReporter, build_library, load_library, plan_tasks
+    lib = load_library(args.manifest, out=args.output)
+    executor = "ray" if args.ray is not None else ("serial" if args.jobs == 1 else "local")
+    from kspec.backends.build import CompileCache
+    n = len(plan_tasks(lib, str(CompileCache().root), args.tuning_db))
+    reporter = ProgressReporter(n, enabled=not args.quiet)
+    try:
+        summary = build_library(lib, jobs=args.jobs, executor=executor, ray_address=args.ray or None,
+                                tuning_db=args.tuning_db, report=reporter, retries=args.retries)
+    except LibraryBuildError as e:
+        reporter.close()
+        print(e.summary.table())
+        raise
+    reporter.close()
+    print(summary.table())
+    print(f"wrote {len(summary.artifacts)} artifacts and {lib.out}/library.json")
+    return 0
+
+
+def _register_build(sub) -> None:
+    p = sub.add_parser("build", help="compile a library of specs x archs x size buckets in parallel",
+                       description="Build every spec of a library manifest (TOML/JSON: [library], [buckets], "
+                                   "[[specs]]; see kspec/library.py) or of a directory of .kspec files: one task "
+                                   "per spec kernel, arch and size bucket on a local process pool (or Ray), "
+                                   "cached by content, then one artifact per spec (and bucket) under OUT.")
+    p.add_argument("manifest", metavar="MANIFEST|DIR")
+    p.add_argument("-o", "--output", metavar="OUT", help="output directory (default: the manifest's [library] out)")
+    p.add_argument("-j", "--jobs", type=int, default=None,
+                   help="worker processes (default: cores, bounded by free memory); with --ray, local cluster CPUs")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the tasks on a Ray cluster (no ADDRESS: a local one; put --ray after MANIFEST); "
+                        "the compile cache must be shared by every worker")
+    p.add_argument("--tuning-db", metavar="PATH", help="tuning database to apply (default: the manifest's)")
+    p.add_argument("--retries", type=int, default=2, help="re-runs of a task whose worker died (default 2)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    p.set_defaults(func=cmd_build)
+
+
+def cmd_tune(args) -> int:
+    import json as _json
+    from pathlib import Path
+
+    from kspec.tune import TuningDB, describe, tune_spec
+    db = None if args.dry_run else TuningDB(args.tuning_db)
+    jobs = []
+    if Path(args.file).suffix == ".kspec":
+        sizes = parse_sizes(args.sizes) if args.sizes else None
+        jobs.append((args.file, _archs(args.arch, load_spec(args.file)), [sizes] if sizes else None))
+    else:
+        from kspec.library import load_library
+        for s in load_library(args.file).specs:
+            archs = _archs(args.arch) if args.arch else s.archs
+            jobs.append((s.path, archs, [b.as_dict for b in s.buckets] or None))
+    measure = True if args.measure else (False if args.model_only else None)
+    results = []
+    if args.ray is not None:
+        from kspec.raybuild import tune_ray
+        from kspec.backends.build import CompileCache
+        root = str(CompileCache().root)
+        for rs in tune_ray([(f, a, b, None if db is None else str(db.path), root, args.backend) for f, a, b in jobs],
+                           args.ray or None):
+            results += rs
+    else:
+        from kspec.backends.build import CompileCache
+        root = CompileCache().root
+        for f, a, b in jobs:
+            results += tune_spec(f, a, b, db, measure_gpu=measure, backend=args.backend, cache_root=root)
+    if args.format == "json":
+        print(_json.dumps([{"spec": r.spec, "plan": r.plan, "arch": r.arch, "bucket": r.bucket, "backend": r.backend,
+                            "winner": dict(r.winner), "ranking": [{"config": dict(x.config), "seconds": x.seconds,
+                                                                   "source": x.source} for x in r.ranking],
+                            "rejected": [{"config": dict(c), "reason": w} for c, w in r.rejected]}
+                           for r in results], indent=1))
+    else:
+        for r in results:
+            print(f"{r.spec}:{r.plan} on {r.arch} [{r.bucket}] ({r.backend}): {describe(r.winner)}")
+            for i, x in enumerate(r.ranking[:args.top]):
+                mark = "*" if x.config == r.winner else " "
+                print(f"  {mark} {i + 1}. {describe(x.config):<40} {x.seconds * 1e6:10.1f} us  ({x.source})")
+            for c, why in r.rejected:
+                print(f"    rejected {describe(c)}: {why}")
+        if db is not None:
+            print(f"wrote {len(results)} winners to {db.path}")
+    return 0
+
+
+def _register_tune(sub) -> None:
+    p = sub.add_parser("tune", help="rank each kernel's candidate configurations and record the winners",
+                       description="For every planned kernel, arch and size bucket: rank the backend's candidate "
+                                   "configurations with the cost model (and time them with CUDA events when a GPU "
+                                   "is present), and store the winner in the tuning database, which `kspec "
+                                   "compile` and `kspec build` then use.")
+    p.add_argument("file", metavar="FILE|MANIFEST")
+    p.add_argument("--arch", help="archs, comma-separated (default: the spec's target, else all)")
+    p.add_argument("--sizes", help="the size bucket for a single spec, e.g. M=64,N=4096,K=4096")
+    p.add_argument("--backend", metavar="NAME", help="plan with this backend wherever it applies")
+    p.add_argument("--tuning-db", metavar="PATH",
+                   help="the database file (default $KSPEC_TUNING_DB, else $KSPEC_CACHE_DIR/tuning.json)")
+    p.add_argument("--dry-run", action="store_true", help="print the ranking without writing the database")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--measure", action="store_true", help="require a GPU and time the candidates")
+    g.add_argument("--model-only", action="store_true", help="rank by the cost model even on a GPU machine")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="tune on a Ray cluster (GPU workers measure when the cluster has GPUs)")
+    p.add_argument("--top", type=int, default=5, help="candidates to print per kernel (default 5)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_tune)
+
+
+def _register_doctor(sub) -> None:
+    from kspec.doctor import register
+    register(sub)
+
+
+def _register_selftest(sub) -> None:
+    from kspec.selftest import register
+    register(sub)
+
+
 _EXTRA_COMMANDS: list = [_register_graph, _register_lower, _register_compile, _register_run,
-                         _register_doctor, _register_selftest]
+                         _register_doctor, _register_selftest, _register_build, _register_tune]
 
 
 class _Parser(argparse.ArgumentParser):

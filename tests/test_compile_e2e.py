@@ -16,15 +16,20 @@ from kspec.compile import emit_spec
 ARCHS = ("sm90a", "sm100a")
 
 
+# every shipped spec through the C++-emitting backends (CUTLASS pinned for its GEMMs and attention);
+# the int8 GEMM only has a CuTe DSL tensor-core kernel (tests/test_cute_backend.py)
+CPP_SHIPPED = [s for s in SHIPPED if s != "gemm_int8"]
+
+
 @pytest.fixture(scope="module")
 def emitted():
-    return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS, backend="cutlass") for stem in SHIPPED}
+    return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS, backend="cutlass") for stem in CPP_SHIPPED}
 
 
 PLANS = {"mlp2": 2, "swiglu_mlp": 3}       # specs that are more than one kernel (two or three GEMMs)
 
 
-@pytest.mark.parametrize("stem", SHIPPED)
+@pytest.mark.parametrize("stem", CPP_SHIPPED)
 def test_every_shipped_spec_emits_one_kernel_per_arch(emitted, stem):
     e = emitted[stem]
     assert len(e.plans) == PLANS.get(stem, 1), f"{stem} should fuse into {PLANS.get(stem, 1)} kernel(s)"

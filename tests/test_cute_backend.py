@@ -259,7 +259,7 @@ def test_shipped_gemm_spec_builds_offline_for_both_archs(cute_artifacts, stem):
     art = cute_artifacts(stem)
     m = json.loads((art / "manifest.json").read_text())
     (plan,) = m["kernels"][0]["plans"]
-    assert "cutlass-dsl" in m["toolchain"]
+    assert "backend:cute" in m["toolchain"]
     try:
         tc = find_toolchain()
     except Exception:
@@ -279,7 +279,8 @@ def test_shipped_gemm_spec_builds_offline_for_both_archs(cute_artifacts, stem):
         undef = subprocess.run(["nm", "-D", "--undefined-only", str(so)], capture_output=True, text=True).stdout
         assert "_cuda" not in undef and "_cu" not in undef.replace("__cxa", "")
         exported = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True).stdout
-        assert sorted(l.split()[-1] for l in exported.splitlines()) == ["kspec_prepare", "kspec_workspace_size"]
+        assert sorted(l.split()[-1] for l in exported.splitlines()) == ["kspec_abi_version", "kspec_prepare",
+                                                                         "kspec_workspace_size"]
         if tc is not None and tc.cuobjdump is not None:
             sass = _sass(art / b["cubin"], tc)
             assert f" {insn}." in sass or f" {insn} " in sass, f"{stem} {arch}: no {insn}"

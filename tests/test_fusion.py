@@ -508,8 +508,9 @@ def test_softmax_absorbs_its_scaling_and_the_cast_of_its_store():
 # ---------------------------------------------------------------- specs users write (issue 12)
 
 def plan_of(src: str):
-    """Planned as `kspec compile` plans: the backend registry answers what fuses and who builds it."""
-    return plan_kernel(kernel_of(src), ("sm90a", "sm100a"), Planner())
+    """Planned as `kspec compile --backend cutlass` plans (these tests read the CUTLASS descriptors):
+    the backend registry answers what fuses and who builds it."""
+    return plan_kernel(kernel_of(src), ("sm90a", "sm100a"), Planner("cutlass"))
 
 
 def lower_all(sched):

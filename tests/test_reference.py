@@ -185,10 +185,35 @@ def test_attention_causal():
     np.testing.assert_array_equal(out["O"][:, :, 0], V[:, :, 0])
 
 
+def test_gemm_int8_is_exact():
+    rng = np.random.default_rng(21)
+    A = rng.integers(-128, 128, (9, 257)).astype(np.int8)
+    B = rng.integers(-128, 128, (257, 12)).astype(np.int8)
+    out = run_both(SPECS / "gemm_int8.kspec", A=A, B=B)
+    assert out["D"].dtype == np.int32
+    np.testing.assert_array_equal(out["D"], A.astype(np.int64) @ B.astype(np.int64))
+
+
+def test_gemm_tf32_rounds_operands_to_tf32():
+    rng = np.random.default_rng(22)
+    A = rng.standard_normal((7, 65)).astype(np.float32)
+    B = rng.standard_normal((65, 9)).astype(np.float32)
+    out = run_both(SPECS / "gemm_tf32.kspec", A=A, B=B)
+
+    def tf32(x):            # round to nearest even at 10 mantissa bits, independently of kspec
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    want = tf32(A) @ tf32(B)
+    np.testing.assert_allclose(out["D"].astype(np.float64), want, rtol=1e-5, atol=1e-5)
+    # (and not the unrounded f32 product at this size: the rounding is what tf32 means)
+    assert np.abs(f64(A) @ f64(B) - want).max() > 1e-4
+
+
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
-              "fp8_gemm_cast_bias",
+              "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested

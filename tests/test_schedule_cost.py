@@ -29,6 +29,11 @@ def planned(kernel, archs=("sm90a", "sm100a"), oracle=None):
     return plan_kernel(kernel, archs, oracle or Planner())
 
 
+def planned_cutlass(kernel, archs=("sm90a", "sm100a")):
+    """Planned with the CUTLASS C++ backend preferred (`--backend cutlass`): its tile heuristic."""
+    return plan_kernel(kernel, archs, Planner("cutlass"))
+
+
 def cfg(plan, arch) -> dict:
     return dict(plan.choices[arch].config)
 
@@ -133,7 +138,7 @@ def test_slots_are_not_shared_across_shapes_or_dtypes():
 # ---------------------------------------------------------------- tile configs
 
 def test_schedule_hint_for_one_arch_wins_over_the_heuristic():
-    sched = planned(shipped("gemm_bias_gelu_residual"))
+    sched = planned_cutlass(shipped("gemm_bias_gelu_residual"))
     (p,) = sched.plans
     h90, h100 = cfg(p, "sm90a"), cfg(p, "sm100a")
     assert h90 == {"tile": "128x128x64", "cluster": "2x1x1", "source": "hint"}
@@ -151,10 +156,10 @@ def test_generic_and_per_arch_hints_combine_field_by_field():
 }
 schedule g { tile = 64x64x32  stages = 3 }
 schedule g for sm100a { tile = 256x128x64  cluster = 4x1x1 }"""
-    (p,) = planned(kernel_of(src)).plans
+    (p,) = planned_cutlass(kernel_of(src)).plans
     c90, c100 = cfg(p, "sm90a"), cfg(p, "sm100a")
     assert (c90["tile"], c90["stages"], c90["source"]) == ("64x64x32", "3", "hint")
-    assert c90["cluster"] == cfg(planned(kernel_of(src.split("schedule")[0])).plans[0], "sm90a")["cluster"]
+    assert c90["cluster"] == cfg(planned_cutlass(kernel_of(src.split("schedule")[0])).plans[0], "sm90a")["cluster"]
     assert c100 == {"tile": "256x128x64", "cluster": "4x1x1", "stages": "3", "source": "hint"}
     assert p.choices["sm100a"].describe() == "cutlass gemm (tile=256x128x64 cluster=4x1x1 stages=3 source=hint)"
 
@@ -174,13 +179,13 @@ def test_heuristic_k_tile_follows_operand_width(dtype, k_tile):
   out D : f32[M, N]
   D[m, n] = sum(k) A[m, k] * B[k, n]
 }}"""
-    (p,) = planned(kernel_of(src)).plans
+    (p,) = planned_cutlass(kernel_of(src)).plans
     for arch in ("sm90a", "sm100a"):
         assert cfg(p, arch)["source"] == "heuristic" and cfg(p, arch)["tile"].split("x")[2] == str(k_tile)
 
 
 def test_heuristic_small_literal_m():
-    (p,) = planned(kernel_of("""kernel g {
+    (p,) = planned_cutlass(kernel_of("""kernel g {
   in A : f16[64, K]
   in B : f16[K, N] col
   out D : f16[64, N]

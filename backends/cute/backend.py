@@ -77,16 +77,18 @@ class CuteBackend:
     def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
         desc = self._gemm_desc(ir, arch).desc
         cfg = self._config(desc, ir, arch)
-        return tuple(cfg.as_dict().items()) + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
+        items = tuple((k, v) for k, v in cfg.as_dict().items() if k != "backend")
+        return items + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 
     # ---- lowering, emission, build ---------------------------------------------------------------
-    def lower(self, ir: KernelIR, arch: str) -> LoweredPlan:
+    def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
+        """config: one of `candidates(ir, arch)` (a tuning winner); default: the heuristic's."""
         lp = self._gemm_desc(ir, arch)
-        cfg = self._config(lp.desc, ir, arch)
+        cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)
         return LoweredPlan(ir, arch, self.name, CuteDesc(lp.desc, cfg), lp.names, lp.dims, lp.scalars,
                            tuple(cfg.as_dict().items()))
 
@@ -116,3 +118,13 @@ class CuteBackend:
             return {}
         built = build_many(cjobs, Path(cache_root), max_parallel=jobs, progress=progress)
         return {j.label: b for j, b in zip(cjobs, built)}
+
+
+def _from_items(items) -> cute_gemm.CuteConfig:
+    """A CuteConfig from its printable items (CuteConfig.as_dict)."""
+    d = dict(items)
+    tile = tuple(int(x) for x in d["tile"].split("x"))
+    cluster = tuple(int(x) for x in d["cluster"].split("x"))
+    stages = None if d.get("stages", "auto") == "auto" else int(d["stages"])
+    return cute_gemm.CuteConfig(tile, cluster, d.get("2cta") == "true", stages)
+

@@ -10,7 +10,7 @@ from kspec.backends.api import Capabilities, LoweredPlan
 from kspec.backends.desc import AttentionDesc, GemmDesc, Operand
 from kspec.backends.names import Names
 from kspec.compiler.kir import Const, KernelIR, Load, epi_fns, epi_loads
-from kspec.core import ARCHS, FP8_DTYPES, dtype_bytes
+from kspec.core import ARCHS, FP8_DTYPES, KspecError, dtype_bytes
 
 from . import evt
 from .fmha import _TILES as _FMHA_TILES
@@ -40,6 +40,17 @@ def _heuristic(ir: KernelIR, arch: str) -> tuple[tuple[int, int, int], tuple[int
     if small and m_extent <= 128:
         return (128, 128, k_tile), (1, 1, 1)
     return (256, 128, k_tile), (2, 1, 1)
+
+
+# Extra GEMM tile/cluster pairs worth tuning over for 16-bit operands, each checked against
+# CUTLASS's own configuration list for f16 row x col operands (`gemm._configs`): on sm90a the CTA
+# tile, on sm100a the MMA tile (M 256 = a 2-SM MMA on a cluster with an even M extent).
+_TUNING_TILES: dict[str, tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...]] = {
+    "sm90a": (((128, 128, 64), (1, 2, 1)), ((128, 256, 64), (2, 1, 1)), ((64, 128, 64), (2, 1, 1)),
+              ((256, 128, 64), (1, 2, 1)), ((128, 64, 64), (1, 2, 1)), ((64, 256, 64), (2, 1, 1))),
+    "sm100a": (((256, 256, 64), (2, 1, 1)), ((128, 128, 64), (1, 1, 1)), ((128, 256, 64), (1, 1, 1)),
+               ((256, 128, 64), (4, 1, 1)), ((128, 128, 64), (2, 1, 1)), ((64, 128, 64), (1, 1, 1))),
+}
 
 
 def _shape(t) -> str:
@@ -148,14 +159,35 @@ class CutlassBackend:
         return (("tile", _shape(tile)), ("cluster", _shape(cluster)), ("source", "heuristic"))
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
-        return [self.default_config(ir, arch)]
+        """The default first, then (for 16-bit GEMMs without a schedule hint) the tile/cluster pairs
+        of _TUNING_TILES; a configuration whose fused epilogue does not fit is rejected at emit."""
+        default = self.default_config(ir, arch)
+        if ir.kind != "gemm" or dict(default).get("source") == "hint" or dtype_bytes(ir.gemm.a_dtype) != 2:
+            return [default]
+        out = [default]
+        for tile, cluster in _TUNING_TILES[arch]:
+            cfg = (("tile", _shape(tile)), ("cluster", _shape(cluster)), ("source", "candidate"))
+            if all(dict(c)["tile"] != cfg[0][1] or dict(c)["cluster"] != cfg[1][1] for c in out):
+                out.append(cfg)
+        return out
 
     # ---- lowering ------------------------------------------------------------------------------
-    def lower(self, ir: KernelIR, arch: str) -> LoweredPlan:
-        return self._lower_gemm(ir, arch) if ir.kind == "gemm" else self._lower_attention(ir, arch)
+    def lower(self, ir: KernelIR, arch: str, config: tuple[tuple[str, str], ...] | None = None) -> LoweredPlan:
+        """config: one of `candidates(ir, arch)` (e.g. a tuning-database winner) instead of the default."""
+        if ir.kind == "gemm":
+            return self._lower_gemm(ir, arch, config)
+        return self._lower_attention(ir, arch)
 
-    def _lower_gemm(self, ir: KernelIR, arch: str) -> LoweredPlan:
-        return lower_gemm_desc(ir, arch, self.name, dict(self.default_config(ir, arch)))
+    def _lower_gemm(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
+        cfg = dict(config or self.default_config(ir, arch))
+        if not isinstance(cfg.get("tile"), str) or not isinstance(cfg.get("cluster"), str):
+            raise KspecError(f"kernel {ir.id} on {arch}: configuration {cfg} has no valid tile and cluster",
+                             ir.span, "a tuning database entry may be damaged; re-run `kspec tune`")
+        try:
+            return lower_gemm_desc(ir, arch, self.name, cfg)
+        except ValueError:
+            raise KspecError(f"kernel {ir.id} on {arch}: configuration {cfg} has no valid tile and cluster",
+                             ir.span, "a tuning database entry may be damaged; re-run `kspec tune`") from None
 
     def _lower_attention(self, ir: KernelIR, arch: str) -> LoweredPlan:
         a = ir.attention

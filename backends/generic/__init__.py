@@ -463,7 +463,11 @@ class GenericBackend:
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
         return [self.default_config(ir, arch)]
 
-    def lower(self, ir: KernelIR, arch: str) -> LoweredPlan:
+    def lower(self, ir: KernelIR, arch: str, config: tuple[tuple[str, str], ...] | None = None) -> LoweredPlan:
+        # one configuration (the block size is fixed); a tuned config can only be the default
+        if config is not None and dict(config).get("block", str(BLOCK)) != str(BLOCK):
+            raise KspecError(f"kernel {ir.id} on {arch}: the generic backend has no configuration {dict(config)}",
+                             ir.span, "a tuning database entry may be stale; re-run `kspec tune`")
         return lower_generic(ir, arch)
 
     def emit(self, lowered: LoweredPlan) -> EmittedKernel:
