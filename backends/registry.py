@@ -78,26 +78,23 @@ class Planner:
             fast.sort(key=lambda b: b.name != self.pinned)      # the preferred backend first
         return fast
 
-    def epilogue_fns(self, archs: tuple[str, ...]) -> frozenset[str] | None:
-        """Elementwise fns some GEMM backend fuses into epilogues on every arch (None: no limit known)."""
+    def _gemm_capability(self, field: str, archs: tuple[str, ...]) -> frozenset[str]:
+        """What some GEMM backend offers (capabilities.<field>) on every arch in `archs`."""
         sets = []
         for arch in archs:
             s: set[str] = set()
             for b in self._fast():
                 if arch in b.capabilities.archs and "gemm" in b.capabilities.kinds:
-                    s |= b.capabilities.epilogue_fns
+                    s |= getattr(b.capabilities, field)
             sets.append(s)
         return frozenset(set.intersection(*sets)) if sets else frozenset()
 
+    def epilogue_fns(self, archs: tuple[str, ...]) -> frozenset[str] | None:
+        """Elementwise fns some GEMM backend fuses into epilogues on every arch."""
+        return self._gemm_capability("epilogue_fns", archs)
+
     def epilogue_reductions(self, archs: tuple[str, ...]) -> frozenset[str]:
-        sets = []
-        for arch in archs:
-            s: set[str] = set()
-            for b in self._fast():
-                if arch in b.capabilities.archs and "gemm" in b.capabilities.kinds:
-                    s |= b.capabilities.epilogue_reductions
-            sets.append(s)
-        return frozenset(set.intersection(*sets)) if sets else frozenset()
+        return self._gemm_capability("epilogue_reductions", archs)
 
     def can_fuse(self, ir: KernelIR, archs: tuple[str, ...]) -> str | None:
         """None when a non-fallback backend implements this candidate kernel on every arch."""
