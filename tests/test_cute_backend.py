@@ -222,6 +222,7 @@ CUTE_SPECS = {   # spec -> tensor-core instruction per arch (by operand dtype)
     "gemm_bias_relu": ("HGMMA", "UTCHMMA"),
     "gemm_bias_gelu_residual": ("HGMMA", "UTCHMMA"),
     "batched_gemm": ("HGMMA", "UTCHMMA"),
+    "batched_gemm_shared_b": ("HGMMA", "UTCHMMA"),     # the batch folded into M: one GEMM
     "fp8_gemm_scaled": ("QGMMA", "UTCQMMA"),
     "gemm_int8": ("IGMMA", "UTCIMMA"),
     "gemm_tf32": (None, "UTCHMMA"),          # sm90a: CUTLASS C++ (no tf32 WGMMA in the DSL wheel)

@@ -148,6 +148,14 @@ def test_batched_gemm():
     assert_close(out["C"], want, BF16)
 
 
+def test_batched_gemm_shared_b():
+    rng = np.random.default_rng(23)
+    A, B = rand(rng, (3, 20, 16), BF16), rand(rng, (12, 16), BF16)
+    out = run_both(SPECS / "batched_gemm_shared_b.kspec", A=A, B=B)
+    want = np.stack([f64(A[b]) @ f64(B).T for b in range(3)])
+    assert_close(out["C"], want, BF16)
+
+
 def naive_attention(Q, K, V, scale, causal):
     Q, K, V = f64(Q), f64(K), f64(V)
     Bn, H, S, _ = Q.shape
@@ -213,7 +221,7 @@ def test_gemm_tf32_rounds_operands_to_tf32():
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
-              "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32",
+              "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
