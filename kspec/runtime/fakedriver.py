@@ -269,6 +269,7 @@ class LaunchRecord:
     smem_limit: int                   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES set on the function
     stream: int
     prepare: PrepareRecord | None = None
+    param_offsets: tuple[int, ...] | None = None     # multi-parameter kernels (CuTe DSL): offset of each
 
 
 @dataclass
@@ -425,13 +426,15 @@ class FakeDriver:
     def set_dynamic_smem(self, func, nbytes: int, what: str) -> None:
         self._smem[int(func)] = max(self._smem.get(int(func), 0), int(nbytes))
 
-    def launch(self, func, grid, block, cluster, smem: int, stream: int, params_ptr: int, what: str) -> None:
+    def launch(self, func, grid, block, cluster, smem: int, stream: int, params_ptr: int, what: str,
+               param_offsets: tuple[int, ...] | None = None) -> None:
         pending, self._pending = self._pending, None
         # the blob's size is what the glue reported to the runtime (the launch gets only a pointer)
         blob = ctypes.string_at(params_ptr, pending.params_size) if pending is not None else b""
         self.launches.append(LaunchRecord(what, func.symbol, func.image, blob, tuple(int(g) for g in grid),
                                           tuple(int(b) for b in block), tuple(int(c) for c in cluster),
-                                          int(smem), self._smem.get(int(func), 0), int(stream), pending))
+                                          int(smem), self._smem.get(int(func), 0), int(stream), pending,
+                                          tuple(param_offsets) if param_offsets else None))
         if self.on_launch is not None:
             self.on_launch(self.launches[-1])
 
@@ -577,8 +580,19 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
         return [f"{what}: the cubin has no kernel '{rec.symbol}'"]
     if not info.entry:
         out.append(f"{what}: '{rec.symbol}' is not an entry point (__global__) in the cubin")
-    # parameters
-    if len(info.params) != 1:
+    # parameters: one by-value Params struct, or (CuTe DSL kernels) one pointer per parameter into
+    # the blob, at the offsets the manifest records, which must be the cubin's own
+    if rec.param_offsets is not None:
+        # (compared relative to the first parameter: the DSL's cubins place the parameter area at a
+        # non-zero base, 48 bytes into the bank, which does not change the layout the launch builds)
+        declared = tuple(p.offset - info.params[0].offset for p in info.params) if info.params else ()
+        if rec.param_offsets != declared:
+            out.append(f"{what}: launched with parameter offsets {rec.param_offsets}, the cubin declares "
+                       f"{declared} (EIATTR_KPARAM_INFO)")
+        elif info.params and declared[-1] + info.params[-1].size > len(rec.params):
+            out.append(f"{what}: the glue built a {len(rec.params)}-byte parameter blob, the cubin's parameters "
+                       f"end at byte {declared[-1] + info.params[-1].size}")
+    elif len(info.params) != 1:
         out.append(f"{what}: the kernel takes {len(info.params)} parameters; the ABI passes exactly one")
     elif info.params[0].size != len(rec.params):
         out.append(f"{what}: the glue built a {len(rec.params)}-byte parameter blob, the cubin's parameter 0 "
