@@ -577,6 +577,7 @@ def emit_gemm(desc: GemmDesc) -> EmittedKernel:
         "#endif  // KSPEC_DEVICE\n"
         "\n#if defined(KSPEC_HOST)\n"
         f"{tma_hook.HOST_SOURCE}"
+        f"{tma_hook.DRIVER_TRAMPOLINES if desc.reductions else ''}"
         f"{host}"
         "#endif  // KSPEC_HOST\n")
 

@@ -56,3 +56,39 @@ extern "C" CUresult CUDAAPI cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMap
   return encode(map, type, rank, address, dims, strides, box, element_strides, interleave, swizzle, l2, oob);
 }
 """
+
+
+# The other driver functions CUTLASS's host code calls directly under CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL
+# (the EVT reductions' workspace fill and its error message): defined here, reached through the CUDA
+# runtime's entry-point lookup, so the glue still never links libcuda and loads on a machine without
+# a driver.  Emitted into GEMM glue whose epilogue has reductions (the only code that uses them).
+DRIVER_TRAMPOLINES = r"""
+// cuMemsetD32Async / cuGetErrorString for CUTLASS (backends/cutlass/tma_hook.py): through the runtime's entry points.
+template <class Fn> static Fn kspec_driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &query) != cudaSuccess ||
+      query != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+extern "C" CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count, CUstream stream) {
+  typedef CUresult (*fn_t)(CUdeviceptr, unsigned int, size_t, CUstream);
+  fn_t fn = kspec_driver_entry<fn_t>("cuMemsetD32Async");
+  return fn == nullptr ? CUDA_ERROR_NOT_INITIALIZED : fn(dst, value, count, stream);
+}
+
+extern "C" CUresult CUDAAPI cuGetErrorString(CUresult error, const char** text) {
+  typedef CUresult (*fn_t)(CUresult, const char**);
+  fn_t fn = kspec_driver_entry<fn_t>("cuGetErrorString");
+  if (fn == nullptr) {
+    if (text != nullptr) *text = "the CUDA driver is not available";
+    return CUDA_ERROR_NOT_INITIALIZED;
+  }
+  return fn(error, text);
+}
+"""
+
