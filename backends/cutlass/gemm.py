@@ -338,6 +338,7 @@ def _host_glue(desc: GemmDesc, epi: evt.EvtEpilogue, cfg: GemmConfig,
     align = [a for _, a in _arg_alignment(desc, order)]
     tma_check = TMA_CHECK.format(ptrs="ptrs", nargs="kNumArgs",
                                  fail="kspec_set_err(err, err_cap, tma_msg);\n      return 7;")
+    has_reductions = "true" if desc.reductions else "false"
     return f"""
 namespace {{
 
@@ -464,10 +465,12 @@ int kspec_prepare_checked(const int64_t* dims, void* const* ptrs, const double* 
     kspec_set_err(err, err_cap, msg);
     return 1;
   }}
-  if (ws_bytes == 0) {{
+  if (ws_bytes == 0 && !{has_reductions}) {{
     // Nothing to initialise, so no stream work: the status check is all that runs.  (A non-empty
     // workspace is zero-filled by the loader on the launch stream instead, so that a call stays
-    // on the caller's stream and capturable; the ABI's prepare has no stream.)
+    // on the caller's stream and capturable; the ABI's prepare has no stream.  Epilogue reductions
+    // would fill their outputs on the default stream here: the loader does that on the launch stream
+    // from the manifest's `init`, so it is skipped.)
     cutlass::Status st = Kernel::initialize_workspace(args, nullptr, nullptr, nullptr);
     if (st != cutlass::Status::kSuccess) {{
       std::snprintf(msg, sizeof(msg), "CUTLASS initialize_workspace failed: %s", cutlass::cutlassGetStatusString(st));
