@@ -364,9 +364,10 @@ extern "C" __global__ void __launch_bounds__(%(block)d) kspec_kernel(const Param
 #endif  // KSPEC_DEVICE
 """
 
-_HOST = r"""
-#if defined(KSPEC_HOST)
-extern "C" int kspec_abi_version(void) { return %(abi)d; }
+# The host glue every plain-CUDA generator shares (backends/ABI.md; `%`-templates over the generator's
+# sizes: abi, nptr_real, ndim_real, nscalar_real): the ABI version, an empty workspace, and the
+# opening of kspec_prepare that fills a `Params` of pointers, dims and scalars.
+GLUE_ABI = r"""extern "C" int kspec_abi_version(void) { return %(abi)d; }
 
 extern "C" int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,
                                     uint64_t* bytes, char* err, uint64_t err_cap) {
@@ -374,8 +375,9 @@ extern "C" int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t
   *bytes = 0;
   return 0;
 }
+"""
 
-extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
+GLUE_PREPARE_OPEN = r"""extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
                              void* workspace, int32_t device, int32_t sm_count,
                              void* params, uint64_t params_cap, uint64_t* params_size,
                              uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],
@@ -392,7 +394,13 @@ extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const doubl
     p.dim[i] = dims[i];
   }
   for (int i = 0; i < %(nscalar_real)d; ++i) p.scalar[i] = scalars[i];
-  if (params_cap < sizeof(Params)) { std::snprintf(err, err_cap, "parameter buffer too small"); return 1; }
+"""
+
+
+_HOST = r"""
+#if defined(KSPEC_HOST)
+""" + GLUE_ABI + r"""
+""" + GLUE_PREPARE_OPEN + r"""  if (params_cap < sizeof(Params)) { std::snprintf(err, err_cap, "parameter buffer too small"); return 1; }
   std::memcpy(params, &p, sizeof(Params));
   *params_size = sizeof(Params);
   long long threads = %(threads)s;

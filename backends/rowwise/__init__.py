@@ -42,7 +42,7 @@ import networkx as nx
 
 from kspec.backends.api import Capabilities, LoweredPlan
 from kspec.backends.desc import EmittedKernel
-from kspec.backends.generic import _CTYPE, _FN, KspecLoweringError, _round
+from kspec.backends.generic import _CTYPE, _FN, GLUE_ABI, GLUE_PREPARE_OPEN, KspecLoweringError, _round
 from kspec.backends.irview import ScheduleView, plan_view
 from kspec.backends.names import Names as _Names
 from kspec.compiler.graph import op, operands
@@ -666,36 +666,11 @@ KSPEC_ENTRY kspec_kernel(const Params p) {
 
 _HOST = r"""
 #if defined(KSPEC_HOST)
-extern "C" int kspec_abi_version(void) { return %(abi)d; }
-
-extern "C" int kspec_workspace_size(const int64_t* dims, int32_t device, int32_t sm_count,
-                                    uint64_t* bytes, char* err, uint64_t err_cap) {
-  (void)dims; (void)device; (void)sm_count; (void)err; (void)err_cap;
-  *bytes = 0;
-  return 0;
-}
-
+""" + GLUE_ABI + r"""
 static const int kspec_vec_checks[][3] = {%(vec_checks)s};   // arg, itemsize, number of stride dims
 static const int kspec_vec_strides[] = {%(vec_strides)s};
 
-extern "C" int kspec_prepare(const int64_t* dims, void* const* ptrs, const double* scalars,
-                             void* workspace, int32_t device, int32_t sm_count,
-                             void* params, uint64_t params_cap, uint64_t* params_size,
-                             uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],
-                             uint32_t* smem_bytes, char* err, uint64_t err_cap) {
-  (void)workspace; (void)device; (void)sm_count;
-  Params p;
-  std::memset(&p, 0, sizeof(p));
-  for (int i = 0; i < %(nptr_real)d; ++i) {
-    if (ptrs[i] == nullptr) { std::snprintf(err, err_cap, "tensor argument %%d is a null pointer", i); return 1; }
-    p.ptr[i] = ptrs[i];
-  }
-  for (int i = 0; i < %(ndim_real)d; ++i) {
-    if (dims[i] < 0) { std::snprintf(err, err_cap, "size %%d is negative", i); return 1; }
-    p.dim[i] = dims[i];
-  }
-  for (int i = 0; i < %(nscalar_real)d; ++i) p.scalar[i] = scalars[i];
-  long long rows = 1;
+""" + GLUE_PREPARE_OPEN + r"""  long long rows = 1;
   for (int i = 0; i < %(n_outer)d; ++i) rows *= dims[i];
   const long long n = dims[%(n_outer)d];
   // the vector path: every row-indexed pointer 16-byte aligned, every row stride a multiple of 16 bytes
