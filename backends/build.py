@@ -533,3 +533,16 @@ def nvcc_jobs(emitted, label: str, identity: str) -> list[BuildJob]:
     """The two nvcc runs of an emitted kernel (device cubin, host glue; see ABI.md)."""
     return [BuildJob(label, emitted.source, emitted.arch, kind, emitted.include_dirs, emitted.flags, identity)
             for kind in ("cubin", "host")]
+
+
+class NvccBuilt:
+    """What every backend whose kernels nvcc builds shares (CUTLASS, row, generic): usable when a
+    toolchain is found, and two build jobs per emitted kernel (device cubin, host glue)."""
+
+    def available(self) -> str | None:
+        from .toolchain import find_toolchain_or_reason
+        return find_toolchain_or_reason()
+
+    def build_jobs(self, emitted, label: str) -> list[BuildJob]:
+        return nvcc_jobs(emitted, label, self.identity())
+

@@ -7,6 +7,7 @@ both.  Owns its tile/cluster heuristic and its capability record.
 from __future__ import annotations
 
 from kspec.backends.api import Capabilities, LoweredPlan
+from kspec.backends.build import NvccBuilt
 from kspec.backends.desc import AttentionDesc, GemmDesc, Operand
 from kspec.backends.names import Names
 from kspec.compiler.kir import Const, KernelIR, Load, epi_fns, epi_loads
@@ -57,7 +58,7 @@ def _shape(t) -> str:
     return "x".join(map(str, t))
 
 
-class CutlassBackend:
+class CutlassBackend(NvccBuilt):
     name = "cutlass"
     capabilities = Capabilities(
         archs=ARCHS, kinds=("gemm", "attention"), gemm_operands=GEMM_OPERANDS,
@@ -72,8 +73,7 @@ class CutlassBackend:
             cutlass_version()
         except Exception as e:  # noqa: BLE001 - reported as a reason, not raised
             return f"nvidia-cutlass is not usable: {e}"
-        from kspec.backends.toolchain import find_toolchain_or_reason
-        return find_toolchain_or_reason()
+        return super().available()
 
     def identity(self) -> str:
         from .compat import cutlass_version
@@ -213,10 +213,6 @@ class CutlassBackend:
             return emit_gemm(lowered.desc)
         from .fmha import emit_attention
         return emit_attention(lowered.desc)
-
-    def build_jobs(self, emitted, label: str) -> list:
-        from kspec.backends.build import nvcc_jobs
-        return nvcc_jobs(emitted, label, self.identity())
 
 
 def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = None) -> LoweredPlan:

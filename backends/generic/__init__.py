@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from kspec.backends.api import Capabilities, LoweredPlan
+from kspec.backends.build import NvccBuilt
 from kspec.backends.desc import EmittedKernel
 from kspec.backends.names import Names
 from kspec.compiler.graph import op, operands
@@ -429,16 +430,12 @@ def emit_generic(desc: GenericDesc) -> EmittedKernel:
                          alignment=tuple((a, 1) for a in desc.args), config=(("kind", "generic"), ("block", str(BLOCK))))
 
 
-class GenericBackend:
+class GenericBackend(NvccBuilt):
     """Plain CUDA loop kernels for every kernel IR: the backend of last resort.  Elementwise kernels
     are what it is for; any other kind it runs is reported as a fallback (and refused by --strict)."""
     name = "generic"
     capabilities = Capabilities(archs=ARCHS, kinds=("elementwise",),
                                 fallback_kinds=tuple(k for k in KINDS if k != "elementwise"))
-
-    def available(self) -> str | None:
-        from kspec.backends.toolchain import find_toolchain_or_reason
-        return find_toolchain_or_reason()
 
     def identity(self) -> str:
         return "kspec-generic 1"
@@ -480,7 +477,3 @@ class GenericBackend:
 
     def emit(self, lowered: LoweredPlan) -> EmittedKernel:
         return emit_generic(lowered.desc)
-
-    def build_jobs(self, emitted, label: str) -> list:
-        from kspec.backends.build import nvcc_jobs
-        return nvcc_jobs(emitted, label, self.identity())

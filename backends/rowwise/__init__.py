@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from kspec.backends.api import Capabilities, LoweredPlan
+from kspec.backends.build import NvccBuilt
 from kspec.backends.desc import EmittedKernel
 from kspec.backends.generic import _CTYPE, _FN, GLUE_ABI, GLUE_PREPARE_OPEN, KspecLoweringError, _round
 from kspec.backends.irview import ScheduleView, plan_view
@@ -746,14 +747,10 @@ def emit_rowwise(desc: RowwiseDesc) -> EmittedKernel:
                                  ("vector", f"{V} elements"), ("cluster", f"up to {MAX_CLUSTER} CTAs per row")))
 
 
-class RowwiseBackend:
+class RowwiseBackend(NvccBuilt):
     """Row kernels (this module): chains of row reductions, softmaxes and elementwise maps."""
     name = "rowwise"
     capabilities = Capabilities(archs=ARCHS, kinds=("rowwise",))
-
-    def available(self) -> str | None:
-        from kspec.backends.toolchain import find_toolchain_or_reason
-        return find_toolchain_or_reason()
 
     def identity(self) -> str:
         return "kspec-rowwise 1"
@@ -779,8 +776,4 @@ class RowwiseBackend:
 
     def emit(self, lowered: LoweredPlan) -> EmittedKernel:
         return emit_rowwise(lowered.desc)
-
-    def build_jobs(self, emitted, label: str) -> list:
-        from kspec.backends.build import nvcc_jobs
-        return nvcc_jobs(emitted, label, self.identity())
 
