@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, Protocol, Union
 
 from kspec.core import DTYPES, KspecInternalError, Span
@@ -58,12 +58,45 @@ class Const:
 @dataclass(frozen=True)
 class Op:
     """fn: one of add, sub, mul, div, neg, maximum, minimum, relu, gelu (erf), gelu_tanh, silu,
-    sigmoid, tanh, exp, log, sqrt, rsqrt, abs, clamp (args: x, lo, hi), cast:<dtype> (one arg)."""
+    sigmoid, tanh, exp, log, sqrt, rsqrt, abs, clamp (args: x, lo, hi), cast:<dtype> (one arg).
+    In attention mods also: floordiv, mod (integer), lt, le, gt, ge, eq, ne (-> bool), and, or,
+    not (bool), where (args: cond, a, b)."""
     fn: str
     args: tuple["EpiExpr", ...]
 
 
-EpiExpr = Union[Accum, Load, Const, Op]
+# ---- attention mods: expressions per score element (b.., h, i, j) -------------------------------
+# The score_mod / mask_mod model of FlexAttention and FlashAttention-4: the score modification and
+# the mask between QK^T and the softmax, lifted out as small expressions over the logical indices,
+# the score, runtime scalars (`Load(kind="scalar")`) and elements of extra tensors (`AuxLoad`).
+
+@dataclass(frozen=True)
+class Score:
+    """The attention score at (b.., h, i, j), already multiplied by the scale (f32)."""
+
+
+@dataclass(frozen=True)
+class Index:
+    """The integer value of one of the attention's labels (a batch label, the query or the key)."""
+    label: str
+
+
+@dataclass(frozen=True)
+class Size:
+    """The runtime value of a size symbol (an extent such as S or T), an integer."""
+    name: str
+
+
+@dataclass(frozen=True)
+class AuxLoad:
+    """One element of an extra tensor: `buffer[index...]`, each subscript an integer expression."""
+    buffer: str
+    index: tuple["EpiExpr", ...]
+    dtype: str
+
+
+EpiExpr = Union[Accum, Load, Const, Op, Score, Index, Size, AuxLoad]
+ModExpr = EpiExpr
 
 
 @dataclass(frozen=True)
@@ -97,22 +130,28 @@ class Epilogue:
         return self.stores[-1]
 
 
+def _children(e: EpiExpr) -> tuple:
+    if isinstance(e, Op):
+        return e.args
+    if isinstance(e, AuxLoad):
+        return e.index
+    return ()
+
+
+def epi_nodes(e: EpiExpr):
+    """Every node of an expression, root first."""
+    yield e
+    for a in _children(e):
+        yield from epi_nodes(a)
+
+
 def epi_fns(e: EpiExpr) -> set[str]:
     """Every Op fn an expression uses."""
-    if isinstance(e, Op):
-        out = {e.fn}
-        for a in e.args:
-            out |= epi_fns(a)
-        return out
-    return set()
+    return {x.fn for x in epi_nodes(e) if isinstance(x, Op)}
 
 
 def epi_loads(e: EpiExpr) -> list[Load]:
-    if isinstance(e, Load):
-        return [e]
-    if isinstance(e, Op):
-        return [x for a in e.args for x in epi_loads(a)]
-    return []
+    return [x for x in epi_nodes(e) if isinstance(x, Load)]
 
 
 def format_epi(e: EpiExpr) -> str:
@@ -122,6 +161,14 @@ def format_epi(e: EpiExpr) -> str:
         return e.name if e.kind in ("scalar", "full") else f"{e.name}[{'n' if e.kind == 'row' else 'm'}]"
     if isinstance(e, Const):
         return repr(e.value)
+    if isinstance(e, Score):
+        return "score"
+    if isinstance(e, Index):
+        return f"idx({e.label})"
+    if isinstance(e, Size):
+        return f"size({e.name})"
+    if isinstance(e, AuxLoad):
+        return f"{e.buffer}[{', '.join(format_epi(a) for a in e.index)}]"
     return f"{e.fn}({', '.join(format_epi(a) for a in e.args)})"
 
 
@@ -225,6 +272,15 @@ class AttentionStructure:
     out_buffers: tuple[str, ...]
     kv_shared: tuple[str, ...] = ()                # batch axes of Q that K and V lack (MQA)
     p_dtypes: tuple[str, ...] = ()                 # dtypes the probabilities are rounded to before PV
+    # The lifted score modification and mask (FlexAttention / FA4 score_mod and mask_mod), applied
+    # in this order after the scale: s' = score_mod(score, idx..); keep (b.., i, j) iff mask(..).
+    # A masked score is -inf; a row with every score masked has output 0 (and log-sum-exp -inf).
+    score_mod: EpiExpr | None = None               # None: the scaled score as it is
+    mask: EpiExpr | None = None                    # a boolean expression; None: nothing masked
+    aux: tuple[str, ...] = ()                      # buffers the mods read (AuxLoad), all in ir.buffers
+    kv_group: Extent | None = None                 # GQA: K/V are read at head index h // kv_group
+    kv_head: Extent | None = None                  # GQA: the K/V head count (extent of that axis)
+    lse: str | None = None                         # buffer receiving the log-sum-exp [batch.., i], f32
 
     @property
     def head_dim(self) -> Extent | None:
@@ -444,6 +500,22 @@ def verify(ir: KernelIR) -> KernelIR:
         for x in (a.qk, a.softmax, a.pv, a.q, a.k, a.v):
             if x not in seen:
                 bad(f"attention refers to unknown op {x}")
+        labels = set(a.batch) | {a.query, a.key}
+        for what, e in (("score_mod", a.score_mod), ("mask", a.mask)):
+            for x in (epi_nodes(e) if e is not None else ()):
+                if isinstance(x, Accum) or (isinstance(x, Load) and x.kind != "scalar"):
+                    bad(f"attention {what}: {format_epi(x)} has no meaning per score element")
+                if isinstance(x, Score) and what == "mask":
+                    bad("attention mask reads the score (a score-dependent mask is a score_mod)")
+                if isinstance(x, Index) and x.label not in labels:
+                    bad(f"attention {what}: index {x.label} is not one of {sorted(labels)}")
+                if isinstance(x, AuxLoad) and (x.buffer not in a.aux or x.buffer not in bufs
+                                               or len(x.index) != len(bufs[x.buffer].shape)):
+                    bad(f"attention {what}: {format_epi(x)} is not a load of a declared aux buffer")
+                if isinstance(x, Load) and x.name not in bufs:
+                    bad(f"attention {what}: unknown scalar {x.name}")
+        if a.lse is not None and (a.lse not in bufs or bufs[a.lse].role not in ("output", "intermediate")):
+            bad(f"attention lse buffer {a.lse} is not an output")
     if (ir.kind == "rowwise") != (ir.row is not None):
         bad("the row structure does not match the kind")
     if ir.anchor is not None and ir.anchor not in seen:
@@ -480,6 +552,14 @@ def format_ir(ir: KernelIR) -> str:
         dims = ", ".join(f"{r}={v}" for r, v in a.dims)
         lines.append(f"  attention: Q={a.q_buffer} K={a.k_buffer} V={a.v_buffer} ({'/'.join(a.dtypes)}), "
                      f"softmax over {a.key}{', causal' if a.causal else ''}, scale={a.scale}; {dims}")
+        if a.kv_group is not None:
+            lines.append(f"    kv heads: h // {a.kv_group} of {a.kv_head}")
+        if a.score_mod is not None:
+            lines.append(f"    score_mod: {format_epi(a.score_mod)}")
+        if a.mask is not None:
+            lines.append(f"    mask: {format_epi(a.mask)}")
+        if a.lse is not None:
+            lines.append(f"    lse -> {a.lse}")
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
@@ -497,14 +577,19 @@ def _fmt_extent(v) -> str:
 
 # ---- JSON round trip -----------------------------------------------------------------------------
 
-_EPI_TYPES = {"Accum": Accum, "Load": Load, "Const": Const, "Op": Op}
-
-
 def _epi_to_json(e: EpiExpr):
     if isinstance(e, Op):
         return {"Op": [e.fn, [_epi_to_json(a) for a in e.args]]}
     if isinstance(e, Accum):
         return {"Accum": []}
+    if isinstance(e, Score):
+        return {"Score": []}
+    if isinstance(e, Index):
+        return {"Index": [e.label]}
+    if isinstance(e, Size):
+        return {"Size": [e.name]}
+    if isinstance(e, AuxLoad):
+        return {"AuxLoad": [e.buffer, [_epi_to_json(a) for a in e.index], e.dtype]}
     if isinstance(e, Const):
         v = e.value
         return {"Const": [v if math.isfinite(v) else {"float": repr(v)}]}
@@ -517,6 +602,14 @@ def _epi_from_json(d) -> EpiExpr:
         return Op(v[0], tuple(_epi_from_json(a) for a in v[1]))
     if tag == "Accum":
         return Accum()
+    if tag == "Score":
+        return Score()
+    if tag == "Index":
+        return Index(v[0])
+    if tag == "Size":
+        return Size(v[0])
+    if tag == "AuxLoad":
+        return AuxLoad(v[0], tuple(_epi_from_json(a) for a in v[1]), v[2])
     if tag == "Const":
         return Const(float(v[0]["float"]) if isinstance(v[0], dict) else float(v[0]))
     return Load(*v)
@@ -548,7 +641,7 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
     doc = {"id": ir.id, "kind": ir.kind, "spec_kernel": ir.spec_kernel,
            "buffers": [plain(b) for b in ir.buffers], "ops": ops, "stores": [[n, b, list(l)] for n, b, l in ir.stores],
            "gemm": plain(ir.gemm) if ir.gemm else None,
-           "attention": {**plain(ir.attention), "scale": value(ir.attention.scale)} if ir.attention else None,
+           "attention": _attention_to_json(ir.attention, plain, value) if ir.attention else None,
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
     if ir.epilogue is not None:
@@ -558,6 +651,13 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
             "reductions": [{"name": r.name, "op": r.op, "axis": r.axis, "value": _epi_to_json(r.value),
                             "dtype": r.dtype} for r in ir.epilogue.reductions]}
     return json.loads(json.dumps(doc))
+
+
+def _attention_to_json(a: AttentionStructure, plain, value) -> dict:
+    d = {**plain(a), "scale": value(a.scale)}
+    for k in ("score_mod", "mask"):
+        d[k] = _epi_to_json(getattr(a, k)) if getattr(a, k) is not None else None
+    return d
 
 
 def ir_from_json(d: dict) -> KernelIR:
@@ -580,7 +680,10 @@ def ir_from_json(d: dict) -> KernelIR:
                              for r in e["reductions"]))
     att = None
     if d.get("attention"):
-        att = make(AttentionStructure, {**d["attention"], "scale": num(d["attention"]["scale"])})
+        a = d["attention"]
+        mods = {k: (_epi_from_json(a[k]) if a.get(k) is not None else None) for k in ("score_mod", "mask")}
+        att = make(AttentionStructure, {**a, "scale": num(a["scale"]), "score_mod": None, "mask": None})
+        att = replace(att, **mods)
     return KernelIR(
         id=d["id"], kind=d["kind"], spec_kernel=d["spec_kernel"],
         buffers=tuple(make(IRBuffer, b) for b in d["buffers"]), ops=ops,

@@ -107,3 +107,44 @@ def _mini() -> KernelIR:
 def test_verifier_rejects_broken_ir(breakage, message):
     with pytest.raises(KspecInternalError, match=message):
         verify(breakage(_mini()))
+
+
+def _with_mods(**mods):
+    from kspec.compiler.kir import IRBuffer
+    (p,) = planned("attention_causal")
+    ir = p.ir
+    bias = IRBuffer("bias", "input", "f32", ("H", "S", "S"))
+    return dataclasses.replace(ir, buffers=(*ir.buffers, bias),
+                               attention=dataclasses.replace(ir.attention, aux=("bias",), **mods))
+
+
+def test_attention_mods_print_verify_and_round_trip():
+    from kspec.compiler.kir import AuxLoad, Const, Index, Load, Op, Score, Size
+    a = _with_mods(
+        score_mod=Op("add", (Score(), Op("mul", (AuxLoad("bias", (Index("h"), Index("i"), Index("j")), "f32"),
+                                                 Load("scale", "scalar", "f32"))))),
+        mask=Op("and", (Op("le", (Index("j"), Op("add", (Index("i"), Op("sub", (Size("S"), Size("S"))))))),
+                        Op("gt", (Index("j"), Op("sub", (Index("i"), Const(128.0)))))))).attention
+    ir = _with_mods(score_mod=a.score_mod, mask=a.mask)
+    verify(ir)
+    text = format_ir(ir)
+    assert "score_mod: add(score, mul(bias[idx(h), idx(i), idx(j)], scale))" in text
+    assert "mask: and(le(idx(j), add(idx(i), sub(size(S), size(S)))), gt(idx(j), sub(idx(i), 128.0)))" in text
+    back = ir_from_json(json.loads(json.dumps(ir_to_json(ir))))
+    assert back == ir and back.digest() == ir.digest()
+
+
+@pytest.mark.parametrize("which, message", [
+    ("score_index", "index q is not one of"),
+    ("mask_score", "mask reads the score"),
+    ("aux_rank", "not a load of a declared aux buffer"),
+    ("accum", "has no meaning per score element"),
+])
+def test_verifier_rejects_broken_attention_mods(which, message):
+    from kspec.compiler.kir import Accum, AuxLoad, Index, Op, Score
+    mods = {"score_index": dict(score_mod=Op("add", (Score(), Index("q")))),
+            "mask_score": dict(mask=Op("lt", (Score(), Index("i")))),
+            "aux_rank": dict(score_mod=Op("add", (Score(), AuxLoad("bias", (Index("i"),), "f32")))),
+            "accum": dict(score_mod=Op("add", (Score(), Accum())))}[which]
+    with pytest.raises(KspecInternalError, match=message):
+        verify(_with_mods(**mods))
