@@ -27,7 +27,8 @@ class Num:
 
 @dataclass(frozen=True)
 class Name:
-    """A bare name: a scalar param (or, misused, a tensor without indices)."""
+    """A bare name: a scalar param, an index's integer value (`j - i`), a size symbol's runtime
+    value (`T - S`) (or, misused, a tensor without indices)."""
     name: str
     span: Span | None = _span()
 
@@ -47,9 +48,10 @@ class IndexVar:
     span: Span | None = _span()
 
 
-# A subscript: an index name, an integer literal (`Num` with an int value) or an element of an
-# integer tensor (`Access`).  Index arithmetic (`h / G`) will add an operator node to this union.
-IndexExpr = Union[IndexVar, "Num", Access]
+# A subscript: an index name, an integer literal (`Num` with an int value), an element of an
+# integer tensor (`Access`), or integer arithmetic over those, params and size symbols (`h / G`,
+# `j % P`: a `Binary`, with `Name`s for the names inside it).
+IndexExpr = Union[IndexVar, "Num", Access, "Gather", "Binary", "Unary", "Name"]
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,14 @@ class Gather:
 
 @dataclass(frozen=True)
 class Unary:
-    op: str                        # "-"
+    op: str                        # "-" | "not"
     operand: "Expr"
     span: Span | None = _span()
 
 
 @dataclass(frozen=True)
 class Binary:
-    op: str                        # + - * /
+    op: str                        # + - * / % < <= > >= == != and or
     lhs: "Expr"
     rhs: "Expr"
     span: Span | None = _span()

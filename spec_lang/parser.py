@@ -20,7 +20,8 @@ _TERMINAL_WORDS = {
     "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "SHAPE3": "a shape like 128x128x64",
     "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'", "LPAR": "'('", "RPAR": "')'",
     "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "PLUS": "'+'", "MINUS": "'-'", "STAR": "'*'",
-    "SLASH": "'/'", "$END": "end of file",
+    "SLASH": "'/'", "PERCENT": "'%'", "CMP": "a comparison (<, <=, >, >=, ==, !=)", "INF": "'inf'",
+    "AND": "'and'", "OR": "'or'", "NOT": "'not'", "$END": "end of file",
 }
 _KEYWORD_GROUPS = [
     ({d.upper() for d in DTYPES}, "a dtype (f16, bf16, f32, ...)"),
@@ -56,9 +57,18 @@ def reserved_words() -> frozenset[str]:
                      if t.pattern.type == "str" and _NAME_RE.fullmatch(t.pattern.value))
 
 
+_BINARY_OPERATORS = {"PLUS", "MINUS", "STAR", "SLASH", "PERCENT", "CMP", "AND", "OR"}
+
+
 def _expected_words(expected: set[str]) -> list[str]:
     words: list[str] = []
     rest = set(expected)
+    if {"STAR", "CMP", "AND"} <= rest:
+        # after an operand: every binary operator fits; name them as one
+        words.append("an operator (+ - * / % < <= == and or ...)")
+        rest -= _BINARY_OPERATORS
+    if "INF" in rest and ("FLOAT" in rest or "INT" in rest):
+        rest.discard("INF")       # `inf` is a number
     for group, word in _KEYWORD_GROUPS:
         if rest & group:
             words.append(word)
@@ -126,7 +136,7 @@ class _Build(Transformer_NonRecursive):
     @v_args(inline=True)
     def number(self, tok):
         text = str(tok)
-        value = self._int(tok) if tok.type == "INT" else float(text)
+        value = self._int(tok) if tok.type == "INT" else float(text)    # "inf" is float("inf")
         return ast.Num(value, text, self._span(tok))
 
     @v_args(meta=True)
@@ -160,25 +170,16 @@ class _Build(Transformer_NonRecursive):
     @v_args(meta=True)
     def access(self, meta, children):
         name = children[0]
-        subs = children[1] if len(children) > 1 else []
+        # a bare name as a whole subscript is an index (`x[m, label[m]]`); names inside subscript
+        # arithmetic (`h / G`) stay names, which the checker resolves (index, param or size symbol)
+        subs = [ast.IndexVar(x.name, x.span) if isinstance(x, ast.Name) else x
+                for x in (children[1] if len(children) > 1 else [])]
         if all(isinstance(x, ast.IndexVar) for x in subs):
             return ast.Access(self._name(name), tuple(x.name for x in subs), self._span(meta),
                               tuple(x.span for x in subs))
         return ast.Gather(self._name(name), tuple(subs), self._span(meta))
 
     def subscript_list(self, children): return list(children)
-
-    @v_args(inline=True)
-    def sub_name(self, tok): return ast.IndexVar(self._name(tok), self._span(tok))
-
-    @v_args(inline=True)
-    def sub_int(self, tok): return ast.Num(self._int(tok), str(tok), self._span(tok))
-
-    @v_args(meta=True)
-    def sub_access(self, meta, children):
-        name = children[0]
-        idx = children[1] if len(children) > 1 else []
-        return ast.Access(self._name(name), tuple(i for i, _ in idx), self._span(meta), tuple(s for _, s in idx))
 
     @v_args(meta=True)
     def name_ref(self, meta, children):
@@ -192,6 +193,10 @@ class _Build(Transformer_NonRecursive):
     @v_args(meta=True)
     def neg(self, meta, children):
         return ast.Unary("-", children[1], self._span(meta))
+
+    @v_args(meta=True)
+    def not_(self, meta, children):
+        return ast.Unary("not", children[1], self._span(meta))
 
     @v_args(meta=True)
     def paren(self, meta, children):
@@ -472,7 +477,7 @@ def _check_nesting(tree: lark.Tree, file: str, source: str) -> None:
         for c in node.children:
             if isinstance(c, lark.Tree):
                 # lists are no level of their own: `gelu(x)` nests x one level deep
-                flat = c.data in ("arg_list", "index_list", "subscript_list", "sub_name", "sub_int")
+                flat = c.data in ("arg_list", "index_list", "subscript_list", "name_ref", "number")
                 stack.append((c, depth if flat else depth + 1, stmt))
 
 

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from . import ast
 
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+# binding strength, loosest first; `not` sits between `and` and the comparisons
+_PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4,
+         "+": 5, "-": 5, "*": 6, "/": 6, "%": 6}
+_NOT, _MUL, _UNARY = 3, 6, 7
+_COMPARE = 4
 
 
 def print_expr(e: ast.Expr) -> str:
@@ -11,8 +15,8 @@ def print_expr(e: ast.Expr) -> str:
 
 
 def _expr(e: ast.Expr, ctx: int, tail: bool) -> str:
-    """ctx: precedence of the surrounding operator position (0 top, 1 additive, 2 multiplicative,
-    3 unary).  tail: whether nothing of multiplicative strength follows this text, which matters for
+    """ctx: binding strength of the surrounding operator position (0 top, see _PREC; 7 unary
+    minus).  tail: whether nothing of multiplicative strength follows this text, which matters for
     prefix reductions, whose operand extends over the rest of the product."""
     if isinstance(e, ast.Num):
         text = e.text
@@ -27,21 +31,25 @@ def _expr(e: ast.Expr, ctx: int, tail: bool) -> str:
         return f"{e.fn}({', '.join(_expr(a, 0, True) for a in e.args)})"
     if isinstance(e, ast.Cast):
         return f"{e.dtype}({_expr(e.operand, 0, True)})"
+    if isinstance(e, ast.Unary) and e.op == "not":
+        s = "not " + _expr(e.operand, _NOT, tail)
+        return f"({s})" if ctx > _NOT else s
     if isinstance(e, ast.Unary):
-        s = "-" + _expr(e.operand, 3, tail)
-        return f"({s})" if ctx > 3 else s
+        s = "-" + _expr(e.operand, _UNARY, tail)
+        return f"({s})" if ctx > _UNARY else s
     if isinstance(e, ast.Reduce):
         args = list(e.indices) + [f"{o.name}={o.value}" for o in e.options]
-        operand = _expr(e.operand, 2, True)
+        operand = _expr(e.operand, _MUL, True)
         if operand.startswith("-"):
             operand = f"({operand})"
         s = f"{e.op}({', '.join(args)}) {operand}"
-        return f"({s})" if (not tail or ctx > 2) else s
+        return f"({s})" if (not tail or ctx > _MUL) else s
     if isinstance(e, ast.Binary):
         p = _PREC[e.op]
-        # a left operand is always followed by the operator; at multiplicative strength that matters
-        lhs = _expr(e.lhs, p, tail=(p == 1))
-        rhs = _expr(e.rhs, p + 1, tail=tail or ctx < 2)
+        # a left operand is always followed by the operator; at multiplicative strength that matters.
+        # Comparisons do not chain, so a comparison operand of a comparison is parenthesised.
+        lhs = _expr(e.lhs, p + 1 if p == _COMPARE else p, tail=(p < _MUL))
+        rhs = _expr(e.rhs, p + 1, tail=tail or ctx < _MUL or p < ctx)
         s = f"{lhs} {e.op} {rhs}"
         return f"({s})" if p < ctx else s
     raise TypeError(f"not an expression: {e!r}")
@@ -51,10 +59,10 @@ def print_subscript(x) -> str:
     if isinstance(x, ast.IndexVar):
         return x.name
     if isinstance(x, ast.Num):
-        return x.text
-    if isinstance(x, ast.Access):
-        return f"{x.tensor}[{', '.join(x.indices)}]"
-    raise TypeError(f"not a subscript: {x!r}")
+        return x.text if not x.text.startswith("-") else f"({x.text})"
+    if isinstance(x, ast.Name):
+        return f"({x.name})"    # a bare name as a whole subscript reads back as an index
+    return _expr(x, 0, True)
 
 
 def _dim(d: ast.Dim) -> str:

@@ -105,7 +105,7 @@ def test_unexpected_non_ascii_character():
 
 def test_unexpected_end_of_file():
     assert_error(GEMM_HEAD + "  D[m, n] = sum(k) A[m, k] * B[k, n]\n", 5, 37,
-                 "unexpected end of file; expected one of '*', '+', '-', '/', '}', a declaration (in, out, param), ...",
+                 "unexpected end of file; expected '}', a declaration (in, out, param), a name or an operator (+ - * / % < <= == and or ...)",
                  "is a closing '}' missing?", end=(5, 37))
 
 
