@@ -16,6 +16,12 @@ from .errors import Diagnostic, KspecError, Span
 from .printer import print_expr
 
 MAX_ERRORS = 20
+# The dtype of a condition (a comparison, and/or/not): it exists only inside expressions, as the
+# first argument of `where`; it is never stored or loaded.
+BOOL = "bool"
+ARITH_OPS = ("+", "-", "*", "/", "%")
+COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
+LOGIC_OPS = ("and", "or")
 
 # name -> (min args, max args)
 FUNCTIONS: dict[str, tuple[int, int]] = {
@@ -86,9 +92,21 @@ class TAccess(TExpr):
     indices: tuple[str, ...] = ()
 
 
-# A typed subscript: an index label (str), an integer literal (int) or an element of an integer
-# tensor (TAccess).  Index arithmetic will add an operator node here.
-TSubscript = Union[str, int, "TAccess"]
+@dataclass(frozen=True)
+class TIndex(TExpr):
+    """The integer value of an index (`j - i`, `h / G`): free over that index, dtype i32."""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class TSize(TExpr):
+    """The runtime value of a size symbol (`T - S`): a scalar, dtype i32."""
+    name: str = ""
+
+
+# A typed subscript: an index label (str), an integer literal (int), or an integer expression
+# (TExpr): an element of an integer tensor (TAccess, TGather) or index arithmetic (`h / G`).
+TSubscript = Union[str, int, TExpr]
 
 
 @dataclass(frozen=True)
@@ -99,20 +117,48 @@ class TGather(TExpr):
 
 
 def subscript_text(x) -> str:
+    """A typed subscript (or integer expression) as text, fully parenthesised."""
     if isinstance(x, TAccess):
         return f"{x.tensor}[{', '.join(x.indices)}]"
+    if isinstance(x, TGather):
+        return f"{x.tensor}[{', '.join(subscript_text(y) for y in x.subscripts)}]"
+    if isinstance(x, (TIndex, TSize, TScalar)):
+        return x.name
+    if isinstance(x, TConst):
+        return repr(x.value)
+    if isinstance(x, TBinary):
+        return f"({subscript_text(x.lhs)} {x.op} {subscript_text(x.rhs)})"
+    if isinstance(x, TUnary):
+        return f"({x.op}{' ' if x.op == 'not' else ''}{subscript_text(x.operand)})"
+    if isinstance(x, TCast):
+        return f"{x.dtype}({subscript_text(x.operand)})"
+    if isinstance(x, TCall):
+        return f"{x.fn}({', '.join(subscript_text(a) for a in x.args)})"
     return str(x)
+
+
+def texpr_children(e: TExpr) -> tuple[TExpr, ...]:
+    """The typed sub-expressions of e (gather subscripts included)."""
+    if isinstance(e, TGather):
+        return tuple(x for x in e.subscripts if isinstance(x, TExpr))
+    if isinstance(e, TBinary):
+        return (e.lhs, e.rhs)  # type: ignore[return-value]
+    if isinstance(e, TCall):
+        return e.args
+    if isinstance(e, (TUnary, TCast, TReduce, TSoftmax)):
+        return (e.operand,)  # type: ignore[return-value]
+    return ()
 
 
 @dataclass(frozen=True)
 class TUnary(TExpr):
-    op: str = "-"
+    op: str = "-"                 # - | not
     operand: TExpr | None = None
 
 
 @dataclass(frozen=True)
 class TBinary(TExpr):
-    op: str = "+"
+    op: str = "+"                 # + - * / (floor division on integers) % < <= > >= == != and or
     lhs: TExpr | None = None
     rhs: TExpr | None = None
 
@@ -504,6 +550,12 @@ class _KernelChecker:
                 self.error(f"index '{ix}' is not bound on the left side and is not reduced", sp,
                            f"write `sum({ix}) {print_expr(s.value)}`" if not isinstance(s.value, ast.Reduce)
                            else f"add '{ix}' to the reduction or to the left side", abort=True)
+        for ix, sp in env.value_indices.items():
+            if ix not in env.dims and ix not in s.indices:
+                self.error(f"the extent of index '{ix}' cannot be inferred: it is used only as a value or "
+                           "inside computed subscripts", sp or s.span,
+                           f"use '{ix}' as a plain subscript of some tensor (e.g. `x[{ix}]`), whose dimension "
+                           "gives its range", abort=True)
         for ix, sp in zip(s.indices, s.index_spans or [None] * len(s.indices)):
             if ix not in env.dims:
                 self.error(f"index '{ix}' of '{name}' has no extent: it does not occur on the right side",
@@ -523,6 +575,10 @@ class _KernelChecker:
         return TStmt(name, tuple(s.indices), dtype, value, extents, s.span)
 
     def check_store(self, src: str, dst: str, name: str, s: ast.Stmt):
+        if src == BOOL:
+            self.error(f"a condition cannot be stored in '{name}'", s.value.span,
+                       f"use the condition where it chooses values: `where({print_expr(s.value)}, a, b)`",
+                       abort=True)
         if is_float(src) != is_float(dst):
             self.error(f"cannot store {_a(src)} value into {dst} '{name}' without a cast", s.value.span,
                        f"write `{dst}(...)` around the value to convert explicitly", abort=True)
@@ -530,6 +586,8 @@ class _KernelChecker:
     # ---- expressions ----
     def expr(self, e: ast.Expr, env: "_IndexEnv", stmt_no: int, future) -> TExpr:
         if isinstance(e, ast.Num):
+            if e.text == "inf":
+                return TConst("f32", (), e.span, float("inf"), True)
             if isinstance(e.value, int):
                 if abs(e.value) >= 1 << 63:
                     self.error(f"integer literal {_abbrev(e.text)} is too large", e.span, abort=True)
@@ -538,6 +596,8 @@ class _KernelChecker:
                 self.error(f"number {_abbrev(e.text)} does not fit in f32", e.span, abort=True)
             return TConst("f32", (), e.span, e.value, True)
         if isinstance(e, ast.Name):
+            if e.name not in self.tensors and e.name not in future and e.name not in self.failed:
+                return self.value_name(e, env)
             t = self.lookup(e.name, e.span, stmt_no, future)
             if t.role != "param":
                 idx = ", ".join(ix.lower() if isinstance(ix, str) else f"i{j}" for j, ix in enumerate(t.shape))
@@ -545,6 +605,12 @@ class _KernelChecker:
                            f"write `{e.name}[{idx}]`" if t.shape else None, abort=True)
             return TScalar(t.dtype, (), e.span, e.name)
         if isinstance(e, ast.Access):
+            params = [ix for ix in e.indices if ix in self.tensors and self.tensors[ix].role == "param"]
+            if params:
+                # `x[G]` with G an integer param: a computed subscript, not an index named G
+                subs = tuple(ast.Name(ix, sp) if ix in params else ast.IndexVar(ix, sp)
+                             for ix, sp in zip(e.indices, e.index_spans or (None,) * len(e.indices)))
+                return self.gather(ast.Gather(e.tensor, subs, e.span), env, stmt_no, future)
             t = self.lookup(e.tensor, e.span, stmt_no, future)
             if t.role == "param":
                 self.error(f"'{e.tensor}' is a scalar param; use it without indices", e.span,
@@ -566,14 +632,18 @@ class _KernelChecker:
             return self.gather(e, env, stmt_no, future)
         if isinstance(e, ast.Unary):
             op = self.expr(e.operand, env, stmt_no, future)
+            if e.op == "not":
+                self.need_condition(op, e.operand, "'not'")
+                return TUnary(BOOL, op.free, e.span, "not", op)
+            self.need_value(op, e.operand, "'-'")
             return TUnary(op.dtype, op.free, e.span, "-", op)
         if isinstance(e, ast.Binary):
-            lhs = self.expr(e.lhs, env, stmt_no, future)
-            rhs = self.expr(e.rhs, env, stmt_no, future)
-            dt = self.promote(lhs, rhs, e.op, e.span)
-            return TBinary(dt, _uniq(lhs.free + rhs.free), e.span, e.op, lhs, rhs)
+            return self.binary(e, env, stmt_no, future)
         if isinstance(e, ast.Cast):
             op = self.expr(e.operand, env, stmt_no, future)
+            if op.dtype == BOOL:
+                self.error(f"a condition cannot be converted to {e.dtype}", e.span,
+                           f"write `where({print_expr(e.operand)}, 1.0, 0.0)`", abort=True)
             return TCast(e.dtype, op.free, e.span, op)
         if isinstance(e, ast.Call):
             return self.call(e, env, stmt_no, future)
@@ -594,6 +664,8 @@ class _KernelChecker:
         subs: list = []
         free: list[str] = []
         for axis, (x, dim) in enumerate(zip(e.subscripts, t.shape)):
+            if isinstance(x, ast.IndexVar) and x.name in self.tensors and self.tensors[x.name].role == "param":
+                x = ast.Name(x.name, x.span)       # an integer param's value, not an index
             if isinstance(x, ast.IndexVar):
                 if x.name in free:
                     self.error(f"index '{x.name}' is used twice in {shown}", x.span or e.span,
@@ -608,23 +680,104 @@ class _KernelChecker:
                     self.error(f"subscript {x.text} is out of range for dimension {axis} of '{e.tensor}' "
                                f"(size {dim})", x.span or e.span, f"use 0 to {dim - 1}", abort=True)
                 subs.append(int(x.value))
-            elif isinstance(x, ast.Access):
-                if x.tensor in self.tensors and self.tensors[x.tensor].role == "param":
+            else:
+                if isinstance(x, ast.Access) and x.tensor in self.tensors and \
+                        self.tensors[x.tensor].role == "param":
                     self.error(f"'{x.tensor}' is a scalar param; a subscript tensor needs indices", x.span,
                                abort=True)
                 it = self.expr(x, env, stmt_no, future)
-                assert isinstance(it, TAccess)
-                if it.dtype not in INT_DTYPES:
-                    self.error(f"subscript tensor '{x.tensor}' is {it.dtype}; a subscript must hold integers",
-                               x.span or e.span,
-                               f"declare '{x.tensor}' as i32 (or i8), e.g. `in {x.tensor} : i32[...]`", abort=True)
+                self.need_integer_subscript(it, x, axis, e.tensor)
                 subs.append(it)
-                free.extend(ix for ix in it.indices if ix not in free)
-            else:
-                self.error("this subscript is not supported", getattr(x, "span", None) or e.span,
-                           "a subscript is an index name, an integer literal or an integer tensor element "
-                           "such as `label[m]`", abort=True)
+                free.extend(ix for ix in it.free if ix not in free)
         return TGather(t.dtype, _uniq(tuple(free)), e.span, e.tensor, tuple(subs))
+
+    def need_integer_subscript(self, it: TExpr, x: ast.Expr, axis: int, tensor: str) -> None:
+        """A computed subscript must be an integer expression (no floats, no conditions)."""
+        if it.dtype in INT_DTYPES:
+            return
+        shown = print_expr(x)
+        if it.dtype == BOOL:
+            self.error(f"subscript {shown} of '{tensor}' is a condition, not an integer", x.span,
+                       "a subscript is an integer index expression such as `h / G` or `j % P`", abort=True)
+        if isinstance(x, (ast.Access, ast.Gather)):
+            name = x.tensor
+            self.error(f"subscript tensor '{name}' is {it.dtype}; a subscript must hold integers", x.span,
+                       f"declare '{name}' as i32 (or i8), e.g. `in {name} : i32[...]`", abort=True)
+        floats = [n for n in _names(x) if n in self.tensors and is_float(self.tensors[n].dtype)]
+        hint = (f"'{floats[0]}' is {self.tensors[floats[0]].dtype}; declare it as an integer, e.g. "
+                f"`param {floats[0]} : i32`" if floats and self.tensors[floats[0]].role == "param" else
+                f"'{floats[0]}' holds {self.tensors[floats[0]].dtype} values; subscripts use integer tensors"
+                if floats else "subscripts are computed with integers only (`/` is floor division)")
+        self.error(f"subscript {shown} (axis {axis} of '{tensor}') is {it.dtype}; subscripts must be integers",
+                   x.span, hint, abort=True)
+
+    def value_name(self, e: ast.Name, env: "_IndexEnv") -> TExpr:
+        """A bare name that is no tensor or param: an index's integer value, or a size symbol's."""
+        if e.name in env.in_scope():
+            env.value_indices.setdefault(e.name, e.span)
+            return TIndex("i32", (e.name,), e.span, e.name)
+        if e.name in self.symbols:
+            return TSize("i32", (), e.span, e.name)
+        known = list(self.tensors) + list(env.in_scope()) + list(self.symbols)
+        self.error(f"unknown name '{e.name}'", e.span,
+                   _suggest(e.name, known) or "a name in an expression is a param, a size symbol of a declared "
+                   "shape, or an index of the left side or of an enclosing reduction", abort=True)
+        raise AssertionError  # unreachable
+
+    def need_condition(self, x: TExpr, src: ast.Expr, where: str) -> None:
+        if x.dtype != BOOL:
+            self.error(f"{where} needs a condition, got {_a(x.dtype)} value", src.span,
+                       f"compare it, e.g. `{print_expr(src)} > 0`", abort=True)
+
+    def need_value(self, x: TExpr, src: ast.Expr, where: str) -> None:
+        if x.dtype == BOOL:
+            self.error(f"{where} needs a number, got a condition", src.span,
+                       f"choose values with where: `where({print_expr(src)}, 1.0, 0.0)`", abort=True)
+
+    def binary(self, e: ast.Binary, env, stmt_no, future) -> TExpr:
+        lhs = self.expr(e.lhs, env, stmt_no, future)
+        rhs = self.expr(e.rhs, env, stmt_no, future)
+        free = _uniq(lhs.free + rhs.free)
+        if e.op in LOGIC_OPS:
+            self.need_condition(lhs, e.lhs, f"'{e.op}'")
+            self.need_condition(rhs, e.rhs, f"'{e.op}'")
+            return TBinary(BOOL, free, e.span, e.op, lhs, rhs)
+        self.need_value(lhs, e.lhs, f"'{e.op}'")
+        self.need_value(rhs, e.rhs, f"'{e.op}'")
+        lhs, rhs = self.promote_index_values(lhs, rhs)
+        dt = self.promote(lhs, rhs, e.op, e.span)
+        if e.op == "%" and is_float(dt):
+            self.error("'%' needs integer operands", e.span,
+                       "`%` is the integer modulo of index arithmetic (`j % P`)", abort=True)
+        if e.op in COMPARE_OPS:
+            return TBinary(BOOL, free, e.span, e.op, lhs, rhs)
+        return TBinary(dt, free, e.span, e.op, lhs, rhs)
+
+    def promote_index_values(self, a: TExpr, b: TExpr) -> tuple[TExpr, TExpr]:
+        """An integer index value (`j - i`, `T - S`) meeting a floating-point operand is converted to
+        f32 (`slope[h] * (j - i)`); integer tensors still need an explicit cast."""
+        if is_float(a.dtype) and _is_index_value(b):
+            return a, TCast("f32", b.free, b.span, b)
+        if is_float(b.dtype) and _is_index_value(a):
+            return TCast("f32", a.free, a.span, a), b
+        return a, b
+
+    def where(self, e: ast.Call, env, stmt_no, future) -> TExpr:
+        if len(e.args) != 3:
+            self.error(f"'where' takes 3 arguments, got {len(e.args)}", e.span,
+                       "write `where(cond, a, b)`: a where cond holds, else b", abort=True)
+        cond, a, b = (self.expr(x, env, stmt_no, future) for x in e.args)
+        self.need_condition(cond, e.args[0], "the first argument of 'where'")
+        self.need_value(a, e.args[1], "a branch of 'where'")
+        self.need_value(b, e.args[2], "a branch of 'where'")
+        if a.free and b.free and not (set(a.free) <= set(b.free) or set(b.free) <= set(a.free)):
+            self.error(f"the branches of 'where' disagree in shape: [{', '.join(a.free)}] and "
+                       f"[{', '.join(b.free)}]", e.span,
+                       "one branch's indices must include the other's (a scalar such as -inf fits any)",
+                       abort=True)
+        a, b = self.promote_index_values(a, b)
+        dt = self.promote(a, b, "where", e.span)
+        return TCall(dt, _uniq(cond.free + a.free + b.free), e.span, "where", (cond, a, b))
 
     def lookup(self, name: str, span, stmt_no: int, future) -> TensorInfo:
         if name in self.failed and name not in self.tensors:
@@ -645,12 +798,16 @@ class _KernelChecker:
         raise AssertionError  # unreachable
 
     def call(self, e: ast.Call, env, stmt_no, future) -> TExpr:
+        if e.fn == "where":
+            return self.where(e, env, stmt_no, future)
         if e.fn not in FUNCTIONS:
             hint = _suggest(e.fn, FUNCTIONS)
             if e.fn in ("max", "min"):
                 hint = f"for the elementwise {e.fn} of two values write `{e.fn}imum(a, b)`"
             elif e.fn == "cast":
                 hint = "a cast is written with the dtype's name: `f32(x)`"
+            elif e.fn in ("if", "select"):
+                hint = "choose between values with `where(cond, a, b)`"
             elif hint is None:
                 hint = "functions: " + ", ".join(sorted(FUNCTIONS))
             self.error(f"unknown function '{e.fn}'", e.fn_span or e.span, hint, abort=True)
@@ -660,6 +817,8 @@ class _KernelChecker:
             self.error(f"'{e.fn}' takes {want} argument{'s' if hi > 1 else ''}, got {len(e.args)}", e.span,
                        "write `clamp(x, lo, hi)`" if e.fn == "clamp" else None, abort=True)
         args = [self.expr(a, env, stmt_no, future) for a in e.args]
+        for a, src in zip(args, e.args):
+            self.need_value(a, src, f"'{e.fn}'")
         dt = args[0].dtype
         for a, src in zip(args[1:], e.args[1:]):
             dt = self.promote_dtypes(dt, a.dtype, args[0], a, src.span)
@@ -672,8 +831,15 @@ class _KernelChecker:
         return TCall(dt, free, e.span, e.fn, tuple(args))
 
     def reduce(self, e: ast.Reduce, env, stmt_no, future) -> TExpr:
-        operand = self.expr(e.operand, env, stmt_no, future)
+        env.scopes.append(set(e.indices))       # `sum(j) ... (j - i)`: j's value is known inside
+        try:
+            operand = self.expr(e.operand, env, stmt_no, future)
+        finally:
+            env.scopes.pop()
         spans = e.index_spans or (None,) * len(e.indices)
+        if operand.dtype == BOOL:
+            self.error(f"'{e.op}' needs a number, got a condition", e.operand.span,
+                       f"choose values with where: `where({print_expr(e.operand)}, 1.0, 0.0)`", abort=True)
         if e.op == "softmax":
             causal = None
             for o in e.options:
@@ -694,6 +860,8 @@ class _KernelChecker:
             if causal == axis:
                 self.error("the causal query index must differ from the softmax index", e.options[0].span,
                            abort=True)
+            if causal is not None:
+                self.check_causal_alignment(e, env, axis, causal)
             dt = "f32" if is_float(operand.dtype) else None
             if dt is None:
                 self.error(f"softmax needs a floating-point operand, got {operand.dtype}", e.span, abort=True)
@@ -720,6 +888,28 @@ class _KernelChecker:
             dt = operand.dtype
         free = tuple(ix for ix in operand.free if ix not in e.indices)
         return TReduce(dt, free, e.span, e.op, tuple(e.indices), operand)
+
+    def check_causal_alignment(self, e: ast.Reduce, env, key: str, query: str) -> None:
+        """`softmax(j, causal=i)` keeps key j for query i when j <= i: aligned top-left.  With fewer
+        queries than keys (decoding against a KV cache) FlashAttention and torch SDPA align the mask
+        bottom-right instead; when the two extents can differ, the spec must say which it means."""
+        qd, kd = env.dims.get(query, (None,))[0], env.dims.get(key, (None,))[0]
+        if qd is None or kd is None or qd == kd:
+            return
+        fixed = self.symbol_literal
+        if isinstance(qd, str) and isinstance(kd, str) and qd in fixed and kd in fixed and \
+                fixed[qd][0] == fixed[kd][0]:
+            return
+        operand = print_expr(e.operand)
+        opt = next(o for o in e.options if o.name == "causal")
+        q, k = str(qd), str(kd)
+        offset = f"{k} - {q}" if isinstance(kd, str) or isinstance(qd, str) else str(int(kd) - int(qd))
+        self.error(f"softmax({key}, causal={query}) aligns the mask top-left (key {key} is kept when "
+                   f"{key} <= {query}), but query {query} ranges over {q} and key {key} over {k}",
+                   opt.span or e.span,
+                   f"write the mask explicitly and use softmax({key}): top-left "
+                   f"`where({key} <= {query}, {operand}, -inf)`, or bottom-right as FlashAttention and "
+                   f"torch SDPA align it `where({key} <= {query} + ({offset}), {operand}, -inf)`", abort=True)
 
     # ---- dtypes ----
     def promote(self, lhs: TExpr, rhs: TExpr, op: str, span) -> str:
@@ -766,6 +956,12 @@ class _IndexEnv:
         self.kc = kc
         self.dims: dict[str, tuple[DimValue, str, Span | None]] = {}
         self.lhs_indices: set[str] = set()
+        self.scopes: list[set[str]] = []         # indices of the enclosing reductions
+        self.value_indices: dict[str, Span | None] = {}    # indices used as values (`j - i`)
+
+    def in_scope(self) -> set[str]:
+        """Index names an expression may use as values here."""
+        return self.lhs_indices.union(self.dims, *self.scopes)
 
     def bind(self, ix: str, dim: DimValue, where: str, span):
         prev = self.dims.get(ix)
@@ -820,6 +1016,33 @@ def _abbrev(text: str, limit: int = 24) -> str:
     return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-6:]} ({len(text)} characters)"
 
 
+def _is_index_value(e: TExpr) -> bool:
+    """e is integer arithmetic over index values, size symbols, integer params and literals (no
+    tensor element): a value that promotes to f32 next to a floating-point operand."""
+    if isinstance(e, (TIndex, TSize)):
+        return True
+    if isinstance(e, (TConst, TScalar)):
+        return e.dtype in INT_DTYPES
+    if isinstance(e, TBinary) and e.op in ARITH_OPS:
+        return _is_index_value(e.lhs) and _is_index_value(e.rhs)  # type: ignore[arg-type]
+    if isinstance(e, TUnary) and e.op == "-":
+        return _is_index_value(e.operand)  # type: ignore[arg-type]
+    return False
+
+
+def _names(e: ast.Expr):
+    """Every name (bare or tensor) an expression mentions."""
+    if isinstance(e, ast.Name):
+        yield e.name
+    elif isinstance(e, (ast.Access, ast.Gather)):
+        yield e.tensor
+        for x in getattr(e, "subscripts", ()):
+            if not isinstance(x, (ast.IndexVar, ast.Num)):
+                yield from _names(x)
+    for c in _children(e):
+        yield from _names(c)
+
+
 def _uniq(xs) -> tuple[str, ...]:
     out: list[str] = []
     for x in xs:
@@ -835,14 +1058,13 @@ def _index_span(e: ast.Expr, ix: str) -> Span | None:
             if j == ix:
                 return s
         return None
+    if isinstance(e, (ast.IndexVar, ast.Name)):
+        return e.span if e.name == ix else None
     if isinstance(e, ast.Gather):
         for x in e.subscripts:
-            if isinstance(x, ast.IndexVar) and x.name == ix:
-                return x.span
-            if isinstance(x, ast.Access):
-                s = _index_span(x, ix)
-                if s is not None:
-                    return s
+            s = _index_span(x, ix)
+            if s is not None:
+                return s
         return None
     for child in _children(e):
         s = _index_span(child, ix)
@@ -884,8 +1106,12 @@ def _texpr_lines(e: TExpr, depth: int) -> list[str]:
         return [f"{pad}{e.tensor}[{', '.join(e.indices)}] : {e.dtype}"]
     if isinstance(e, TGather):
         return [f"{pad}gather {e.tensor}[{', '.join(subscript_text(x) for x in e.subscripts)}] : {e.dtype} {free}"]
+    if isinstance(e, TIndex):
+        return [f"{pad}index {e.name} : {e.dtype}"]
+    if isinstance(e, TSize):
+        return [f"{pad}size {e.name} : {e.dtype}"]
     if isinstance(e, TUnary):
-        head, kids = f"neg : {e.dtype} {free}", [e.operand]
+        head, kids = f"{'neg' if e.op == '-' else e.op} : {e.dtype} {free}", [e.operand]
     elif isinstance(e, TBinary):
         head, kids = f"{e.op} : {e.dtype} {free}", [e.lhs, e.rhs]
     elif isinstance(e, TCall):
@@ -948,13 +1174,9 @@ def index_bounds(kernel: CheckedKernel) -> dict[str, list[DimValue]]:
         if isinstance(x, TGather):
             shape = kernel.tensor(x.tensor).shape
             for sub, dim in zip(x.subscripts, shape):
-                if isinstance(sub, TAccess):
+                if isinstance(sub, (TAccess, TGather)):
                     out.setdefault(sub.tensor, []).append(dim)
-        for f in ("operand", "lhs", "rhs"):
-            c = getattr(x, f, None)
-            if isinstance(c, TExpr):
-                visit(c)
-        for c in getattr(x, "args", ()):
+        for c in texpr_children(x):
             visit(c)
 
     for st in kernel.stmts:
