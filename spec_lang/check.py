@@ -756,9 +756,10 @@ class _KernelChecker:
     def promote_index_values(self, a: TExpr, b: TExpr) -> tuple[TExpr, TExpr]:
         """An integer index value (`j - i`, `T - S`) meeting a floating-point operand is converted to
         f32 (`slope[h] * (j - i)`); integer tensors still need an explicit cast."""
-        if is_float(a.dtype) and _is_index_value(b):
+        # a lone integer literal stays weak: it takes the other operand's dtype (`A[m] * 2.0 + 1`)
+        if is_float(a.dtype) and _is_index_value(b) and not isinstance(b, TConst):
             return a, TCast("f32", b.free, b.span, b)
-        if is_float(b.dtype) and _is_index_value(a):
+        if is_float(b.dtype) and _is_index_value(a) and not isinstance(a, TConst):
             return TCast("f32", a.free, a.span, a), b
         return a, b
 
