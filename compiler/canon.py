@@ -12,7 +12,12 @@ import networkx as nx
 
 from kspec.core import dtype_bytes
 
-from .graph import OpNode, op, operands, uses
+from .graph import GENERATED_KINDS, OpNode, op, operands, uses
+
+
+def value_bytes(dtype: str) -> int:
+    """Bytes per element of a value of `dtype` (a condition, "bool", as one byte)."""
+    return 1 if dtype == "bool" else dtype_bytes(dtype)
 
 
 def _rewire(g: nx.DiGraph, old, new, relabel=None) -> None:
@@ -58,6 +63,7 @@ _FOLD = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
     "div": lambda a, b: a / b if b != 0 else math.copysign(math.inf, a) if a else math.nan,
     "neg": lambda a: -a, "maximum": max, "minimum": min, "abs": abs,
+    "floordiv": lambda a, b: a // b if b != 0 else None, "mod": lambda a, b: a % b if b != 0 else None,
     "exp": math.exp, "tanh": math.tanh,
 }
 
@@ -76,6 +82,8 @@ def fold_constants(g: nx.DiGraph) -> int:
             value = _FOLD[o.fn](*[op(g, u).value for u, _ in ins])
         except (OverflowError, ValueError):
             continue
+        if value is None:
+            continue        # an integer division by zero: the reference reports it at run time
         for u, _ in ins:
             if g.has_edge(u, n):
                 g.remove_edge(u, n)
@@ -245,10 +253,21 @@ def is_scalar_value(g: nx.DiGraph, n) -> bool:
     """n is a constant or an op without axes computed only from params and constants: every kernel
     that needs it evaluates it itself."""
     o = op(g, n)
-    if o.kind == "const":
+    if o.kind in ("const", "size"):
         return True
     return o.kind in ("elementwise", "cast") and not o.axes and \
         all(op(g, u).kind == "param" or is_scalar_value(g, u) for u in g.predecessors(n))
+
+
+def is_index_expr(g: nx.DiGraph, n) -> bool:
+    """n is computed from index values, sizes, params and constants alone (`j <= i + (T - S)`,
+    `h / G`): every kernel that reads it computes it itself, so no condition or index arithmetic
+    ever goes through memory."""
+    o = op(g, n)
+    if o.kind in GENERATED_KINDS:
+        return True
+    return o.kind in ("elementwise", "cast", "broadcast") and o.fn != "copy" and \
+        all(op(g, u).kind == "param" or is_index_expr(g, u) for u in g.predecessors(n))
 
 
 def _split_per_consumer(g: nx.DiGraph, pick, budget: int | None = None) -> int:
@@ -284,13 +303,13 @@ def is_widening_cast(g: nx.DiGraph, n) -> bool:
     if o.kind != "cast":
         return False
     (src, _), = operands(g, n)
-    return dtype_bytes(op(g, src).dtype) < dtype_bytes(o.dtype)
+    return value_bytes(op(g, src).dtype) < value_bytes(o.dtype)
 
 
 def value_weight(g: nx.DiGraph, n) -> int:
     """Bytes of a value per element, weighted by rank (a full tensor outweighs any vector)."""
     o = op(g, n)
-    return dtype_bytes(o.dtype) * (1 << (2 * len(o.axes)))
+    return value_bytes(o.dtype) * (1 << (2 * len(o.axes)))
 
 
 def is_cheap_to_recompute(g: nx.DiGraph, n, depth: int = 4) -> bool:
@@ -304,7 +323,7 @@ def is_cheap_to_recompute(g: nx.DiGraph, n, depth: int = 4) -> bool:
 
     def walk(x, d) -> bool:
         xo = op(g, x)
-        if xo.kind in ("param", "const"):
+        if xo.kind in ("param", *GENERATED_KINDS):
             return True
         if x != n and (xo.kind not in ("elementwise", "cast", "broadcast") or d == 0):
             leaves.add(x)
@@ -326,9 +345,10 @@ def split_shared_broadcasts(g: nx.DiGraph) -> int:
 
 
 def split_shared_scalars(g: nx.DiGraph) -> int:
-    """Give every consumer of a constant or a scalar expression of params its own copy, so each
-    kernel evaluates the scalars it reads and no scalar ties two kernels together."""
-    return _split_per_consumer(g, lambda g, n: is_scalar_value(g, n) and
+    """Give every consumer of a constant, a scalar expression of params and sizes, or an index
+    expression its own copy, so each kernel evaluates the scalars (and index values) it reads and none of them
+    ties two kernels together."""
+    return _split_per_consumer(g, lambda g, n: (is_scalar_value(g, n) or is_index_expr(g, n)) and
                                not any(op(g, v).kind == "output" for v in g.successors(n)))
 
 

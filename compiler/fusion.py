@@ -15,7 +15,7 @@ import networkx as nx
 
 from kspec.core import dtype_bytes  # noqa: F401
 
-from .canon import GemmInfo, gemm_info, is_input_view, is_scalar_value, value_weight
+from .canon import GemmInfo, gemm_info, is_index_expr, is_input_view, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
 
@@ -63,7 +63,7 @@ def is_operator(g: nx.DiGraph, n) -> bool:
 def is_scalar_expr(g: nx.DiGraph, n) -> bool:
     """n is a scalar computed only from params and constants (evaluated per kernel, not per element)."""
     o = op(g, n)
-    if o.kind in ("param", "const"):
+    if o.kind in ("param", "const", "size"):
         return True
     return o.kind in ("elementwise", "cast") and not o.axes and \
         all(is_scalar_expr(g, u) for u in g.predecessors(n))
@@ -490,7 +490,8 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         o = op(g, n)
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
-        if is_scalar_value(g, n) and not any(op(g, s).kind == "output" for s in g.successors(n)):
+        if (is_scalar_value(g, n) or is_index_expr(g, n)) and \
+                not any(op(g, s).kind == "output" for s in g.successors(n)):
             continue        # evaluated by the kernel that reads it (attach_scalars)
         if _is_loaded_view(g, n):
             continue        # converted where its consumer loads it (attach_scalars)
@@ -603,11 +604,13 @@ def _is_loaded_view(g: nx.DiGraph, n) -> bool:
 
 
 def attach_scalars(g: nx.DiGraph, res: FusionResult) -> None:
-    """Constants and scalar expressions of params join the kernel that reads them (canonicalisation
-    gave each consumer its own copy), so every kernel evaluates the scalars it needs; so do casts
-    of inputs, which their consumer's kernel applies as it loads the input."""
+    """Constants, scalar expressions of params and index expressions (`j <= i + (T - S)`) join the
+    kernel that reads them (canonicalisation gave each consumer its own copy), so every kernel
+    evaluates the scalars and index values it needs; so do casts of inputs, which their consumer's
+    kernel applies as it loads the input."""
     for n in reversed(list(nx.topological_sort(g))):
-        if res.group_of(n) is not None or not (is_scalar_value(g, n) or _is_loaded_view(g, n)):
+        if res.group_of(n) is not None or not (is_scalar_value(g, n) or _is_loaded_view(g, n)
+                                               or is_index_expr(g, n)):
             continue
         for s in sorted(g.successors(n), key=_node_order):
             grp = res.group_of(s)

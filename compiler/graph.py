@@ -13,13 +13,21 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
+from kspec.core import INT_DTYPES
 from kspec.spec_lang.check import (CheckedKernel, DimValue, TAccess, TBinary, TCall, TCast, TConst, TExpr,
-                                   TGather, TReduce, TScalar, TSoftmax, TUnary)
+                                   TGather, TIndex, TReduce, TScalar, TSize, TSoftmax, TUnary, subscript_text)
 from kspec.spec_lang.errors import KspecInternalError, Span
 
-KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax",
-         "cast", "gather", "output")
-_BINARY_FN = {"+": "add", "-": "sub", "*": "mul", "/": "div"}
+KINDS = ("input", "param", "const", "index", "size", "contraction", "elementwise", "broadcast", "reduction",
+         "softmax", "cast", "gather", "output")
+# Integer `/` is floor division ("floordiv") and `%` its modulo ("mod", non-negative for a positive
+# divisor); comparisons, and/or/not give conditions (dtype "bool"); where(c, a, b) chooses.
+_BINARY_FN = {"+": "add", "-": "sub", "*": "mul", "/": "div", "%": "mod", "<": "lt", "<=": "le", ">": "gt",
+              ">=": "ge", "==": "eq", "!=": "ne", "and": "and", "or": "or"}
+# Nodes without operands that any kernel computes where it needs them: constants, the integer value
+# of an index along its axis ("index", fn = the label) and the runtime value of a size symbol ("size",
+# fn = the symbol).
+GENERATED_KINDS = ("const", "index", "size")
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class OpNode:
     # gather: per axis of the source (operand 0), what selects the element: an axis label of this
     # node, "#<int>" a literal, or "@<pos>" the integer value of operand <pos> at this point
     subscripts: tuple[str, ...] = ()
+    subscript_text: tuple[str, ...] = ()  # gather: each subscript as the spec wrote it (for messages)
     span: Span | None = field(default=None, compare=False)
 
     def label(self) -> str:
@@ -46,6 +55,10 @@ class OpNode:
             return f"{self.kind} {self.name}{ax} : {self.dtype}"
         if self.kind == "const":
             return f"const {self.value}"
+        if self.kind == "index":
+            return f"index {self.fn}{ax} : {self.dtype}"
+        if self.kind == "size":
+            return f"size {self.fn} : {self.dtype}"
         if self.kind in ("contraction", "reduction"):
             return f"{self.kind} {self.fn}({', '.join(self.reduced)}){ax} : {self.dtype}"
         if self.kind == "gather":
@@ -119,7 +132,7 @@ class _Builder:
         """A node holding the statement's value with the target's dtype, index order and name."""
         node, labels = value
         o = op(self.g, node)
-        if o.kind in ("input", "param", "const") or o.name is not None or labels != o.axes:
+        if o.kind in ("input", "param", *GENERATED_KINDS) or o.name is not None or labels != o.axes:
             # the value is another tensor (read under new labels): copy it, so each name has a node
             node = self.add(OpNode("elementwise", o.dtype, labels, self.shape(labels) if labels else (),
                                    fn="copy", span=s.span), [(node, labels)])
@@ -151,11 +164,19 @@ class _Builder:
             return self.defined[e.tensor], tuple(e.indices)
         if isinstance(e, TGather):
             return self.gather(e)
+        if isinstance(e, TIndex):
+            return self.node(OpNode("index", "i32", (e.name,), self.shape((e.name,)), fn=e.name, span=e.span))
+        if isinstance(e, TSize):
+            return self.node(OpNode("size", "i32", (), (), fn=e.name, span=e.span))
         if isinstance(e, TUnary):
-            return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn="neg", span=e.span),
+            fn = "neg" if e.op == "-" else "not"
+            return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn=fn, span=e.span),
                              [self.read(e.operand, e.free)])
         if isinstance(e, TBinary):
-            return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn=_BINARY_FN[e.op],
+            fn = _BINARY_FN[e.op]
+            if fn == "div" and e.dtype in INT_DTYPES:
+                fn = "floordiv"
+            return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn=fn,
                                     span=e.span), [self.read(e.lhs, e.free), self.read(e.rhs, e.free)])
         if isinstance(e, TCall):
             return self.node(OpNode("elementwise", e.dtype, e.free, self.shape(e.free), fn=e.fn, span=e.span),
@@ -227,12 +248,15 @@ class _Builder:
                 src_labels.append(f"~{axis}")
                 subs.append(f"#{x}")
             else:
+                # an integer tensor element or index arithmetic (`h / G`): its value at this point
                 src_labels.append(f"~{axis}")
                 subs.append(f"@{len(inputs)}")
-                inputs.append((self.defined[x.tensor], tuple(x.indices)))
+                inputs.append(self.expr(x))
         inputs[0] = (self.defined[e.tensor], tuple(src_labels))
-        return self.node(OpNode("gather", e.dtype, e.free, self.shape(e.free), fn="gather",
-                                subscripts=tuple(subs), span=e.span), inputs)
+        return self.node(OpNode("gather", e.dtype, e.free, self.shape(e.free), fn="gather", name=None,
+                                subscripts=tuple(subs),
+                                subscript_text=tuple(x if isinstance(x, str) else subscript_text(x)
+                                                     for x in e.subscripts), span=e.span), inputs)
 
     def node(self, o: OpNode, inputs=()) -> tuple[str, tuple[str, ...]]:
         n = self.add(o, list(inputs))
@@ -268,8 +292,8 @@ def _accesses(e: TExpr):
         yield e
     if isinstance(e, TGather):
         for x in e.subscripts:
-            if isinstance(x, TAccess):
-                yield x
+            if isinstance(x, TExpr):
+                yield from _accesses(x)
     for f in ("operand", "lhs", "rhs"):
         c = getattr(e, f, None)
         if isinstance(c, TExpr):
@@ -289,6 +313,8 @@ def _rename_expr(e: TExpr, m: dict[str, str]) -> TExpr:
         changes["indices"] = r(e.indices)
     if isinstance(e, TReduce):
         changes["indices"] = r(e.indices)
+    if isinstance(e, TIndex):
+        changes["name"] = m.get(e.name, e.name)
     if isinstance(e, TGather):
         changes["subscripts"] = tuple(m.get(x, x) if isinstance(x, str) else
                                       _rename_expr(x, m) if isinstance(x, TExpr) else x for x in e.subscripts)
@@ -359,7 +385,7 @@ def validate(g: nx.DiGraph) -> None:
             if g.out_degree(n) or g.in_degree(n) != 1:
                 raise KspecInternalError(f"output node {n} must have exactly one producer and no consumers")
             (u, labels), = operands(g, n)
-            if labels != op(g, u).axes or op(g, u).kind in ("input", "param", "const"):
+            if labels != op(g, u).axes or op(g, u).kind in ("input", "param", *GENERATED_KINDS):
                 # outputs store their producer's value as it is: transposes and copies are op nodes
                 raise KspecInternalError(f"output node {n} must store an op's value in its axis order")
         if o.kind == "gather":
@@ -368,5 +394,5 @@ def validate(g: nx.DiGraph) -> None:
             if src is None or len(o.subscripts) != len(src.axes) or \
                     any(x.startswith("@") and not 0 < int(x[1:]) < len(ins) for x in o.subscripts):
                 raise KspecInternalError(f"gather node {n}: subscripts {o.subscripts} do not match its operands")
-        if o.kind in ("input", "param", "const") and g.in_degree(n):
+        if o.kind in ("input", "param", *GENERATED_KINDS) and g.in_degree(n):
             raise KspecInternalError(f"{o.kind} node {n} has producers")

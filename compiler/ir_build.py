@@ -42,8 +42,8 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
             return
         o = op(g, u)
         made.add(u)
-        if o.kind == "const":
-            ops.append(IROp(str(u), "const", o.dtype, o.axes, tuple(o.shape), value=o.value, span=o.span))
+        if o.kind in ("const", "index", "size"):
+            ops.append(IROp(str(u), o.kind, o.dtype, o.axes, tuple(o.shape), fn=o.fn, value=o.value, span=o.span))
             return
         name = buffer_of(u)
         use_buffer(name)

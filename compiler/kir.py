@@ -28,8 +28,12 @@ Extent = Union[str, int]                 # a size symbol or an int literal
 BatchExtent = Union[Extent, tuple]        # a flattened batch: the product of several extents
 
 KINDS = ("gemm", "attention", "rowwise", "elementwise", "reduction", "softmax", "contraction")
-OP_KINDS = ("input", "param", "const", "contraction", "elementwise", "broadcast", "reduction", "softmax", "cast",
-            "gather")
+OP_KINDS = ("input", "param", "const", "index", "size", "contraction", "elementwise", "broadcast", "reduction",
+            "softmax", "cast", "gather")
+# "index": the integer value of its one axis label (fn = the label); "size": the runtime value of a
+# size symbol (fn = the symbol).  Conditions (comparisons, and/or/not) have dtype "bool", a value
+# that only lives inside a kernel (no buffer holds one).
+BOOL = "bool"
 ROLES = ("input", "output", "param", "intermediate")
 
 
@@ -217,6 +221,8 @@ class IROp:
             return f"load {self.buffer}{ax} : {self.dtype}" + (" col" if self.layout == "col" else "")
         if self.kind == "const":
             return f"const {self.value}"
+        if self.kind in ("index", "size"):
+            return f"{self.kind} {self.fn}{ax} : {self.dtype}"
         if self.kind in ("contraction", "reduction"):
             return f"{self.kind} {self.fn}({', '.join(self.reduced)}){ax} : {self.dtype}"
         if self.kind == "softmax":
@@ -440,7 +446,7 @@ def verify(ir: KernelIR) -> KernelIR:
             bad(f"op {o.id} defined twice")
         if o.kind not in OP_KINDS:
             bad(f"op {o.id}: unknown kind {o.kind!r}")
-        if o.dtype not in DTYPES:
+        if o.dtype not in DTYPES and o.dtype != BOOL:
             bad(f"op {o.id}: unknown dtype {o.dtype!r}")
         if len(o.axes) != len(o.shape) or len(set(o.axes)) != len(o.axes):
             bad(f"op {o.id}: axes {o.axes} do not match shape {o.shape}")
@@ -453,6 +459,10 @@ def verify(ir: KernelIR) -> KernelIR:
         elif o.kind == "const":
             if o.args or o.value is None:
                 bad(f"const {o.id} must have a value and no operands")
+        elif o.kind in ("index", "size"):
+            if o.args or not o.fn or (o.kind == "index") != (o.axes == (o.fn,)):
+                bad(f"{o.kind} {o.id} must name its label/symbol (an index op has that one axis) and take "
+                    "no operands")
         elif not o.args:
             bad(f"op {o.id} ({o.kind}) has no operands")
         scope = set(o.axes) | set(o.reduced)

@@ -116,8 +116,10 @@ class TGather(TExpr):
     subscripts: tuple = ()            # tuple[TSubscript, ...]
 
 
-def subscript_text(x) -> str:
-    """A typed subscript (or integer expression) as text, fully parenthesised."""
+def subscript_text(x, top: bool = True) -> str:
+    """A typed subscript (or integer expression) as text, inner operations parenthesised."""
+    if top and isinstance(x, TBinary):
+        return f"{subscript_text(x.lhs, False)} {x.op} {subscript_text(x.rhs, False)}"
     if isinstance(x, TAccess):
         return f"{x.tensor}[{', '.join(x.indices)}]"
     if isinstance(x, TGather):

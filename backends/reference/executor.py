@@ -16,9 +16,13 @@ import networkx as nx
 import numpy as np
 
 from kspec.compiler import KernelSchedule, op, operands, plan_kernel
+from kspec.core import KspecRuntimeError
 from kspec.spec_lang import CheckedKernel, CheckedProgram, KspecError, load_spec
 
-from .numerics import FUNCTIONS, divide, is_int, round_tf32, storage_dtype, to_compute, to_storage
+from .numerics import FUNCTIONS, divide, floordiv, is_int, mod, round_tf32, storage_dtype, to_compute, to_storage
+
+# Nodes without operands, computed wherever they are read (compiler.graph.GENERATED_KINDS).
+_GENERATED = ("const", "index", "size")
 
 
 class KspecReferenceError(KspecError):
@@ -60,6 +64,11 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
     ins = operands(g, n)
     if o.kind == "const":
         return to_storage(np.asarray(o.value), o.dtype) if not is_int(o.dtype) else np.asarray(o.value)
+    if o.kind == "index":
+        (extent,) = o.shape
+        return np.arange(extent if isinstance(extent, int) else sizes[extent], dtype=np.int32)
+    if o.kind == "size":
+        return np.asarray(sizes[o.fn], dtype=np.int32)
     if o.kind == "contraction":
         (ua, la), (ub, lb) = ins
         letters = _letters(list(dict.fromkeys(la + lb + o.axes)))
@@ -96,6 +105,12 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
             out = args[0]
         elif o.fn == "div":
             out = divide(*args)
+        elif o.fn in ("floordiv", "mod"):
+            if np.any(np.asarray(args[1]) == 0):
+                raise KspecRuntimeError(f"integer division by zero in an index expression ('{o.fn}' over "
+                                        f"[{', '.join(o.axes)}])", o.span,
+                                        "check the integer params and sizes the expression divides by")
+            out = (floordiv if o.fn == "floordiv" else mod)(*args)
         else:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 out = FUNCTIONS[o.fn](*args)
@@ -123,10 +138,12 @@ def _gather(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np.n
             if bad.any():
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
                 at = ", ".join(f"{a}={i}" for a, i in zip(o.axes, where))
-                tname = op(g, u).name or str(u)
-                raise KspecError(f"index out of range: {tname}[{', '.join(labels)}] is {int(ix[where])} at "
-                                 f"{at}, but dimension {axis} of '{op(g, src_node).name or src_node}' has size "
-                                 f"{src.shape[axis]} (valid: 0 to {src.shape[axis] - 1})", o.span)
+                text = o.subscript_text[axis] if len(o.subscript_text) > axis else \
+                    f"{op(g, u).name or u}[{', '.join(labels)}]"
+                raise KspecRuntimeError(
+                    f"index out of range: subscript {text} of '{op(g, src_node).name or src_node}' (axis {axis}) "
+                    f"is {int(ix[where])} at {at}, but that axis has size {src.shape[axis]} "
+                    f"(valid: 0 to {src.shape[axis] - 1})", o.span)
         else:
             pos = o.axes.index(x)
             ix = np.arange(shape[pos]).reshape([-1 if i == pos else 1 for i in range(len(shape))])
@@ -149,12 +166,12 @@ def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Map
         values: dict = {}
         for n in plan.group.nodes:
             for u in g.predecessors(n):
-                if u not in plan.group.nodes and op(g, u).kind != "const":
+                if u not in plan.group.nodes and op(g, u).kind not in _GENERATED:
                     values[u] = buffers[sched.value_buffer[u]]
         sub = g.subgraph(plan.group.nodes)
         for n in nx.topological_sort(sub):
             for u in g.predecessors(n):
-                if op(g, u).kind == "const" and u not in values:
+                if op(g, u).kind in _GENERATED and u not in values:
                     values[u] = eval_node(g, u, values, sizes)
             values[n] = eval_node(g, n, values, sizes)
         for n in plan.group.nodes:

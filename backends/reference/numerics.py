@@ -15,6 +15,7 @@ STORAGE = {
     "f8e5m2": np.dtype(ml_dtypes.float8_e5m2),
     "i8": np.dtype(np.int8),
     "i32": np.dtype(np.int32),
+    "bool": np.dtype(np.bool_),              # a condition: only ever a value inside a kernel
 }
 INT_LIMITS = {"i8": (-128, 127), "i32": (-(1 << 31), (1 << 31) - 1)}
 
@@ -56,6 +57,8 @@ def to_compute(x) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype.kind in "iu":
         return x.astype(np.int64)
+    if x.dtype.kind == "b":
+        return x
     return x.astype(np.float32)
 
 
@@ -96,7 +99,20 @@ FUNCTIONS = {
     "silu": lambda x: np.asarray(x, dtype=np.float32) * sigmoid(x), "tanh": np.tanh, "exp": np.exp,
     "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x),
     "clamp": lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi),
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+    "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or, "not": np.logical_not,
+    "where": lambda c, a, b: np.where(np.asarray(c, dtype=bool), a, b),
 }
+
+
+def floordiv(a, b):
+    """Integer `/`: floor division (rounds toward -inf, as Python's //)."""
+    return np.floor_divide(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
+
+
+def mod(a, b):
+    """Integer `%`: the modulo matching floor division, a - b * (a / b): non-negative for b > 0."""
+    return np.mod(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
 
 
 def divide(a, b):
