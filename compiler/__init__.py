@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kspec.spec_lang.check import CheckedKernel
 
-from kspec.core import ARCHS
+from kspec.core import ARCHS, KspecError
 
 from .canon import GemmInfo, canonicalize, gemm_info
 from .cost import CostReport, cost
@@ -31,6 +31,11 @@ def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, oracle: O
     canonicalize(g)
     validate(g)
     fusion = fuse(g, FusionContext(oracle, tuple(archs), kernel.name)) if fuse_ops else unfused(g)
+    if fusion.unfused_attention and getattr(oracle, "strict", False):
+        span, why = fusion.unfused_attention[0]
+        raise KspecError(f"kernel {kernel.name}: this attention is not fused into one kernel: {why}", span,
+                         "--strict forbids unfused attention (see `kspec graph` for the plan); change the spec, "
+                         "or drop --strict")
     return schedule(kernel, g, fusion, archs, oracle)
 
 

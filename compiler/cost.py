@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from .canon import value_bytes
 from .graph import op, operands
 from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
 
@@ -200,7 +201,7 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
     n_kernels = ubytes = uflops = 0
     for n in nx.topological_sort(g):
         o = op(g, n)
-        if o.kind in ("input", "param", "const", "output", "broadcast") or not o.axes:
+        if o.kind in ("input", "param", "const", "index", "size", "output", "broadcast") or not o.axes:
             continue
         n_kernels += 1
         uflops += _node_flops(g, n, sizes)
@@ -209,6 +210,6 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             src = op(g, src)
             if src.kind in ("param", "const") or not src.axes:
                 continue
-            ubytes += _numel(src.shape, sizes) * DTYPE_BYTES[src.dtype]
-        ubytes += _numel(o.shape, sizes) * DTYPE_BYTES[o.dtype]
+            ubytes += _numel(src.shape, sizes) * value_bytes(src.dtype)
+        ubytes += _numel(o.shape, sizes) * value_bytes(o.dtype)
     return CostReport(sizes, tuple(plans), n_kernels, ubytes, uflops, minimum)

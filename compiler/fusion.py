@@ -15,6 +15,8 @@ import networkx as nx
 
 from kspec.core import dtype_bytes  # noqa: F401
 
+from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods,
+                        score_path)
 from .canon import GemmInfo, gemm_info, is_index_expr, is_input_view, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
@@ -44,7 +46,7 @@ class AttentionInfo:
     softmax: str
     pv: str                            # second contraction
     scale: tuple                       # nodes applying the scale between qk and softmax
-    q: str
+    q: str                             # the kernel inputs Q, K, V
     k: str
     v: str
     batch: tuple[str, ...]             # labels (b, h)
@@ -54,6 +56,11 @@ class AttentionInfo:
     causal: bool
     p_cast: tuple = ()                 # casts of the probabilities before PV (e.g. `p : f16`)
     kv_batch: tuple[str, ...] | None = None   # K/V batch labels when they lack some of Q's (MQA)
+    mods: LiftedMods | None = None     # the score modification and mask between the scale and softmax
+    kv_group: object = None            # GQA: K/V read at head h // kv_group (param name, int or symbol)
+    kv_head: object = None             # GQA: the K/V head count
+    k_read: object = None              # the nodes QK^T and PV read K and V through (a gather for GQA)
+    v_read: object = None
 
 
 def is_operator(g: nx.DiGraph, n) -> bool:
@@ -73,40 +80,25 @@ def _consumers(g, n) -> list:
     return list(g.successors(n))
 
 
-def _scaled_value(g: nx.DiGraph, n):
-    """If n multiplies a tensor by a scalar param/const (or divides it by one), that tensor's node."""
-    o = op(g, n)
-    if o.kind != "elementwise" or o.fn not in ("mul", "div"):
-        return None
-    ins = operands(g, n)
-    scalars = [u for u, _ in ins if op(g, u).kind in ("param", "const")]
-    tensors = [u for u, _ in ins if op(g, u).kind not in ("param", "const")]
-    if len(ins) != 2 or len(scalars) != 1 or len(tensors) != 1:
-        return None
-    if o.fn == "div" and ins[0][0] != tensors[0]:
-        return None
-    return tensors[0]
+def _not_fused(res: FusionResult, g: nx.DiGraph, sm, why: str) -> None:
+    """An attention that stays several kernels: a note, and an error under --strict."""
+    note = f"attention at {sm}: not fused: {why}"
+    res.notes.append(note)
+    res.unfused_attention.append((op(g, sm).span, why))
 
 
 def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
-    """contraction(e) -> [scale] -> softmax(j) -> contraction(j) becomes one attention group."""
+    """contraction(e) -> [scale] -> [score modification] -> softmax(j) -> contraction(j) becomes one
+    attention group; the modification (bias, ALiBi, softcap, a `where(.., -inf)` mask) is lifted
+    into expressions (compiler/attention.py), and K/V read at head `h / G` into a GQA group."""
     for sm in [n for n in nx.topological_sort(g) if op(g, n).kind == "softmax"]:
         o = op(g, sm)
         axis = o.fn
-        ((prev, _),) = operands(g, sm)
-        scale: list = []
-        chain = prev
-        while (tensor := _scaled_value(g, chain)) is not None:
-            scale.append(chain)
-            chain = tensor
-        qk = chain
-        if op(g, qk).kind != "contraction":
-            blocker = _score_blocker(g, qk)
-            if blocker is not None:
-                res.notes.append(f"softmax {sm}: not fused attention: between the QK contraction and the softmax "
-                                 f"there is {op(g, blocker).label()}; only a multiplication or division by a "
-                                 "scalar param or constant can stay inside the attention kernel")
+        sp = score_path(g, sm)
+        if isinstance(sp, str):
+            res.notes.append(f"softmax {sm}: not attention ({sp})")
             continue
+        qk = sp.qk
         p_cast: list = []
         last = sm
         while len(_consumers(g, last)) == 1 and op(g, _consumers(g, last)[0]).kind == "cast":
@@ -121,15 +113,18 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
-        multi = [n for n in [qk, *scale, sm, *p_cast] if len(_consumers(g, n)) != 1 or
+        multi = [n for n in [qk, *sp.scale, sm, *p_cast] if len(_consumers(g, n)) != 1 or
                  any(op(g, c).kind == "output" for c in _consumers(g, n))]
+        if sp.path and sp.score in multi:
+            multi = [n for n in multi if n != sp.score or any(c not in sp.path for c in _consumers(g, n))
+                     or any(op(g, c).kind == "output" for c in _consumers(g, n))]
         if multi:
-            res.notes.append(f"attention at {sm}: not fused: the score matrix ({op(g, multi[0]).name or multi[0]}) "
-                             "is used elsewhere, so it must be written to memory")
+            _not_fused(res, g, sm, f"the score matrix ({op(g, multi[0]).name or multi[0]}) is used elsewhere, "
+                       "so it must be written to memory")
             continue
         qo = op(g, qk)
         if len(qo.reduced) != 1 or len(qo.axes) < 2 or qo.axes[-1] != axis:
-            res.notes.append(f"attention at {sm}: not fused: scores must be [batch.., i, j] with one head index")
+            _not_fused(res, g, sm, "scores must be [batch.., i, j] with one head index")
             continue
         query, head = qo.axes[-2], qo.reduced[0]
         batch = qo.axes[:-2]
@@ -143,22 +138,42 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         shapes_ok = (lq == (*batch, query, head) and tuple(lk[-2:]) == (axis, head) and lv == lk
                      and _is_subsequence(kv_batch, tuple(batch)) and po.axes == (*batch, query, head))
         if not shapes_ok:
-            res.notes.append(f"attention at {sm}: not fused: Q, K, V and O must be [batch.., seq, head], K and V "
-                             "alike, with K/V batch axes among Q's "
-                             f"(got Q{list(lq)}, K{list(lk)}, V{list(lv)}, O{list(po.axes)})")
+            _not_fused(res, g, sm, "Q, K, V and O must be [batch.., seq, head], K and V alike, with K/V batch "
+                       f"axes among Q's (got Q{list(lq)}, K{list(lk)}, V{list(lv)}, O{list(po.axes)})")
             continue
-        info = AttentionInfo(qk, sm, pv, tuple(scale), uq, uk, uv, tuple(batch), query, axis, head,
-                             o.causal == query, tuple(p_cast), None if kv_batch == tuple(batch) else kv_batch)
         if o.causal is not None and o.causal != query:
-            res.notes.append(f"attention at {sm}: not fused: causal index '{o.causal}' is not the query index")
+            _not_fused(res, g, sm, f"causal index '{o.causal}' is not the query index")
             continue
-        nodes = {qk, sm, pv, *scale, *p_cast}
+        # K and V: kernel inputs, or (GQA) inputs read at head h / G
+        # K and V as they are, or (GQA) inputs read at head h / G inside the kernel; another
+        # gather (e.g. through a block table) runs as a kernel of its own before the attention
+        reads = {}
+        for role, u, labels in (("K", uk, lk), ("V", uv, lv)):
+            found = kv_group_read(g, u, labels[-3]) if len(labels) >= 3 and len(_consumers(g, u)) == 1 else None
+            reads[role] = found if found is not None else (u, None, None, set())
+        (k_in, k_group, k_heads, k_nodes), (v_in, v_group, v_heads, v_nodes) = reads["K"], reads["V"]
+        if (k_group, k_heads) != (v_group, v_heads):
+            _not_fused(res, g, sm, "K and V are read with different head groupings")
+            continue
+        try:
+            mods = lift_mods(g, sm, sp, (*batch, query, axis))
+        except NotLiftable as e:
+            _not_fused(res, g, sm, f"between the QK contraction and the softmax, {e}")
+            continue
+        top_left = is_top_left_causal(mods.mask, query, axis) and \
+            op(g, qk).shape[-1] == op(g, qk).shape[-2]
+        if top_left:
+            mods = LiftedMods(mods.score_mod, None, mods.aux, mods.nodes)
+        info = AttentionInfo(qk, sm, pv, tuple(sp.scale), uq, k_in, v_in, tuple(batch), query, axis, head,
+                             o.causal == query or top_left, tuple(p_cast),
+                             None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv)
+        nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
             if op(g, c).kind == "cast" and len(_consumers(g, pv)) == 1:
                 nodes.add(c)
         if legal_group(g, nodes):
-            res.notes.append(f"attention at {sm}: not fused: {legal_group(g, nodes)}")
+            _not_fused(res, g, sm, str(legal_group(g, nodes)))
             continue
         group = Group(f"g{len(res.groups)}", "attention", nodes, qk, info)
         if ctx.oracle is not None:
@@ -166,6 +181,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             why = ctx.oracle.can_fuse(candidate_ir(g, group, ctx.kernel), ctx.archs)
             if why:
                 res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
+                res.unfused_attention.append((o.span, f"no backend implements it ({why})"))
                 continue
         res.groups.append(group)
 
@@ -173,33 +189,6 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
 def _is_subsequence(sub: tuple, seq: tuple) -> bool:
     it = iter(seq)
     return all(x in it for x in sub)
-
-
-def _score_blocker(g: nx.DiGraph, n):
-    """The op that keeps a softmax's operand from being `scale * contraction`: the first node on the
-    tensor path from the softmax back to a contraction that is not a scalar scaling (None if no
-    contraction is upstream along single-tensor elementwise ops)."""
-    first = n
-    while True:
-        o = op(g, n)
-        if o.kind == "contraction":
-            return first
-        if o.kind not in ("elementwise", "cast", "broadcast"):
-            return None
-        tensors = [u for u, _ in operands(g, n) if op(g, u).axes]
-        contractions = [u for u in tensors if op(g, u).kind == "contraction" or _feeds_from_contraction(g, u)]
-        if len(contractions) != 1:
-            return None
-        n = contractions[0]
-
-
-def _feeds_from_contraction(g: nx.DiGraph, n, depth: int = 8) -> bool:
-    o = op(g, n)
-    if o.kind == "contraction":
-        return True
-    if depth == 0 or o.kind not in ("elementwise", "cast", "broadcast"):
-        return False
-    return any(_feeds_from_contraction(g, u, depth - 1) for u in g.predecessors(n))
 
 
 def _is_full(g, n, gi: GemmInfo, gemm_axes: set) -> bool:

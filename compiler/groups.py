@@ -26,6 +26,9 @@ class Group:
 class FusionResult:
     groups: list[Group]
     notes: list[str] = field(default_factory=list)     # why things did not fuse
+    # attentions (contraction -> softmax -> contraction) left as several kernels: (span of the
+    # softmax, reason); `--strict` makes each an error
+    unfused_attention: list = field(default_factory=list)
 
     def group_of(self, n) -> Group | None:
         for grp in self.groups:

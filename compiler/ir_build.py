@@ -12,6 +12,7 @@ import networkx as nx
 
 from kspec.core import KspecError, KspecInternalError
 
+from .attention import attention_scale, is_top_left_causal, lift_mods, score_path
 from .canon import GemmInfo
 from .graph import op, operands
 from .kir import (Accum, ArchHint, AttentionStructure, Const, EpiExpr, Epilogue, GemmStructure, IRBuffer, IROp,
@@ -201,26 +202,6 @@ def _store_layout(g, n, buffer_name, gi: GemmInfo) -> str:
     return "row"
 
 
-def attention_scale(g, scale_nodes) -> str | float | None:
-    """The softmax scale as a param name or a folded constant; None if it is not a single factor."""
-    consts = 1.0
-    param = None
-    for n in scale_nodes:
-        o = op(g, n)
-        (x, _), (y, _) = operands(g, n)
-        scalar = y if op(g, x).kind not in ("param", "const") else x
-        so = op(g, scalar)
-        if so.kind == "const":
-            consts = consts * so.value if o.fn == "mul" else consts / so.value
-        elif o.fn == "mul" and param is None:
-            param = so.name
-        else:
-            return None
-    if param is not None and consts != 1.0:
-        return None
-    return param if param is not None else float(consts)
-
-
 def _label_extent(g, consumer, producer, label):
     """The extent of the producer's axis that `consumer` reads under `label`."""
     for u, labels in operands(g, consumer):
@@ -234,9 +215,20 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
     qk = info.qk
     batch = [_extent(g, qk, l) for l in info.batch]
     bdim, hdim = ([1, 1] + batch)[-2:]          # [b, h] -> B, H;  [h] -> 1, H;  [] -> 1, 1
-    heads = (_label_extent(g, info.qk, info.q, info.head), _label_extent(g, info.qk, info.k, info.head),
-             _label_extent(g, info.pv, info.v, info.head))
+    k_read = info.k_read if info.k_read is not None else info.k
+    v_read = info.v_read if info.v_read is not None else info.v
+    heads = (_label_extent(g, info.qk, info.q, info.head), _label_extent(g, info.qk, k_read, info.head),
+             _label_extent(g, info.pv, v_read, info.head))
     row_major = all(op(g, n).kind == "input" and op(g, n).layout == "row" for n in (info.q, info.k, info.v))
+    score_mod = mask = None
+    aux: tuple[str, ...] = ()
+    if info.mods is not None and (info.mods.score_mod is not None or info.mods.mask is not None):
+        sp = score_path(g, info.softmax)
+        mods = lift_mods(g, info.softmax, sp, (*info.batch, info.query, info.key), buffer_of)
+        score_mod, mask = mods.score_mod, mods.mask
+        if info.causal and is_top_left_causal(mask, info.query, info.key):
+            mask = None                # `where(j <= i, s, -inf)` with S = T: the causal flag says it
+        aux = tuple(dict.fromkeys(buffer_of(n) for n in mods.aux))
     return AttentionStructure(
         qk=str(qk), softmax=str(info.softmax), pv=str(info.pv), q=str(info.q), k=str(info.k), v=str(info.v),
         q_buffer=buffer_of(info.q), k_buffer=buffer_of(info.k), v_buffer=buffer_of(info.v),
@@ -247,7 +239,9 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
               ("E", heads[0])),
         inputs_row_major=row_major, out_buffers=tuple(b for _, b in stores),
         kv_shared=tuple(x for x in info.batch if info.kv_batch is not None and x not in info.kv_batch),
-        p_dtypes=tuple(op(g, n).dtype for n in info.p_cast))
+        p_dtypes=tuple(op(g, n).dtype for n in info.p_cast),
+        score_mod=score_mod, mask=mask, aux=aux,
+        kv_group=info.kv_group, kv_head=info.kv_head if info.kv_group is not None else None)
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str) -> KernelIR:

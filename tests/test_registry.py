@@ -118,8 +118,9 @@ def test_unsupported_attention_head_dim_is_visible_and_strict_refuses_it(tmp_pat
     assert "FALLBACK att96_2 on sm90a: a naive loop GEMM" in out
     rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a", "--strict")
     assert rc == 1 and "att96.kspec:" in err
-    assert "kernel att96_2 (gemm) on sm90a would run as a naive loop GEMM" in err
-    assert "--strict forbids loop-kernel fallbacks" in err
+    # the unfused attention is refused first, with the backends' reasons
+    assert "this attention is not fused into one kernel" in err and "not 96" in err
+    assert "--strict forbids unfused attention" in err
 
 
 def test_strict_compile_fails_before_any_toolchain_runs(tmp_path, capsys):

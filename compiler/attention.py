@@ -1,0 +1,275 @@
+"""Attention score modifications: what lies between the QK contraction and the softmax, lifted out
+of the graph as small expressions per score element (the score_mod / mask_mod model of
+FlexAttention and FlashAttention-4), and grouped-query K/V reads (`K[b, h / G, j, e]`).
+
+`score_path` finds the QK contraction behind a softmax and splits the scale off; `lift_mods` turns
+the rest into `kir` expressions over `Score()`, `Index(label)`, `Size(symbol)`, scalar `Load`s,
+`Const`s and `AuxLoad`s of extra tensors, and splits a top-level `where(cond, x, -inf)` off as the
+mask; `kv_group_read` recognises a K or V operand read at head `h / G`.  Fusion uses these to decide
+whether an attention fuses (with the reason when it does not); ir_build uses them to fill
+`AttentionStructure`.  One implementation serves both, so what fusion accepts is what the IR holds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import networkx as nx
+
+from kspec.core import INT_DTYPES
+
+from .graph import op, operands
+from .kir import AuxLoad, Const, EpiExpr, Index, Load, Op, Score, Size, epi_nodes
+
+
+class NotLiftable(Exception):
+    """Why the ops between QK^T and the softmax cannot run inside one attention kernel."""
+
+
+def _scaled_value(g: nx.DiGraph, n):
+    """If n multiplies a tensor by a scalar param/const (or divides it by one), that tensor's node."""
+    o = op(g, n)
+    if o.kind != "elementwise" or o.fn not in ("mul", "div"):
+        return None
+    ins = operands(g, n)
+    scalars = [u for u, _ in ins if op(g, u).kind in ("param", "const")]
+    tensors = [u for u, _ in ins if op(g, u).kind not in ("param", "const")]
+    if len(ins) != 2 or len(scalars) != 1 or len(tensors) != 1:
+        return None
+    if o.fn == "div" and ins[0][0] != tensors[0]:
+        return None
+    return tensors[0]
+
+
+def attention_scale(g, scale_nodes) -> str | float | None:
+    """The softmax scale as a param name or a folded constant; None if it is not a single factor."""
+    consts = 1.0
+    param = None
+    for n in scale_nodes:
+        o = op(g, n)
+        (x, _), (y, _) = operands(g, n)
+        scalar = y if op(g, x).kind not in ("param", "const") else x
+        so = op(g, scalar)
+        if so.kind == "const":
+            consts = consts * so.value if o.fn == "mul" else consts / so.value
+        elif o.fn == "mul" and param is None:
+            param = so.name
+        else:
+            return None
+    if param is not None and consts != 1.0:
+        return None
+    return param if param is not None else float(consts)
+
+
+def _feeds_from_contraction(g: nx.DiGraph, n, depth: int = 16) -> bool:
+    o = op(g, n)
+    if o.kind == "contraction":
+        return True
+    if depth == 0 or o.kind not in ("elementwise", "cast", "broadcast"):
+        return False
+    return any(_feeds_from_contraction(g, u, depth - 1) for u in g.predecessors(n))
+
+
+@dataclass(frozen=True)
+class ScorePath:
+    qk: object                 # the QK^T contraction
+    scale: tuple               # scalar multiplications/divisions right after it (the softmax scale)
+    score: object              # the node whose value is Score(): the last scale node, or qk
+    path: tuple                # nodes from the score (exclusive) to the softmax operand (inclusive)
+
+
+def score_path(g: nx.DiGraph, sm) -> ScorePath | str:
+    """Walk back from a softmax to the contraction its operand is computed from, along the one
+    operand at each step that depends on a contraction; the reason as a str when there is none."""
+    ((prev, _),) = operands(g, sm)
+    path = []
+    n = prev
+    while op(g, n).kind != "contraction":
+        o = op(g, n)
+        if o.kind not in ("elementwise", "cast", "broadcast"):
+            return f"its operand is computed by {o.label()}, not from a contraction"
+        path.append(n)
+        feeding = [u for u, _ in operands(g, n) if _feeds_from_contraction(g, u)]
+        if len(set(feeding)) != 1:
+            return (f"{o.label()} combines {len(set(feeding))} values computed from contractions"
+                    if feeding else "its operand is not computed from a contraction")
+        n = feeding[0]
+    qk = n
+    forward = list(reversed(path))
+    scale: list = []
+    for x in forward:
+        # the longest run of scalar factors right after QK^T that is still one param or constant
+        if _scaled_value(g, x) is None or attention_scale(g, [*scale, x]) is None:
+            break
+        scale.append(x)
+    score = scale[-1] if scale else qk
+    return ScorePath(qk, tuple(scale), score, tuple(forward[len(scale):]))
+
+
+@dataclass(frozen=True)
+class LiftedMods:
+    score_mod: EpiExpr | None
+    mask: EpiExpr | None
+    aux: tuple                   # input nodes read by AuxLoad (buffers the mods read)
+    nodes: frozenset             # graph nodes the mods compute (they join the attention kernel)
+
+
+def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
+              name_of: Callable[[object], str] = lambda n: str(n)) -> LiftedMods:
+    """The ops between the score and the softmax as expressions per score element.  labels: the
+    attention's labels (batch.., query, key), which the score node's axes must be.  name_of maps an
+    input/param node to its buffer name.  Raises NotLiftable with the reason."""
+    ((root, root_labels),) = operands(g, sm)
+    if not sp.path:
+        return LiftedMods(None, None, (), frozenset())
+    nodes: set = set()
+    aux: list = []
+    memo: dict = {}
+
+    def lift(n, m: dict) -> EpiExpr:
+        key = (n, tuple(sorted(m.items())))
+        if key in memo:
+            return memo[key]
+        o = op(g, n)
+        if n == sp.score:
+            if any(m.get(a) != a for a in o.axes) or set(o.axes) != set(labels):
+                raise NotLiftable("the score is read with its indices permuted")
+            e: EpiExpr = Score()
+        elif o.kind == "param":
+            e = Load(name_of(n), "scalar", o.dtype)
+        elif o.kind == "const":
+            # integer constants stay ints (index arithmetic such as `i - 128`)
+            e = Const(int(o.value) if o.dtype in INT_DTYPES else float(o.value))
+        elif o.kind == "size":
+            nodes.add(n)
+            e = Size(o.fn)
+        elif o.kind == "index":
+            nodes.add(n)
+            e = Index(m[o.fn])
+        elif o.kind == "input":
+            if n not in aux:
+                aux.append(n)
+            e = AuxLoad(name_of(n), tuple(Index(m[a]) for a in o.axes), o.dtype)
+        elif o.kind == "gather":
+            nodes.add(n)
+            ins = operands(g, n)
+            src, _ = ins[0]
+            if op(g, src).kind != "input":
+                raise NotLiftable(f"{o.label()} gathers from a computed value, not a kernel input")
+            if src not in aux:
+                aux.append(src)
+            subs: list[EpiExpr] = []
+            for x in o.subscripts:
+                if x.startswith("#"):
+                    subs.append(Const(int(x[1:])))
+                elif x.startswith("@"):
+                    u, ul = ins[int(x[1:])]
+                    subs.append(lift(u, _through(g, u, ul, m)))
+                else:
+                    subs.append(Index(m[x]))
+            e = AuxLoad(name_of(src), tuple(subs), op(g, src).dtype)
+        elif o.kind in ("elementwise", "cast", "broadcast"):
+            if any(s not in nodes_ok and s != sm for s in g.successors(n)):
+                raise NotLiftable(f"{o.label()} (between QK^T and the softmax) is also used outside "
+                                  "the attention, so it must be written to memory")
+            nodes.add(n)
+            args = tuple(lift(u, _through(g, u, ul, m)) for u, ul in operands(g, n))
+            if o.kind == "broadcast":
+                e = args[0]
+            elif o.kind == "cast":
+                e = Op(f"cast:{o.dtype}", args)
+            else:
+                e = Op(o.fn, args)
+        else:
+            raise NotLiftable(f"{o.label()} cannot be computed per score element inside the attention kernel")
+        memo[key] = e
+        return e
+
+    # the nodes whose values only the mods use (checked as they are lifted)
+    nodes_ok = _mod_cone(g, root, sp.score)
+    expr = lift(root, {a: a for a in root_labels})
+    mask, score_mod = _split_mask(expr)
+    if score_mod is not None and isinstance(score_mod, Score):
+        score_mod = None
+    if mask is not None and any(isinstance(x, (Score,)) for x in epi_nodes(mask)):
+        mask, score_mod = None, expr          # a score-dependent mask stays a score modification
+    return LiftedMods(score_mod, mask, tuple(aux), frozenset(nodes))
+
+
+def _through(g: nx.DiGraph, u, read_labels, m: dict) -> dict:
+    """The label map for operand u: u's axis -> the attention label its reader's label maps to."""
+    return {a: m[l] for a, l in zip(op(g, u).axes, read_labels) if l in m}
+
+
+def _mod_cone(g: nx.DiGraph, root, score) -> set:
+    """Every node the softmax operand is computed from, stopping at the score, inputs and params."""
+    out: set = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n in out or n == score or op(g, n).kind in ("input", "param", "contraction"):
+            continue
+        out.add(n)
+        stack.extend(g.predecessors(n))
+    return out
+
+
+def is_top_left_causal(mask: EpiExpr | None, query: str, key: str) -> bool:
+    """mask is exactly `key <= query` (what `softmax(j, causal=i)` means when S and T agree)."""
+    return mask == Op("le", (Index(key), Index(query))) or mask == Op("ge", (Index(query), Index(key)))
+
+
+def _is_neg_inf(e: EpiExpr) -> bool:
+    if isinstance(e, Const):
+        return e.value == -math.inf
+    return isinstance(e, Op) and e.fn == "neg" and isinstance(e.args[0], Const) and e.args[0].value == math.inf
+
+
+def _split_mask(e: EpiExpr) -> tuple[EpiExpr | None, EpiExpr]:
+    """`where(c, x, -inf)` -> (c, x); nested ones are and-ed; `where(c, -inf, x)` masks `not c`."""
+    mask: EpiExpr | None = None
+    while isinstance(e, Op) and e.fn == "where":
+        c, a, b = e.args
+        if _is_neg_inf(b) and not _is_neg_inf(a):
+            keep, e = c, a
+        elif _is_neg_inf(a) and not _is_neg_inf(b):
+            keep, e = Op("not", (c,)), b
+        else:
+            break
+        mask = keep if mask is None else Op("and", (mask, keep))
+    return mask, e
+
+
+def kv_group_read(g: nx.DiGraph, n, head_label: str):
+    """If n reads a kernel input at head index `h / G` (`K[b, h / G, j, e]`): (the input node, G as a
+    param name, an int or a size symbol, the K/V head count (extent of that input axis), the nodes
+    computing the read).  None when n is not such a read."""
+    o = op(g, n)
+    if o.kind != "gather":
+        return None
+    ins = operands(g, n)
+    src, _ = ins[0]
+    if op(g, src).kind != "input":
+        return None
+    computed = [(axis, x) for axis, x in enumerate(o.subscripts) if x not in o.axes]
+    if len(computed) != 1 or not computed[0][1].startswith("@"):
+        return None
+    axis, x = computed[0]
+    u, ul = ins[int(x[1:])]
+    uo = op(g, u)
+    if uo.kind != "elementwise" or uo.fn != "floordiv":
+        return None
+    (num, nl), (den, _) = operands(g, u)
+    no, do = op(g, num), op(g, den)
+    if no.kind != "index" or len(nl) != 1 or dict(zip(uo.axes, ul)).get(nl[0]) != head_label:
+        return None
+    if do.kind == "param":
+        group = do.name
+    elif do.kind == "const":
+        group = int(do.value)
+    elif do.kind == "size":
+        group = do.fn
+    else:
+        return None
+    return src, group, op(g, src).shape[axis], {n, u, num} | ({den} if do.kind != "param" else set())
