@@ -243,3 +243,30 @@ def abi_header() -> str:
             "#ifdef __cplusplus\nextern \"C\" {\n#endif\n"
             f"{WORKSPACE_PROTO};\n{PREPARE_PROTO};\n{ABI_VERSION_PROTO};\n"
             "#ifdef __cplusplus\n}\n#endif\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Index ranges: the contract between the compile step and the runtime's pre-launch check
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IndexRange:
+    """An integer input tensor whose values are used as subscripts: every element of `tensor`
+    selects an element along axis `axis` of `target`, so it must lie in [0, extent) (`extent` a
+    size symbol or an int); with `negative`, a negative value is allowed too (it selects nothing).
+    Computed from the kernel IR by the compile step (kspec.compiler.indices), recorded per kernel
+    in the artifact manifest, checked by the runtime before a launch (kspec.runtime.indexcheck)."""
+    tensor: str
+    target: str
+    axis: int
+    extent: "str | int"
+    negative: bool = False
+    plans: tuple[str, ...] = ()          # the plans that read it
+
+    def bound(self, sizes: "dict[str, int]") -> int:
+        """The exclusive upper bound at the given size-symbol values."""
+        return self.extent if isinstance(self.extent, int) else sizes[self.extent]
+
+    def describe(self) -> str:
+        lo = "" if self.negative else "0 <= "
+        return f"{lo}{self.tensor} < {self.extent} ({self.target} axis {self.axis})"
