@@ -351,4 +351,4 @@ def test_selftest_refuses_a_bad_label_before_launch(compiled):
     status = run([str(compiled("cross_entropy", ("sm90a",)))], fake="sm90a", bench=False, out=out)
     text = out.getvalue()
     assert status == 0, text
-    assert "PASS cross_entropy            small   bad-index label[4] = 24 is out of range" in text, text
+    assert "PASS cross_entropy            small   bad-index cross_entropy: label[4] = 24 is out of range" in text, text
