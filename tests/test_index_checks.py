@@ -352,3 +352,13 @@ def test_selftest_refuses_a_bad_label_before_launch(compiled):
     text = out.getvalue()
     assert status == 0, text
     assert "PASS cross_entropy            small   bad-index cross_entropy: label[4] = 24 is out of range" in text, text
+
+
+def test_the_readme_shows_the_real_message(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    mod = kspec.load(_artifact(tmp_path))
+    labels = np.zeros(64, dtype=np.int32)
+    labels[17] = 32000
+    with FakeDriver() as fake, pytest.raises(KspecRuntimeError) as e:
+        _call(fake, mod, labels, V=32000)
+    assert f"kspec.core.KspecRuntimeError: {e.value}\n```" in readme
