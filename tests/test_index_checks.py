@@ -362,3 +362,9 @@ def test_the_readme_shows_the_real_message(tmp_path):
     with FakeDriver() as fake, pytest.raises(KspecRuntimeError) as e:
         _call(fake, mod, labels, V=32000)
     assert f"kspec.core.KspecRuntimeError: {e.value}\n```" in readme
+
+
+def test_kspec_lower_shows_the_ranges(capsys):
+    from kspec.cli import main
+    assert main(["lower", str(SPECS / "cross_entropy.kspec")]) == 0
+    assert "  index checks before launch: 0 <= label < V (logits axis 1)\n" in capsys.readouterr().out
