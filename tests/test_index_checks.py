@@ -116,12 +116,17 @@ def _entry(ranges, *, name="cross_entropy", binaries=None):
                        outputs=(TensorSpec("loss", "f32", ("M",)),), plans=(plan,), index_ranges=ranges)
 
 
-def _artifact(tmp_path: Path, ranges=(LABEL,), extra=()) -> Path:
-    d = tmp_path / "art"
+def _binaries(d: Path) -> dict:
+    """Stand-in binaries: a call that gets past the checks fails loading the host glue."""
     d.mkdir(parents=True, exist_ok=True)
     (d / "x.cubin").write_bytes(b"not a cubin")
     (d / "x.so").write_bytes(b"not a shared library")
-    b = {"sm90a": make_binary(d, "x.cubin", "x.so")}
+    return {"sm90a": make_binary(d, "x.cubin", "x.so")}
+
+
+def _artifact(tmp_path: Path, ranges=(LABEL,), extra=()) -> Path:
+    d = tmp_path / "art"
+    b = _binaries(d)
     extra = tuple(replace(k, plans=tuple(replace(p, binaries=b) for p in k.plans)) for k in extra)
     write_manifest(d, Manifest(SpecRef("ce.kspec", "0" * 64), ("sm90a",), (_entry(ranges, binaries=b), *extra)))
     return d
@@ -230,10 +235,7 @@ def test_a_block_table_at_an_offset_with_an_int_extent_and_negative_sentinels(tm
     """A 2-D table read at an offset inside a larger allocation; a literal extent; a range that allows
     negative values (a sentinel that selects nothing) still has an upper bound."""
     d = tmp_path / "paged"
-    d.mkdir()
-    (d / "x.cubin").write_bytes(b"c")
-    (d / "x.so").write_bytes(b"h")
-    b = {"sm90a": make_binary(d, "x.cubin", "x.so")}
+    b = _binaries(d)
     entry = KernelEntry(
         "paged", inputs=(TensorSpec("pages", "f32", (8, "D")), TensorSpec("table", "i32", ("B", "NB")),
                          TensorSpec("slot", "i8", ("B",))),
