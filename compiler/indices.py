@@ -9,9 +9,15 @@ Computed from the kernel IR only, in one walk over what selects an element by a 
 - an attention mod's `AuxLoad` whose subscript is itself an `AuxLoad` (`K[table[b, i], ...]`: a
   block table, a per-batch offset).
 Only tensors the kernel loads from its own inputs can be checked before the launch; an index
-computed inside the kernel, or by an earlier plan, is left to the kernel's own guard.
+computed inside the kernel, or by an earlier plan, is left to the kernel's own guard.  Every
+element of an index tensor is checked, so a block table's unused entries must hold valid values
+too (or the range must allow negatives as a "no block" sentinel: `negative`).  Offsets that mark
+an end (cumulative sequence lengths) are ranges with `inclusive` and `monotonic` set, added here
+where the IR names them.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from kspec.core import IndexRange
 
@@ -50,12 +56,12 @@ def index_ranges(ir: KernelIR) -> tuple[IndexRange, ...]:
 def merge_index_ranges(ranges) -> tuple[IndexRange, ...]:
     """The ranges of a spec kernel's plans as one list: a range read by several plans once, with
     every plan that reads it."""
-    out: dict[tuple, IndexRange] = {}
+    out: dict[IndexRange, IndexRange] = {}
     for r in ranges:
-        key = (r.tensor, r.target, r.axis, r.extent, r.negative)
+        key = replace(r, plans=())
         old = out.get(key)
         plans = r.plans if old is None else old.plans + tuple(p for p in r.plans if p not in old.plans)
-        out[key] = IndexRange(r.tensor, r.target, r.axis, r.extent, r.negative, plans)
+        out[key] = replace(r, plans=plans)
     return tuple(out.values())
 
 

@@ -25,7 +25,8 @@ Layout of an artifact directory::
         "params":  [{"name": "alpha", "dtype": "f32", "default": 1.0}],   # default may be null
         "intermediates": [{"name": "t3", "dtype": "f32", "shape": ["M", "N"], "layout": "row"}],
         "index_ranges": [{"tensor": "label", "target": "logits", "axis": 1, "extent": "V",
-                          "negative": false, "plans": ["cross_entropy_0"]}],
+                          "negative": false, "inclusive": false, "monotonic": false,
+                          "plans": ["cross_entropy_0"]}],
         "plans": [{                            # launched in this order on one stream
           "id": "gemm_bias_relu_0", "kind": "gemm",          # gemm | attention | elementwise
           "dims": [["M", "M"], ["N", "N"], ["K", "K"], ["L", 1]],
@@ -76,7 +77,10 @@ Meaning of the fields
 - index_ranges: the integer inputs whose values are subscripts (kspec.core.IndexRange): every
   element of `tensor` (an integer input) selects along axis `axis` of `target` (a tensor name, for
   messages), so it must lie in [0, extent) (`extent` a size symbol bound by the arguments, or an
-  int); `negative: true` allows negative values too.  The runtime checks them before a launch
+  int); `negative: true` allows negative values too, `inclusive: true` the extent itself
+  ([0, extent]: offsets that mark an end, such as cumulative sequence lengths), and
+  `monotonic: true` asks that values never decrease along the tensor's last axis.  The optional
+  flags default to false.  The runtime checks them before a launch
   (kspec.runtime.indexcheck).  `[]`: the kernel uses no index tensor.  Absent (artifacts written
   before kspec recorded them): nothing is known, so nothing is checked before the launch; the
   kernels' own guards still keep every read in bounds.
@@ -253,7 +257,7 @@ def _binary_json(b: Binary) -> dict[str, Any]:
 
 def _range_json(r: IndexRange) -> dict[str, Any]:
     return {"tensor": r.tensor, "target": r.target, "axis": r.axis, "extent": r.extent, "negative": r.negative,
-            "plans": list(r.plans)}
+            "inclusive": r.inclusive, "monotonic": r.monotonic, "plans": list(r.plans)}
 
 
 def _plan_json(p: Plan) -> dict[str, Any]:
@@ -482,12 +486,13 @@ class _Reader:
         extent = self.extent(self.get(obj, "extent", where, (str, int)), f"{where}.extent")
         if isinstance(extent, str) and extent not in kernel.bindable:
             raise self.fail(f"{where}.extent", f"size symbol '{extent}' occurs in no input or output shape")
-        negative = self.get(obj, "negative", where, bool, optional=True, default=False)
+        flags = {k: self.get(obj, k, where, bool, optional=True, default=False)
+                 for k in ("negative", "inclusive", "monotonic")}
         plans = tuple(self.get(obj, "plans", where, list, optional=True, default=[]))
         for p in plans:
             if p not in plan_ids:
                 raise self.fail(f"{where}.plans", f"{json.dumps(p)[:60]} is not a plan of kernel '{kernel.name}'")
-        return IndexRange(tensor, target, axis, extent, negative, plans)
+        return IndexRange(tensor, target, axis, extent, plans=plans, **flags)
 
     def manifest(self, obj: Any) -> Manifest:
         if not isinstance(obj, dict):

@@ -137,7 +137,12 @@ def test_manifest_round_trip_and_older_artifacts(tmp_path):
     assert read_manifest(d).kernels[0].index_ranges == (LABEL,)
     obj = json.loads((d / "manifest.json").read_text())
     assert obj["kernels"][0]["index_ranges"] == [{"tensor": "label", "target": "logits", "axis": 1, "extent": "V",
-                                                  "negative": False, "plans": ["cross_entropy_0"]}]
+                                                  "negative": False, "inclusive": False, "monotonic": False,
+                                                  "plans": ["cross_entropy_0"]}]
+    for flag in ("negative", "inclusive", "monotonic"):         # optional, false by default
+        del obj["kernels"][0]["index_ranges"][0][flag]
+    (d / "manifest.json").write_text(json.dumps(obj))
+    assert read_manifest(d).kernels[0].index_ranges == (LABEL,)
     del obj["kernels"][0]["index_ranges"]            # written before kspec recorded them
     (d / "manifest.json").write_text(json.dumps(obj))
     assert read_manifest(d).kernels[0].index_ranges is None
@@ -151,6 +156,7 @@ def test_manifest_round_trip_and_older_artifacts(tmp_path):
     ("axis", -1, "expected a non-negative axis"),
     ("plans", ["nope_0"], '"nope_0" is not a plan of kernel'),
     ("negative", 1, "negative: expected bool, got 1"),
+    ("monotonic", "yes", 'monotonic: expected bool, got "yes"'),
 ])
 def test_malformed_index_ranges_are_rejected(tmp_path, field, value, msg):
     d = _artifact(tmp_path)
@@ -268,6 +274,23 @@ def test_a_block_table_at_an_offset_with_an_int_extent_and_negative_sentinels(tm
                                "expected 0 <= table < 8 (2 values out of range)")
 
 
+def test_cumulative_offsets_may_reach_their_bound_and_must_not_decrease():
+    """The shape of a varlen batch's cu_seqlens: B + 1 offsets into the packed token axis, each in
+    [0, T] and non-decreasing (a mismatched cu_seqlens is refused before the launch)."""
+    from kspec.runtime.indexcheck import check_index_values
+    cu = IndexRange("cu_seqlens", "Q", 0, "T", plans=("attn_0",), inclusive=True, monotonic=True)
+    assert cu.describe() == "0 <= cu_seqlens <= T (Q axis 0, non-decreasing)"
+    check_index_values("attn", (cu,), {"T": 10}, {"cu_seqlens": np.array([0, 3, 3, 10], np.int32)})
+    with pytest.raises(KspecRuntimeError) as e:
+        check_index_values("attn", (cu,), {"T": 10}, {"cu_seqlens": np.array([0, 3, 11, 10], np.int32)})
+    assert e.value.message == ("attn: cu_seqlens[2] = 11 is out of range for Q axis 0 (T = 10): "
+                               "expected 0 <= cu_seqlens <= 10")
+    with pytest.raises(KspecRuntimeError) as e:
+        check_index_values("attn", (cu,), {"T": 10}, {"cu_seqlens": np.array([[0, 4, 2, 10], [0, 1, 2, 1]], np.int32)})
+    assert e.value.message == ("attn: cu_seqlens[0, 2] = 2 is less than cu_seqlens[0, 1] = 4: expected "
+                               "non-decreasing offsets along its last axis")
+
+
 def test_read_view_follows_strides(tmp_path):
     from kspec.runtime.transfer import read_view
     from kspec.runtime.tensors import as_view
@@ -370,3 +393,23 @@ def test_kspec_lower_shows_the_ranges(capsys):
     from kspec.cli import main
     assert main(["lower", str(SPECS / "cross_entropy.kspec")]) == 0
     assert "  index checks before launch: 0 <= label < V (logits axis 1)\n" in capsys.readouterr().out
+
+
+def test_the_driver_copies_on_the_launch_stream_then_waits_for_it():
+    cu = pytest.importorskip("cuda.bindings.driver")
+    from kspec.runtime.driver import Driver
+    calls = []
+
+    class Recording(Driver):
+        def call(self, fn_name, *args, what=""):
+            calls.append((fn_name, what))
+            if fn_name == "cuMemcpyDtoHAsync":
+                host, src, n, stream = args
+                assert (int(src), n, int(stream)) == (0x7000, 6, 42) and isinstance(stream, cu.CUstream)
+                host[:] = np.arange(6, dtype=np.uint8)
+            elif fn_name == "cuStreamSynchronize":
+                assert int(args[0]) == 42
+
+    assert Recording().copy_to_host(0x7000, 6, 42, "index tensor 'label'") == bytes(range(6))
+    assert calls == [("cuMemcpyDtoHAsync", "reading index tensor 'label'"),
+                     ("cuStreamSynchronize", "reading index tensor 'label'")]

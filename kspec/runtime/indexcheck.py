@@ -24,22 +24,34 @@ def check_index_values(kernel: str, ranges: tuple[IndexRange, ...], sizes: Mappi
     """Raise for the first range (in recorded order) that a value of its tensor violates.
     values: tensor name -> host numpy array indexed like the tensor; sizes: size symbol -> value."""
     import numpy as np
+
+    def first(bad) -> tuple[str, tuple[int, ...], str]:
+        pos = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+        count = int(bad.sum())
+        return f"[{', '.join(map(str, pos))}]", pos, f" ({count} values out of range)" if count > 1 else ""
+
     for r in ranges:
         a = np.asarray(values[r.tensor])
         hi = r.bound(sizes)
-        bad = (a >= hi) if r.negative else ((a < 0) | (a >= hi))
-        if not bad.any():
-            continue
-        pos = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), a.shape))
-        where = f"[{', '.join(map(str, pos))}]"
-        size = f"{r.extent} = {hi}" if isinstance(r.extent, str) else f"size {hi}"
-        want = f"{r.tensor} < {hi}" if r.negative else f"0 <= {r.tensor} < {hi}"
-        count = int(bad.sum())
-        more = f" ({count} values out of range)" if count > 1 else ""
-        raise KspecRuntimeError(
-            f"{kernel}: {r.tensor}{where} = {int(a[pos])} is out of range for {r.target} axis {r.axis} "
-            f"({size}): expected {want}{more}",
-            hint=f"every value of '{r.tensor}' selects an element of '{r.target}'; nothing was launched")
+        bad = (a > hi) if r.inclusive else (a >= hi)
+        if not r.negative:
+            bad |= a < 0
+        hint = f"every value of '{r.tensor}' selects an element of '{r.target}'; nothing was launched"
+        if bad.any():
+            where, pos, more = first(bad)
+            size = f"{r.extent} = {hi}" if isinstance(r.extent, str) else f"size {hi}"
+            raise KspecRuntimeError(f"{kernel}: {r.tensor}{where} = {int(a[pos])} is out of range for {r.target} "
+                                    f"axis {r.axis} ({size}): expected {r.condition(hi)}{more}", hint=hint)
+        if r.monotonic and a.ndim and a.shape[-1] > 1:
+            down = np.zeros(a.shape, dtype=bool)
+            down[..., 1:] = a[..., 1:] < a[..., :-1]
+            if down.any():
+                where, pos, _ = first(down)
+                prev = (*pos[:-1], pos[-1] - 1)
+                raise KspecRuntimeError(
+                    f"{kernel}: {r.tensor}{where} = {int(a[pos])} is less than {r.tensor}"
+                    f"[{', '.join(map(str, prev))}] = {int(a[prev])}: expected non-decreasing offsets along "
+                    f"its last axis", hint=hint)
 
 
 def check_before_launch(kernel: str, ranges: tuple[IndexRange, ...], views: Mapping[str, Any],
