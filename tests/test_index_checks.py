@@ -210,6 +210,13 @@ def test_valid_labels_pass_the_check_and_reach_the_launch(tmp_path):
     assert len(fake.reads) == 1
 
 
+def test_help_names_the_checked_index_tensors(tmp_path):
+    import pydoc
+    mod = kspec.load(_artifact(tmp_path))
+    assert ("Index tensors, checked before each launch unless check_indices is off: 0 <= label < V "
+            "(logits axis 1).") in pydoc.render_doc(mod.cross_entropy, renderer=pydoc.plaintext)
+
+
 def test_the_check_can_be_turned_off(tmp_path):
     labels = np.full(64, 5000, dtype=np.int32)
     mod = kspec.load(_artifact(tmp_path), check_indices=False)

@@ -649,6 +649,9 @@ def describe_kernel(k: KernelEntry, archs: tuple[str, ...]) -> str:
     if symbols:
         lines.append(f"Sizes {', '.join(symbols)} are bound from the arguments' shapes.")
     lines.append("Layouts: row = C-contiguous; col = last two axes swapped (column-major matrices).")
+    if k.index_ranges:
+        lines.append("Index tensors, checked before each launch unless check_indices is off: "
+                     + "; ".join(r.describe() for r in k.index_ranges) + ".")
     lines.append(f"Plans: {', '.join(f'{p.id} ({p.kind})' for p in k.plans)}; archs: {', '.join(archs)}.")
     lines.append("stream: int handle, CUstream, torch/cupy stream; default: torch's current stream "
                  "for torch tensors, else the NULL stream.")
