@@ -298,6 +298,15 @@ def test_cumulative_offsets_may_reach_their_bound_and_must_not_decrease():
                                "non-decreasing offsets along its last axis")
 
 
+def test_a_scalar_index_tensor():
+    from kspec.runtime.indexcheck import check_index_values
+    r = IndexRange("k", "x", 0, 4, plans=("p_0",))
+    check_index_values("pick", (r,), {}, {"k": np.array(3, np.int32)})
+    with pytest.raises(KspecRuntimeError) as e:
+        check_index_values("pick", (r,), {}, {"k": np.array(4, np.int32)})
+    assert e.value.message == "pick: k = 4 is out of range for x axis 0 (size 4): expected 0 <= k < 4"
+
+
 def test_read_view_follows_strides(tmp_path):
     from kspec.runtime.transfer import read_view
     from kspec.runtime.tensors import as_view

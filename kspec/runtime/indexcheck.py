@@ -28,7 +28,8 @@ def check_index_values(kernel: str, ranges: tuple[IndexRange, ...], sizes: Mappi
     def first(bad) -> tuple[str, tuple[int, ...], str]:
         pos = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
         count = int(bad.sum())
-        return f"[{', '.join(map(str, pos))}]", pos, f" ({count} values out of range)" if count > 1 else ""
+        where = f"[{', '.join(map(str, pos))}]" if pos else ""
+        return where, pos, f" ({count} values out of range)" if count > 1 else ""
 
     for r in ranges:
         a = np.asarray(values[r.tensor])
