@@ -27,7 +27,11 @@ class CuteDesc:
 class CuteBackend:
     name = "cute"
     capabilities = Capabilities(
-        archs=ARCHS, kinds=("gemm",),
+        archs=ARCHS, kinds=("gemm", "attention"),
+        attention=(("sm90a", "FlashAttention-4: f16/bf16, head dims 8..256; causal (either alignment), sliding "
+                    "window, score_mod/mask_mod, GQA/MQA, LSE"),
+                   ("sm100a", "FlashAttention-4: f16/bf16, head dims 8..128, (192,128), (256,256); causal, "
+                    "sliding window, score_mod/mask_mod, GQA/MQA, LSE")),
         gemm_operands=(("f16", "f16"), ("bf16", "bf16"), ("f8e4m3", "f8e4m3"), ("f8e5m2", "f8e5m2"),
                        ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
         epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
@@ -48,8 +52,11 @@ class CuteBackend:
         return lower_gemm_desc(ir, arch, self.name)
 
     def can_implement(self, ir: KernelIR, arch: str) -> str | None:
+        if ir.kind == "attention":
+            from . import attention, compat
+            return compat.fa4_available() or attention.unsupported(ir, arch)
         if ir.kind != "gemm":
-            return f"the CuTe DSL backend implements GEMMs, not {ir.kind} kernels"
+            return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
         desc = self._gemm_desc(ir, arch).desc
         why = cute_gemm.can_implement(desc, arch)
         if why:
@@ -75,24 +82,39 @@ class CuteBackend:
         return cute_gemm.default_config(desc, arch, dims)
 
     def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
+        if ir.kind == "attention":
+            from . import attention
+            return attention.config_items(attention.lower(ir, arch)[0])
         desc = self._gemm_desc(ir, arch).desc
         cfg = self._config(desc, ir, arch)
         items = tuple((k, v) for k, v in cfg.as_dict().items() if k != "backend")
         return items + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
+        if ir.kind == "attention":
+            return [self.default_config(ir, arch)]       # FA4's heuristics choose per size bucket
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 
     # ---- lowering, emission, build ---------------------------------------------------------------
     def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
         """config: one of `candidates(ir, arch)` (a tuning winner); default: the heuristic's."""
+        if ir.kind == "attention":
+            from . import attention
+            desc, names, dims, scalars = attention.lower(ir, arch)
+            return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention.config_items(desc))
         lp = self._gemm_desc(ir, arch)
         cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)
         return LoweredPlan(ir, arch, self.name, CuteDesc(lp.desc, cfg), lp.names, lp.dims, lp.scalars,
                            tuple(cfg.as_dict().items()))
 
     def emit(self, lowered: LoweredPlan) -> EmittedKernel:
+        if not isinstance(lowered.desc, CuteDesc):
+            from . import attention
+            d = lowered.desc
+            return EmittedKernel(name=d.name, arch=lowered.arch, source=attention.entry_source(d), include_dirs=(),
+                                 flags=(), dims=d.dims, args=d.args, scalars=d.scalars, alignment=d.alignment(),
+                                 config=attention.config_items(d))
         desc, cfg = lowered.desc.gemm, lowered.desc.config
         code = cute_epi.generate(desc)
         tensors = cute_gemm.tensor_abi(desc, code)
@@ -113,11 +135,35 @@ class CuteBackend:
         from pathlib import Path
 
         from .parallel import CuteJob, build_many
-        cjobs = [CuteJob(label, lp.desc.gemm, lp.arch, lp.desc.config) for label, lp in items]
+        out = self._build_attention([(lb, lp) for lb, lp in items if not isinstance(lp.desc, CuteDesc)],
+                                    cache_root, progress)
+        cjobs = [CuteJob(label, lp.desc.gemm, lp.arch, lp.desc.config) for label, lp in items
+                 if isinstance(lp.desc, CuteDesc)]
         if not cjobs:
-            return {}
+            return out
         built = build_many(cjobs, Path(cache_root), max_parallel=jobs, progress=progress)
-        return {j.label: b for j, b in zip(cjobs, built)}
+        return {**out, **{j.label: b for j, b in zip(cjobs, built)}}
+
+    @staticmethod
+    def _build_attention(items, cache_root, progress) -> dict:
+        """FlashAttention-4 kernels, one after another in this process (each is a few DSL compiles;
+        FA4's module state is process-global).  label -> attention.AttnBuild (every size variant)."""
+        import time
+        from pathlib import Path
+
+        from . import attention
+        from .parallel import CuteEvent, CuteJob
+        out = {}
+        for n, (label, lp) in enumerate(items):
+            job = CuteJob(label, None, lp.arch, None, kind="cute-fa4")
+            t0 = time.monotonic()
+            hit = attention.lookup(lp.desc, Path(cache_root) if cache_root else None)
+            if hit is None and progress is not None:
+                progress(CuteEvent("start", label, 0.0, job, n, len(items)))
+            out[label] = hit or attention.build(lp.desc, Path(cache_root) if cache_root else None)
+            if progress is not None:
+                progress(CuteEvent("cached" if hit else "done", label, time.monotonic() - t0, job, n + 1, len(items)))
+        return out
 
 
 def _from_items(items) -> cute_gemm.CuteConfig:
