@@ -273,3 +273,56 @@ def kv_group_read(g: nx.DiGraph, n, head_label: str):
     else:
         return None
     return src, group, op(g, src).shape[axis], {n, u, num} | ({den} if do.kind != "param" else set())
+
+
+def paged_kv_read(g: nx.DiGraph, n, read_labels: tuple[str, ...], key: str, batch: tuple[str, ...]):
+    """If n (read under `read_labels` by the attention) reads a kernel input through a block table (a
+    paged KV cache, `Kc[bt[b.., j / P], j % P, h, e]`: the page pool's axis 0 selects the page,
+    axis 1 the row in it, P the extent of axis 1, j the attention's key label): (the pool input
+    node, the block-table input node, P as an int or a size symbol, the nodes computing the read).
+    None when n is not such a read."""
+    o = op(g, n)
+    if o.kind != "gather" or len(o.subscripts) < 3 or len(read_labels) != len(o.axes):
+        return None
+    ins = operands(g, n)
+    src, _ = ins[0]
+    so = op(g, src)
+    if so.kind != "input" or not all(x.startswith("@") for x in o.subscripts[:2]) or \
+            any(x.startswith(("@", "#")) for x in o.subscripts[2:]):
+        return None
+    to_attn = dict(zip(o.axes, read_labels))          # n's labels -> the attention's
+    (pg, pl), (off, ol) = ins[int(o.subscripts[0][1:])], ins[int(o.subscripts[1][1:])]
+    nodes = {n}
+
+    def key_by(u, labels, outer: dict, fn):
+        """u (read under `labels`, whose labels `outer` maps to the attention's) computes `key fn P`
+        with P the pool's page extent: P, or None."""
+        uo = op(g, u)
+        if uo.kind != "elementwise" or uo.fn != fn or len(uo.axes) != 1:
+            return None
+        mine = {a: outer.get(l) for a, l in zip(uo.axes, labels)}
+        (num, nl), (den, _) = operands(g, u)
+        no, do = op(g, num), op(g, den)
+        if no.kind != "index" or len(nl) != 1 or mine.get(nl[0]) != key:
+            return None
+        page = do.fn if do.kind == "size" else int(do.value) if do.kind == "const" and do.dtype in INT_DTYPES \
+            else None
+        if page is None or page != so.shape[1]:
+            return None
+        nodes.update((u, num, den))
+        return page
+
+    go = op(g, pg)
+    if go.kind != "gather" or len(go.subscripts) != 2 or go.subscripts[1] != "@1":
+        return None
+    bt, _ = operands(g, pg)[0]
+    if op(g, bt).kind != "input" or op(g, bt).dtype not in INT_DTYPES:
+        return None
+    pg_to_attn = {a: to_attn.get(l) for a, l in zip(go.axes, pl)}
+    if pg_to_attn.get(go.subscripts[0]) not in batch:
+        return None
+    page = key_by(*operands(g, pg)[1], pg_to_attn, "floordiv")
+    if page is None or key_by(off, ol, to_attn, "mod") != page:
+        return None
+    nodes.add(pg)
+    return src, bt, page, nodes

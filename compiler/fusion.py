@@ -15,7 +15,7 @@ import networkx as nx
 
 from kspec.core import dtype_bytes  # noqa: F401
 
-from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods,
+from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, paged_kv_read,
                         score_path)
 from .canon import GemmInfo, gemm_info, is_index_expr, is_input_view, is_scalar_value, value_weight
 from .graph import op, operands
@@ -61,6 +61,8 @@ class AttentionInfo:
     kv_head: object = None             # GQA: the K/V head count
     k_read: object = None              # the nodes QK^T and PV read K and V through (a gather for GQA)
     v_read: object = None
+    page_table: object = None          # paged KV: the block-table input (K/V are page pools)
+    page_size: object = None           # paged KV: rows per page (int or size symbol)
 
 
 def is_operator(g: nx.DiGraph, n) -> bool:
@@ -134,6 +136,12 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         (up, lp), (uv, lv) = operands(g, pv)
         if up != last:
             (up, lp), (uv, lv) = (uv, lv), (up, lp)
+        paged = _paged_reads(g, (uk, lk), (uv, lv), axis, head, tuple(batch))
+        if isinstance(paged, str):
+            _not_fused(res, g, sm, paged)
+            continue
+        if paged is not None:
+            lk = lv = (*batch, axis, head)      # the logical K/V a paged read gives
         kv_batch = tuple(lk[:-2])
         shapes_ok = (lq == (*batch, query, head) and tuple(lk[-2:]) == (axis, head) and lv == lk
                      and _is_subsequence(kv_batch, tuple(batch)) and po.axes == (*batch, query, head))
@@ -150,6 +158,9 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         reads = {}
         for role, u, labels in (("K", uk, lk), ("V", uv, lv)):
             found = kv_group_read(g, u, labels[-3]) if len(labels) >= 3 and len(_consumers(g, u)) == 1 else None
+            if paged is not None:
+                src, _bt, _page, pnodes = paged[role]
+                found = (src, None, None, pnodes)
             reads[role] = found if found is not None else (u, None, None, set())
         (k_in, k_group, k_heads, k_nodes), (v_in, v_group, v_heads, v_nodes) = reads["K"], reads["V"]
         if (k_group, k_heads) != (v_group, v_heads):
@@ -166,7 +177,8 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             mods = LiftedMods(mods.score_mod, None, mods.aux, mods.nodes)
         info = AttentionInfo(qk, sm, pv, tuple(sp.scale), uq, k_in, v_in, tuple(batch), query, axis, head,
                              o.causal == query or top_left, tuple(p_cast),
-                             None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv)
+                             None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv,
+                             *((paged["K"][1], paged["K"][2]) if paged is not None else ()))
         nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
@@ -184,6 +196,24 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                 res.unfused_attention.append((o.span, f"no backend implements it ({why})"))
                 continue
         res.groups.append(group)
+
+
+def _paged_reads(g, k, v, key: str, head: str, batch: tuple[str, ...]):
+    """K and V both read through one block table (a paged KV cache, compiler.attention.paged_kv_read):
+    {"K": read, "V": read}; None when neither is; the reason (str) when they cannot fuse as one."""
+    reads = {role: paged_kv_read(g, u, labels, key, batch) if len(_consumers(g, u)) == 1 else None
+             for role, (u, labels) in (("K", k), ("V", v))}
+    if reads["K"] is None and reads["V"] is None:
+        return None
+    if reads["K"] is None or reads["V"] is None:
+        return "only one of K and V is read through a block table (a paged KV cache pages both)"
+    if reads["K"][1:3] != reads["V"][1:3]:
+        return "K and V are read through different block tables or page sizes"
+    logical = {*batch, key, head}
+    if set(k[1]) != logical or set(v[1]) != logical:
+        return (f"a paged K/V read must give every label of [{', '.join((*batch, key, head))}] (got "
+                f"K{list(k[1])}, V{list(v[1])})")
+    return reads
 
 
 def _is_subsequence(sub: tuple, seq: tuple) -> bool:

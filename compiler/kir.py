@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, Protocol, Union
 
-from kspec.core import DTYPES, KspecInternalError, Span
+from kspec.core import DTYPES, KspecInternalError, Span, format_extent
 
 Extent = Union[str, int]                 # a size symbol or an int literal
 BatchExtent = Union[Extent, tuple]        # a flattened batch: the product of several extents
@@ -546,7 +546,7 @@ def format_ir(ir: KernelIR) -> str:
     if ir.gemm is not None:
         s = ir.gemm
         batch = f"[{', '.join(s.batch)}] " if s.batch else ""
-        dims = ", ".join(f"{r}={_fmt_extent(v)}" for r, v in s.dims)
+        dims = ", ".join(f"{r}={format_extent(v)}" for r, v in s.dims)
         m = f"({', '.join((*s.m_fold, s.m))})" if s.m_fold else s.m
         k = f"({', '.join((*s.k_fold, s.k))})" if s.k_fold else s.k
         lines.append(f"  gemm: {batch}{s.a_buffer} ({s.a_dtype}, {s.a_layout}) x {s.b_buffer} ({s.b_dtype}, "
@@ -579,10 +579,6 @@ def format_ir(ir: KernelIR) -> str:
         if parts:
             lines.append(f"  hint {arch}: {' '.join(parts)}")
     return "\n".join(lines)
-
-
-def _fmt_extent(v) -> str:
-    return "*".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 # ---- JSON round trip -----------------------------------------------------------------------------

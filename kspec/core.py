@@ -246,6 +246,30 @@ def abi_header() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Extents: a size symbol, an int, or a product of those (a tuple)
+# ---------------------------------------------------------------------------------------------
+# An axis's extent is a size symbol bound by the arguments' shapes ("S"), a literal (128), or a
+# product (a tuple, ("MP", "P")): the extent of an index the checker derives, such as a paged
+# key axis j read as `Kc[bt[b, j / P], j % P, ..]` whose `j / P` indexes an axis of extent MP.
+
+def extent_value(extent, sizes: "dict[str, int]") -> int:
+    """The value of an extent (symbol, int or product tuple) at the given size-symbol values."""
+    if isinstance(extent, int):
+        return extent
+    if isinstance(extent, tuple):
+        out = 1
+        for x in extent:
+            out *= extent_value(x, sizes)
+        return out
+    return sizes[extent]
+
+
+def format_extent(extent) -> str:
+    """An extent as text: `MP*P` for a product."""
+    return "*".join(map(str, extent)) if isinstance(extent, tuple) else str(extent)
+
+
+# ---------------------------------------------------------------------------------------------
 # Index ranges: the contract between the compile step and the runtime's pre-launch check
 # ---------------------------------------------------------------------------------------------
 
@@ -270,7 +294,7 @@ class IndexRange:
 
     def bound(self, sizes: "dict[str, int]") -> int:
         """The upper bound at the given size-symbol values (exclusive unless `inclusive`)."""
-        return self.extent if isinstance(self.extent, int) else sizes[self.extent]
+        return extent_value(self.extent, sizes)
 
     def condition(self, bound: "str | int | None" = None) -> str:
         """`0 <= t < bound` as text (the recorded extent when no bound value is given)."""

@@ -9,7 +9,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Union
 
-from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES
+from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent
 
 from . import ast
 from .errors import Diagnostic, KspecError, Span
@@ -44,7 +44,7 @@ def accumulator_dtype(dt: str) -> str:
 
 # ---------------------------------------------------------------- typed AST
 
-DimValue = Union[str, int]        # a symbol name or a literal size
+DimValue = Union[str, int, tuple]   # a symbol name, a literal size, or a product (kspec.core.extent_value)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class TensorInfo:
         return len(self.shape)
 
     def describe(self) -> str:
-        shape = f"[{', '.join(map(str, self.shape))}]" if self.role != "param" else ""
+        shape = f"[{', '.join(map(format_extent, self.shape))}]" if self.role != "param" else ""
         lay = " col" if self.layout == "col" else ""
         dflt = f" = {self.default}" if self.default is not None else ""
         return f"{self.name}: {self.dtype}{shape}{lay}{dflt}"
@@ -552,6 +552,7 @@ class _KernelChecker:
                 self.error(f"index '{ix}' is not bound on the left side and is not reduced", sp,
                            f"write `sum({ix}) {print_expr(s.value)}`" if not isinstance(s.value, ast.Reduce)
                            else f"add '{ix}' to the reduction or to the left side", abort=True)
+        env.bind_paged()
         for ix, sp in env.value_indices.items():
             if ix not in env.dims and ix not in s.indices:
                 self.error(f"the extent of index '{ix}' cannot be inferred: it is used only as a value or "
@@ -560,8 +561,13 @@ class _KernelChecker:
                            "gives its range", abort=True)
         for ix, sp in zip(s.indices, s.index_spans or [None] * len(s.indices)):
             if ix not in env.dims:
-                self.error(f"index '{ix}' of '{name}' has no extent: it does not occur on the right side",
-                           sp or s.span, f"declare '{name}' as an output with a shape, or use '{ix}' on the right",
+                computed = ix in env.value_indices
+                self.error(f"index '{ix}' of '{name}' has no extent: it does not occur on the right side"
+                           + (" as a plain subscript" if computed else ""), sp or s.span,
+                           f"use '{ix}' as a plain subscript of some tensor, or in a subscript `{ix} / P` (P a "
+                           f"size or literal) of an axis of extent N, which gives '{ix}' the extent N*P (a "
+                           f"paged read: `Kc[bt[b, {ix} / P], {ix} % P, h, e]`)" if computed else
+                           f"declare '{name}' as an output with a shape, or use '{ix}' on the right",
                            abort=True)
         if target is not None:
             dtype = target.dtype
@@ -689,6 +695,7 @@ class _KernelChecker:
                                abort=True)
                 it = self.expr(x, env, stmt_no, future)
                 self.need_integer_subscript(it, x, axis, e.tensor)
+                env.note_paged(it, dim, x.span or e.span)
                 subs.append(it)
                 free.extend(ix for ix in it.free if ix not in free)
         return TGather(t.dtype, _uniq(tuple(free)), e.span, e.tensor, tuple(subs))
@@ -961,10 +968,39 @@ class _IndexEnv:
         self.lhs_indices: set[str] = set()
         self.scopes: list[set[str]] = []         # indices of the enclosing reductions
         self.value_indices: dict[str, Span | None] = {}    # indices used as values (`j - i`)
+        self.paged: dict[str, tuple[DimValue, Span | None]] = {}   # j -> extent from `j / P` (note_paged)
 
     def in_scope(self) -> set[str]:
         """Index names an expression may use as values here."""
         return self.lhs_indices.union(self.dims, *self.scopes)
+
+    def note_paged(self, sub: TExpr, dim: DimValue, span) -> None:
+        """A computed subscript `j / P` (P a size symbol or a positive literal) of an axis of extent N:
+        j ranges over N*P (a paged read, `Kc[bt[b, j / P], j % P, ..]`).  Used for an index that no
+        plain subscript sizes (bind_paged)."""
+        if not (isinstance(sub, TBinary) and sub.op == "/" and isinstance(sub.lhs, TIndex)):
+            return
+        rhs = sub.rhs
+        if isinstance(rhs, TSize):
+            page: DimValue = rhs.name
+        elif isinstance(rhs, TConst) and isinstance(rhs.value, int) and rhs.value > 0:
+            page = rhs.value
+        else:
+            return
+        factors = (*(dim if isinstance(dim, tuple) else (dim,)), page)
+        ints = [f for f in factors if isinstance(f, int)]
+        syms = tuple(f for f in factors if not isinstance(f, int))
+        lit = 1
+        for f in ints:
+            lit *= f
+        extent: DimValue = lit if not syms else (syms[0] if lit == 1 and len(syms) == 1 else
+                                                 (*syms, lit) if lit != 1 else syms)
+        self.paged.setdefault(sub.lhs.name, (extent, span))
+
+    def bind_paged(self) -> None:
+        for ix, (extent, span) in self.paged.items():
+            if ix not in self.dims:
+                self.dims[ix] = (extent, f"a subscript {ix} / ...", span)
 
     def bind(self, ix: str, dim: DimValue, where: str, span):
         prev = self.dims.get(ix)

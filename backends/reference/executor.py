@@ -16,7 +16,7 @@ import networkx as nx
 import numpy as np
 
 from kspec.compiler import KernelSchedule, op, operands, plan_kernel
-from kspec.core import KspecRuntimeError
+from kspec.core import KspecRuntimeError, extent_value
 from kspec.spec_lang import CheckedKernel, CheckedProgram, KspecError, load_spec
 
 from .numerics import FUNCTIONS, divide, floordiv, is_int, mod, round_tf32, storage_dtype, to_compute, to_storage
@@ -66,7 +66,7 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
         return to_storage(np.asarray(o.value), o.dtype) if not is_int(o.dtype) else np.asarray(o.value)
     if o.kind == "index":
         (extent,) = o.shape
-        return np.arange(extent if isinstance(extent, int) else sizes[extent], dtype=np.int32)
+        return np.arange(extent_value(extent, sizes), dtype=np.int32)
     if o.kind == "size":
         return np.asarray(sizes[o.fn], dtype=np.int32)
     if o.kind == "contraction":
@@ -115,7 +115,7 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 out = FUNCTIONS[o.fn](*args)
         if o.axes:
-            out = np.broadcast_to(out, tuple(d if isinstance(d, int) else sizes[d] for d in o.shape))
+            out = np.broadcast_to(out, tuple(extent_value(d, sizes) for d in o.shape))
         return to_storage(out, o.dtype)
     raise KspecError(f"the reference backend cannot execute {o.kind} nodes")
 
@@ -126,7 +126,7 @@ def _gather(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np.n
     ins = operands(g, n)
     src_node = ins[0][0]
     src = np.asarray(values[src_node])
-    shape = tuple(d if isinstance(d, int) else sizes[d] for d in o.shape)
+    shape = tuple(extent_value(d, sizes) for d in o.shape)
     index: list[np.ndarray] = []
     for axis, x in enumerate(o.subscripts):
         if x.startswith("#"):
