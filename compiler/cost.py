@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .canon import value_bytes
+from .canon import is_index_expr, value_bytes
 from .graph import op, operands
 from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
 
@@ -201,14 +201,16 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
     n_kernels = ubytes = uflops = 0
     for n in nx.topological_sort(g):
         o = op(g, n)
-        if o.kind in ("input", "param", "const", "index", "size", "output", "broadcast") or not o.axes:
+        if o.kind in ("input", "param", "const", "output", "broadcast") or not o.axes:
             continue
-        n_kernels += 1
         uflops += _node_flops(g, n, sizes)
+        if is_index_expr(g, n):
+            continue            # index arithmetic is computed by the kernel that reads it
+        n_kernels += 1
         # each kernel reads each of its inputs once (x * x reads x once)
-        for src in {_source(g, u): None for u, _ in operands(g, n)}:
-            src = op(g, src)
-            if src.kind in ("param", "const") or not src.axes:
+        for node in {_source(g, u): None for u, _ in operands(g, n)}:
+            src = op(g, node)
+            if src.kind in ("param", "const") or not src.axes or is_index_expr(g, node):
                 continue
             ubytes += _numel(src.shape, sizes) * value_bytes(src.dtype)
         ubytes += _numel(o.shape, sizes) * value_bytes(o.dtype)

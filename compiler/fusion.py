@@ -21,7 +21,8 @@ from .canon import GemmInfo, gemm_info, is_index_expr, is_input_view, is_scalar_
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
 
-OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "gather", "const")
+OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "gather", "const",
+                  "index", "size")
 
 
 @dataclass(frozen=True)

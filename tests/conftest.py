@@ -11,6 +11,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
 SHIPPED = sorted(p.stem for p in SPECS.glob("*.kspec"))
 
+# Shipped attention variants (issue 16) whose one fused kernel comes from the attention-variant
+# backend (FlashAttention-4 based, built separately): until it is registered, no backend implements
+# their lifted score_mod/mask/GQA, so they plan as several kernels, some of which (index arithmetic,
+# masks) no other backend lowers.  Tests over every shipped spec expect them to fail until then.
+AWAITING_ATTENTION_BACKEND = frozenset({"attention_gqa", "attention_alibi", "attention_sliding_window",
+                                        "attention_bias", "attention_softcap", "attention_decode"})
+
+
+def shipped_params(stems):
+    """`stems` as pytest params, the attention variants awaiting their backend marked xfail."""
+    mark = pytest.mark.xfail(reason="needs the attention-variant backend (issue 16)", strict=False)
+    return [pytest.param(s, marks=mark) if s.removesuffix(".kspec") in AWAITING_ATTENTION_BACKEND else s
+            for s in stems]
+
 
 def test_cache_root() -> Path:
     """KSPEC_TEST_CACHE_DIR, else the user's compile cache: CUTLASS kernels cost a minute each."""

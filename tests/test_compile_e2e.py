@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import SHIPPED, SPECS
+from conftest import AWAITING_ATTENTION_BACKEND, SHIPPED, SPECS
 
 from kspec.compile import emit_spec
 
@@ -18,7 +18,8 @@ ARCHS = ("sm90a", "sm100a")
 
 # every shipped spec through the C++-emitting backends (CUTLASS pinned for its GEMMs and attention);
 # the int8 GEMM only has a CuTe DSL tensor-core kernel (tests/test_cute_backend.py)
-CPP_SHIPPED = [s for s in SHIPPED if s != "gemm_int8"]
+# (the attention variants need their own backend: see conftest.AWAITING_ATTENTION_BACKEND)
+CPP_SHIPPED = [s for s in SHIPPED if s != "gemm_int8" and s not in AWAITING_ATTENTION_BACKEND]
 
 
 @pytest.fixture(scope="module")

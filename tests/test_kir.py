@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import shipped_params
 
 from kspec.backends import registry
 from kspec.backends.registry import Planner
@@ -56,7 +57,7 @@ def test_ir_prints_verifies_and_round_trips(spec, fuse_ops):
             assert type(x).__module__ in ("builtins", "kspec.compiler.kir", "kspec.core"), type(x)
 
 
-@pytest.mark.parametrize("spec", SHIPPED)
+@pytest.mark.parametrize("spec", shipped_params(SHIPPED))
 def test_backends_lower_a_round_tripped_ir_to_the_same_descriptor(spec):
     """Backends read only the IR: the IR rebuilt from its JSON form lowers exactly like the original."""
     for p in planned(spec):

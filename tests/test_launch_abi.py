@@ -29,7 +29,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import SHIPPED
+from conftest import SHIPPED, shipped_params
 
 import kspec
 from kspec.runtime import driver as rt_driver
@@ -228,7 +228,7 @@ def test_tensor_map_checks_against_tensors():
 # ------------------------------------------------------------------------------- shipped specs
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("stem", SHIPPED)
+@pytest.mark.parametrize("stem", shipped_params(SHIPPED))
 def test_shipped_spec_launch_abi(compiled, stem):
     art = compiled(stem)
     mod = kspec.load(art)

@@ -193,6 +193,111 @@ def test_attention_causal():
     np.testing.assert_array_equal(out["O"][:, :, 0], V[:, :, 0])
 
 
+def sdpa64(Q, K, V, scale, *, group=1, bias=None, keep=None, cap=None):
+    """Attention in float64, independently of kspec: K/V head h // group, scores scaled, then
+    soft-capped, then biased, then masked (keep: True keeps); a fully masked row gives 0."""
+    q, k, v = f64(Q), np.repeat(f64(K), group, axis=1), np.repeat(f64(V), group, axis=1)
+    s = scale * np.einsum("bhie,bhje->bhij", q, k)
+    if cap is not None:
+        s = cap * np.tanh(s / cap)
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = np.where(keep, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    w = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    tot = w.sum(axis=-1, keepdims=True)
+    p = np.divide(w, tot, out=np.zeros_like(w), where=tot > 0)
+    return np.einsum("bhij,bhje->bhie", p, v)
+
+
+def test_attention_gqa():
+    rng = np.random.default_rng(31)
+    Q = rand(rng, (2, 6, 5, 128), F16)
+    K, V = rand(rng, (2, 2, 9, 128), F16), rand(rng, (2, 2, 9, 128), F16)
+    out = run_both(SPECS / "attention_gqa.kspec", Q=Q, K=K, V=V, G=3)
+    assert_close(out["O"], sdpa64(Q, K, V, 0.08838834764831845, group=3), F16)
+    # multi-query attention is G = H
+    out = reference(SPECS / "attention_gqa.kspec")(Q=Q, K=K[:, :1], V=V[:, :1], G=6)
+    assert_close(out["O"], sdpa64(Q, K[:, :1], V[:, :1], 0.08838834764831845, group=6), F16)
+    # 7 heads in groups of 3 need a third K/V head: a clear error naming the subscript
+    with pytest.raises(KspecError, match=r"subscript h / G of 'K' \(axis 1\) is 2 at b=0, h=6, .*size 2"):
+        reference(SPECS / "attention_gqa.kspec")(Q=Q[:, :1].repeat(7, axis=1), K=K, V=V, G=3)
+
+
+def test_attention_alibi():
+    rng = np.random.default_rng(32)
+    Q, K, V = (rand(rng, (2, 4, 11, 64), BF16) for _ in range(3))
+    slope = (2.0 ** -np.arange(1, 5)).astype(np.float32)
+    out = run_both(SPECS / "attention_alibi.kspec", Q=Q, K=K, V=V, slope=slope)
+    i, j = np.arange(11)[:, None], np.arange(11)[None, :]
+    bias = slope[None, :, None, None].astype(np.float64) * (j - i)
+    assert_close(out["O"], sdpa64(Q, K, V, 0.125, bias=bias, keep=j <= i), BF16)
+    np.testing.assert_array_equal(out["O"][:, :, 0], V[:, :, 0])   # query 0 sees key 0 only
+
+
+def test_attention_sliding_window():
+    rng = np.random.default_rng(33)
+    Q, K, V = (rand(rng, (1, 2, 13, 96), F16) for _ in range(3))
+    i, j = np.arange(13)[:, None], np.arange(13)[None, :]
+    for W in (1, 4, 100):
+        out = run_both(SPECS / "attention_sliding_window.kspec", Q=Q, K=K, V=V, W=W)
+        assert_close(out["O"], sdpa64(Q, K, V, 0.10206207261596575, keep=(j <= i) & (j > i - W)), F16)
+    np.testing.assert_array_equal(reference(SPECS / "attention_sliding_window.kspec")(Q=Q, K=K, V=V, W=1)["O"], V)
+    # an empty window masks every key of every row: fully masked rows give 0
+    out = run_both(SPECS / "attention_sliding_window.kspec", Q=Q, K=K, V=V, W=0)
+    assert not out["O"].any()
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 3, 6, 10), (3, 6, 10), (2, 1, 6, 10)])
+def test_attention_bias(bias_shape):
+    rng = np.random.default_rng(34)
+    Q = rand(rng, (2, 3, 6, 128), BF16)
+    K, V = rand(rng, (2, 3, 10, 128), BF16), rand(rng, (2, 3, 10, 128), BF16)
+    bias = rand(rng, bias_shape, BF16, 2.0)
+    full = np.broadcast_to(bias, (2, 3, 6, 10))
+    if bias_shape == (2, 3, 6, 10):
+        out = run_both(SPECS / "attention_bias.kspec", Q=Q, K=K, V=V, bias=bias)
+    else:
+        # the same spec with the bias shared across the batch (bias[h, i, j]) or the heads
+        src = (SPECS / "attention_bias.kspec").read_text()
+        decl, read = ("bias : bf16[H, S, T]", "bias[h, i, j]") if len(bias_shape) == 3 else \
+            ("bias : bf16[B, 1, S, T]", "bias[b, 0, i, j]")
+        src = src.replace("bias : bf16[B, H, S, T]", decl).replace("bias[b, h, i, j]", read)
+        out = run_both(src, Q=Q, K=K, V=V, bias=bias)
+    assert_close(out["O"], sdpa64(Q, K, V, 0.08838834764831845, bias=f64(full)), BF16)
+    # a -inf bias masks: a row of -inf gives 0
+    masked = np.array(full)
+    masked[:, :, 2] = -np.inf
+    out = reference(SPECS / "attention_bias.kspec")(Q=Q, K=K, V=V, bias=masked)
+    assert not out["O"][:, :, 2].any()
+    assert_close(out["O"], sdpa64(Q, K, V, 0.08838834764831845, bias=f64(masked)), BF16)
+
+
+def test_attention_softcap():
+    rng = np.random.default_rng(35)
+    Q = rand(rng, (1, 2, 7, 256), F16, 3.0)
+    K, V = rand(rng, (1, 2, 9, 256), F16, 3.0), rand(rng, (1, 2, 9, 256), F16)
+    for cap in (50.0, 2.0):
+        out = run_both(SPECS / "attention_softcap.kspec", Q=Q, K=K, V=V, cap=cap)
+        assert_close(out["O"], sdpa64(Q, K, V, 0.0625, cap=cap), F16)
+
+
+@pytest.mark.parametrize("S, T", [(1, 9), (3, 9), (5, 3)])
+def test_attention_decode_is_bottom_right(S, T):
+    rng = np.random.default_rng(36)
+    Q = rand(rng, (2, 2, S, 128), BF16)
+    K, V = rand(rng, (2, 2, T, 128), BF16), rand(rng, (2, 2, T, 128), BF16)
+    out = run_both(SPECS / "attention_decode.kspec", Q=Q, K=K, V=V)
+    i, j = np.arange(S)[:, None], np.arange(T)[None, :]
+    keep = j <= i + (T - S)
+    assert_close(out["O"], sdpa64(Q, K, V, 0.08838834764831845, keep=keep), BF16)
+    if S == 1:                     # one new token sees the whole cache
+        assert_close(out["O"], sdpa64(Q, K, V, 0.08838834764831845), BF16)
+    if S > T:                      # the first S - T queries see no key at all: output 0
+        assert not out["O"][:, :, :S - T].any() and out["O"][:, :, S - T:].all()
+
+
 def test_gemm_int8_is_exact():
     rng = np.random.default_rng(21)
     A = rng.integers(-128, 128, (9, 257)).astype(np.int8)
@@ -222,6 +327,8 @@ def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
               "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b",
+              "attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
+              "attention_softcap", "attention_decode",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import shipped_params
 
 from kspec.backends.registry import Planner
 from kspec.compiler import cost, op, plan_kernel
@@ -268,7 +269,7 @@ def test_cost_uses_literal_bindings_and_default_sizes():
 REALISTIC = {"M": 4096, "N": 4096, "K": 4096, "F": 4096, "B": 4, "H": 16, "S": 4096, "T": 4096, "L": 8, "V": 32000}
 
 
-@pytest.mark.parametrize("spec", sorted(p.stem for p in SPECS.glob("*.kspec")))
+@pytest.mark.parametrize("spec", shipped_params(sorted(p.stem for p in SPECS.glob("*.kspec"))))
 def test_shipped_gemm_and_attention_specs_are_within_1_1_of_ideal(spec):
     sched = planned(shipped(spec))          # the backends kspec compile would use
     c = cost(sched, REALISTIC)
