@@ -12,6 +12,7 @@ import pytest
 
 from kspec.backends.reference import KspecReferenceError, ReferenceKernel, ReferenceModule, reference
 from kspec.spec_lang import KspecError, load_spec
+from kspec.core import KspecRuntimeError
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 F16, BF16, E4M3 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
@@ -298,6 +299,58 @@ def test_attention_decode_is_bottom_right(S, T):
         assert not out["O"][:, :, :S - T].any() and out["O"][:, :, S - T:].all()
 
 
+def paged_attention64(Q, Kc, Vc, bt, kv_len, scale):
+    """Decoding over a paged KV cache in float64, independently of kspec: sequence b's keys are the
+    first kv_len[b] rows of its pages bt[b, 0], bt[b, 1], ... in order; query i (of S, the newest
+    tokens) sees keys j <= i + (kv_len[b] - S); a query that sees no key gives 0."""
+    Q, Kc, Vc = f64(Q), f64(Kc), f64(Vc)
+    Bn, H, S, _ = Q.shape
+    P = Kc.shape[1]
+    O = np.zeros(Q.shape[:3] + (Vc.shape[3],))
+    for b in range(Bn):
+        n = int(kv_len[b])
+        rows = [(int(bt[b, j // P]), j % P) for j in range(n)]
+        for h in range(H):
+            K = np.array([Kc[pg, r, h] for pg, r in rows]).reshape(n, Kc.shape[3])
+            V = np.array([Vc[pg, r, h] for pg, r in rows]).reshape(n, Vc.shape[3])
+            for i in range(S):
+                seen = [j for j in range(n) if j <= i + (n - S)]
+                if not seen:
+                    continue
+                s = np.array([scale * float(Q[b, h, i] @ K[j]) for j in seen])
+                w = np.exp(s - s.max())
+                O[b, h, i] = (w / w.sum()) @ V[seen]
+    return O
+
+
+def test_attention_paged():
+    rng = np.random.default_rng(41)
+    Bn, H, S, P, MP, NP = 4, 2, 3, 4, 3, 14
+    Q = rand(rng, (Bn, H, S, 128), BF16)
+    Kc, Vc = rand(rng, (NP, P, H, 128), BF16), rand(rng, (NP, P, H, 128), BF16)
+    bt = rng.permutation(NP)[:Bn * MP].reshape(Bn, MP).astype(np.int32)
+    # a partly filled last page, a full table, a length-1 sequence (fewer keys than queries) and an
+    # empty one (every query sees no key: output 0)
+    kv_len = np.array([6, MP * P, 1, 0], np.int32)
+    out = run_both(SPECS / "attention_paged.kspec", Q=Q, Kc=Kc, Vc=Vc, bt=bt, kv_len=kv_len)
+    assert_close(out["O"], paged_attention64(Q, Kc, Vc, bt, kv_len, 0.08838834764831845), BF16)
+    assert not out["O"][3].any() and not out["O"][2, :, :S - 1].any() and out["O"][2, :, S - 1].all()
+    # pages past a sequence's length are never read: any valid page there gives the same output
+    bt2 = bt.copy()
+    bt2[0, 2] = bt[1, 0]
+    again = reference(SPECS / "attention_paged.kspec")(Q=Q, Kc=Kc, Vc=Vc, bt=bt2, kv_len=kv_len)
+    assert again["O"].tobytes() == out["O"].tobytes()
+
+
+def test_attention_paged_block_table_out_of_range():
+    rng = np.random.default_rng(42)
+    Q = rand(rng, (1, 1, 1, 128), BF16)
+    Kc, Vc = rand(rng, (2, 4, 1, 128), BF16), rand(rng, (2, 4, 1, 128), BF16)
+    with pytest.raises(KspecRuntimeError, match=r"bt.* is 2 .*size 2"):
+        reference(SPECS / "attention_paged.kspec")(Q=Q, Kc=Kc, Vc=Vc, bt=np.array([[0, 2]], np.int32),
+                                                  kv_len=np.array([5], np.int32))
+
+
 def test_gemm_int8_is_exact():
     rng = np.random.default_rng(21)
     A = rng.integers(-128, 128, (9, 257)).astype(np.int8)
@@ -328,7 +381,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
               "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b",
               "attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
-              "attention_softcap", "attention_decode",
+              "attention_softcap", "attention_decode", "attention_paged",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
