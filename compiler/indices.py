@@ -13,7 +13,8 @@ computed inside the kernel, or by an earlier plan, is left to the kernel's own g
 element of an index tensor is checked, so a block table's unused entries must hold valid values
 too (or the range must allow negatives as a "no block" sentinel: `negative`).  Offsets that mark
 an end (cumulative sequence lengths) are ranges with `inclusive` and `monotonic` set, added here
-where the IR names them.
+where the IR names them; so are per-sequence key counts (`AttentionStructure.kv_len`, in
+[0, keys], `inclusive`), whose extent may be a product (a paged cache's pages * page size).
 """
 from __future__ import annotations
 
@@ -44,6 +45,14 @@ def index_ranges(ir: KernelIR) -> tuple[IndexRange, ...]:
                 idx = ir.op(o.args[int(sub[1:])][0])
                 add(_input_buffer(ir, idx), _name(src), axis, _extent(ir, src, axis))
     a = ir.attention
+    if a is not None and a.kv_len is not None and _is_input(ir, a.kv_len):
+        # per-sequence key counts: a kernel reads keys 0 .. kv_len[b] - 1, which must exist
+        key_extent = dict(a.dims)["T"]
+        target, axis = (a.page_table, 1) if a.page_table is not None else \
+            (a.k_buffer, len(ir.buffer(a.k_buffer).shape) - 2)
+        r = IndexRange(a.kv_len, target, axis, key_extent, inclusive=True, plans=(ir.id,))
+        if r not in found:
+            found.append(r)
     for e in (() if a is None else (a.score_mod, a.mask)):
         for x in (epi_nodes(e) if e is not None else ()):
             if isinstance(x, AuxLoad):
@@ -70,9 +79,13 @@ def _is_input(ir: KernelIR, name: str) -> bool:
 
 
 def _input_buffer(ir: KernelIR, o: IROp) -> str | None:
-    """The kernel input an index operand loads, None when its value is computed."""
+    """The kernel input an index operand loads, None when its value is computed.  An element
+    gathered from an input (`Kc[bt[b, j / P], ..]`: the page index is an element of bt) is that
+    input's value too."""
     if o.kind == "input" and o.buffer is not None and _is_input(ir, o.buffer):
         return o.buffer
+    if o.kind == "gather":
+        return _input_buffer(ir, ir.op(o.args[0][0]))
     return None
 
 

@@ -16,6 +16,7 @@ from .attention import attention_scale, is_top_left_causal, lift_mods, score_pat
 from .canon import GemmInfo
 from .graph import op, operands
 from .kir import (Accum, ArchHint, AttentionStructure, Const, EpiExpr, Epilogue, GemmStructure, IRBuffer, IROp,
+                  key_length_bound,
                   KernelIR, Load, Op, ReductionStore, RowStructure, Store)
 
 
@@ -241,7 +242,9 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
         kv_shared=tuple(x for x in info.batch if info.kv_batch is not None and x not in info.kv_batch),
         p_dtypes=tuple(op(g, n).dtype for n in info.p_cast),
         score_mod=score_mod, mask=mask, aux=aux,
-        kv_group=info.kv_group, kv_head=info.kv_head if info.kv_group is not None else None)
+        kv_group=info.kv_group, kv_head=info.kv_head if info.kv_group is not None else None,
+        page_table=buffer_of(info.page_table) if info.page_table is not None else None,
+        page_size=info.page_size, kv_len=key_length_bound(mask, info.key, tuple(info.batch)))
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str) -> KernelIR:

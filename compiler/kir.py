@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, Protocol, Union
 
-from kspec.core import DTYPES, KspecInternalError, Span, format_extent
+from kspec.core import DTYPES, INT_DTYPES, KspecInternalError, Span, format_extent
 
 Extent = Union[str, int]                 # a size symbol or an int literal
 BatchExtent = Union[Extent, tuple]        # a flattened batch: the product of several extents
@@ -176,6 +176,22 @@ def format_epi(e: EpiExpr) -> str:
     return f"{e.fn}({', '.join(format_epi(a) for a in e.args)})"
 
 
+def key_length_bound(mask: EpiExpr | None, key: str, batch: tuple[str, ...]) -> str | None:
+    """The buffer X when the mask has a top-level conjunct `key < X[b]` (b the first batch label):
+    per-sequence key counts, as FA4's seqused_k.  None otherwise."""
+    stack = [mask] if mask is not None else []
+    while stack:
+        e = stack.pop()
+        if isinstance(e, Op) and e.fn == "and":
+            stack.extend(e.args)
+            continue
+        if isinstance(e, Op) and e.fn in ("lt", "gt"):
+            j, x = e.args if e.fn == "lt" else e.args[::-1]
+            if j == Index(key) and isinstance(x, AuxLoad) and batch and x.index == (Index(batch[0]),):
+                return x.buffer
+    return None
+
+
 # ---- the IR ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -287,6 +303,15 @@ class AttentionStructure:
     kv_group: Extent | None = None                 # GQA: K/V are read at head index h // kv_group
     kv_head: Extent | None = None                  # GQA: the K/V head count (extent of that axis)
     lse: str | None = None                         # buffer receiving the log-sum-exp [batch.., i], f32
+    # Paged KV cache: K and V are page pools [pages, page_size, heads.., E] read through a block
+    # table [batch[0], pages per sequence] (an integer buffer): key j of sequence b is row
+    # j % page_size of page page_table[b, j // page_size].  The key extent is pages * page_size.
+    page_table: str | None = None
+    page_size: Extent | None = None
+    # Per-sequence key counts (FA4's seqused_k): an integer buffer [batch[0]]; keys j >= kv_len[b]
+    # are masked.  The mask says so too (it holds the conjunct `j < kv_len[b]`), so a backend that
+    # ignores this field still computes the same function; one that knows it may skip those keys.
+    kv_len: str | None = None
 
     @property
     def head_dim(self) -> Extent | None:
@@ -526,6 +551,21 @@ def verify(ir: KernelIR) -> KernelIR:
                     bad(f"attention {what}: unknown scalar {x.name}")
         if a.lse is not None and (a.lse not in bufs or bufs[a.lse].role not in ("output", "intermediate")):
             bad(f"attention lse buffer {a.lse} is not an output")
+        if (a.page_table is None) != (a.page_size is None):
+            bad("a paged KV cache needs both the page table and the page size")
+        if a.page_table is not None:
+            pt = bufs.get(a.page_table)
+            if pt is None or pt.role != "input" or pt.dtype not in INT_DTYPES or len(pt.shape) != 2 or not a.batch:
+                bad(f"page table {a.page_table} is not an integer input [batch, pages]")
+            for name in (a.k_buffer, a.v_buffer):
+                if len(bufs[name].shape) < 3 or bufs[name].shape[1] != a.page_size:
+                    bad(f"paged {name} is not a page pool [pages, {a.page_size}, ..]")
+        if a.kv_len is not None:
+            kl = bufs.get(a.kv_len)
+            if kl is None or kl.dtype not in INT_DTYPES or len(kl.shape) != 1 or not a.batch:
+                bad(f"key lengths {a.kv_len} are not an integer vector over the batch")
+            if key_length_bound(a.mask, a.key, a.batch) != a.kv_len:
+                bad(f"the mask does not bound the keys by {a.kv_len}[{a.batch[0]}]")
     if (ir.kind == "rowwise") != (ir.row is not None):
         bad("the row structure does not match the kind")
     if ir.anchor is not None and ir.anchor not in seen:
@@ -559,7 +599,7 @@ def format_ir(ir: KernelIR) -> str:
             lines.append(f"    {r.name} : {r.dtype} = {r.op} over {r.axis} of {format_epi(r.value)}")
     if ir.attention is not None:
         a = ir.attention
-        dims = ", ".join(f"{r}={v}" for r, v in a.dims)
+        dims = ", ".join(f"{r}={format_extent(v)}" for r, v in a.dims)
         lines.append(f"  attention: Q={a.q_buffer} K={a.k_buffer} V={a.v_buffer} ({'/'.join(a.dtypes)}), "
                      f"softmax over {a.key}{', causal' if a.causal else ''}, scale={a.scale}; {dims}")
         if a.kv_group is not None:
@@ -570,6 +610,11 @@ def format_ir(ir: KernelIR) -> str:
             lines.append(f"    mask: {format_epi(a.mask)}")
         if a.lse is not None:
             lines.append(f"    lse -> {a.lse}")
+        if a.page_table is not None:
+            lines.append(f"    paged kv: {a.key} -> page {a.page_table}[{a.batch[0]}, {a.key} // {a.page_size}], "
+                         f"row {a.key} % {a.page_size}")
+        if a.kv_len is not None:
+            lines.append(f"    keys used: {a.key} < {a.kv_len}[{a.batch[0]}]")
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "

@@ -538,9 +538,13 @@ class _Reader:
         axis = self.get(obj, "axis", where, int)
         if axis < 0:
             raise self.fail(f"{where}.axis", f"expected a non-negative axis, got {axis}")
-        extent = self.extent(self.get(obj, "extent", where, (str, int)), f"{where}.extent")
-        if isinstance(extent, str) and extent not in kernel.bindable:
-            raise self.fail(f"{where}.extent", f"size symbol '{extent}' occurs in no input or output shape")
+        raw = self.get(obj, "extent", where, (str, int, list))
+        # a list: the product of its extents (a paged key axis, pages * page size)
+        extent = tuple(self.extent(x, f"{where}.extent[{i}]") for i, x in enumerate(raw)) \
+            if isinstance(raw, list) and raw else self.extent(raw, f"{where}.extent")
+        for sym in (extent if isinstance(extent, tuple) else (extent,)):
+            if isinstance(sym, str) and sym not in kernel.bindable:
+                raise self.fail(f"{where}.extent", f"size symbol '{sym}' occurs in no input or output shape")
         flags = {k: self.get(obj, k, where, bool, optional=True, default=False)
                  for k in ("negative", "inclusive", "monotonic")}
         plans = tuple(self.get(obj, "plans", where, list, optional=True, default=[]))

@@ -298,7 +298,7 @@ class IndexRange:
 
     def condition(self, bound: "str | int | None" = None) -> str:
         """`0 <= t < bound` as text (the recorded extent when no bound value is given)."""
-        hi = self.extent if bound is None else bound
+        hi = format_extent(self.extent) if bound is None else bound
         return f"{'' if self.negative else '0 <= '}{self.tensor} {'<=' if self.inclusive else '<'} {hi}"
 
     def describe(self) -> str:

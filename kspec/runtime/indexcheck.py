@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kspec.core import IndexRange
+from kspec.core import IndexRange, format_extent
 from kspec.runtime.errors import KspecRuntimeError
 
 
@@ -40,7 +40,7 @@ def check_index_values(kernel: str, ranges: tuple[IndexRange, ...], sizes: Mappi
         hint = f"every value of '{r.tensor}' selects an element of '{r.target}'; nothing was launched"
         if bad.any():
             where, pos, more = first(bad)
-            size = f"{r.extent} = {hi}" if isinstance(r.extent, str) else f"size {hi}"
+            size = f"size {hi}" if isinstance(r.extent, int) else f"{format_extent(r.extent)} = {hi}"
             raise KspecRuntimeError(f"{kernel}: {r.tensor}{where} = {int(a[pos])} is out of range for {r.target} "
                                     f"axis {r.axis} ({size}): expected {r.condition(hi)}{more}", hint=hint)
         if r.monotonic and a.ndim and a.shape[-1] > 1:
