@@ -88,16 +88,21 @@ class AttnDesc:
     dims: tuple[str, ...]              # ABI dims roles
     scalars: tuple[str, ...]           # ABI scalars (C identifiers)
     sm_count: int                      # the SKU the launcher is built for
+    page_table: str | None = None      # paged KV: FA4's page_table (i32 [B, MP]); K/V are pools [NP, P, HK, d]
+    page_size: str | None = None       # its rows per page: a dims role ("P") or an int literal
+    seqused_k: str | None = None       # FA4's seqused_k (i32 [B]): keys in use per sequence
 
     @property
     def args(self) -> tuple[str, ...]:
-        return (self.q, self.k, self.v, self.o, *((self.lse,) if self.lse else ()), *(a.name for a in self.aux))
+        return (self.q, self.k, self.v, self.o, *((self.lse,) if self.lse else ()), *(a.name for a in self.aux),
+                *((self.page_table,) if self.page_table else ()), *((self.seqused_k,) if self.seqused_k else ()))
 
     def alignment(self) -> tuple[tuple[str, int], ...]:
         out = [(n, 16) for n in (self.q, self.k, self.v, self.o)]
         if self.lse:
             out.append((self.lse, 4))
         out += [(a.name, dtype_bytes(a.dtype)) for a in self.aux]
+        out += [(n, 4) for n in (self.page_table, self.seqused_k) if n]
         return tuple(out)
 
 
@@ -146,7 +151,84 @@ def unsupported(ir, arch: str) -> str | None:
             return f"aux tensor {name} of dtype {ir.buffer(name).dtype}"
     if a.lse is not None and ir.buffer(a.lse).dtype != "f32":
         return "the log-sum-exp output must be f32"
+    return _paged_unsupported(ir, a)
+
+
+# A size name no spec can use (not an identifier): the per-sequence key count, FA4's seqlen_k when
+# seqused_k is given.
+SEQUSED = "<seqused_k>"
+
+
+def _paged_unsupported(ir, a) -> str | None:
+    """Why FA4 cannot take this attention's per-sequence key counts or paged KV cache."""
+    if a.kv_len is not None:
+        if ir.buffer(a.kv_len).dtype != "i32":
+            return f"FlashAttention-4 takes per-sequence key counts (seqused_k) as i32, not {ir.buffer(a.kv_len).dtype}"
+        if len(a.batch) != 2:
+            return "per-sequence key counts need [batch, heads] attention"
+        w = attnmods.analyse(*_seqused_view(a, dict(a.dims)["S"])).window
+        if w is not None and any(v == "T" for form in (w.left, w.right) if form for v, _c in form):
+            return ("a sliding window that is not aligned to each sequence's own key count (FlashAttention-4 "
+                    "aligns its window to seqused_k)")
+    if a.page_table is None:
+        return None
+    if ir.buffer(a.page_table).dtype != "i32":
+        return f"FlashAttention-4 takes an i32 page table, not {ir.buffer(a.page_table).dtype}"
+    if a.kv_shared or len(a.batch) != 2 or a.kv_group is not None:
+        return "a paged K/V pool must be [pages, page size, heads, head dim] with one K/V head per query head"
+    for name in (a.k_buffer, a.v_buffer):
+        if len(ir.buffer(name).shape) != 4:
+            return f"the page pool {name} must be [pages, page size, heads, head dim]"
+    d, _dk, dv = a.head_dims
+    if d % 16 or dv % 16:
+        # FA4 b36 loads a page that is not exactly one key tile with cp.async (paged_kv_non_tma),
+        # which asserts "Paged KV does not support irregular head dim"
+        return (f"FlashAttention-4 reads pages that are not exactly one key tile with cp.async, which needs "
+                f"head dims that are multiples of 16, not ({d}, {dv})")
     return None
+
+
+def _seqused_view(a, s_role):
+    """(a with the mask's per-sequence key count `kv_len[b]` read as FA4's seqlen_k and the
+    conjunct `j < kv_len[b]` dropped: FA4 keeps only keys below seqused_k anyway, roles for
+    attnmods.analyse)."""
+    import dataclasses
+
+    from kspec.compiler.kir import AuxLoad, Index, Op, Size
+    roles = {"S": s_role, "T": SEQUSED}
+    if a.kv_len is None:
+        return a, {"S": s_role, "T": dict(a.dims)["T"]}
+    count = (Index(a.batch[0]),)
+
+    def sub(e):
+        if isinstance(e, AuxLoad):
+            if e.buffer == a.kv_len and e.index == count:
+                return Size(SEQUSED)
+            return dataclasses.replace(e, index=tuple(sub(x) for x in e.index))
+        if isinstance(e, Op):
+            return Op(e.fn, tuple(sub(x) for x in e.args))
+        return e
+
+    def keep(e) -> bool:
+        return not (isinstance(e, Op) and ((e.fn == "lt" and e.args == (Index(a.key), Size(SEQUSED))) or
+                                           (e.fn == "gt" and e.args == (Size(SEQUSED), Index(a.key)))))
+
+    def conj(e):
+        if isinstance(e, Op) and e.fn == "and":
+            kept = [x for x in (conj(y) for y in e.args) if x is not None]
+            return None if not kept else kept[0] if len(kept) == 1 else Op("and", tuple(kept))
+        return e if keep(e) else None
+
+    mask = conj(sub(a.mask)) if a.mask is not None else None
+    score_mod = sub(a.score_mod) if a.score_mod is not None else None
+    used = {x.buffer for e in (mask, score_mod) if e is not None for x in _nodes(e) if isinstance(x, AuxLoad)}
+    return dataclasses.replace(a, mask=mask, score_mod=score_mod,
+                               aux=tuple(x for x in a.aux if x in used)), roles
+
+
+def _nodes(e):
+    from kspec.compiler.kir import epi_nodes
+    return epi_nodes(e)
 
 
 def _group(a) -> int | None:
@@ -180,6 +262,16 @@ def lower(ir, arch: str, sm_count: int | None = None):
     if a.kv_group is not None and not a.kv_shared:
         roles["G"] = a.kv_group
         dim_roles.append("G")
+    paged: dict[str, object] = {}
+    if a.page_table is not None:
+        pool, table = ir.buffer(a.k_buffer).shape, ir.buffer(a.page_table).shape
+        for r, v in (("NP", pool[0]), ("P", a.page_size), ("MP", table[1])):
+            if isinstance(v, int):
+                paged[r] = str(v)
+            else:
+                roles[r] = v
+                dim_roles.append(r)
+                paged[r] = r
     sym_role = {v: r for r, v in roles.items() if isinstance(v, str)}
 
     def role_of(ext) -> str:
@@ -192,14 +284,15 @@ def lower(ir, arch: str, sm_count: int | None = None):
             dim_roles.append(r)
         return sym_role[ext]
 
-    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in a.aux)
+    view, mod_roles = _seqused_view(a, roles["S"])
+    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in view.aux)
     scalars: dict[str, object] = {}
     if isinstance(a.scale, str):
         scale: Load | Const = Load(names(a.scale), "scalar", "f32")
         scalars[scale.name] = a.scale
     else:
         scale = Const(float(a.scale))
-    mods = attnmods.analyse(a, {r: v for r, v in roles.items() if r in ("S", "T")})
+    mods = attnmods.analyse(view, mod_roles)
     mod_scalars = []
     for kind, ref in mods.scalars:
         if kind == "param":
@@ -214,7 +307,9 @@ def lower(ir, arch: str, sm_count: int | None = None):
                     o=names(o.name), lse=names(a.lse) if a.lse else None, aux=aux, group=group,
                     kv_shared=bool(a.kv_shared), scale=scale, mods=mods, mod_scalars=tuple(mod_scalars),
                     dims=tuple(dim_roles), scalars=tuple(scalars),
-                    sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]))
+                    sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]),
+                    page_table=names(a.page_table) if a.page_table else None,
+                    page_size=paged.get("P"), seqused_k=names(a.kv_len) if a.kv_len else None)
     dims = tuple((r, roles[r]) for r in dim_roles)
     return desc, names.back(), dims, scalars
 
@@ -227,6 +322,8 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
             ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
             ("lse", "yes" if desc.lse else "no"), ("sm_count", str(desc.sm_count)),
+            *((("paged_kv", f"page_size={desc.page_size}"),) if desc.page_table else ()),
+            *((("seqused_k", "yes"),) if desc.seqused_k else ()),
             ("source", "FlashAttention-4 heuristics"))
 
 
@@ -239,9 +336,14 @@ def _tensors(desc: AttnDesc):
     d, dv = desc.head_dim, desc.head_dim_v
     kvb = ("T", str(d)) if desc.kv_shared else ("HK", "T", str(d))
     kvbv = ("T", str(dv)) if desc.kv_shared else ("HK", "T", str(dv))
-    out = [("mQ", 0, desc.dtype, ("B", "S", "H"), (("H", "S", str(d)), (str(d),), ("S", str(d)))),
-           ("mK", 1, desc.dtype, ("B", "T", "HK"), (kvb, (str(d),), ("T", str(d)))),
-           ("mV", 2, desc.dtype, ("B", "T", "HK"), (kvbv, (str(dv),), ("T", str(dv)))),
+    if desc.page_table:     # page pools [NP, P, HK, d], FA4's own layout
+        P = desc.page_size
+        k = ("mK", 1, desc.dtype, ("NP", P, "HK"), ((P, "HK", str(d)), ("HK", str(d)), (str(d),)))
+        v = ("mV", 2, desc.dtype, ("NP", P, "HK"), ((P, "HK", str(dv)), ("HK", str(dv)), (str(dv),)))
+    else:
+        k = ("mK", 1, desc.dtype, ("B", "T", "HK"), (kvb, (str(d),), ("T", str(d))))
+        v = ("mV", 2, desc.dtype, ("B", "T", "HK"), (kvbv, (str(dv),), ("T", str(dv))))
+    out = [("mQ", 0, desc.dtype, ("B", "S", "H"), (("H", "S", str(d)), (str(d),), ("S", str(d)))), k, v,
            ("mO", 3, desc.dtype, ("B", "S", "H"), (("H", "S", str(dv)), (str(dv),), ("S", str(dv))))]
     i = 4
     if desc.lse:
@@ -251,6 +353,11 @@ def _tensors(desc: AttnDesc):
         strides = tuple(tuple(a.shape[j + 1:]) for j in range(len(a.shape) - 1))
         out.append((f"mA{k}", i, a.dtype, a.shape, strides))
         i += 1
+    if desc.page_table:
+        out.append(("mPT", i, "i32", ("B", "MP"), (("MP",),)))
+        i += 1
+    if desc.seqused_k:
+        out.append(("mSK", i, "i32", ("B",), ()))
     return out
 
 
@@ -287,6 +394,10 @@ def entry_source(desc: AttnDesc) -> str:
         kw.append("window_size_right=window_right")
     aux_t = "[" + ", ".join(f"mA{k}" for k in range(len(desc.aux))) + "]" if desc.aux else "None"
     aux_s = "(" + "".join(f"c{k}, " for k in range(len(desc.mod_scalars))) + ")" if desc.mod_scalars else "None"
+    if desc.seqused_k:
+        kw.append("mSeqUsedK=mSK")
+    if desc.page_table:
+        kw.append("mPageTable=mPT")
     kw.append(f"aux_data=AuxData({aux_t}, {aux_s})")
     call = (f"    FA(mQ, mK, mV, mO, {'mLSE' if 'mLSE' in names else 'None'}, softmax_scale, "
             + ", ".join(kw) + ", stream=stream)")
@@ -383,8 +494,19 @@ def choose_variants(desc: AttnDesc, mod) -> list[tuple[str, object, list[int]]]:
                 calls.clear()
                 with FakeTensorMode():
                     q = torch.empty(batch, s, h, desc.head_dim, dtype=tdt, device="cuda")
-                    k = torch.empty(batch, max(s, 1), hk, desc.head_dim, dtype=tdt, device="cuda")
-                    v = torch.empty(batch, max(s, 1), hk, desc.head_dim_v, dtype=tdt, device="cuda")
+                    kv_rows = (batch, max(s, 1))
+                    paged = {}
+                    if desc.page_table:
+                        # a page size that is a size symbol may be anything at run time: FA4's
+                        # cp.async page loads (any page size), which a non-tile page size selects
+                        page = int(desc.page_size) if desc.page_size.isdigit() else 16
+                        pages = -(-max(s, 1) // page)
+                        kv_rows = (batch * pages, page)
+                        paged["page_table"] = torch.empty(batch, pages, dtype=torch.int32, device="cuda")
+                    if desc.seqused_k:
+                        paged["seqused_k"] = torch.empty(batch, dtype=torch.int32, device="cuda")
+                    k = torch.empty(*kv_rows, hk, desc.head_dim, dtype=tdt, device="cuda")
+                    v = torch.empty(*kv_rows, hk, desc.head_dim_v, dtype=tdt, device="cuda")
                     aux = [torch.empty(*(2 for _ in a.shape), dtype=torch.float32, device="cuda") for a in desc.aux]
                     try:
                         interface._flash_attn_fwd(
@@ -393,7 +515,7 @@ def choose_variants(desc: AttnDesc, mod) -> list[tuple[str, object, list[int]]]:
                             window_size_right=None if w is None or w.right is None else 0,
                             score_mod=getattr(mod, "kspec_score_mod", None),
                             mask_mod=getattr(mod, "kspec_mask_mod", None),
-                            aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc)
+                            aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc, **paged)
                     except _Captured as e:
                         fa = e.args[0]
                     else:
@@ -664,6 +786,8 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
                        ["q_stage", str(getattr(fa, "q_stage", 1))],
                        ["2cta", str(bool(getattr(fa, "use_2cta_instrs", False))).lower()],
                        ["pack_gqa", str(bool(getattr(fa, "pack_gqa", False))).lower()],
+                       *([["kv_loads", "tma" if getattr(fa, "use_tma_KV", True) else "cp.async"]]
+                         if desc.page_table else []),
                        ["sm_count", str(desc.sm_count)],
                        ["fa4_signature", hashlib.sha256(sig.encode()).hexdigest()[:16]]]
                 variants.append({"dir": f"v{k}", **info, "select": box, "config": cfg,

@@ -133,6 +133,8 @@ class CutlassBackend(NvccBuilt):
         if a.score_mod is not None or a.mask is not None or a.kv_group is not None or a.lse is not None:
             return ("the CUTLASS FMHA templates implement no score modification, mask (other than top-left "
                     "causal), grouped K/V heads or log-sum-exp output")
+        if a.page_table is not None or a.kv_len is not None:
+            return "the CUTLASS FMHA templates read dense K/V (no paged KV cache, no per-sequence key counts)"
         if a.kv_shared:
             return (f"K and V are shared across [{', '.join(a.kv_shared)}] (multi-query attention); the fused "
                     "kernel reads K and V with every batch axis of Q")
