@@ -82,6 +82,8 @@ class CostReport:
 
 
 def _extent(d, sizes: dict) -> int:
+    if isinstance(d, tuple):            # a product extent (a paged key axis: pages * page size)
+        return math.prod(_extent(x, sizes) for x in d)
     return d if isinstance(d, int) else int(sizes.get(d, DEFAULT_SIZE))
 
 

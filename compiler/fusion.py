@@ -510,9 +510,9 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         o = op(g, n)
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
-        if (is_scalar_value(g, n) or is_index_expr(g, n)) and \
+        if (is_scalar_value(g, n) or is_index_expr(g, n) or o.dtype == "bool") and \
                 not any(op(g, s).kind == "output" for s in g.successors(n)):
-            continue        # evaluated by the kernel that reads it (attach_scalars)
+            continue        # evaluated by the kernel that reads it (attach_scalars); no buffer holds a condition
         if _is_loaded_view(g, n):
             continue        # converted where its consumer loads it (attach_scalars)
         merged = None
@@ -630,7 +630,7 @@ def attach_scalars(g: nx.DiGraph, res: FusionResult) -> None:
     kernel applies as it loads the input."""
     for n in reversed(list(nx.topological_sort(g))):
         if res.group_of(n) is not None or not (is_scalar_value(g, n) or _is_loaded_view(g, n)
-                                               or is_index_expr(g, n)):
+                                               or is_index_expr(g, n) or op(g, n).dtype == "bool"):
             continue
         for s in sorted(g.successors(n), key=_node_order):
             grp = res.group_of(s)
