@@ -117,6 +117,19 @@ def _source(g, u):
     return u
 
 
+def _read_sources(g, n) -> dict:
+    """The values a one-op kernel for n loads: its operands' sources, looking through conditions
+    (which no buffer holds: the reader computes them from their own operands)."""
+    out: dict = {}
+    for u, _ in operands(g, n):
+        node = _source(g, u)
+        if op(g, node).dtype == "bool":
+            out.update(_read_sources(g, node))
+        else:
+            out[node] = None
+    return out
+
+
 def _loop_reads(sched: KernelSchedule, plan, sizes) -> dict[str, int]:
     """Modelled bytes a loop kernel reads, per buffer (the generic backend's loop structure)."""
     g = sched.graph
@@ -206,11 +219,11 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
         if o.kind in ("input", "param", "const", "output", "broadcast") or not o.axes:
             continue
         uflops += _node_flops(g, n, sizes)
-        if is_index_expr(g, n):
-            continue            # index arithmetic is computed by the kernel that reads it
+        if is_index_expr(g, n) or o.dtype == "bool":
+            continue            # index arithmetic and conditions are computed by the kernel that reads them
         n_kernels += 1
         # each kernel reads each of its inputs once (x * x reads x once)
-        for node in {_source(g, u): None for u, _ in operands(g, n)}:
+        for node in _read_sources(g, n):
             src = op(g, node)
             if src.kind in ("param", "const") or not src.axes or is_index_expr(g, node):
                 continue
