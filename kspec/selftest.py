@@ -290,7 +290,8 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
     for kname in mod.kernels:
         entry = mod[kname].entry
         kinds = {p.kind for p in entry.plans}
-        sizes = {"M": 4096, "N": 4096, "K": 4096, "L": 8, "B": 4, "H": 16, "S": 2048, "T": 2048}
+        sizes = {"M": 4096, "N": 4096, "K": 4096, "L": 8, "B": 4, "H": 16, "S": 2048, "T": 2048,
+                 "NP": 512, "P": 16, "MP": 128}        # a paged KV cache: 2048 keys per sequence
         if "attention" in kinds:
             pass
         elif entry.inputs and len(entry.inputs[0].shape) == 3:
@@ -299,7 +300,8 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
             args, shapes = {}, {}
             bounds: dict[str, int] = {}                     # index tensor -> the least extent it indexes
             for r in entry.index_ranges or ():
-                hi = r.extent if isinstance(r.extent, int) else sizes.get(r.extent, 1024)
+                hi = math.prod(e if isinstance(e, int) else sizes.get(e, 1024)
+                               for e in (r.extent if isinstance(r.extent, tuple) else (r.extent,)))
                 bounds[r.tensor] = min(hi, bounds.get(r.tensor, hi))
             for t in (*entry.inputs, *entry.outputs):      # outputs passed: allocation is not timed
                 shape = tuple(e if isinstance(e, int) else sizes.get(e, 1024) for e in t.shape)
