@@ -30,6 +30,7 @@ class Capabilities:
     epilogue_reductions: frozenset[str] = frozenset()
     epilogue_loads: frozenset[str] = frozenset()        # row | col | full | full_col | scalar
     attention: tuple[tuple[str, str], ...] = ()          # (arch, "f16/bf16 head dims 64,128; causal") summaries
+    packed: bool = False                                 # reads/writes packed (varlen) buffers (IRBuffer.packed)
 
     def describe(self) -> list[str]:
         out = [f"archs: {', '.join(self.archs)}", f"kernels: {', '.join(self.kinds) or '-'}"]

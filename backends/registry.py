@@ -57,6 +57,17 @@ def _kinds(b: Backend) -> tuple[str, ...]:
     return b.capabilities.kinds + b.capabilities.fallback_kinds
 
 
+
+def _can_implement(b: Backend, ir: KernelIR, arch: str) -> str | None:
+    """b.can_implement, after the capability every backend declares as data: packed (varlen)
+    buffers, which a backend reading [B, S, ...] densely would misread."""
+    packed = [x for x in ir.buffers if x.packed]
+    if packed and not b.capabilities.packed:
+        x = packed[0]
+        return (f"{x.name} is packed({x.packed}) (a variable-length batch stored back to back); this backend "
+                "reads and writes dense [batch, seq, ...] tensors only")
+    return b.can_implement(ir, arch)
+
 class Planner:
     """What the compiler asks while fusing and scheduling (compiler.kir.Oracle).
 
@@ -101,7 +112,7 @@ class Planner:
         for arch in archs:
             reasons = []
             for b in self._fast():
-                why = b.can_implement(ir, arch)
+                why = _can_implement(b, ir, arch)
                 if why is None:
                     break
                 reasons.append(f"{b.name}: {why}")
@@ -118,7 +129,7 @@ class Planner:
         # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
         if pin and ir.kind in _kinds(get_checked(pin, ir)):
             b = get(pin)
-            why = b.can_implement(ir, arch)
+            why = _can_implement(b, ir, arch)
             if why:
                 raise KspecError(f"backend {pin} cannot build kernel {ir.id} ({ir.kind}) on {arch}: {why}", ir.span,
                                  "drop the backend pin to let kspec choose")
@@ -128,7 +139,7 @@ class Planner:
             order = [get(self.pinned)] + [b for b in order if b.name != self.pinned]
         rejected: list[tuple[str, str]] = []
         for b in order:
-            why = b.can_implement(ir, arch)
+            why = _can_implement(b, ir, arch)
             if why is None:
                 return self._choice(b, ir, arch, tuple(rejected))
             if ir.kind in _kinds(b):             # a backend for other kinds of kernel has nothing to say

@@ -202,12 +202,16 @@ class IRBuffer:
     shape: tuple[Extent, ...]
     layout: str = "row"
     align: int = 16                # bytes the data pointer (and row pitches) are assumed aligned to
+    # varlen: the shape is logical [B, S, ...]; in memory sequence b is rows packed[b] ..
+    # packed[b + 1] - 1 of a [rows, ...] array (`packed` names the offsets buffer, i32 [B + 1])
+    packed: str | None = None
 
     def describe(self) -> str:
         if self.role == "param":
             return f"param {self.name} : {self.dtype}"
         shape = f"[{', '.join(map(str, self.shape))}]"
-        return f"{self.role} {self.name} : {self.dtype}{shape} {self.layout} align {self.align}"
+        pk = f" packed({self.packed})" if self.packed else ""
+        return f"{self.role} {self.name} : {self.dtype}{shape} {self.layout}{pk} align {self.align}"
 
 
 @dataclass(frozen=True)

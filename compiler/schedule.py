@@ -162,10 +162,13 @@ def plan_ir(sched: "KernelSchedule", plan: "KernelPlan", hints=()) -> KernelIR:
     """The plan as a self-contained kernel IR, buffers named as the schedule names them."""
     g = sched.graph
 
+    packed = {t.name: t.packed for t in sched.kernel.tensors if t.packed}
+
     def info(name: str) -> IRBuffer:
         b = sched.buffers[name]
         role = b.kind
-        return IRBuffer(b.name, role, b.dtype, () if role == "param" else tuple(b.shape), b.layout)
+        return IRBuffer(b.name, role, b.dtype, () if role == "param" else tuple(b.shape), b.layout,
+                        packed=packed.get(b.name) if role in ("input", "output") else None)
 
     stores = [(n, b) for n in values_leaving(g, plan.group) for b in sched.stores(n)]
     return build_ir(plan.id, sched.kernel.name, g, plan.group, lambda u: sched.value_buffer[u], info, stores, hints)

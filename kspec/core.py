@@ -264,6 +264,15 @@ def extent_value(extent, sizes: "dict[str, int]") -> int:
     return sizes[extent]
 
 
+def split_offset_dim(dim) -> "tuple[str, int] | None":
+    """A declared dimension `B + 1` is stored as the extent "B+1" (the B + 1 cumulative offsets
+    of B sequences): ("B", 1); None for any other extent."""
+    if isinstance(dim, str) and "+" in dim:
+        sym, _, k = dim.partition("+")
+        return sym, int(k)
+    return None
+
+
 def format_extent(extent) -> str:
     """An extent as text: `MP*P` for a product."""
     return "*".join(map(str, extent)) if isinstance(extent, tuple) else str(extent)

@@ -121,9 +121,11 @@ Expr = Union[Num, Name, Access, Gather, Unary, Binary, Call, Cast, Reduce]
 
 @dataclass(frozen=True)
 class Dim:
-    """A dimension in a declared shape: a symbol (`M`) or a literal size (`64`)."""
+    """A dimension in a declared shape: a symbol (`M`), a literal size (`64`), or a symbol plus a
+    literal (`B + 1`, plus = 1: the B + 1 cumulative offsets of B sequences)."""
     value: str | int
     span: Span | None = _span()
+    plus: int = 0
 
     @property
     def is_symbol(self) -> bool:
@@ -140,6 +142,8 @@ class Decl:
     default: Num | None = None
     span: Span | None = _span()
     name_span: Span | None = field(default=None, compare=False, repr=False)
+    packed: str | None = None      # `packed(cu)`: the offsets tensor of a varlen (packed) batch
+    packed_span: Span | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ and collects independent errors (up to `MAX_ERRORS`) into one `KspecError`.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
-from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent
+from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent, split_offset_dim
 
 from . import ast
 from .errors import Diagnostic, KspecError, Span
@@ -56,16 +57,21 @@ class TensorInfo:
     layout: str = "row"
     default: float | int | None = None
     span: Span | None = field(default=None, compare=False, repr=False)
+    packed: str | None = None     # `packed(cu)`: a varlen batch stored back to back (see the end of this file)
 
     @property
     def rank(self) -> int:
         return len(self.shape)
 
     def describe(self) -> str:
-        shape = f"[{', '.join(map(format_extent, self.shape))}]" if self.role != "param" else ""
+        def dim(d) -> str:
+            off = split_offset_dim(d)
+            return f"{off[0]} + {off[1]}" if off else format_extent(d)
+        shape = f"[{', '.join(map(dim, self.shape))}]" if self.role != "param" else ""
         lay = " col" if self.layout == "col" else ""
+        pk = f" packed({self.packed})" if self.packed else ""
         dflt = f" = {self.default}" if self.default is not None else ""
-        return f"{self.name}: {self.dtype}{shape}{lay}{dflt}"
+        return f"{self.name}: {self.dtype}{shape}{lay}{pk}{dflt}"
 
 
 @dataclass(frozen=True)
@@ -429,6 +435,9 @@ class _KernelChecker:
         self.defined_at: dict[str, int] = {}     # temps/outputs -> statement number
         self.written: dict[str, Span | None] = {}
         self.failed: set[str] = set()
+        self.packed_axes: dict[str, tuple] = {}  # tensor -> per axis None | (offsets, batch axis, size symbol)
+        self.packed_spans: dict[str, Span | None] = {}
+        self.softmax_axis: dict[str, int] = {}   # temps holding a softmax -> the normalised axis
 
     def error(self, *a, **kw):
         self.p.error(*a, **kw)
@@ -437,6 +446,10 @@ class _KernelChecker:
         n_before = len(self.p.diags)
         for d in self.k.decls:
             self.declare(d)
+        varlen_check_decls(self)
+        for t in self.tensors.values():
+            if t.packed is not None and t.rank >= 2:
+                self.packed_axes[t.name] = (None, (t.packed, 0, t.shape[1])) + (None,) * (t.rank - 2)
         # statement targets: find every definition first, so "used before defined" can be told
         # apart from "unknown".
         future = {s.target: i for i, s in enumerate(self.k.stmts)}
@@ -470,6 +483,8 @@ class _KernelChecker:
             self.error(f"'{d.name}' is declared twice", d.name_span or d.span,
                        f"the first declaration is at line {prev.line}" if prev else None)
             return
+        if d.packed is not None and d.role == "param":
+            self.error(f"param '{d.name}' is a scalar and cannot be packed", d.packed_span or d.span)
         if d.role == "param":
             if d.shape is not None:
                 self.error(f"param '{d.name}' has a shape; params are scalars", d.span,
@@ -498,7 +513,7 @@ class _KernelChecker:
                 if dim.is_symbol:
                     if dim.value not in self.symbols:
                         self.symbols.append(dim.value)  # type: ignore[arg-type]
-                    shape.append(dim.value)
+                    shape.append(f"{dim.value}+{dim.plus}" if dim.plus else dim.value)
                 else:
                     v = int(dim.value)
                     if v < 1 or v >= MAX_LITERAL_DIM:
@@ -506,7 +521,8 @@ class _KernelChecker:
                     shape.append(v)
             if d.layout == "col" and len(shape) < 2:
                 self.error(f"'{d.name}' has rank {len(shape)}; layout col needs rank 2 or more", d.span)
-            info = TensorInfo(d.name, d.role, d.dtype, tuple(shape), d.layout or "row", None, d.span)
+            info = TensorInfo(d.name, d.role, d.dtype, tuple(shape), d.layout or "row", None, d.span, d.packed)
+            self.packed_spans[d.name] = d.packed_span or d.span
         self.tensors[d.name] = info
         self.decl_spans[d.name] = d.name_span or d.span
 
@@ -544,7 +560,9 @@ class _KernelChecker:
         if target is not None:
             for ix, dim, sp in zip(s.indices, target.shape, s.index_spans or [None] * len(s.indices)):
                 env.bind(ix, dim, f"{name}[{', '.join(s.indices)}]", sp or s.span)
+            varlen_note_access(self, env, name, s.indices, s.span)
         value = self.expr(s.value, env, i, future)
+        value = varlen_apply(self, env, value, s.span)
         # free indices on the right must be bound on the left
         for ix in value.free:
             if ix not in s.indices:
@@ -580,6 +598,7 @@ class _KernelChecker:
             self.decl_spans[name] = s.span
         self.defined_at[name] = i
         extents = tuple((ix, v[0]) for ix, v in env.dims.items())
+        varlen_record_target(self, env, name, tuple(s.indices), value, target, s.span)
         return TStmt(name, tuple(s.indices), dtype, value, extents, s.span)
 
     def check_store(self, src: str, dst: str, name: str, s: ast.Stmt):
@@ -635,6 +654,7 @@ class _KernelChecker:
                                "diagonals are not supported; use distinct indices", abort=True)
                 seen.add(ix)
                 env.bind(ix, dim, f"{e.tensor}[{', '.join(e.indices)}]", sp or e.span)
+            varlen_note_access(self, env, e.tensor, tuple(e.indices), e.span)
             return TAccess(t.dtype, _uniq(e.indices), e.span, e.tensor, tuple(e.indices))
         if isinstance(e, ast.Gather):
             return self.gather(e, env, stmt_no, future)
@@ -698,6 +718,7 @@ class _KernelChecker:
                 env.note_paged(it, dim, x.span or e.span)
                 subs.append(it)
                 free.extend(ix for ix in it.free if ix not in free)
+        varlen_note_access(self, env, e.tensor, tuple(subs), e.span)
         return TGather(t.dtype, _uniq(tuple(free)), e.span, e.tensor, tuple(subs))
 
     def need_integer_subscript(self, it: TExpr, x: ast.Expr, axis: int, tensor: str) -> None:
@@ -969,6 +990,7 @@ class _IndexEnv:
         self.scopes: list[set[str]] = []         # indices of the enclosing reductions
         self.value_indices: dict[str, Span | None] = {}    # indices used as values (`j - i`)
         self.paged: dict[str, tuple[DimValue, Span | None]] = {}   # j -> extent from `j / P` (note_paged)
+        self.packed = PackedLabels()                  # labels over packed (varlen) sequences
 
     def in_scope(self) -> set[str]:
         """Index names an expression may use as values here."""
@@ -1250,3 +1272,189 @@ def count_ops(e: TExpr) -> dict[str, int]:
 
     visit(e)
     return counts
+
+
+# ---------------------------------------------------------------- variable-length batches
+# Variable-length batches: tensors declared `packed(cu)` (the checker's part).
+#
+# Varlen is a storage layout, not new semantics: a computation is written over logical
+# [B, S, ...] tensors exactly like a dense one, and `in Q : bf16[B, S, H, 128] packed(cu_q)` says
+# that sequence b's rows are rows cu_q[b] .. cu_q[b + 1] - 1 of a [total, H, 128] array (FA4's and
+# the serving stacks' varlen layout), with `in cu_q : i32[B + 1]`.  S is the longest sequence.
+# Positions i >= the sequence's own length do not exist:
+#
+# - a softmax over a packed axis leaves absent positions out: the checker masks its operand,
+#   `where(j < len_k(b), E, -inf)`, with len_k(b) = cu_k[b + 1] - cu_k[b] (a mask fusion lifts like a
+#   written one);
+# - a size symbol of a packed axis inside an expression (`i + (T - S)`) is that sequence's own
+#   length;
+# - an output written over a packed axis must be declared `packed` with the same offsets: only its
+#   present rows are stored;
+# - a sum over a packed axis must multiply by a softmax over that axis (attention's P·V), whose
+#   absent entries are 0; other reductions over a packed axis are refused (mask them explicitly).
+#
+# The numpy reference (backends/reference) reads and writes the packed arrays; see there for what
+# a call checks (offsets non-decreasing, within the rows, the last one the row count).
+
+
+class PackedLabels:
+    """Per statement: which labels are packed (label -> (offsets tensor, batch label))."""
+
+    def __init__(self):
+        self.labels: dict[str, tuple[str, str]] = {}
+        self.sizes: dict[str, str] = {}          # size symbol of a packed axis -> its label
+
+
+def varlen_check_decls(kc) -> None:
+    """Every `packed(cu)` declaration: (batch, seq) leading axes, cu an integer [B + 1] input."""
+    seq_of: dict[str, tuple[str, str]] = {}      # seq symbol -> (offsets, tensor)
+    for t in list(kc.tensors.values()):
+        if t.packed is None:
+            continue
+        sp = kc.packed_spans.get(t.name)
+        if t.role not in ("in", "out"):
+            kc.error(f"only inputs and outputs can be packed, not {t.role} '{t.name}'", sp)
+            continue
+        if t.rank < 2 or not all(isinstance(d, str) and split_offset_dim(d) is None for d in t.shape[:2]):
+            kc.error(f"packed tensor '{t.name}' must have a batch and a sequence axis first, both size symbols "
+                     f"(declared {t.describe()})", sp,
+                     f"write e.g. `{t.role} {t.name} : {t.dtype}[B, S, ...] packed({t.packed})`")
+            continue
+        cu = kc.tensors.get(t.packed)
+        batch, seq = t.shape[0], t.shape[1]
+        if cu is None:
+            kc.error(f"unknown offsets tensor '{t.packed}' in packed({t.packed})", sp,
+                     f"declare it: `in {t.packed} : i32[{batch} + 1]` (cumulative sequence offsets)")
+            continue
+        if cu.role != "in" or cu.dtype not in INT_DTYPES or cu.rank != 1 or cu.shape[0] != f"{batch}+1":
+            kc.error(f"the offsets of packed tensor '{t.name}' must be an integer input vector of {batch} + 1 "
+                     f"cumulative offsets, not {cu.role} {cu.describe()}", sp,
+                     f"declare `in {t.packed} : i32[{batch} + 1]`: sequence b is rows {t.packed}[b] .. "
+                     f"{t.packed}[b + 1] - 1")
+            continue
+        prev = seq_of.get(seq)
+        if prev is not None and prev[0] != t.packed:
+            kc.error(f"sequence axis {seq} is packed by '{t.packed}' here but by '{prev[0]}' in '{prev[1]}'", sp,
+                     "one size symbol per packing: name the other sequence axis differently (e.g. T)")
+            continue
+        seq_of[seq] = (t.packed, t.name)
+
+
+def varlen_note_access(kc, env, tensor: str, indices, span) -> None:
+    """A read or write of tensor[indices]: its packed axes' labels are packed in this statement."""
+    axes = kc.packed_axes.get(tensor)
+    if not axes:
+        return
+    for pos, info in enumerate(axes):
+        if info is None:
+            continue
+        cu, bpos, size = info
+        label, blabel = indices[pos], indices[bpos]
+        if not isinstance(label, str) or not isinstance(blabel, str):
+            kc.error(f"the batch and sequence axes of packed '{tensor}' must be read with plain indices", span,
+                     f"write `{tensor}[b, i, ...]`", abort=True)
+        old = env.packed.labels.get(label)
+        if old is not None and old != (cu, blabel):
+            kc.error(f"index '{label}' runs over sequences packed by '{old[0]}' and by '{cu}'", span,
+                     "use a separate index for each packing", abort=True)
+        env.packed.labels[label] = (cu, blabel)
+        if size is not None:
+            env.packed.sizes.setdefault(size, label)
+
+
+def _seq_length(cu: str, b: str) -> TExpr:
+    """cu[b + 1] - cu[b]: the length of sequence b."""
+    nxt = TGather("i32", (b,), None, cu, (TBinary("i32", (b,), None, "+", TIndex("i32", (b,), None, b),
+                                                   TConst("i32", (), None, 1, True)),))
+    # cu[b] as a gather: cu has B + 1 entries, b ranges over B
+    return TBinary("i32", (b,), None, "-", nxt, TGather("i32", (b,), None, cu, (b,)))
+
+
+def _rebuild_texpr(e: TExpr, f) -> TExpr:
+    """e with f applied bottom-up; free indices grow by what the new children bring."""
+    changes = {}
+    for fl in fields(e):
+        v = getattr(e, fl.name)
+        if isinstance(v, TExpr):
+            changes[fl.name] = _rebuild_texpr(v, f)
+        elif isinstance(v, tuple) and any(isinstance(x, TExpr) for x in v):
+            changes[fl.name] = tuple(_rebuild_texpr(x, f) if isinstance(x, TExpr) else x for x in v)
+    if changes:
+        added = [ix for c in texpr_children(replace(e, **changes)) for ix in c.free]
+        reduced = set(e.indices) if isinstance(e, TReduce) else set()
+        e = replace(e, **changes, free=_uniq(e.free + tuple(ix for ix in added if ix not in reduced)))
+    return f(e)
+
+
+def varlen_apply(kc, env, value: TExpr, span) -> TExpr:
+    """The statement's value with varlen semantics made explicit (module docstring)."""
+    packed = env.packed
+    if not packed.labels:
+        return value
+
+    def rewrite(e: TExpr) -> TExpr:
+        if isinstance(e, TSize) and e.name in packed.sizes:
+            cu, b = packed.labels[packed.sizes[e.name]]
+            return _seq_length(cu, b)
+        if isinstance(e, TSoftmax) and e.axis in packed.labels:
+            cu, b = packed.labels[e.axis]
+            cond = TBinary(BOOL, _uniq((e.axis, b)), None, "<", TIndex("i32", (e.axis,), None, e.axis),
+                           _seq_length(cu, b))
+            masked = TCall(e.operand.dtype, _uniq(e.operand.free + cond.free), e.operand.span, "where",
+                           (cond, e.operand, TConst("f32", (), None, -math.inf, True)))
+            return replace(e, operand=masked, free=_uniq(e.free + masked.free))
+        if isinstance(e, TReduce):
+            for ix in e.indices:
+                if ix in packed.labels and not (e.op == "sum" and _zero_when_absent(kc, e.operand, ix)):
+                    kc.error(f"'{e.op}({ix})' reduces over '{ix}', which runs over packed sequences, where "
+                             "positions past a sequence's length do not exist", e.span or span,
+                             f"multiply by a softmax over '{ix}' (attention's P·V), or mask it yourself: "
+                             f"`{e.op}({ix}) where({ix} < LEN, ..., 0.0)` with LEN the axis's size symbol, "
+                             "which inside an expression is each sequence's own length", abort=True)
+        return e
+
+    return _rebuild_texpr(value, rewrite)
+
+
+def _zero_when_absent(kc, e: TExpr, label: str) -> bool:
+    """e is a product one factor of which is a softmax over `label` (0 at absent positions)."""
+    if isinstance(e, TBinary) and e.op == "*":
+        return _zero_when_absent(kc, e.lhs, label) or _zero_when_absent(kc, e.rhs, label)
+    if isinstance(e, TSoftmax):
+        return e.axis == label
+    if isinstance(e, TAccess):
+        pos = kc.softmax_axis.get(e.tensor)
+        return pos is not None and e.indices[pos] == label
+    return False
+
+
+def varlen_record_target(kc, env, name: str, indices, value: TExpr, target, span) -> None:
+    """After a statement: which axes of its target are packed (temps), whether it is a softmax
+    (for `_zero_when_absent`), and an output over a packed axis is declared packed alike."""
+    packed = env.packed
+    axes = []
+    for ix in indices:
+        info = packed.labels.get(ix)
+        size = next((sz for sz, lab in packed.sizes.items() if lab == ix), None)
+        axes.append(None if info is None else (info[0], list(indices).index(info[1]) if info[1] in indices
+                                               else None, size))
+    if isinstance(value, TSoftmax):
+        kc.softmax_axis[name] = list(indices).index(value.axis)
+    if target is None or target.role == "temp":
+        if any(a is not None and a[1] is None for a in axes):
+            ix = next(i for i, a in zip(indices, axes) if a is not None and a[1] is None)
+            kc.error(f"'{name}' keeps packed index '{ix}' without its batch index "
+                     f"'{packed.labels[ix][1]}'", span, "keep the batch index on the left side", abort=True)
+        if any(a is not None for a in axes):
+            kc.packed_axes[name] = tuple(axes)
+        return
+    declared = kc.packed_axes.get(name) or ()
+    for pos, (ix, a) in enumerate(zip(indices, axes)):
+        if a is None:
+            continue
+        want = declared[pos] if pos < len(declared) else None
+        if want is None or want[0] != a[0] or indices[want[1]] != packed.labels[ix][1]:
+            kc.error(f"output '{name}' is written over index '{ix}', which runs over sequences packed by "
+                     f"'{a[0]}', so it has no value past a sequence's length", span,
+                     f"declare it `out {name} : {target.dtype}[...] packed({a[0]})` with the batch and "
+                     f"sequence axes first, so that only present rows are stored", abort=True)

@@ -159,6 +159,12 @@ class _Build(Transformer_NonRecursive):
     @v_args(inline=True)
     def dim_lit(self, tok): return ast.Dim(self._int(tok), self._span(tok))
 
+    @v_args(inline=True)
+    def dim_plus(self, tok, _plus, num): return ast.Dim(self._name(tok), self._span(tok), self._int(num))
+
+    @v_args(inline=True)
+    def packed(self, tok): return ("packed", self._name(tok), self._span(tok))
+
     def shape(self, children): return tuple(children)
 
     def index_list(self, children): return [(self._name(t), self._span(t)) for t in children]
@@ -249,15 +255,18 @@ class _Build(Transformer_NonRecursive):
     @v_args(meta=True)
     def decl(self, meta, children):
         role, name, dt, *rest = children
-        shape = layout = default = None
+        shape = layout = default = packed = None
         for r in rest:
-            if isinstance(r, tuple):
+            if isinstance(r, tuple) and r and r[0] == "packed":
+                packed = r
+            elif isinstance(r, tuple):
                 shape = r
             elif isinstance(r, str):
                 layout = r
             elif isinstance(r, ast.Num):
                 default = r
-        return ast.Decl(role, self._name(name), dt, shape, layout, default, self._span(meta), self._span(name))
+        return ast.Decl(role, self._name(name), dt, shape, layout, default, self._span(meta), self._span(name),
+                        packed[1] if packed else None, packed[2] if packed else None)
 
     @v_args(meta=True)
     def stmt(self, meta, children):

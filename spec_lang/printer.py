@@ -66,7 +66,7 @@ def print_subscript(x) -> str:
 
 
 def _dim(d: ast.Dim) -> str:
-    return str(d.value)
+    return f"{d.value} + {d.plus}" if d.plus else str(d.value)
 
 
 def print_decl(d: ast.Decl) -> str:
@@ -75,6 +75,8 @@ def print_decl(d: ast.Decl) -> str:
         s += "[" + ", ".join(_dim(x) for x in d.shape) + "]"
     if d.layout:
         s += f" {d.layout}"
+    if d.packed:
+        s += f" packed({d.packed})"
     if d.default is not None:
         s += f" = {d.default.text}"
     return s

@@ -351,6 +351,58 @@ def test_attention_paged_block_table_out_of_range():
                                                   kv_len=np.array([5], np.int32))
 
 
+def varlen_attention64(Q, K, V, cu_q, cu_k, scale):
+    """Causal attention over a packed (varlen) batch in float64, independently of kspec: sequence b
+    is rows cu[b] .. cu[b + 1] - 1; query i of a sequence of S queries and T keys sees keys
+    j <= i + (T - S) (bottom-right); a query that sees no key gives 0."""
+    Q, K, V = f64(Q), f64(K), f64(V)
+    O = np.zeros(Q.shape[:2] + (V.shape[2],))
+    for b in range(len(cu_q) - 1):
+        q0, S, k0, T = cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b], cu_k[b + 1] - cu_k[b]
+        for h in range(Q.shape[1]):
+            for i in range(S):
+                seen = [j for j in range(T) if j <= i + (T - S)]
+                if seen:
+                    s = np.array([scale * float(Q[q0 + i, h] @ K[k0 + j, h]) for j in seen])
+                    w = np.exp(s - s.max())
+                    O[q0 + i, h] = (w / w.sum()) @ V[[k0 + j for j in seen], h]
+    return O
+
+
+def test_attention_varlen():
+    rng = np.random.default_rng(43)
+    # a length-0 and a length-1 sequence, more queries than keys, more keys than queries
+    lq, lk = [3, 0, 1, 6, 2], [5, 2, 0, 4, 2]
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    Q = rand(rng, (cu_q[-1], 2, 128), BF16)
+    K, V = rand(rng, (cu_k[-1], 2, 128), BF16), rand(rng, (cu_k[-1], 2, 128), BF16)
+    out = run_both(SPECS / "attention_varlen.kspec", cu_q=cu_q, cu_k=cu_k, Q=Q, K=K, V=V)
+    assert out["O"].shape == Q.shape                      # present rows only, packed like Q
+    assert_close(out["O"], varlen_attention64(Q, K, V, cu_q, cu_k, 0.08838834764831845), BF16)
+    # rows of other sequences never mix in: changing sequence 3's keys leaves the others alone
+    K2 = K.copy()
+    K2[cu_k[3]:cu_k[4]] = 0
+    again = reference(SPECS / "attention_varlen.kspec")(cu_q=cu_q, cu_k=cu_k, Q=Q, K=K2, V=V)["O"]
+    rows = np.r_[cu_q[0]:cu_q[3], cu_q[4]:cu_q[5]]
+    assert again[rows].tobytes() == out["O"][rows].tobytes()
+
+
+@pytest.mark.parametrize("cu, message", [
+    ([0, 3, 2, 9], r"cu_q\[2\] = 2 is less than cu_q\[1\] = 3"),
+    ([0, 3, 5, 8], r"last offset cu_q\[3\] = 8 must be the row count of 'Q', 9"),
+    ([0, 3, 5, 10], r"cu_q\[3\] = 10 is outside the 9 rows of 'Q'"),
+    ([0, 3, 9], r"'cu_k': 4 offsets mean B = 3, but B = 2 from argument 'cu_q'"),
+])
+def test_attention_varlen_refuses_bad_offsets(cu, message):
+    rng = np.random.default_rng(44)
+    cu_k = np.array([0, 2, 4, 6], np.int32)
+    args = dict(cu_q=np.array(cu, np.int32), cu_k=cu_k, Q=rand(rng, (9, 1, 128), BF16),
+                K=rand(rng, (6, 1, 128), BF16), V=rand(rng, (6, 1, 128), BF16))
+    with pytest.raises(KspecReferenceError, match=message):
+        reference(SPECS / "attention_varlen.kspec")(**args)
+
+
 def test_gemm_int8_is_exact():
     rng = np.random.default_rng(21)
     A = rng.integers(-128, 128, (9, 257)).astype(np.int8)
@@ -381,7 +433,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
               "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b",
               "attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
-              "attention_softcap", "attention_decode", "attention_paged",
+              "attention_softcap", "attention_decode", "attention_paged", "attention_varlen",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested

@@ -19,6 +19,7 @@ from kspec.compiler import KernelSchedule, op, operands, plan_kernel
 from kspec.core import KspecRuntimeError, extent_value
 from kspec.spec_lang import CheckedKernel, CheckedProgram, KspecError, load_spec
 
+from . import varlen
 from .numerics import FUNCTIONS, divide, floordiv, is_int, mod, round_tf32, storage_dtype, to_compute, to_storage
 
 # Nodes without operands, computed wherever they are read (compiler.graph.GENERATED_KINDS).
@@ -210,16 +211,25 @@ class ReferenceKernel:
         sizes: dict[str, int] = dict(k.bindings)
         where: dict[str, str] = {s: "the spec" for s in sizes}
         inputs: dict[str, np.ndarray] = {}
-        for t in k.inputs:
+        # packed (varlen) tensors after the offsets they are packed by
+        for t in sorted(k.inputs, key=lambda t: t.packed is not None):
             if t.name not in arrays:
                 raise KspecReferenceError(f"{k.name}: missing input '{t.name}' ({t.describe()})")
             a = np.asarray(arrays[t.name])
-            if a.ndim != t.rank:
-                raise KspecReferenceError(f"argument '{t.name}': expected rank {t.rank} ({t.describe()}), "
-                                          f"got shape {a.shape}")
+            rank = t.rank - (t.packed is not None)
+            if a.ndim != rank:
+                raise KspecReferenceError(f"argument '{t.name}': expected rank {rank} ({t.describe()}"
+                                          f"{': [rows, ...]' if t.packed else ''}), got shape {a.shape}")
             if is_int(t.dtype) != (a.dtype.kind in "iub"):
                 raise KspecReferenceError(f"argument '{t.name}': expected {t.dtype} values, got a {a.dtype} array")
-            for dim, extent in zip(t.shape, a.shape):
+            dims, extents = t.shape, a.shape
+            if t.packed is not None:
+                cu = varlen.check_offsets(t.packed, inputs[t.packed], a.shape[0], t.name)
+                longest = int(np.diff(cu).max(initial=0))
+                dims, extents = t.shape, (cu.size - 1, longest) + a.shape[1:]
+            for dim, extent in zip(dims, extents):
+                if varlen.bind_offsets(dim, extent, sizes, where, t.name):
+                    continue
                 if isinstance(dim, int):
                     if extent != dim:
                         raise KspecReferenceError(f"argument '{t.name}': expected shape "
@@ -231,6 +241,13 @@ class ReferenceKernel:
                     sizes[dim] = extent
                     where[dim] = f"argument '{t.name}'"
             inputs[t.name] = to_storage(a, t.dtype) if a.dtype != storage_dtype(t.dtype) else a
+            if t.packed is not None:
+                inputs[t.name] = varlen.unpack(inputs[t.name], cu, longest)
+        for t in k.outputs:      # a packed output needs its sizes from the inputs
+            if t.packed is not None and t.shape[1] not in sizes:
+                cu = varlen.check_offsets(t.packed, inputs[t.packed], int(np.asarray(inputs[t.packed])[-1]), t.name)
+                sizes[t.shape[1]] = int(np.diff(cu).max(initial=0))
+                where[t.shape[1]] = f"argument '{t.packed}'"
         unbound = [s for s in k.symbols if s not in sizes]
         if unbound:
             raise KspecReferenceError(f"{k.name}: size {', '.join(unbound)} cannot be inferred from the inputs",
@@ -247,7 +264,11 @@ class ReferenceKernel:
 
     def __call__(self, **arrays) -> dict[str, np.ndarray]:
         inputs, params, sizes = self.bind(arrays)
-        return execute(self.schedule, inputs, params, sizes)
+        out = execute(self.schedule, inputs, params, sizes)
+        for t in self.kernel.outputs:      # packed outputs store their present rows only
+            if t.packed is not None:
+                out[t.name] = varlen.pack(out[t.name], np.asarray(inputs[t.packed]).astype(np.int64))
+        return out
 
 
 class ReferenceModule:
