@@ -1,0 +1,107 @@
+"""Variable-length batches (`packed(cu)`, specs/attention_varlen.kspec): the checker's located errors,
+what it makes explicit (the softmax mask, per-sequence sizes), the kernel IR's packed buffers and
+every backend's decline.  The reference semantics against float64 numpy:
+tests/test_reference.py::test_attention_varlen."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import SPECS
+
+from kspec.compiler import plan_kernel, ir_from_json, ir_to_json
+from kspec.core import KspecError
+from kspec.spec_lang import load_spec
+from kspec.spec_lang.check import TCall, TGather, TSize, texpr_children
+
+VARLEN = SPECS / "attention_varlen.kspec"
+HEAD = """kernel k {
+  param scale : f32 = 0.125
+  in  cu_q : i32[B + 1]
+  in  cu_k : i32[B + 1]
+"""
+BODY = """  s[b, h, i, j] : f32 = scale * sum(e) Q[b, i, h, e] * K[b, j, h, e]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, i, h, e] = sum(j) p[b, h, i, j] * V[b, j, h, e]
+}"""
+DECLS = """  in  Q : bf16[B, S, H, 64] packed(cu_q)
+  in  K : bf16[B, T, H, 64] packed(cu_k)
+  in  V : bf16[B, T, H, 64] packed(cu_k)
+  out O : bf16[B, S, H, 64] packed(cu_q)
+"""
+
+
+def _err(src: str) -> KspecError:
+    with pytest.raises(KspecError) as e:
+        load_spec(src, is_text=True)
+    return e.value
+
+
+def _nodes(e):
+    yield e
+    for c in texpr_children(e):
+        yield from _nodes(c)
+
+
+def test_the_checker_makes_varlen_explicit():
+    k = load_spec(VARLEN).kernels[0]
+    assert k.tensor("Q").describe() == "Q: bf16[B, S, H, 128] packed(cu_q)"
+    assert k.tensor("cu_q").describe() == "cu_q: i32[B + 1]"
+    m, p = k.stmts[1].value, k.stmts[2].value
+    # `T - S` inside the mask is each sequence's own lengths: cu[b + 1] - cu[b], no size symbol left
+    assert not [x for x in _nodes(m) if isinstance(x, TSize)]
+    assert {x.tensor for x in _nodes(m) if isinstance(x, TGather)} == {"cu_q", "cu_k"}
+    # the softmax over the packed key axis leaves absent keys out: where(j < len_k(b), m, -inf)
+    (where,) = [x for x in _nodes(p) if isinstance(x, TCall) and x.fn == "where"]
+    assert {x.tensor for x in _nodes(where.args[0]) if isinstance(x, TGather)} == {"cu_k"}
+
+
+@pytest.mark.parametrize("decls, message, hint", [
+    (DECLS.replace("in  Q : bf16[B, S, H, 64] packed(cu_q)", "in  Q : bf16[B, S, H, 64] packed(cu_x)"),
+     "unknown offsets tensor 'cu_x'", "in cu_x : i32[B + 1]"),
+    (DECLS.replace("in  Q : bf16[B, S, H, 64] packed(cu_q)", "in  Q : bf16[64, S, H, 64] packed(cu_q)"),
+     "must have a batch and a sequence axis first", "packed(cu_q)"),
+    (DECLS.replace("in  K : bf16[B, T, H, 64] packed(cu_k)", "in  K : bf16[B, T, H, 64] packed(scale)"),
+     "must be an integer input vector of B + 1", "i32[B + 1]"),
+    (DECLS.replace("in  K : bf16[B, T, H, 64] packed(cu_k)", "in  K : bf16[B, S, H, 64] packed(cu_k)"),
+     "sequence axis S is packed by 'cu_k' here but by 'cu_q'", "(e.g. T)"),
+    (DECLS.replace("out O : bf16[B, S, H, 64] packed(cu_q)", "out O : bf16[B, S, H, 64]"),
+     "output 'O' is written over index 'i'", "packed(cu_q)"),
+])
+def test_located_errors(decls, message, hint):
+    src = HEAD + decls + BODY
+    e = _err(src)
+    assert message in e.message and hint in (e.hint or "")
+    assert e.span is not None and e.span.line >= 3
+
+
+def test_offsets_must_count_the_packed_batch():
+    e = _err(HEAD.replace("in  cu_q : i32[B + 1]", "in  cu_q : i32[N + 1]") + DECLS + BODY)
+    assert "'Q' must be an integer input vector of B + 1" in e.message and "not in cu_q: i32[N + 1]" in e.message
+
+
+def test_a_reduction_over_a_packed_axis_must_be_masked():
+    src = HEAD + DECLS.replace("out O : bf16[B, S, H, 64] packed(cu_q)", "out M : f32[B, H, S]") + """
+  s[b, h, i, j] : f32 = sum(e) Q[b, i, h, e] * K[b, j, h, e]
+  M[b, h, i] = max(j) s[b, h, i, j]
+}"""
+    e = _err(src.replace("in  V : bf16[B, T, H, 64] packed(cu_k)\n", ""))
+    assert "'max(j)' reduces over 'j', which runs over packed sequences" in e.message
+    assert "softmax" in e.hint and "where(j < LEN" in e.hint
+
+
+def test_packed_buffers_in_the_kernel_ir_and_every_backend_declines():
+    from kspec.backends.registry import Planner, backends
+    sched = plan_kernel(load_spec(VARLEN).kernels[0])
+    irs = [p.ir for p in sched.plans]
+    packed = {b.name: b.packed for ir in irs for b in ir.buffers if b.packed}
+    assert packed == {"Q": "cu_q", "K": "cu_k", "V": "cu_k", "O": "cu_q"}
+    for ir in irs:
+        assert ir_from_json(ir_to_json(ir)) == ir
+    ir = next(ir for ir in irs if any(b.packed for b in ir.buffers))
+    assert "packed(" in "\n".join(b.describe() for b in ir.buffers)
+    from kspec.backends.registry import _can_implement
+    for b in backends():
+        why = _can_implement(b, ir, "sm90a")
+        assert why and "packed(" in why and "dense" in why
+    with pytest.raises(KspecError, match=r"no backend can build kernel .* packed\(cu_"):
+        plan_kernel(load_spec(VARLEN).kernels[0], ("sm90a",), Planner())
