@@ -40,7 +40,7 @@ def _walk(x):
             yield from _walk(v)
 
 
-@pytest.mark.parametrize("spec", SHIPPED)
+@pytest.mark.parametrize("spec", shipped_params(SHIPPED))
 @pytest.mark.parametrize("fuse_ops", [True, False])
 def test_ir_prints_verifies_and_round_trips(spec, fuse_ops):
     for p in planned(spec, fuse_ops):

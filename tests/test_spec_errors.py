@@ -59,7 +59,7 @@ def assert_words_only(message: str) -> None:
 
 
 def test_syntax_error_expected_in_words():
-    e = assert_error("kernel k {\n  in A : f16[M K]\n}\n", 2, 16, "unexpected 'K'; expected ',' or ']'", None,
+    e = assert_error("kernel k {\n  in A : f16[M K]\n}\n", 2, 16, "unexpected 'K'; expected '+', ',' or ']'", None,
                      end=(2, 17))
     assert_words_only(e.message)
 
@@ -69,7 +69,7 @@ def test_syntax_error_expected_keyword_groups():
                      "unexpected 'float'; expected a dtype (f16, bf16, f32, ...)", None)
     assert_words_only(e.message)
     e = assert_error("kernel k {\n  in A : f16[M] 5\n}\n", 2, 17,
-                     "unexpected '5'; expected '=', '}', a declaration (in, out, param), a layout (row, col) or a name",
+                     "unexpected '5'; expected '=', 'packed', '}', a declaration (in, out, param), a layout (row, col) or a name",
                      None)
     assert_words_only(e.message)
     e = assert_error("target sm80\n", 1, 8, "unexpected 'sm80'; expected an arch (sm90a, sm100a)", None)
@@ -119,7 +119,7 @@ def test_unexpected_end_of_file_in_empty_and_blank_text_positions():
     assert_error("kernel", 1, 7, "unexpected end of file; expected a name", None)
     # trailing blank lines and comments: the position after the last real character
     assert_error("kernel k {\n  in A : f16[M]\n\n\n", 2, 16,
-                 "unexpected end of file; expected '=', '}', a declaration (in, out, param), a layout (row, col) or a name",
+                 "unexpected end of file; expected '=', 'packed', '}', a declaration (in, out, param), a layout (row, col) or a name",
                  "is a closing '}' missing?")
 
 

@@ -20,14 +20,11 @@ from kspec.core import KspecRuntimeError, extent_value
 from kspec.spec_lang import CheckedKernel, CheckedProgram, KspecError, load_spec
 
 from . import varlen
+from .varlen import KspecReferenceError
 from .numerics import FUNCTIONS, divide, floordiv, is_int, mod, round_tf32, storage_dtype, to_compute, to_storage
 
 # Nodes without operands, computed wherever they are read (compiler.graph.GENERATED_KINDS).
 _GENERATED = ("const", "index", "size")
-
-
-class KspecReferenceError(KspecError):
-    """Wrong arguments to a reference callable."""
 
 
 def _align(value: np.ndarray, labels: tuple[str, ...], axes: tuple[str, ...]) -> np.ndarray:

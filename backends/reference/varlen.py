@@ -1,4 +1,4 @@
-"""Packed (varlen) arguments of the numpy reference: `packed(cu)` tensors arrive as [total, ...]
+"""Argument errors of the numpy reference (KspecReferenceError), and its packed (varlen) arguments: `packed(cu)` tensors arrive as [total, ...]
 arrays whose sequence b is rows cu[b] .. cu[b + 1] - 1 (spec_lang/check.py, "variable-length
 batches").  `unpack` gives the logical [B, S, ...] array the graph computes on (S the longest
 sequence; absent positions hold 0 and take part in nothing: the checker masks the softmax over a
@@ -10,9 +10,12 @@ import numpy as np
 from kspec.core import KspecError, split_offset_dim
 
 
+class KspecReferenceError(KspecError):
+    """Wrong arguments to a reference callable."""
+
+
 def check_offsets(name: str, cu: np.ndarray, rows: int, packed: str) -> np.ndarray:
     """The offsets `cu` of the packed tensor `packed` ([rows, ...]) as int64; wrong ones raise."""
-    from .executor import KspecReferenceError
     cu = np.asarray(cu).astype(np.int64)
     if cu.ndim != 1 or cu.size < 1:
         raise KspecReferenceError(f"argument '{name}': expected a vector of B + 1 offsets, got shape {cu.shape}")
@@ -49,7 +52,6 @@ def pack(x: np.ndarray, cu: np.ndarray) -> np.ndarray:
 
 def bind_offsets(dim, n: int, sizes: dict, where: dict, name: str) -> bool:
     """A dimension `B + 1` of argument `name` with extent n binds B = n - 1 (True when dim is one)."""
-    from .executor import KspecReferenceError
     off = split_offset_dim(dim)
     if off is None:
         return False
@@ -64,4 +66,4 @@ def bind_offsets(dim, n: int, sizes: dict, where: dict, name: str) -> bool:
     return True
 
 
-__all__ = ["KspecError", "bind_offsets", "check_offsets", "pack", "unpack"]
+__all__ = ["KspecReferenceError", "bind_offsets", "check_offsets", "pack", "unpack"]
