@@ -114,11 +114,11 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
-        multi = [n for n in [qk, *sp.scale, sm, *p_cast] if len(_consumers(g, n)) != 1 or
-                 any(op(g, c).kind == "output" for c in _consumers(g, n))]
-        if sp.path and sp.score in multi:
-            multi = [n for n in multi if n != sp.score or any(c not in sp.path for c in _consumers(g, n))
-                     or any(op(g, c).kind == "output" for c in _consumers(g, n))]
+        # the scores are read only inside the kernel: by the scale, the mods and the softmax
+        inside = {*sp.scale, *sp.path, sm}
+        multi = [n for n in [qk, *sp.scale] if any(c not in inside for c in _consumers(g, n))] + \
+                [n for n in [sm, *p_cast] if len(_consumers(g, n)) != 1] + \
+                [n for n in [qk, *sp.scale, sm, *p_cast] if any(op(g, c).kind == "output" for c in _consumers(g, n))]
         if multi:
             _not_fused(res, g, sm, f"the score matrix ({op(g, multi[0]).name or multi[0]}) is used elsewhere, "
                        "so it must be written to memory")
