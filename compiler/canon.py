@@ -260,14 +260,21 @@ def is_scalar_value(g: nx.DiGraph, n) -> bool:
 
 
 def is_index_expr(g: nx.DiGraph, n) -> bool:
-    """n is computed from index values, sizes, params and constants alone (`j <= i + (T - S)`,
-    `h / G`): every kernel that reads it computes it itself, so no condition or index arithmetic
-    ever goes through memory."""
+    """n is index arithmetic or a condition: computed from index values, sizes, params and constants
+    (`j <= i + (T - S)`, `h / G`, `f32(j - i)`), or an integer or condition computed from those and
+    integer inputs (`j < Lk[b]`).  Every kernel that reads it computes it itself, so no condition
+    or index arithmetic ever goes through memory."""
     o = op(g, n)
     if o.kind in GENERATED_KINDS:
         return True
-    return o.kind in ("elementwise", "cast", "broadcast") and o.fn != "copy" and \
-        all(op(g, u).kind == "param" or is_index_expr(g, u) for u in g.predecessors(n))
+    if o.kind not in ("elementwise", "cast", "broadcast") or o.fn == "copy":
+        return False
+    preds = [op(g, u) for u in g.predecessors(n)]
+    if all(p.kind == "param" or is_index_expr(g, u) for p, u in zip(preds, g.predecessors(n))):
+        return True
+    return o.dtype in ("i32", "i8", "bool") and \
+        all(p.kind == "param" or (p.kind == "input" and p.dtype in ("i32", "i8")) or is_index_expr(g, u)
+            for p, u in zip(preds, g.predecessors(n)))
 
 
 def _split_per_consumer(g: nx.DiGraph, pick, budget: int | None = None) -> int:

@@ -104,6 +104,14 @@ def test_decode_mask_is_bottom_right():
     assert dict(a.dims)["S"] == "S" and dict(a.dims)["T"] == "T"
 
 
+def test_varlen_mask_reads_the_lengths():
+    a = attention_ir("attention_varlen").attention
+    lq, lk = AuxLoad("Lq", idx("b"), "i32"), AuxLoad("Lk", idx("b"), "i32")
+    assert a.mask == Op("and", (Op("and", (Op("lt", (Index("i"), lq)), Op("lt", (Index("j"), lk)))),
+                                Op("le", (Index("j"), Op("add", (Index("i"), Op("sub", (lk, lq))))))))
+    assert a.aux == ("Lq", "Lk") and a.score_mod is None
+
+
 # ---------------------------------------------------------------- the forms the issue names
 
 HEAD = """kernel k {

@@ -298,6 +298,25 @@ def test_attention_decode_is_bottom_right(S, T):
         assert not out["O"][:, :, :S - T].any() and out["O"][:, :, S - T:].all()
 
 
+def test_attention_varlen_per_sequence():
+    rng = np.random.default_rng(37)
+    S, T = 5, 7
+    Q = rand(rng, (4, 2, S, 128), F16)
+    K, V = rand(rng, (4, 2, T, 128), F16), rand(rng, (4, 2, T, 128), F16)
+    Lq, Lk = np.array([5, 1, 0, 3], dtype=np.int32), np.array([7, 3, 2, 2], dtype=np.int32)
+    out = run_both(SPECS / "attention_varlen.kspec", Q=Q, K=K, V=V, Lq=Lq, Lk=Lk)["O"]
+    for b in range(4):
+        # each sequence on its own: its Lq queries against its Lk keys, causal bottom-right
+        q, k = Lq[b], Lk[b]
+        i, j = np.arange(q)[:, None], np.arange(k)[None, :]
+        want = sdpa64(Q[b:b + 1, :, :q], K[b:b + 1, :, :k], V[b:b + 1, :, :k], 0.08838834764831845,
+                      keep=j <= i + (k - q))
+        if q:
+            assert_close(out[b:b + 1, :, :q], want, F16)
+        assert not out[b, :, q:].any()          # padding slots (and queries that see no key) give 0
+    assert not out[3, :, 0].any()               # 3 queries, 2 keys: the first query sees none
+
+
 def test_gemm_int8_is_exact():
     rng = np.random.default_rng(21)
     A = rng.integers(-128, 128, (9, 257)).astype(np.int8)
@@ -328,7 +347,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
               "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b",
               "attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
-              "attention_softcap", "attention_decode",
+              "attention_softcap", "attention_decode", "attention_varlen",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
