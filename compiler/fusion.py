@@ -17,7 +17,7 @@ from kspec.core import dtype_bytes  # noqa: F401
 
 from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods,
                         score_path)
-from .canon import GemmInfo, gemm_info, is_index_expr, is_input_view, is_scalar_value, value_weight
+from .canon import GemmInfo, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
 
@@ -480,7 +480,7 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         o = op(g, n)
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
-        if (is_scalar_value(g, n) or is_index_expr(g, n)) and \
+        if (is_scalar_value(g, n) or is_recomputed(g, n)) and \
                 not any(op(g, s).kind == "output" for s in g.successors(n)):
             continue        # evaluated by the kernel that reads it (attach_scalars)
         if _is_loaded_view(g, n):
@@ -600,7 +600,7 @@ def attach_scalars(g: nx.DiGraph, res: FusionResult) -> None:
     kernel applies as it loads the input."""
     for n in reversed(list(nx.topological_sort(g))):
         if res.group_of(n) is not None or not (is_scalar_value(g, n) or _is_loaded_view(g, n)
-                                               or is_index_expr(g, n)):
+                                               or is_recomputed(g, n)):
             continue
         for s in sorted(g.successors(n), key=_node_order):
             grp = res.group_of(s)
