@@ -125,6 +125,11 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
     aux: list = []
     memo: dict = {}
 
+    def label(m: dict, x: str) -> Index:
+        if x not in m:
+            raise NotLiftable(f"a value reads index '{x}', which is not an index of the scores")
+        return Index(m[x])
+
     def lift(n, m: dict) -> EpiExpr:
         key = (n, tuple(sorted(m.items())))
         if key in memo:
@@ -144,11 +149,11 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
             e = Size(o.fn)
         elif o.kind == "index":
             nodes.add(n)
-            e = Index(m[o.fn])
+            e = label(m, o.fn)
         elif o.kind == "input":
             if n not in aux:
                 aux.append(n)
-            e = AuxLoad(name_of(n), tuple(Index(m[a]) for a in o.axes), o.dtype)
+            e = AuxLoad(name_of(n), tuple(label(m, a) for a in o.axes), o.dtype)
         elif o.kind == "gather":
             nodes.add(n)
             ins = operands(g, n)
@@ -165,12 +170,9 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
                     u, ul = ins[int(x[1:])]
                     subs.append(lift(u, _through(g, u, ul, m)))
                 else:
-                    subs.append(Index(m[x]))
+                    subs.append(label(m, x))
             e = AuxLoad(name_of(src), tuple(subs), op(g, src).dtype)
         elif o.kind in ("elementwise", "cast", "broadcast"):
-            if any(s not in nodes_ok and s != sm for s in g.successors(n)):
-                raise NotLiftable(f"{o.label()} (between QK^T and the softmax) is also used outside "
-                                  "the attention, so it must be written to memory")
             nodes.add(n)
             args = tuple(lift(u, _through(g, u, ul, m)) for u, ul in operands(g, n))
             if o.kind == "broadcast":
@@ -184,12 +186,16 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
         memo[key] = e
         return e
 
-    nodes_ok = sp.path          # a mod's value may be read only by other mods (or the softmax)
     expr = lift(root, {a: a for a in root_labels})
+    # a mod's value may be read only by other mods (or the softmax): it never leaves the kernel
+    for n in sorted(nodes, key=str):
+        if any(s not in nodes and s != sm for s in g.successors(n)):
+            raise NotLiftable(f"{op(g, n).label()} (between QK^T and the softmax) is also used outside "
+                              "the attention, so it must be written to memory")
     mask, score_mod = _split_mask(expr)
-    if score_mod is not None and isinstance(score_mod, Score):
+    if isinstance(score_mod, Score):
         score_mod = None
-    if mask is not None and any(isinstance(x, (Score,)) for x in epi_nodes(mask)):
+    if mask is not None and any(isinstance(x, Score) for x in epi_nodes(mask)):
         mask, score_mod = None, expr          # a score-dependent mask stays a score modification
     return LiftedMods(score_mod, mask, tuple(aux), frozenset(nodes))
 

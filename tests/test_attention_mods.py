@@ -238,3 +238,29 @@ def test_paged_kv_gather_runs_before_the_attention():
     # j has no extent: the block-table form needs the key count declared (see the README)
     with pytest.raises(KspecError, match="index 'j' of 'k' has no extent|extent of index 'j' cannot be inferred"):
         load_spec(src, is_text=True)
+
+
+def test_relative_position_bias_gathers_a_table_by_index_arithmetic():
+    import numpy as np
+
+    import kspec
+    src = HEAD.replace("K : f16[B, H, T, 64]", "K : f16[B, H, S, 64]").replace(
+        "V : f16[B, H, T, 64]", "V : f16[B, H, S, 64]") % ("in rel : f32[H, R]", "s[b, h, i, j] + rel[h, j - i + (S - 1)]")
+    a = attention_ir(src, ModBackend()).attention
+    offset = Op("add", (Op("sub", idx("j", "i")), Op("sub", (Size("S"), Const(1)))))
+    assert a.score_mod == Op("add", (Score(), AuxLoad("rel", (Index("h"), offset), "f32")))
+    # the reference against float64 numpy: rel is indexed by the distance j - i, shifted to be >= 0
+    rng = np.random.default_rng(5)
+    B, H, S = 1, 2, 6
+    Q, K, V = (rng.standard_normal((B, H, S, 64)).astype(np.float16) for _ in range(3))
+    rel = rng.standard_normal((H, 2 * S - 1)).astype(np.float32)
+    out = kspec.reference(src)(Q=Q, K=K, V=V, rel=rel)["O"].astype(np.float64)
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    s = 0.125 * np.einsum("bhie,bhje->bhij", Q.astype(np.float64), K.astype(np.float64)) + rel[:, j - i + S - 1]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhij,bhje->bhie", p / p.sum(-1, keepdims=True), V.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3)
+    # a table too short for the distances is a located runtime error naming the subscript
+    with pytest.raises(KspecError, match=r"subscript j - i \+ \(S - 2\) of 'rel' \(axis 1\) is -1 at h=0, j=0, "
+                                         r"i=5, but that axis has size 11"):
+        kspec.reference(src.replace("(S - 1)", "(S - 2)"))(Q=Q, K=K, V=V, rel=rel)
