@@ -582,3 +582,25 @@ kernel b { in x : f32[N]
         reference(two, "c")
     with pytest.raises(KspecError, match="not int"):
         reference(42)
+
+
+def test_integer_division_floors_and_modulo_is_non_negative():
+    src = """kernel k {
+  param d : i32 = 4
+  in  x : f32[N]
+  out q : i32[N]
+  out r : i32[N]
+  out y : f32[N]
+  q[i] = (i - 5) / d
+  r[i] = (i - 5) % d
+  y[i] = x[(i + 3) % N] * (i - 2)
+}"""
+    x = np.arange(10, dtype=np.float32) * 0.5
+    out = run_both(src, x=x)
+    i = np.arange(10)
+    np.testing.assert_array_equal(out["q"], (i - 5) // 4)            # floor: (-5) / 4 is -2
+    np.testing.assert_array_equal(out["r"], (i - 5) % 4)             # never negative for d > 0
+    assert out["q"][0] == -2 and out["r"][0] == 3
+    np.testing.assert_array_equal(out["y"], x[(i + 3) % 10] * (i - 2))    # index values promote to f32
+    with pytest.raises(KspecError, match=r"integer division by zero"):
+        reference(src)(x=x, d=0)
