@@ -43,7 +43,7 @@ def unfused(g) -> FusionResult:
     """One group per operator node (constants and scalar expressions ride with their consumer)."""
     import networkx as nx
 
-    from .canon import is_index_expr
+    from .canon import is_recomputed
     from .fusion import _group_order, is_operator, is_scalar_expr
     res = FusionResult([])
     taken: set = set()
@@ -52,16 +52,15 @@ def unfused(g) -> FusionResult:
         if not is_operator(g, n) or o.kind in ("const", "index", "size") or (is_scalar_expr(g, n) and n not in taken and
                                                           any(op(g, s).axes for s in g.successors(n))):
             continue
-        if (is_index_expr(g, n) or o.dtype == "bool") and not any(op(g, s).kind == "output" for s in g.successors(n)):
-            continue    # index arithmetic and conditions (no buffer holds one) ride with the op that reads them
+        if is_recomputed(g, n) and not any(op(g, s).kind == "output" for s in g.successors(n)):
+            continue    # index arithmetic and conditions ride with the op that reads them
         if n in taken:
             continue
         if o.kind == "broadcast" and any(op(g, s).kind != "output" for s in g.successors(n)):
             continue    # a view: it rides with its consumer below, as the cost model's baseline assumes
         kind = "gemm" if o.kind == "contraction" and isinstance(gemm_info(g, n), GemmInfo) else \
             o.kind if o.kind in ("contraction", "reduction", "softmax") else "elementwise"
-        nodes = {n} | {a for a in nx.ancestors(g, n) if (is_scalar_expr(g, a) or is_index_expr(g, a) or
-                                                         op(g, a).dtype == "bool") and
+        nodes = {n} | {a for a in nx.ancestors(g, n) if (is_scalar_expr(g, a) or is_recomputed(g, a)) and
                        is_operator(g, a) and op(g, a).kind != "const" and a not in taken}
         taken |= nodes
         info = gemm_info(g, n) if kind == "gemm" else None

@@ -62,49 +62,47 @@ def attention_scale(g, scale_nodes) -> str | float | None:
     return param if param is not None else float(consts)
 
 
-def _feeds_from_contraction(g: nx.DiGraph, n, depth: int = 16) -> bool:
-    o = op(g, n)
-    if o.kind == "contraction":
-        return True
-    if depth == 0 or o.kind not in ("elementwise", "cast", "broadcast"):
-        return False
-    return any(_feeds_from_contraction(g, u, depth - 1) for u in g.predecessors(n))
-
-
 @dataclass(frozen=True)
 class ScorePath:
     qk: object                 # the QK^T contraction
     scale: tuple               # scalar multiplications/divisions right after it (the softmax scale)
     score: object              # the node whose value is Score(): the last scale node, or qk
-    path: tuple                # nodes from the score (exclusive) to the softmax operand (inclusive)
+    path: frozenset            # the nodes computing the softmax operand from the score (the mods)
 
 
 def score_path(g: nx.DiGraph, sm) -> ScorePath | str:
-    """Walk back from a softmax to the contraction its operand is computed from, along the one
-    operand at each step that depends on a contraction; the reason as a str when there is none."""
+    """The contraction a softmax's operand is computed from through elementwise ops, and the scale
+    right after it; the reason as a str when there is not exactly one such contraction."""
     ((prev, _),) = operands(g, sm)
-    path = []
-    n = prev
-    while op(g, n).kind != "contraction":
-        o = op(g, n)
-        if o.kind not in ("elementwise", "cast", "broadcast"):
-            return f"its operand is computed by {o.label()}, not from a contraction"
-        path.append(n)
-        feeding = [u for u, _ in operands(g, n) if _feeds_from_contraction(g, u)]
-        if len(set(feeding)) != 1:
-            return (f"{o.label()} combines {len(set(feeding))} values computed from contractions"
-                    if feeding else "its operand is not computed from a contraction")
-        n = feeding[0]
-    qk = n
-    forward = list(reversed(path))
+    cone: set = set()
+    contractions: set = set()
+    stack = [prev]
+    while stack:
+        n = stack.pop()
+        if n in cone or n in contractions:
+            continue
+        kind = op(g, n).kind
+        if kind == "contraction":
+            contractions.add(n)
+        elif kind in ("elementwise", "cast", "broadcast"):
+            cone.add(n)
+            stack.extend(g.predecessors(n))
+        # anything else (inputs, gathers, reductions, ...) is a leaf here: lifting judges it
+    if len(contractions) != 1:
+        return (f"its operand combines values of {len(contractions)} contractions" if contractions else
+                "its operand is not computed from a contraction through elementwise ops")
+    (qk,) = contractions
     scale: list = []
-    for x in forward:
+    x = qk
+    while True:
         # the longest run of scalar factors right after QK^T that is still one param or constant
-        if _scaled_value(g, x) is None or attention_scale(g, [*scale, x]) is None:
+        nxt = list(g.successors(x))
+        if len(nxt) != 1 or nxt[0] not in cone or _scaled_value(g, nxt[0]) != x or \
+                attention_scale(g, [*scale, nxt[0]]) is None:
             break
-        scale.append(x)
-    score = scale[-1] if scale else qk
-    return ScorePath(qk, tuple(scale), score, tuple(forward[len(scale):]))
+        scale.append(nxt[0])
+        x = nxt[0]
+    return ScorePath(qk, tuple(scale), x, frozenset(cone - set(scale)))
 
 
 @dataclass(frozen=True)
@@ -127,6 +125,11 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
     aux: list = []
     memo: dict = {}
 
+    def label(m: dict, x: str) -> Index:
+        if x not in m:
+            raise NotLiftable(f"a value reads index '{x}', which is not an index of the scores")
+        return Index(m[x])
+
     def lift(n, m: dict) -> EpiExpr:
         key = (n, tuple(sorted(m.items())))
         if key in memo:
@@ -146,11 +149,11 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
             e = Size(o.fn)
         elif o.kind == "index":
             nodes.add(n)
-            e = Index(m[o.fn])
+            e = label(m, o.fn)
         elif o.kind == "input":
             if n not in aux:
                 aux.append(n)
-            e = AuxLoad(name_of(n), tuple(Index(m[a]) for a in o.axes), o.dtype)
+            e = AuxLoad(name_of(n), tuple(label(m, a) for a in o.axes), o.dtype)
         elif o.kind == "gather":
             nodes.add(n)
             ins = operands(g, n)
@@ -167,12 +170,9 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
                     u, ul = ins[int(x[1:])]
                     subs.append(lift(u, _through(g, u, ul, m)))
                 else:
-                    subs.append(Index(m[x]))
+                    subs.append(label(m, x))
             e = AuxLoad(name_of(src), tuple(subs), op(g, src).dtype)
         elif o.kind in ("elementwise", "cast", "broadcast"):
-            if any(s not in nodes_ok and s != sm for s in g.successors(n)):
-                raise NotLiftable(f"{o.label()} (between QK^T and the softmax) is also used outside "
-                                  "the attention, so it must be written to memory")
             nodes.add(n)
             args = tuple(lift(u, _through(g, u, ul, m)) for u, ul in operands(g, n))
             if o.kind == "broadcast":
@@ -186,13 +186,16 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
         memo[key] = e
         return e
 
-    # the nodes whose values only the mods use (checked as they are lifted)
-    nodes_ok = _mod_cone(g, root, sp.score)
     expr = lift(root, {a: a for a in root_labels})
+    # a mod's value may be read only by other mods (or the softmax): it never leaves the kernel
+    for n in sorted(nodes, key=str):
+        if any(s not in nodes and s != sm for s in g.successors(n)):
+            raise NotLiftable(f"{op(g, n).label()} (between QK^T and the softmax) is also used outside "
+                              "the attention, so it must be written to memory")
     mask, score_mod = _split_mask(expr)
-    if score_mod is not None and isinstance(score_mod, Score):
+    if isinstance(score_mod, Score):
         score_mod = None
-    if mask is not None and any(isinstance(x, (Score,)) for x in epi_nodes(mask)):
+    if mask is not None and any(isinstance(x, Score) for x in epi_nodes(mask)):
         mask, score_mod = None, expr          # a score-dependent mask stays a score modification
     return LiftedMods(score_mod, mask, tuple(aux), frozenset(nodes))
 
@@ -200,19 +203,6 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
 def _through(g: nx.DiGraph, u, read_labels, m: dict) -> dict:
     """The label map for operand u: u's axis -> the attention label its reader's label maps to."""
     return {a: m[l] for a, l in zip(op(g, u).axes, read_labels) if l in m}
-
-
-def _mod_cone(g: nx.DiGraph, root, score) -> set:
-    """Every node the softmax operand is computed from, stopping at the score, inputs and params."""
-    out: set = set()
-    stack = [root]
-    while stack:
-        n = stack.pop()
-        if n in out or n == score or op(g, n).kind in ("input", "param", "contraction"):
-            continue
-        out.add(n)
-        stack.extend(g.predecessors(n))
-    return out
 
 
 def is_top_left_causal(mask: EpiExpr | None, query: str, key: str) -> bool:

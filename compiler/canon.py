@@ -261,13 +261,20 @@ def is_scalar_value(g: nx.DiGraph, n) -> bool:
 
 def is_index_expr(g: nx.DiGraph, n) -> bool:
     """n is computed from index values, sizes, params and constants alone (`j <= i + (T - S)`,
-    `h / G`): every kernel that reads it computes it itself, so no condition or index arithmetic
-    ever goes through memory."""
+    `h / G`, `f32(j - i)`)."""
     o = op(g, n)
     if o.kind in GENERATED_KINDS:
         return True
     return o.kind in ("elementwise", "cast", "broadcast") and o.fn != "copy" and \
         all(op(g, u).kind == "param" or is_index_expr(g, u) for u in g.predecessors(n))
+
+
+def is_recomputed(g: nx.DiGraph, n) -> bool:
+    """Index arithmetic and conditions (`j < Lk[b]`: dtype "bool") are computed by every kernel that
+    reads them, from whatever they read: no condition ever goes through memory, and no index value
+    ties two kernels together."""
+    o = op(g, n)
+    return is_index_expr(g, n) or (o.dtype == "bool" and o.kind in ("elementwise", "broadcast"))
 
 
 def _split_per_consumer(g: nx.DiGraph, pick, budget: int | None = None) -> int:
@@ -348,7 +355,7 @@ def split_shared_scalars(g: nx.DiGraph) -> int:
     """Give every consumer of a constant, a scalar expression of params and sizes, or an index
     expression its own copy, so each kernel evaluates the scalars (and index values) it reads and none of them
     ties two kernels together."""
-    return _split_per_consumer(g, lambda g, n: (is_scalar_value(g, n) or is_index_expr(g, n)) and
+    return _split_per_consumer(g, lambda g, n: (is_scalar_value(g, n) or is_recomputed(g, n)) and
                                not any(op(g, v).kind == "output" for v in g.successors(n)))
 
 

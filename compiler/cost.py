@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .canon import is_index_expr, value_bytes
+from .canon import is_recomputed, value_bytes
 from .graph import op, operands
 from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
 
@@ -117,17 +117,13 @@ def _source(g, u):
     return u
 
 
-def _read_sources(g, n) -> dict:
-    """The values a one-op kernel for n loads: its operands' sources, looking through conditions
-    (which no buffer holds: the reader computes them from their own operands)."""
-    out: dict = {}
-    for u, _ in operands(g, n):
-        node = _source(g, u)
-        if op(g, node).dtype == "bool":
-            out.update(_read_sources(g, node))
-        else:
-            out[node] = None
-    return out
+def _read_sources(g, u) -> list:
+    """The values in memory a kernel reads for operand u: u itself, through broadcasts, or what the
+    index arithmetic and conditions it recomputes read."""
+    u = _source(g, u)
+    if not is_recomputed(g, u):
+        return [u]
+    return [x for w in g.predecessors(u) for x in _read_sources(g, w)]
 
 
 def _loop_reads(sched: KernelSchedule, plan, sizes) -> dict[str, int]:
@@ -219,13 +215,13 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
         if o.kind in ("input", "param", "const", "output", "broadcast") or not o.axes:
             continue
         uflops += _node_flops(g, n, sizes)
-        if is_index_expr(g, n) or o.dtype == "bool":
+        if is_recomputed(g, n):
             continue            # index arithmetic and conditions are computed by the kernel that reads them
         n_kernels += 1
         # each kernel reads each of its inputs once (x * x reads x once)
-        for node in _read_sources(g, n):
+        for node in {x: None for u, _ in operands(g, n) for x in _read_sources(g, u)}:
             src = op(g, node)
-            if src.kind in ("param", "const") or not src.axes or is_index_expr(g, node):
+            if src.kind in ("param", "const") or not src.axes:
                 continue
             ubytes += _numel(src.shape, sizes) * value_bytes(src.dtype)
         ubytes += _numel(o.shape, sizes) * value_bytes(o.dtype)

@@ -17,7 +17,7 @@ from kspec.core import dtype_bytes  # noqa: F401
 
 from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, paged_kv_read,
                         score_path)
-from .canon import GemmInfo, gemm_info, is_index_expr, is_input_view, is_scalar_value, value_weight
+from .canon import GemmInfo, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
 
@@ -116,11 +116,11 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
-        multi = [n for n in [qk, *sp.scale, sm, *p_cast] if len(_consumers(g, n)) != 1 or
-                 any(op(g, c).kind == "output" for c in _consumers(g, n))]
-        if sp.path and sp.score in multi:
-            multi = [n for n in multi if n != sp.score or any(c not in sp.path for c in _consumers(g, n))
-                     or any(op(g, c).kind == "output" for c in _consumers(g, n))]
+        # the scores are read only inside the kernel: by the scale, the mods and the softmax
+        inside = {*sp.scale, *sp.path, sm}
+        multi = [n for n in [qk, *sp.scale] if any(c not in inside for c in _consumers(g, n))] + \
+                [n for n in [sm, *p_cast] if len(_consumers(g, n)) != 1] + \
+                [n for n in [qk, *sp.scale, sm, *p_cast] if any(op(g, c).kind == "output" for c in _consumers(g, n))]
         if multi:
             _not_fused(res, g, sm, f"the score matrix ({op(g, multi[0]).name or multi[0]}) is used elsewhere, "
                        "so it must be written to memory")
@@ -510,9 +510,9 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         o = op(g, n)
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
-        if (is_scalar_value(g, n) or is_index_expr(g, n) or o.dtype == "bool") and \
+        if (is_scalar_value(g, n) or is_recomputed(g, n)) and \
                 not any(op(g, s).kind == "output" for s in g.successors(n)):
-            continue        # evaluated by the kernel that reads it (attach_scalars); no buffer holds a condition
+            continue        # evaluated by the kernel that reads it (attach_scalars)
         if _is_loaded_view(g, n):
             continue        # converted where its consumer loads it (attach_scalars)
         merged = None
@@ -630,7 +630,7 @@ def attach_scalars(g: nx.DiGraph, res: FusionResult) -> None:
     kernel applies as it loads the input."""
     for n in reversed(list(nx.topological_sort(g))):
         if res.group_of(n) is not None or not (is_scalar_value(g, n) or _is_loaded_view(g, n)
-                                               or is_index_expr(g, n) or op(g, n).dtype == "bool"):
+                                               or is_recomputed(g, n)):
             continue
         for s in sorted(g.successors(n), key=_node_order):
             grp = res.group_of(s)

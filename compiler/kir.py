@@ -56,7 +56,7 @@ class Load:
 
 @dataclass(frozen=True)
 class Const:
-    value: float
+    value: float                  # an int in integer (index) arithmetic: `j % 2`, `i - 128`
 
 
 @dataclass(frozen=True)
@@ -665,8 +665,9 @@ def _epi_from_json(d) -> EpiExpr:
         return Size(v[0])
     if tag == "AuxLoad":
         return AuxLoad(v[0], tuple(_epi_from_json(a) for a in v[1]), v[2])
-    if tag == "Const":
-        return Const(float(v[0]["float"]) if isinstance(v[0], dict) else float(v[0]))
+    if tag == "Const":      # integer constants (index arithmetic) stay ints
+        return Const(float(v[0]["float"]) if isinstance(v[0], dict) else v[0] if isinstance(v[0], int)
+                     else float(v[0]))
     return Load(*v)
 
 

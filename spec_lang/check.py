@@ -14,7 +14,7 @@ from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent, spl
 
 from . import ast
 from .errors import Diagnostic, KspecError, Span
-from .printer import print_expr
+from .printer import BINARY_PREC, print_expr
 
 MAX_ERRORS = 20
 # The dtype of a condition (a comparison, and/or/not): it exists only inside expressions, as the
@@ -122,10 +122,9 @@ class TGather(TExpr):
     subscripts: tuple = ()            # tuple[TSubscript, ...]
 
 
-def subscript_text(x, top: bool = True) -> str:
-    """A typed subscript (or integer expression) as text, inner operations parenthesised."""
-    if top and isinstance(x, TBinary):
-        return f"{subscript_text(x.lhs, False)} {x.op} {subscript_text(x.rhs, False)}"
+def subscript_text(x, ctx: int = 0) -> str:
+    """A typed subscript (or integer expression) as spec text, parenthesised where precedence needs
+    it (ctx: the binding strength of the surrounding position, as in printer.py)."""
     if isinstance(x, TAccess):
         return f"{x.tensor}[{', '.join(x.indices)}]"
     if isinstance(x, TGather):
@@ -135,9 +134,13 @@ def subscript_text(x, top: bool = True) -> str:
     if isinstance(x, TConst):
         return repr(x.value)
     if isinstance(x, TBinary):
-        return f"({subscript_text(x.lhs)} {x.op} {subscript_text(x.rhs)})"
+        p = BINARY_PREC[x.op]
+        text = f"{subscript_text(x.lhs, p + 1 if p == BINARY_PREC['<'] else p)} {x.op} " \
+               f"{subscript_text(x.rhs, p + 1)}"
+        return f"({text})" if p < ctx else text
     if isinstance(x, TUnary):
-        return f"({x.op}{' ' if x.op == 'not' else ''}{subscript_text(x.operand)})"
+        text = f"not {subscript_text(x.operand, 3)}" if x.op == "not" else f"-{subscript_text(x.operand, 7)}"
+        return f"({text})" if ctx > (3 if x.op == "not" else 7) else text
     if isinstance(x, TCast):
         return f"{x.dtype}({subscript_text(x.operand)})"
     if isinstance(x, TCall):

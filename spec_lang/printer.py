@@ -4,8 +4,8 @@ from __future__ import annotations
 from . import ast
 
 # binding strength, loosest first; `not` sits between `and` and the comparisons
-_PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4,
-         "+": 5, "-": 5, "*": 6, "/": 6, "%": 6}
+BINARY_PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4,
+               "+": 5, "-": 5, "*": 6, "/": 6, "%": 6}
 _NOT, _MUL, _UNARY = 3, 6, 7
 _COMPARE = 4
 
@@ -15,7 +15,7 @@ def print_expr(e: ast.Expr) -> str:
 
 
 def _expr(e: ast.Expr, ctx: int, tail: bool) -> str:
-    """ctx: binding strength of the surrounding operator position (0 top, see _PREC; 7 unary
+    """ctx: binding strength of the surrounding operator position (0 top, see BINARY_PREC; 7 unary
     minus).  tail: whether nothing of multiplicative strength follows this text, which matters for
     prefix reductions, whose operand extends over the rest of the product."""
     if isinstance(e, ast.Num):
@@ -45,7 +45,7 @@ def _expr(e: ast.Expr, ctx: int, tail: bool) -> str:
         s = f"{e.op}({', '.join(args)}) {operand}"
         return f"({s})" if (not tail or ctx > _MUL) else s
     if isinstance(e, ast.Binary):
-        p = _PREC[e.op]
+        p = BINARY_PREC[e.op]
         # a left operand is always followed by the operator; at multiplicative strength that matters.
         # Comparisons do not chain, so a comparison operand of a comparison is parenthesised.
         lhs = _expr(e.lhs, p + 1 if p == _COMPARE else p, tail=(p < _MUL))

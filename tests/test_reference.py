@@ -403,6 +403,25 @@ def test_attention_varlen_refuses_bad_offsets(cu, message):
         reference(SPECS / "attention_varlen.kspec")(**args)
 
 
+def test_attention_varlen_padded_per_sequence():
+    rng = np.random.default_rng(37)
+    S, T = 5, 7
+    Q = rand(rng, (4, 2, S, 128), F16)
+    K, V = rand(rng, (4, 2, T, 128), F16), rand(rng, (4, 2, T, 128), F16)
+    Lq, Lk = np.array([5, 1, 0, 3], dtype=np.int32), np.array([7, 3, 2, 2], dtype=np.int32)
+    out = run_both(SPECS / "attention_varlen_padded.kspec", Q=Q, K=K, V=V, Lq=Lq, Lk=Lk)["O"]
+    for b in range(4):
+        # each sequence on its own: its Lq queries against its Lk keys, causal bottom-right
+        q, k = Lq[b], Lk[b]
+        i, j = np.arange(q)[:, None], np.arange(k)[None, :]
+        want = sdpa64(Q[b:b + 1, :, :q], K[b:b + 1, :, :k], V[b:b + 1, :, :k], 0.08838834764831845,
+                      keep=j <= i + (k - q))
+        if q:
+            assert_close(out[b:b + 1, :, :q], want, F16)
+        assert not out[b, :, q:].any()          # padding slots (and queries that see no key) give 0
+    assert not out[3, :, 0].any()               # 3 queries, 2 keys: the first query sees none
+
+
 def test_gemm_int8_is_exact():
     rng = np.random.default_rng(21)
     A = rng.integers(-128, 128, (9, 257)).astype(np.int8)
@@ -434,6 +453,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b",
               "attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
               "attention_softcap", "attention_decode", "attention_paged", "attention_varlen",
+              "attention_varlen_padded",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
@@ -668,3 +688,25 @@ kernel b { in x : f32[N]
         reference(two, "c")
     with pytest.raises(KspecError, match="not int"):
         reference(42)
+
+
+def test_integer_division_floors_and_modulo_is_non_negative():
+    src = """kernel k {
+  param d : i32 = 4
+  in  x : f32[N]
+  out q : i32[N]
+  out r : i32[N]
+  out y : f32[N]
+  q[i] = (i - 5) / d
+  r[i] = (i - 5) % d
+  y[i] = x[(i + 3) % N] * (i - 2)
+}"""
+    x = np.arange(10, dtype=np.float32) * 0.5
+    out = run_both(src, x=x)
+    i = np.arange(10)
+    np.testing.assert_array_equal(out["q"], (i - 5) // 4)            # floor: (-5) / 4 is -2
+    np.testing.assert_array_equal(out["r"], (i - 5) % 4)             # never negative for d > 0
+    assert out["q"][0] == -2 and out["r"][0] == 3
+    np.testing.assert_array_equal(out["y"], x[(i + 3) % 10] * (i - 2))    # index values promote to f32
+    with pytest.raises(KspecError, match=r"integer division by zero"):
+        reference(src)(x=x, d=0)

@@ -675,3 +675,117 @@ def test_parse_then_check_equals_load_spec_errors():
     with pytest.raises(KspecError) as a:
         check(parse(src, "bad.kspec"))
     assert a.value.render() == error_of(src).render()
+
+
+# ---------------------------------------------------------------- index arithmetic, conditions, where
+
+ATT_HEAD = ("kernel k {\n  param scale : f32 = 0.125\n  param g : f32 = 2.0\n  in Q : f16[B, H, S, 64]\n"
+            "  in K : f16[B, KH, T, 64]\n  in x : f32[N]\n  out O : f32[B, H, S, T]\n  out y : f32[N]\n")
+
+
+def test_float_param_in_a_subscript():
+    assert_error(ATT_HEAD + "  O[b, h, i, j] = scale * sum(e) Q[b, h, i, e] * K[b, h / g, j, e]\n"
+                 "  y[n] = x[n]\n}\n", 9, 55,
+                 "subscript h / g (axis 1 of 'K') is f32; subscripts must be integers",
+                 "'g' is f32; declare it as an integer, e.g. `param g : i32`")
+
+
+def test_float_tensor_in_a_subscript():
+    assert_error(ONE_D.replace("in A : f16[M]", "in A : f16[M]\n  in w : f32[M]") +
+                 "  D[m] = A[w[m]]\n}\n", 5, 12,
+                 "subscript tensor 'w' is f32; a subscript must hold integers",
+                 "declare 'w' as i32 (or i8), e.g. `in w : i32[...]`")
+
+
+def test_computed_float_subscript():
+    assert_error(ONE_D + "  D[m] = A[m * 0.5]\n}\n", 4, 12,
+                 "subscript m * 0.5 (axis 0 of 'A') is f32; subscripts must be integers",
+                 "subscripts are computed with integers only (`/` is floor division)")
+
+
+def test_condition_as_a_subscript():
+    assert_error(ONE_D + "  D[m] = A[m < 3]\n}\n", 4, 12,
+                 "subscript m < 3 of 'A' is a condition, not an integer",
+                 "a subscript is an integer index expression such as `h / G` or `j % P`")
+
+
+def test_where_needs_a_condition():
+    assert_error(ONE_D + "  D[m] = where(A[m], A[m], 0.0)\n}\n", 4, 16,
+                 "the first argument of 'where' needs a condition, got an f16 value",
+                 "compare it, e.g. `A[m] > 0`")
+
+
+def test_condition_in_arithmetic_and_stored():
+    assert_error(ONE_D + "  D[m] = A[m] + (m < 3)\n}\n", 4, 18, "'+' needs a number, got a condition",
+                 "choose values with where: `where(m < 3, 1.0, 0.0)`")
+    assert_error(ONE_D + "  c[m] = A[m] > 0.0\n  D[m] = A[m]\n}\n", 4, 10, "a condition cannot be stored in 'c'",
+                 "use the condition where it chooses values: `where(A[m] > 0.0, a, b)`")
+    assert_error(ONE_D + "  D[m] = f16(m < 3)\n}\n", 4, 10, "a condition cannot be converted to f16",
+                 "write `where(m < 3, 1.0, 0.0)`")
+
+
+def test_and_or_not_need_conditions():
+    assert_error(ONE_D + "  D[m] = where(m and m < 2, A[m], 0.0)\n}\n", 4, 16,
+                 "'and' needs a condition, got an i32 value", "compare it, e.g. `m > 0`")
+    assert_error(ONE_D + "  D[m] = where(not A[m], A[m], 0.0)\n}\n", 4, 20,
+                 "'not' needs a condition, got an f16 value", "compare it, e.g. `A[m] > 0`")
+
+
+def test_where_branches_disagree_in_shape():
+    assert_error("kernel k {\n  in a : f32[M]\n  in b : f32[N]\n  out D : f32[M, N]\n"
+                 "  D[m, n] = where(m < n, a[m], b[n])\n}\n", 5, 13,
+                 "the branches of 'where' disagree in shape: [m] and [n]",
+                 "one branch's indices must include the other's (a scalar such as -inf fits any)")
+
+
+def test_where_takes_three_arguments_and_if_hints_where():
+    assert_error(ONE_D + "  D[m] = where(m < 2, A[m])\n}\n", 4, 10, "'where' takes 3 arguments, got 2",
+                 "write `where(cond, a, b)`: a where cond holds, else b")
+    e = error_of(ONE_D + "  D[m] = select(m < 2, A[m], 0.0)\n}\n")
+    assert e.hint == "choose between values with `where(cond, a, b)`"
+
+
+def test_modulo_needs_integers():
+    assert_error(ONE_D + "  D[m] = A[m] % 2.0\n}\n", 4, 10, "'%' needs integer operands",
+                 "`%` is the integer modulo of index arithmetic (`j % P`)")
+
+
+def test_index_whose_extent_cannot_be_inferred():
+    assert_error(ONE_D + "  D[m] = A[m] + sum(k) f32(k)\n}\n", 4, 28,
+                 "the extent of index 'k' cannot be inferred: it is used only as a value or inside computed "
+                 "subscripts", "use 'k' as a plain subscript of some tensor (e.g. `x[k]`), whose dimension "
+                 "gives its range")
+    # an index used only inside a computed subscript has no extent either
+    assert_error(ONE_D + "  D[m] = A[m] + sum(k) A[k / 2]\n}\n", 4, 26,
+                 "the extent of index 'k' cannot be inferred: it is used only as a value or inside computed "
+                 "subscripts", _NO_HINT)
+
+
+def test_unknown_name_in_an_expression():
+    assert_error(ONE_D + "  D[m] = A[m] * f16(q)\n}\n", 4, 21, "unknown name 'q'",
+                 "a name in an expression is a param, a size symbol of a declared shape, or an index of the "
+                 "left side or of an enclosing reduction")
+
+
+def test_causal_with_different_query_and_key_extents_shows_both_alignments():
+    e = assert_error(ATT_HEAD.replace("KH, T", "H, T") +
+                     "  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[b, h, j, e]\n"
+                     "  O[b, h, i, j] = softmax(j, causal=i) s[b, h, i, j]\n  y[n] = x[n]\n}\n", 10, 30,
+                     "softmax(j, causal=i) aligns the mask top-left (key j is kept when j <= i), but query i "
+                     "ranges over S and key j over T")
+    assert e.hint == ("write the mask explicitly and use softmax(j): top-left `where(j <= i, s[b, h, i, j], -inf)`, "
+                      "or bottom-right as FlashAttention and torch SDPA align it "
+                      "`where(j <= i + (T - S), s[b, h, i, j], -inf)`")
+    # literal extents: the offset is a number
+    e = error_of("kernel k {\n  in s : f32[4, 9]\n  out p : f32[4, 9]\n  p[i, j] = softmax(j, causal=i) s[i, j]\n}\n")
+    assert "`where(j <= i + (5), s[i, j], -inf)`" in e.hint
+
+
+def test_causal_with_one_extent_is_fine():
+    load_spec("kernel k {\n  in s : f32[S, S]\n  out p : f32[S, S]\n  p[i, j] = softmax(j, causal=i) s[i, j]\n}\n",
+              is_text=True)
+
+
+def test_index_arithmetic_errors_are_reported_together():
+    e = error_of(ONE_D + "  D[m] = A[m < 3]\n  E[m] = where(A[m], 1.0, 0.0)\n  F[m] = A[m] % 2.0\n}\n")
+    assert [d.span.line for d in e.diagnostics[:3]] == [4, 5, 6]

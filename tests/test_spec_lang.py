@@ -284,6 +284,12 @@ PRINTER_CASES = [
     "(a / sum(k) b[k]) / c", "(a - sum(k) b[k]) * c", "-(sum(k) a[k]) * b", "a * (-sum(k) b[k]) * c",
     "clamp(-a, -1, 1.0)", "sum(k) (-1) * a[k]", "a * sum(k) (b[k] * c[k]) * d", "mean(i, j) a[i, j]",
     "1 - -a", "a*-b*-c", "((((a + b))))", "0.5 * .5 * 5. * 1e3 * 2E-2",
+    # index arithmetic, conditions and where (issue 16)
+    "K[b, h / G, j, e]", "x[i + 1]", "Kc[bt[b, j / P], j % P, h, e]", "x[(i + 1) % N]", "x[i - (T - S)]",
+    "where(j <= i + (T - S), s[i, j], -inf)", "where(j <= i and j > i - W, s[i, j], -inf)",
+    "where(not (a < b) or c == d, x, y)", "not a < b", "(not a) == b", "-(not a)", "(a < b) == (c < d)",
+    "a % b * c", "a % (b * c)", "slope[h] * (j - i)", "cap * tanh(s[i, j] / cap)", "-inf", "a * inf",
+    "sum(k) (a[k] < b)", "sum(k) a[k] < b", "where(a or b and c, 1.0, 0.0)", "where((a or b) and c, 1, 0)",
 ]
 
 
@@ -325,12 +331,17 @@ def _random_expr(rng: random.Random, depth: int) -> ast.Expr:
             return ast.Access(rng.choice(["A", "B"]), tuple(rng.sample(idx, rng.randint(1, 2))))
         text = rng.choice(["0", "1", "2.5", "1e-3", "64"])
         return ast.Num(int(text) if text.isdigit() else float(text), text)
-    kind = rng.randrange(6)
+    kind = rng.randrange(8)
     sub = lambda: _random_expr(rng, depth - 1)  # noqa: E731
     if kind == 0:
-        return ast.Unary("-", sub())
+        return ast.Unary(rng.choice(["-", "-", "not"]), sub())
     if kind in (1, 2):
-        return ast.Binary(rng.choice("+-*/"), sub(), sub())
+        return ast.Binary(rng.choice(["+", "-", "*", "/", "%", "<", "<=", ">", ">=", "==", "!=", "and", "or"]),
+                          sub(), sub())
+    if kind == 6:
+        return ast.Call("where", (sub(), sub(), sub()))
+    if kind == 7:       # a gather with a computed subscript
+        return ast.Gather("A", (ast.IndexVar(rng.choice(idx)), ast.Binary(rng.choice(["/", "%", "+"]), sub(), sub())))
     if kind == 3:
         fn = rng.choice(["gelu", "maximum", "clamp"])
         return ast.Call(fn, tuple(sub() for _ in range({"gelu": 1, "maximum": 2, "clamp": 3}[fn])))
