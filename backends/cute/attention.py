@@ -222,7 +222,7 @@ def lower(ir, arch: str, sm_count: int | None = None):
 def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
     m = desc.mods
     mask = ("causal (bottom-right)" if m.causal else "window" if m.window else "mask_mod" if m.mask_mod else "none")
-    return (("kernel", "FlashAttention-4 " + ("FlashAttentionForwardSm90" if desc.arch == "sm90a"
+    return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} " + ("FlashAttentionForwardSm90" if desc.arch == "sm90a"
                                                else "FlashAttentionForwardSm100")),
             ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
