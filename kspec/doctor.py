@@ -84,6 +84,10 @@ def _packages() -> Section:
             ("quack-kernels", ("quack-kernels",), "compiler, optional: imported by flash-attn-4")):
         version = next((v for v in map(_dist_version, dists) if v), None)
         s.add(label, f"{version}  ({role})" if version else f"not installed  ({role})")
+    from kspec.backends.cute import compat
+    fa4 = compat.fa4_available()
+    s.add("attention", f"FlashAttention-4 {compat.FA4_VERSION} through the CuTe DSL backend (artifacts need no FA4, "
+          "DSL or TVM-FFI at run time)" if fa4 is None else f"CUTLASS FMHA only: {fa4}")
     return s
 
 
@@ -183,11 +187,6 @@ def _backends(toolchain) -> tuple[Section, bool]:
         reason = err if err is not None else reason
         usable |= reason is None
         s.add(b.name, "usable" if reason is None else f"unavailable: {reason}")
-        if b.name == "cute" and reason is None:
-            from kspec.backends.cute import compat
-            fa4 = compat.fa4_available()
-            s.add("cute attention", "usable: FlashAttention-4 " + compat.FA4_VERSION + " (artifacts need no FA4, DSL or "
-                  "TVM-FFI at run time)" if fa4 is None else f"unavailable: {fa4} (attention uses CUTLASS FMHA)")
     return s, usable
 
 
