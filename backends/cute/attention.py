@@ -550,7 +550,7 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
 def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
     import cutlass.cute as cute
 
-    from .build import check_header, link_host, ptx_params, PARAMS_CAP
+    from .build import PARAMS_CAP, check_header, link_host, param_layout
     dump = work / "dump"
     mod.FA = fa
     opts = compat.compile_options(desc.arch, dump)
@@ -573,7 +573,7 @@ def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
     shutil.copyfile(cubins[0], work / "kernel.cubin")
     ptx = ptxs[0].read_text()
     shutil.rmtree(dump)
-    entry, offs, sizes = ptx_params(ptx)
+    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
     if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
         raise KspecInternalError(f"FlashAttention-4 kernel parameters take {offs[-1] + sizes[-1]} bytes")
     tensors = [_GlueTensor(n, i, tuple(shape), tuple(strides)) for n, i, _d, shape, strides in _tensors(desc)]
