@@ -284,8 +284,6 @@ VARIANTS = {
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_attention_variants_compile_offline(name, arch):
-    if arch == "sm100a" and name not in ("causal_bottom_right", "alibi", "gqa", "lse"):
-        pytest.skip("sm100a: a representative subset (each sm100a FA4 build is 4-8 s)")
     ir = VARIANTS[name]()
     assert A.unsupported(ir, arch) is None
     desc, names, dims, scalars = A.lower(ir, arch)
@@ -385,3 +383,56 @@ def test_warm_attention_compile_imports_neither_fa4_nor_the_dsl(fa4_artifacts, t
                        cwd=str(SPECS.parent / "tests"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_gqa_head_count_not_a_multiple_of_the_group_is_refused_before_launch():
+    from kspec.runtime.errors import KspecRuntimeError
+    from kspec.runtime.glue import HostGlue
+    desc, names, dims, _ = A.lower(VARIANTS["gqa"](), "sm90a")
+    assert [r for r, _ in dims][:5] == ["B", "H", "S", "T", "HK"] and dict(dims)["G"] == 4
+    (v,) = A.build(desc, test_cache_root(), lengths=[4096]).variants
+    glue = HostGlue(v.host, "gqa", [names[a] for a in desc.args])
+    ptrs = [0x7F0000000000 + i * 0x10000000 for i in range(len(desc.args))]
+    ok = glue.prepare([2, 8, 300, 500, 2, 4], ptrs, [0.1], 0, 0, 132)     # 8 query heads on 2 K/V heads
+    assert ok.grid[0] >= 1 and ok.block[0] > 0
+    with pytest.raises(KspecRuntimeError, match="6 query heads with 2 K/V heads"):
+        glue.prepare([2, 6, 300, 500, 2, 4], ptrs, [0.1], 0, 0, 132)
+    with pytest.raises(KspecRuntimeError, match="GQA group 3"):
+        glue.prepare([2, 8, 300, 500, 2, 3], ptrs, [0.1], 0, 0, 132)
+    empty = glue.prepare([2, 8, 0, 500, 2, 4], ptrs, [0.1], 0, 0, 132)
+    assert empty.grid == (0, 0, 0)
+
+
+def _manifest_json(select):
+    h = "ab" * 32
+    binary = {"cubin": "p.sm90a.v0.cubin", "host": "p.sm90a.v0.so", "sha256": {"cubin": h, "host": h},
+              "symbol": "k0", "config": {"sm_count": "132"},
+              "variants": [{"cubin": "p.sm90a.v0.cubin", "host": "p.sm90a.v0.so", "sha256": {"cubin": h, "host": h},
+                            "symbol": "k0", "config": {"sm_count": "132"}, "select": select},
+                           {"cubin": "p.sm90a.v1.cubin", "host": "p.sm90a.v1.so", "sha256": {"cubin": h, "host": h},
+                            "symbol": "k1", "config": {"sm_count": "132"}, "select": [{"S": [129, None]}]}]}
+    return {"format": "kspec-artifact", "format_version": 1, "kspec_version": "0.1.0",
+            "spec": {"file": "a.kspec", "sha256": h}, "archs": ["sm90a"],
+            "kernels": [{"name": "attention",
+                         "inputs": [{"name": "Q", "dtype": "f16", "shape": ["B", "H", "S", 64]}],
+                         "outputs": [{"name": "O", "dtype": "f16", "shape": ["B", "H", "S", 64]}],
+                         "plans": [{"id": "p", "kind": "attention", "dims": [["B", "B"], ["H", "H"], ["S", "S"]],
+                                    "args": ["Q", "O"], "binaries": {"sm90a": binary}}]}]}
+
+
+def test_manifest_variants_round_trip_and_select():
+    from kspec.artifact import KspecArtifactError, manifest_from_json, manifest_to_json
+    m = manifest_from_json(_manifest_json([{"S": [0, 128]}]))
+    b = m.kernels[0].plans[0].binaries["sm90a"]
+    assert [v.symbol for v in b.variants] == ["k0", "k1"]
+    assert b.variants[0].holds({"S": 128, "B": 2}) and not b.variants[0].holds({"S": 129})
+    assert b.variants[1].holds({"S": 1 << 30}) and not b.variants[1].holds({"B": 3})   # a role it needs is missing
+    assert manifest_from_json(manifest_to_json(m)) == m
+    with pytest.raises(KspecArtifactError, match=r"variants\[0\]\.select\[0\]\.S"):
+        manifest_from_json(_manifest_json([{"S": [10, 5]}]))
+    no_select = _manifest_json([{"S": [0, 1]}])
+    del no_select["kernels"][0]["plans"][0]["binaries"]["sm90a"]["variants"][0]["select"]
+    with pytest.raises(KspecArtifactError, match="missing field 'select'"):
+        manifest_from_json(no_select)
