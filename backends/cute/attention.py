@@ -167,7 +167,7 @@ def lower(ir, arch: str, sm_count: int | None = None):
     a = ir.attention
     names = Names()
     dims_map = dict(a.dims)
-    roles: dict[str, object] = {"B": dims_map.get("B", 1) if len(a.batch) == 2 else 1,
+    roles: dict[str, object] = {"B": dims_map.get("B", 1),
                                 "H": dims_map["H"], "S": dims_map["S"], "T": dims_map["T"]}
     group = _group(a)
     if a.kv_shared:
