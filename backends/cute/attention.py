@@ -516,8 +516,11 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
         "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
         "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
         f"    if (H != HK * {desc.group})",
-        f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
-        f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);",
+        (f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
+         f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);" if desc.group > 1 else
+         "        KS_FAIL(\"%lld query heads with %lld K/V heads: they must be equal\", (long long)H, (long long)HK);"),
+        "    if (T == 0 && B != 0 && H != 0 && S != 0)",
+        "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
     ]
     if "G" in desc.dims:
         checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
