@@ -324,12 +324,8 @@ def _attention64(q, k, v, scale, keep):
 def test_fa4_attention_on_gpu_matches_float64(compiled, stem, S, T):
     import kspec
     from kspec.runtime import from_device
-    try:
-        from kspec.runtime import driver
-        cc = driver.get().facts(0)[:2]
-    except Exception as e:   # no device
-        pytest.skip(f"no CUDA device: {e}")
-    arch = "sm90a" if cc[0] == 9 else "sm100a"
+    from test_gpu_specs import _device_arch
+    arch = _device_arch()                  # skips without a device
     mod = kspec.load(compiled(stem, (arch,)))
     rng = np.random.default_rng(3)
     d = 128 if stem == "attention" else 64
