@@ -249,7 +249,7 @@ def lower(ir, arch: str, sm_count: int | None = None):
     a = ir.attention
     names = Names()
     dims_map = dict(a.dims)
-    roles: dict[str, object] = {"B": dims_map.get("B", 1) if len(a.batch) == 2 else 1,
+    roles: dict[str, object] = {"B": dims_map.get("B", 1),
                                 "H": dims_map["H"], "S": dims_map["S"], "T": dims_map["T"]}
     group = _group(a)
     if a.kv_shared:
@@ -317,7 +317,7 @@ def lower(ir, arch: str, sm_count: int | None = None):
 def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
     m = desc.mods
     mask = ("causal (bottom-right)" if m.causal else "window" if m.window else "mask_mod" if m.mask_mod else "none")
-    return (("kernel", "FlashAttention-4 " + ("FlashAttentionForwardSm90" if desc.arch == "sm90a"
+    return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} " + ("FlashAttentionForwardSm90" if desc.arch == "sm90a"
                                                else "FlashAttentionForwardSm100")),
             ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
@@ -638,8 +638,11 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
         "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
         "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
         f"    if (H != HK * {desc.group})",
-        f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
-        f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);",
+        (f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
+         f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);" if desc.group > 1 else
+         "        KS_FAIL(\"%lld query heads with %lld K/V heads: they must be equal\", (long long)H, (long long)HK);"),
+        "    if (T == 0 && B != 0 && H != 0 && S != 0)",
+        "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
     ]
     if "G" in desc.dims:
         checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
@@ -672,7 +675,7 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
 def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
     import cutlass.cute as cute
 
-    from .build import check_header, link_host, ptx_params, PARAMS_CAP
+    from .build import PARAMS_CAP, check_header, link_host, param_layout
     dump = work / "dump"
     mod.FA = fa
     opts = compat.compile_options(desc.arch, dump)
@@ -695,7 +698,7 @@ def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
     shutil.copyfile(cubins[0], work / "kernel.cubin")
     ptx = ptxs[0].read_text()
     shutil.rmtree(dump)
-    entry, offs, sizes = ptx_params(ptx)
+    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
     if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
         raise KspecInternalError(f"FlashAttention-4 kernel parameters take {offs[-1] + sizes[-1]} bytes")
     tensors = [_GlueTensor(n, i, tuple(shape), tuple(strides)) for n, i, _d, shape, strides in _tensors(desc)]

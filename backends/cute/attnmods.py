@@ -145,8 +145,10 @@ def _as_linear(d: dict[str, int]) -> Linear:
     return tuple(sorted((k, v) for k, v in d.items() if v))
 
 
-def native_window(mask, top_left_causal: bool, labels, sizes) -> tuple[bool, Window | None] | None:
-    """(causal, window) when the mask (and the IR's top-left causal flag) is FA4-native, else None."""
+def native_window(mask, top_left_causal: bool, labels, sizes, same_length: bool = False
+                  ) -> tuple[bool, Window | None] | None:
+    """(causal, window) when the mask (and the IR's top-left causal flag) is FA4-native, else None.
+    same_length: S and T are one size symbol (self-attention), so T - S is 0."""
     bounds: dict[str, dict[str, int]] = {}
     if top_left_causal:
         bounds["upper"] = {}
@@ -167,6 +169,14 @@ def native_window(mask, top_left_causal: bool, labels, sizes) -> tuple[bool, Win
 
     right = minus(bounds["upper"], t_minus_s) if "upper" in bounds else None
     left = minus(t_minus_s, bounds["lower"]) if "lower" in bounds else None
+    if same_length:
+        def fold(d):
+            if d is None:
+                return None
+            out = {k: v for k, v in d.items() if k not in ("S", "T")}
+            st = d.get("S", 0) + d.get("T", 0)
+            return {**out, "S": st} if st else out
+        left, right = fold(left), fold(right)
     if left is None and right is not None and not right:
         return True, None                        # j <= i + (T - S): FA4's bottom-right causal
     return False, Window(None if left is None else _as_linear(left), None if right is None else _as_linear(right))
@@ -335,7 +345,8 @@ def analyse(a, roles: dict[str, str]) -> Mods:
             sizes[roles[role]] = role
     aux = {name: k for k, name in enumerate(a.aux)}
     scalars: list = []
-    native = native_window(a.mask, a.causal, labels, sizes)
+    same = isinstance(roles.get("S"), str) and roles.get("S") == roles.get("T")
+    native = native_window(a.mask, a.causal, labels, sizes, same)
     causal, window, mask_src = False, None, None
     if native is not None:
         causal, window = native

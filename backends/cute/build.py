@@ -111,6 +111,24 @@ def ptx_params(ptx: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     return name, tuple(offs), tuple(sizes)
 
 
+def param_layout(cubin: Path, ptx: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(entry, offsets, sizes) of the kernel's parameters as the cubin declares them
+    (EIATTR_KPARAM_INFO, what the driver copies by): ptxas caps a parameter's `.align` in the
+    parameter area (a 64-byte-aligned TMA descriptor after 96 bytes of parameters lands at 112, not
+    128), so the PTX alone is not the layout.  The PTX's count and sizes must agree."""
+    from kspec.runtime.cubin import read_cubin
+    entry, _offs, sizes = ptx_params(ptx)
+    try:
+        k = read_cubin(cubin).kernel(entry)
+    except Exception as e:                          # noqa: BLE001  (reported with the cause)
+        raise KspecInternalError(f"cannot read the parameter layout of {entry} from {cubin}: {e}") from e
+    offs = tuple(p.offset for p in k.params)
+    csizes = tuple(p.size for p in k.params)
+    if csizes != sizes:
+        raise KspecInternalError(f"{entry}: the cubin declares parameter sizes {csizes}, the PTX {sizes}")
+    return entry, offs, csizes
+
+
 _STRUCT_RE = re.compile(r"typedef struct \{\s*void \*data;\s*(?:int32_t dynamic_shapes\[(\d+)\];\s*)?"
                         r"(?:int64_t dynamic_strides\[(\d+)\];\s*)?\}\s*(\w+);")
 _WRAPPER_RE = re.compile(r"int32_t cute_dsl_\w+_wrapper\(([^)]*)\)")
@@ -340,7 +358,7 @@ def _compile_into(work: Path, desc: GemmDesc, arch: str, cfg: gemm.CuteConfig, k
     ptx = ptxs[0].read_text()
     (work / "kernel.ptx").write_text(ptx)
     shutil.rmtree(dump)
-    entry, offs, sizes = ptx_params(ptx)
+    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
     if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
         raise KspecInternalError(f"CuTe DSL kernel parameters take {offs[-1] + sizes[-1]} bytes (> {PARAMS_CAP})")
     ciface = check_header((work / "kernel.h").read_text(), tensors,

@@ -14,6 +14,12 @@ time for an explicit arch, so:
 - **stream**: `export_to_c` needs the stream parameter annotated `cuda.CUstream`; `fake_stream()`
   gives the placeholder `cute.compile` traces with.
 - **dump directory**: the DSL writes PTX/cubin only into an existing `--dump-dir`.
+- **FlashAttention-4** (attention.py): `import quack` needs triton only for one subclass, stubbed
+  while it is imported (`_preload_quack_autotuner`); FA4 reads its arch and SM count from
+  `FLASH_ATTENTION_ARCH` / `FLASH_ATTENTION_NUM_SMS` and its persistent schedulers ask
+  `cutlass.utils.HardwareInfo` while tracing, answered from the SKU kspec builds for (`fa4_target`,
+  which also clears FA4's lru_cache of it).  FA4 turns 2-CTA forward kernels off only when
+  `torch.version.cuda` starts with "12"; with a CPU torch it is None, which matches kspec's cu13 DSL.
 
 Nothing here imports the DSL at module import time: `import kspec.backends.cute` stays cheap and
 works where the DSL is not installed (`available()` says why not).

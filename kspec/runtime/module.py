@@ -408,15 +408,19 @@ class Module:
         b = plan.binaries[arch]
         return b if variant < 0 else b.variants[variant]
 
-    def variant(self, plan: Plan, arch: str, dims: list[int]) -> int:
-        """The variant of a size-bucketed binary that serves these dims (-1: the binary has none)."""
+    def variant(self, plan: Plan, arch: str, dims: list[int], sm_count: int | None = None) -> int:
+        """The variant of a size-bucketed binary that serves these dims (-1: the binary has none);
+        among those, one built for the device's SM count (config "sm_count") when there is one."""
         b = plan.binaries[arch]
         if not b.variants:
             return -1
         values = {role: v for (role, _), v in zip(plan.dims, dims)}
-        for i, v in enumerate(b.variants):
-            if v.holds(values):
+        serving = [i for i, v in enumerate(b.variants) if v.holds(values)]
+        for i in serving:
+            if sm_count is not None and b.variants[i].config.get("sm_count") == str(sm_count):
                 return i
+        if serving:
+            return serving[0]
         sizes = ", ".join(f"{r}={v}" for r, v in values.items())
         raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): no kernel variant in the artifact serves {sizes}",
                                 hint="recompile the artifact without restricting its size buckets")
@@ -478,7 +482,7 @@ class Module:
                 if check_indices and k.index_ranges:
                     check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
-            variants = [self.variant(p, arch, b.dims(p)) for p in k.plans]
+            variants = [self.variant(p, arch, b.dims(p), sms) for p in k.plans]
             glues = [self.glue(p, arch, v) for p, v in zip(k.plans, variants)]
             ws_sizes = [g.workspace_size(b.dims(p), device, sms) for g, p in zip(glues, k.plans)]
             # one scratch block: every intermediate, then one workspace reused by the plans in turn
