@@ -755,8 +755,9 @@ def test_index_whose_extent_cannot_be_inferred():
                  "the extent of index 'k' cannot be inferred: it is used only as a value or inside computed "
                  "subscripts", "use 'k' as a plain subscript of some tensor (e.g. `x[k]`), whose dimension "
                  "gives its range")
-    # an index used only inside a computed subscript has no extent either
-    assert_error(ONE_D + "  D[m] = A[m] + sum(k) A[k / 2]\n}\n", 4, 26,
+    # an index used only inside a computed subscript has no extent either (`A[k / 2]` would give it
+    # one: the extent of A's axis times 2, as a paged read `Kc[bt[b, j / P], j % P, ..]` needs)
+    assert_error(ONE_D + "  D[m] = A[m] + sum(k) A[k + 1]\n}\n", 4, 26,
                  "the extent of index 'k' cannot be inferred: it is used only as a value or inside computed "
                  "subscripts", _NO_HINT)
 
