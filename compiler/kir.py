@@ -469,6 +469,11 @@ def verify(ir: KernelIR) -> KernelIR:
             bad(f"param {b.name} has a shape")
         if b.layout == "col" and len(b.shape) < 2:
             bad(f"buffer {b.name}: col layout needs rank >= 2")
+        if b.packed is not None:
+            cu = next((x for x in ir.buffers if x.name == b.packed), None)
+            if b.role not in ("input", "output") or len(b.shape) < 2 or \
+                    (cu is not None and (cu.dtype not in INT_DTYPES or len(cu.shape) != 1)):
+                bad(f"packed buffer {b.name}: an input or output [batch, seq, ..] packed by an integer vector")
     seen: dict[str, IROp] = {}
     for o in ir.ops:
         if o.id in seen:

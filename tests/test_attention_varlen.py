@@ -99,6 +99,12 @@ def test_packed_buffers_in_the_kernel_ir_and_every_backend_declines():
         assert ir_from_json(ir_to_json(ir)) == ir
     ir = next(ir for ir in irs if any(b.packed for b in ir.buffers))
     assert "packed(" in "\n".join(b.describe() for b in ir.buffers)
+    import dataclasses
+    from kspec.compiler.kir import verify
+    from kspec.core import KspecInternalError
+    bad = tuple(dataclasses.replace(b, shape=b.shape[:1]) if b.packed else b for b in ir.buffers)
+    with pytest.raises(KspecInternalError, match="packed buffer"):
+        verify(dataclasses.replace(ir, buffers=bad))
     from kspec.backends.registry import _can_implement
     for b in backends():
         why = _can_implement(b, ir, "sm90a")
