@@ -74,20 +74,33 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
     import numpy as np
 
     from kspec.backends.reference.numerics import is_int, to_storage
+    from kspec.core import split_offset_dim
     from kspec.spec_lang.check import index_bounds
     rng = np.random.default_rng(seed)
     out = {}
     fixed = dict(kernel.bindings)
     bounds = index_bounds(kernel)       # subscript tensors get valid indices
+    def extent(d) -> int:
+        if isinstance(d, int):
+            return d
+        off = split_offset_dim(d)
+        return extent(off[0]) + off[1] if off else fixed.get(d, sizes.get(d, 64))
+
+    # varlen: each packing's offsets from random lengths (the first sequence the longest), and the
+    # packed tensors as [rows, ...] arrays
+    rows = {}
+    for t in (*kernel.inputs, *kernel.outputs):
+        if t.packed and t.packed not in rows:
+            lengths = rng.integers(0, extent(t.shape[1]) + 1, size=extent(t.shape[0]))
+            lengths[:1] = extent(t.shape[1])
+            out[t.packed] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            rows[t.packed] = int(out[t.packed][-1])
     for t in kernel.inputs:
-        shape = []
-        for d in t.shape:
-            if isinstance(d, int):
-                shape.append(d)
-            elif d in fixed:
-                shape.append(fixed[d])
-            else:
-                shape.append(sizes.get(d, 64))
+        if t.name in out:
+            continue
+        shape = [extent(d) for d in t.shape]
+        if t.packed:
+            shape = [rows[t.packed], *shape[2:]]
         if t.name in bounds:
             hi = min(d if isinstance(d, int) else fixed.get(d, sizes.get(d, 64)) for d in bounds[t.name])
             out[t.name] = rng.integers(0, max(hi, 1), size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
