@@ -20,6 +20,7 @@ from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_re
 from .canon import GemmInfo, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
+from .kir import format_epi
 
 OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "gather", "const",
                   "index", "size")
@@ -157,7 +158,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             _not_fused(res, g, sm, "K and V are read with different head groupings")
             continue
         try:
-            mods = lift_mods(g, sm, sp, (*batch, query, axis))
+            mods = lift_mods(g, sm, sp, (*batch, query, axis), lambda n: op(g, n).name or str(n))
         except NotLiftable as e:
             _not_fused(res, g, sm, f"between the QK contraction and the softmax, {e}")
             continue
@@ -181,7 +182,11 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             from .ir_build import candidate_ir
             why = ctx.oracle.can_fuse(candidate_ir(g, group, ctx.kernel), ctx.archs)
             if why:
-                res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan")
+                lifted = [f"{what}: {format_epi(e)}" for what, e in
+                          (("score_mod", mods.score_mod), ("mask", mods.mask)) if e is not None]
+                lifted += [f"kv heads: h // {k_group}"] if k_group is not None else []
+                res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan"
+                                 + (f" (lifted {'; '.join(lifted)})" if lifted else ""))
                 res.unfused_attention.append((o.span, f"no backend implements it ({why})"))
                 continue
         res.groups.append(group)
