@@ -1,7 +1,8 @@
 """Fusion passes: group graph nodes into kernels.
 
 Each pass is a small function from the graph and the current groups to new groups:
-  fuse_attention  contraction -> (scale) -> softmax over the contracted-out axis -> contraction
+  fuse_attention  contraction -> (scale) -> (score modification, mask) -> softmax over the
+                  contracted-out axis -> contraction (compiler/attention.py lifts the modification)
   fuse_epilogues  elementwise/broadcast/cast chains and row/column max/sum reductions after a GEMM
   fuse_elementwise  remaining elementwise chains over one iteration space
 Every other op node becomes a group of its own.  `legal_group` guards every merge: the group must

@@ -281,10 +281,15 @@ class AttentionStructure:
     # The lifted score modification and mask (FlexAttention / FA4 score_mod and mask_mod), applied
     # in this order after the scale: s' = score_mod(score, idx..); keep (b.., i, j) iff mask(..).
     # A masked score is -inf; a row with every score masked has output 0 (and log-sum-exp -inf).
+    # Types: Index, Size and integer Consts are integers, arithmetic on them is integer (floordiv,
+    # mod floor-rounded), comparisons give booleans, an explicit cast:f32 converts; AuxLoad values
+    # take part in f32 arithmetic.  `causal` (top-left, key <= query) applies together with `mask`.
     score_mod: EpiExpr | None = None               # None: the scaled score as it is
     mask: EpiExpr | None = None                    # a boolean expression; None: nothing masked
     aux: tuple[str, ...] = ()                      # buffers the mods read (AuxLoad), all in ir.buffers
-    kv_group: Extent | None = None                 # GQA: K/V are read at head index h // kv_group
+    # GQA: K/V are read at head index h // kv_group: an int, a size symbol or the name of an i32
+    # param (`K[b, h / G, j, e]`); kv_head is the K/V head count
+    kv_group: Extent | None = None
     kv_head: Extent | None = None                  # GQA: the K/V head count (extent of that axis)
     lse: str | None = None                         # buffer receiving the log-sum-exp [batch.., i], f32
 
