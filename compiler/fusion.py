@@ -37,6 +37,10 @@ class FusionContext:
     def epilogue_reductions(self) -> frozenset[str]:
         return frozenset(("max", "sum")) if self.oracle is None else self.oracle.epilogue_reductions(self.archs)
 
+    def epilogue_loads(self) -> frozenset[str]:
+        from .kir import LOAD_KINDS
+        return frozenset(LOAD_KINDS) if self.oracle is None else self.oracle.epilogue_loads(self.archs)
+
 
 @dataclass(frozen=True)
 class AttentionInfo:
@@ -290,13 +294,10 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
             continue
         if uo.kind == "broadcast":
             (src, slabels), = operands(g, u)
-            # (a per-batch vector, e.g. s[b], has no epilogue load: the backend loads rows/columns)
-            if _loaded_input(g, src) is not None and len(slabels) == 1 and slabels[0] in (gi.m, gi.n):
-                if slabels[0] == gi.m and gi.m_fold:
-                    return (f"it broadcasts a vector over '{gi.m}' only, but the GEMM folds "
-                            f"[{', '.join(gi.m_labels)}] into its M axis")
-                continue
-            return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+            why = _vector_reject(g, src, slabels, gi, ctx)
+            if why:
+                return why
+            continue
         if set(labels) == gemm_axes and tuple(labels) == (*gi.batch, *gi.m_labels, gi.n):
             if _storage_layout(g, u) == "col":
                 return f"operand {uo.name or u} is column-major; an epilogue reads full tensors row-major"
@@ -304,6 +305,30 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
         if set(labels) == gemm_axes:
             return f"operand {uo.name or u} is read with its axes in another order than the GEMM result's"
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
+    return None
+
+
+def _vector_reject(g, src, labels, gi: GemmInfo, ctx: FusionContext = FusionContext()) -> str | None:
+    """Why a broadcast of `src` (read under `labels`) cannot be an epilogue vector load (None if it can):
+    an input (or casts of one) indexed by n or m, optionally also by every batch axis of the GEMM."""
+    labels = tuple(labels)
+    inp = _loaded_input(g, src)
+    if inp is None:
+        return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+    kind = gi.vector_kind(labels)
+    if kind is None:
+        if gi.m in labels and gi.m_fold:
+            return (f"it broadcasts a vector over '{gi.m}' only, but the GEMM folds "
+                    f"[{', '.join(gi.m_labels)}] into its M axis")
+        if labels[:-1] and set(labels[:-1]) < set(gi.batch) and labels[-1] in (gi.m, gi.n):
+            return (f"it broadcasts a vector over [{', '.join(labels)}]; a per-batch epilogue vector is indexed by "
+                    f"every batch axis of the GEMM, [{', '.join(gi.batch)}], then '{gi.m}' or '{gi.n}'")
+        return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+    if len(labels) > 1 and op(g, inp).layout != "row":
+        return f"the per-batch vector {op(g, inp).name} is column-major; epilogue vectors are read row-major"
+    offered = ctx.epilogue_loads()
+    if kind not in offered:
+        return f"no GEMM backend reads '{kind}' epilogue vectors on {', '.join(ctx.archs)}"
     return None
 
 
@@ -384,7 +409,7 @@ def _input_cone(g: nx.DiGraph, res: FusionResult, u, labels, gi: GemmInfo, group
             return False
         if o.kind == "broadcast":
             (src, sl), = operands(g, n)
-            if _loaded_input(g, src) is None or len(sl) != 1 or not (sl[0] == gi.n or (sl[0] == gi.m and not gi.m_fold)):
+            if _vector_reject(g, src, sl, gi, ctx) is not None:
                 return False
             chain = [n]
             while op(g, chain[-1]).kind != "input":

@@ -126,10 +126,9 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
             e = Load(name, "scalar" if bufs[name].role == "param" else "full", o.dtype)
         elif o.kind == "broadcast":
             (src, labels), = operands(g, n)
-            if len(labels) == 1 and labels[0] == gi.n:
-                e = vector(src, "row")
-            elif len(labels) == 1 and labels[0] == gi.m and not gi.m_fold:
-                e = vector(src, "col")
+            kind = gi.vector_kind(labels)
+            if kind is not None:
+                e = vector(src, kind)
             else:
                 raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: cannot broadcast a "
                                          f"[{', '.join(labels)}] value in a GEMM epilogue")

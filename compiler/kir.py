@@ -43,11 +43,17 @@ class Accum:
 @dataclass(frozen=True)
 class Load:
     """An epilogue input, by buffer name.  kind: 'row' = vector indexed by n (broadcast over m, e.g.
-    a bias[N]), 'col' = vector indexed by m, 'full' = an MxN tensor (e.g. a residual), 'scalar' = a
-    runtime scalar parameter (passed by value)."""
+    a bias[N]), 'col' = vector indexed by m, 'row_batched' / 'col_batched' = one such vector per
+    batch entry of a batched GEMM (a row-major [L, N] / [L, M] buffer over every batch axis, e.g. a
+    per-batch bias[l, n] or key-padding mask[b, j]), 'full' = an MxN tensor (e.g. a residual),
+    'scalar' = a runtime scalar parameter (passed by value)."""
     name: str
-    kind: Literal["row", "col", "full", "scalar"]
+    kind: Literal["row", "col", "row_batched", "col_batched", "full", "scalar"]
     dtype: str
+
+
+LOAD_KINDS = ("row", "col", "row_batched", "col_batched", "full", "scalar")
+VECTOR_AXIS = {"row": "n", "col": "m", "row_batched": "n", "col_batched": "m"}   # the axis a vector runs along
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,9 @@ def format_epi(e: EpiExpr) -> str:
     if isinstance(e, Accum):
         return "acc"
     if isinstance(e, Load):
-        return e.name if e.kind in ("scalar", "full") else f"{e.name}[{'n' if e.kind == 'row' else 'm'}]"
+        if e.kind in ("scalar", "full"):
+            return e.name
+        return f"{e.name}[{'l, ' if e.kind.endswith('_batched') else ''}{VECTOR_AXIS[e.kind]}]"
     if isinstance(e, Const):
         return repr(e.value)
     if isinstance(e, Score):
@@ -409,6 +417,8 @@ class Oracle(Protocol):
 
     def epilogue_reductions(self, archs: tuple[str, ...]) -> frozenset[str]: ...
 
+    def epilogue_loads(self, archs: tuple[str, ...]) -> frozenset[str]: ...
+
     def can_fuse(self, ir: "KernelIR", archs: tuple[str, ...]) -> str | None: ...
 
     def choose(self, ir: "KernelIR", arch: str) -> BackendChoice: ...
@@ -495,6 +505,13 @@ def verify(ir: KernelIR) -> KernelIR:
             for ld in epi_loads(st.value):
                 if ld.name not in bufs:
                     bad(f"epilogue load of unknown buffer {ld.name}")
+                if ld.kind not in LOAD_KINDS:
+                    bad(f"epilogue load of {ld.name}: unknown kind {ld.kind!r}")
+                if ld.kind.endswith("_batched"):
+                    b = bufs[ld.name]
+                    if not s.batch or len(b.shape) != len(s.batch) + 1 or b.layout != "row":
+                        bad(f"epilogue load of {ld.name}: a per-batch vector needs a batched GEMM and a row-major "
+                            f"buffer over its {len(s.batch)} batch axes and one more")
     if ir.attention is not None:
         a = ir.attention
         for x in (a.qk, a.softmax, a.pv, a.q, a.k, a.v):

@@ -441,6 +441,95 @@ def test_batched_epilogue_takes_row_vectors_but_not_per_batch_vectors():
     assert any("it broadcasts a value that is not a row or column vector input" in n for n in res.notes)
 
 
+BATCHED_BIAS = """kernel bgemm_bias {
+  in  A    : f16[L, M, K]
+  in  B    : f16[L, K, N]
+  in  bias : f16[L, N]
+  in  cs   : f32[L, M]
+  out D    : f16[L, M, N]
+  D[l, m, n] = relu(cs[l, m] * sum(k) A[l, m, k] * B[l, k, n] + bias[l, n])
+}"""
+
+KEY_PADDING = """kernel scores_masked {
+  in  Q    : f16[B, S, E]
+  in  K    : f16[B, T, E]
+  in  mask : f32[B, T]
+  out P    : f16[B, S, T]
+  P[b, i, j] = 0.125 * sum(e) Q[b, i, e] * K[b, j, e] + mask[b, j]
+}"""
+
+
+def test_per_batch_bias_and_column_scale_are_epilogue_vectors():
+    """bias[l, n] (a bias per batch entry) and cs[l, m] load one vector per batch entry in the
+    GEMM's epilogue (was: a second kernel with an f32 [L, M, N] round trip)."""
+    from kspec.compiler.kir import format_epi
+    sched = plan_of(BATCHED_BIAS)
+    (p,) = sched.plans
+    assert p.kind == "gemm" and sched.fusion.notes == []
+    (d,) = p.ir.epilogue.stores
+    assert format_epi(d.value) == "cast:f16(relu(add(mul(cs[l, m], acc), bias[l, n])))"
+    kinds = {ld.name: ld.kind for ld in epi_loads_of(p.ir)}
+    assert kinds == {"bias": "row_batched", "cs": "col_batched"}
+    for (_, arch), lp in lower_all(sched).items():
+        assert lp.desc.batched and lp.backend == "cutlass"
+
+
+def epi_loads_of(ir):
+    from kspec.compiler.kir import epi_loads
+    return [ld for st in ir.epilogue.stores for ld in epi_loads(st.value)]
+
+
+def test_key_padding_mask_on_batched_scores_is_one_gemm():
+    sched = plan_kernel(kernel_of(KEY_PADDING), ARCHS, Planner())
+    (p,) = sched.plans
+    assert p.kind == "gemm" and [(ld.name, ld.kind) for ld in epi_loads_of(p.ir)] == [("mask", "row_batched")]
+    assert {c.backend for c in p.choices.values()} == {"cute"}
+
+
+def test_per_batch_vector_over_some_batch_axes_or_column_major_is_not_fused():
+    # scores batched over [b, h]; the mask varies with b only: not one vector per batch entry
+    g, res = fused("""kernel c {
+  in  Q    : f16[B, H, S, E]
+  in  K    : f16[B, H, T, E]
+  in  mask : f32[B, T]
+  out P    : f32[B, H, S, T]
+  P[b, h, i, j] = sum(e) Q[b, h, i, e] * K[b, h, j, e] + mask[b, j]
+}""")
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("a per-batch epilogue vector is indexed by every batch axis of the GEMM, [b, h]" in n
+               for n in res.notes), res.notes
+    g, res = fused(BATCHED_BIAS.replace("bias : f16[L, N]", "bias : f16[L, N] col"))
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("the per-batch vector bias is column-major" in n for n in res.notes), res.notes
+
+
+class NoBatchedVectors(Planner):
+    """An oracle whose GEMM backends read no per-batch epilogue vectors."""
+
+    def epilogue_loads(self, archs):
+        return super().epilogue_loads(archs) - {"row_batched", "col_batched"}
+
+
+def test_per_batch_vector_not_offered_by_any_backend_stays_out_of_the_epilogue():
+    g, res = fused(KEY_PADDING, NoBatchedVectors())
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("no GEMM backend reads 'row_batched' epilogue vectors" in n for n in res.notes), res.notes
+
+
+def test_per_batch_vectors_fused_match_the_unfused_reference():
+    import numpy as np
+    from kspec.backends.reference import reference
+    rng = np.random.default_rng(3)
+    L, M, N, K = 3, 5, 7, 4
+    args = dict(A=rng.standard_normal((L, M, K)).astype(np.float16), B=rng.standard_normal((L, K, N)).astype(np.float16),
+                bias=rng.standard_normal((L, N)).astype(np.float16), cs=rng.standard_normal((L, M)).astype(np.float32))
+    out = reference(BATCHED_BIAS)(**args)["D"]
+    assert out.tobytes() == reference(BATCHED_BIAS, fused=False)(**args)["D"].tobytes()
+    f = {k: v.astype(np.float64) for k, v in args.items()}
+    want = np.maximum(f["cs"][:, :, None] * np.einsum("lmk,lkn->lmn", f["A"], f["B"]) + f["bias"][:, None, :], 0)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
 def test_statements_with_other_index_names_still_fuse_into_the_epilogue():
     # each statement names its indices freely; values read under new names are unified with the
     # names of the statement that defined them, so the chain is one epilogue

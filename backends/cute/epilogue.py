@@ -9,7 +9,7 @@ The generated function is
         return (v2, v1,)          # D, then each auxiliary output
 
 `acc` is the accumulator vector of one epilogue sub-tile, `ins[j]` the matching vector of the j-th
-tensor input (a row/col broadcast or a full M x N tensor, already converted to the accumulator
+tensor input (a row/col broadcast, one per batch entry or shared, or a full M x N tensor, already converted to the accumulator
 type), `sc[k]` the k-th runtime scalar.  `F` is `backends/cute/dslops.py` when the kernel is traced,
 or its numpy twin in tests.  Shared sub-expressions are computed once.  No user text reaches the
 source: inputs and scalars are positional, constants are printed with `repr(float)`.
@@ -20,16 +20,19 @@ import math
 from dataclasses import dataclass
 
 from kspec.backends.desc import Accum, Const, EpiExpr, GemmDesc, Load, Op
+from kspec.compiler.kir import LOAD_KINDS, VECTOR_AXIS
 from kspec.core import DTYPES, KspecInternalError
 
 UNARY = ("neg", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs")
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
 SUPPORTED_FNS = UNARY + BINARY + ("clamp", "cast:<dtype>")
+ROW_KINDS = tuple(k for k, axis in VECTOR_AXIS.items() if axis == "n")     # vectors along N, staged per tile
+COL_KINDS = tuple(k for k, axis in VECTOR_AXIS.items() if axis == "m")
 
 
 @dataclass(frozen=True)
 class EpilogueCode:
-    inputs: tuple[Load, ...]      # ins[j]: 'row' / 'col' / 'full' loads, in first-use order
+    inputs: tuple[Load, ...]      # ins[j]: vector ('row', 'col', per batch '*_batched') / 'full' loads, first use first
     scalars: tuple[Load, ...]     # sc[k]: 'scalar' loads, in first-use order
     source: str                   # the function definition (module-level, named kspec_epilogue)
 
@@ -64,8 +67,10 @@ def unsupported(desc: GemmDesc) -> str | None:
                 return f"epilogue function '{fn}' is not supported by the CuTe DSL backend"
         elif isinstance(e, Const) and not math.isfinite(e.value):
             return "non-finite constant in the epilogue"
-        elif isinstance(e, Load) and e.kind not in ("row", "col", "full", "scalar"):
+        elif isinstance(e, Load) and e.kind not in LOAD_KINDS:
             return f"epilogue input kind {e.kind!r}"
+        elif isinstance(e, Load) and e.kind.endswith("_batched") and not desc.batched:
+            return f"a per-batch epilogue vector ({e.kind}) in a GEMM that is not batched"
     if desc.acc_dtype == "i32":
         v = desc.output.value
         while isinstance(v, Op) and v.fn.startswith("cast:"):

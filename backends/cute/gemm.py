@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kspec.backends.desc import GemmDesc
+from kspec.compiler.kir import VECTOR_AXIS
 from kspec.core import FP8_DTYPES
 
 from . import epilogue
@@ -211,10 +212,12 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
                   True, 2 + n_in),
     ]
     for j, ld in enumerate(code.inputs):
-        if ld.kind == "row":
-            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, 2 + j))
-        elif ld.kind == "col":
-            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, 2 + j))
+        if ld.kind in ("row", "col"):
+            out.append(TensorABI(f"i{j}", ld.dtype, (VECTOR_AXIS[ld.kind].upper(),), (1,), False, 2 + j))
+        elif ld.kind in ("row_batched", "col_batched"):
+            # one vector per batch entry, row-major [L, N] / [L, M]: seen as (N, L) / (M, L)
+            dim = VECTOR_AXIS[ld.kind].upper()
+            out.append(TensorABI(f"i{j}", ld.dtype, (dim, "L"), (1, (dim,)), False, 2 + j))
         else:
             # full inputs are read by TMA, a sub-tile at a time
             out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, 2 + j))

@@ -17,6 +17,8 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
                                       transform_partitioned_tensor_layout)
 
@@ -43,6 +45,11 @@ class Sm100Gemm:
         self.epilog_sync_bar_id = 1
         self.tmem_alloc_sync_bar_id = 2
         self.arch = "sm_100"
+
+    def _vector_coord(self, j, i, batch):
+        """The coordinate of element i of epilogue vector input j in the tile's batch entry: vectors
+        shared by the batch are (N,)/(M,), per-batch vectors (N, L)/(M, L)."""
+        return (i, batch) if self.input_kinds[j].endswith("_batched") else i
 
     def _in_layout(self):
         """Shared-memory layout of one full-input sub-tile: (EPI_M, EPI_N), n contiguous."""
@@ -78,9 +85,9 @@ class Sm100Gemm:
         # sub-tiles (their dtype, loaded by TMA)
         in_bytes = 0
         for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind == "row":
+            if kind in ROW_KINDS:
                 in_bytes += self.mma_tiler[1] * 4 + 128
-            elif kind == "col":
+            elif kind in COL_KINDS:
                 in_bytes += self.mma_tiler[0] * 4 + 128
             else:
                 in_bytes += 2 * self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128   # double-buffered
@@ -294,9 +301,9 @@ class Sm100Gemm:
         full_bytes = 0
         em, en = self.epi_mn
         for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind == "row"):
+            if cutlass.const_expr(kind in ROW_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
-            elif cutlass.const_expr(kind == "col"):
+            elif cutlass.const_expr(kind in COL_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
             else:
                 sIn.append(smem.allocate_tensor(inputs[j].element_type,
@@ -381,12 +388,14 @@ class Sm100Gemm:
                 n0 = mt[1] * self.mma_tiler[1]
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
                     for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(tidx, self.mma_tiler[1], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), mt[2])].to(
+                                    self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(tidx, self.mma_tiler[0], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), mt[2])].to(
+                                    self.acc_dtype)
                     epi_bar.arrive_and_wait()
                 # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
                 # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
@@ -417,9 +426,9 @@ class Sm100Gemm:
                             m, n, l = tTR_cC_s[e]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind == "row"):
+                                if cutlass.const_expr(kind in ROW_KINDS):
                                     rIn[j][e] = sIn[j][n - n0]
-                                elif cutlass.const_expr(kind == "col"):
+                                elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][e] = sIn[j][m - m0]
                                 else:
                                     rIn[j][e] = sIn[j][m - sm0, n - sn0, g % 2].to(self.acc_dtype)

@@ -7,7 +7,7 @@ Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/
 `epi(acc, inputs, scalars) -> value` on register vectors (TensorSSA) in f32/i32.
 
 Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
-epilogue inputs: kind "row" (N,), "col" (M,), "full" (M, N, L).
+epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L).
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 
 SMEM_CAPACITY = 232448 - 1024          # sm_90 opt-in shared memory per CTA, less a margin
 
@@ -47,6 +49,11 @@ class Sm90Gemm:
         self.mma_regs = 232
         self.buffer_align_bytes = 1024
 
+    def _vector_coord(self, j, i, batch):
+        """The coordinate of element i of epilogue vector input j in the tile's batch entry: vectors
+        shared by the batch are (N,)/(M,), per-batch vectors (N, L)/(M, L)."""
+        return (i, batch) if self.input_kinds[j].endswith("_batched") else i
+
     # ------------------------------------------------------------------ host-side planning
     def _setup(self):
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -70,9 +77,9 @@ class Sm90Gemm:
         # sub-tiles (their dtype, loaded by TMA)
         in_bytes = 0
         for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind == "row":
+            if kind in ROW_KINDS:
                 in_bytes += tn * 4 + 128
-            elif kind == "col":
+            elif kind in COL_KINDS:
                 in_bytes += tm * 4 + 128
             else:
                 in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
@@ -189,9 +196,9 @@ class Sm90Gemm:
         n_full = 0
         full_bytes = 0
         for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind == "row"):
+            if cutlass.const_expr(kind in ROW_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tn,)), 128))
-            elif cutlass.const_expr(kind == "col"):
+            elif cutlass.const_expr(kind in COL_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
             else:
                 # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
@@ -337,12 +344,14 @@ class Sm90Gemm:
                 n0 = tc[1] * tn
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
                     for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(epi_tidx, tn, self.num_mma_threads):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), tc[2])].to(
+                                    self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(epi_tidx, tm, self.num_mma_threads):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), tc[2])].to(
+                                    self.acc_dtype)
                     epi_bar.arrive_and_wait()
                 full_src = []
                 k = 0
@@ -380,9 +389,9 @@ class Sm90Gemm:
                             lm, ln = tRS_cL[v]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind == "row"):
+                                if cutlass.const_expr(kind in ROW_KINDS):
                                     rIn[j][v] = sIn[j][ec[1] * self.epi_tile[1] + ln]
-                                elif cutlass.const_expr(kind == "col"):
+                                elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
                                     rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)

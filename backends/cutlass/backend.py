@@ -63,7 +63,7 @@ class CutlassBackend(NvccBuilt):
     capabilities = Capabilities(
         archs=ARCHS, kinds=("gemm", "attention"), gemm_operands=GEMM_OPERANDS,
         epilogue_fns=EPILOGUE_FNS, epilogue_reductions=EPILOGUE_REDUCTIONS,
-        epilogue_loads=frozenset(("row", "col", "full", "scalar")),
+        epilogue_loads=frozenset(("row", "col", "row_batched", "col_batched", "full", "scalar")),
         attention=tuple((a, "f16/bf16, head dims " + ",".join(map(str, sorted(t))) + "; causal top-left or none")
                         for a, t in _FMHA_TILES.items()))
 
