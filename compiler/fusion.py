@@ -250,6 +250,7 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         group = _recompute_cheap_values(g, res, group, c)
         group = _keep_a_stored_result(g, res, group, c)
         _add_epilogue_loads(g, res, group)
+        group = _split_unbuildable_reductions(g, res, group, c, gi, ctx)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
 
 
@@ -439,8 +440,16 @@ def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) 
     stored = [n for n in group - reductions if any(s not in group for s in g.successors(n))]
     if stored:
         return group
+    res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
+                     "the GEMM stores no full result for it to ride on")
+    return _without_reductions(g, group, anchor)
+
+
+def _without_reductions(g: nx.DiGraph, group: set, anchor) -> set:
+    """The group less its epilogue reductions and the epilogue ops that only fed them, down to the
+    value the reductions read (which the GEMM then stores for the reduction kernels)."""
+    reductions = {n for n in group if op(g, n).kind == "reduction"}
     keep = group - reductions
-    # drop the epilogue ops that only fed the reductions, down to the value the reductions read
     while True:
         dead = {n for n in keep if n != anchor and not any(s in keep for s in g.successors(n))
                 and not any(op(g, s).kind == "output" for s in g.successors(n))}
@@ -449,9 +458,27 @@ def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) 
         if not dead:
             break
         keep -= dead
-    res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
-                     "the GEMM stores no full result for it to ride on")
     return keep
+
+
+def _split_unbuildable_reductions(g: nx.DiGraph, res: FusionResult, group: set, anchor, gi: GemmInfo,
+                                  ctx: FusionContext) -> set:
+    """Only tensor-core GEMM backends fuse epilogue reductions: when none of them builds this GEMM
+    on every arch (so it runs as a loop kernel), its reductions run as kernels of their own over the
+    result the GEMM stores."""
+    reductions = {n for n in group if op(g, n).kind == "reduction"}
+    if not reductions or ctx.oracle is None:
+        return group
+    from .ir_build import candidate_ir
+    scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+    why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, anchor, gi), ctx.kernel),
+                              ctx.archs)
+    if why is None:
+        return group
+    for r in sorted(reductions, key=_node_order):
+        res.notes.append(f"{op(g, r).label()} not fused into the GEMM at {anchor}: no GEMM backend builds it with "
+                         f"an epilogue reduction ({why}); it reduces the stored GEMM result in a kernel of its own")
+    return _without_reductions(g, group, anchor)
 
 
 def _store_order_reject(g: nx.DiGraph, s, gi: GemmInfo) -> str | None:

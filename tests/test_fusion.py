@@ -530,6 +530,67 @@ def test_per_batch_vectors_fused_match_the_unfused_reference():
     np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-3, atol=2e-3)
 
 
+F32_ROWMAX = """kernel f32_rowmax {
+  in  A    : f32[M, K]
+  in  B    : f32[K, N]
+  in  bias : f32[N]
+  out D    : f32[M, N]
+  out rmax : f32[M]
+  y[m, n] = sum(k) A[m, k] * B[k, n] + bias[n]
+  D[m, n] = y[m, n]
+  rmax[m] = max(n) y[m, n]
+}"""
+
+
+def test_epilogue_reduction_of_a_loop_kernel_gemm_is_split_into_a_reduction_kernel():
+    """f32 x f32 has no tensor-core backend: the GEMM runs as a loop kernel, which fuses no
+    reductions, so the row max reduces the stored result in a row kernel (was: a located error
+    'no backend can build kernel ...')."""
+    sched = plan_kernel(kernel_of(F32_ROWMAX), ARCHS, Planner())
+    check_partition(sched.graph, sched.fusion)
+    assert [p.kind for p in sched.plans] == ["gemm", "rowwise"]
+    gemm_plan, row = sched.plans
+    assert gemm_plan.ir.epilogue.reductions == () and all(c.backend == "generic" for c in gemm_plan.choices.values())
+    assert tuple(row.reads) == ("D",) and tuple(row.writes) == ("rmax",)
+    assert {c.backend for c in row.choices.values()} == {"rowwise"}
+    assert any(n.startswith("reduction max(n)[m] : f32 not fused into the GEMM") and
+               "no GEMM backend builds it with an epilogue reduction (sm90a: cute: operand dtype f32" in n
+               for n in sched.fusion.notes), sched.fusion.notes
+
+
+def test_split_reduction_matches_float64_numpy_and_the_unfused_reference():
+    import numpy as np
+    from kspec.backends.reference import reference
+    rng = np.random.default_rng(5)
+    A, B, bias = rng.standard_normal((6, 5)), rng.standard_normal((5, 9)), rng.standard_normal(9)
+    args = dict(A=A.astype(np.float32), B=B.astype(np.float32), bias=bias.astype(np.float32))
+    out = reference(F32_ROWMAX)(**args)
+    unfused = reference(F32_ROWMAX, fused=False)(**args)
+    assert all(out[k].tobytes() == unfused[k].tobytes() for k in ("D", "rmax"))
+    f = {k: v.astype(np.float64) for k, v in args.items()}
+    want = f["A"] @ f["B"] + f["bias"]
+    np.testing.assert_allclose(out["D"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["rmax"], want.max(axis=1), rtol=1e-5, atol=1e-5)
+
+
+class NoEpilogueReductionBackend(Planner):
+    """An oracle under which no backend builds a GEMM with epilogue reductions."""
+
+    def can_fuse(self, ir, archs):
+        if ir.kind == "gemm" and ir.epilogue.reductions:
+            return "no epilogue reductions here"
+        return super().can_fuse(ir, archs)
+
+
+def test_epilogue_reduction_no_backend_fuses_is_split_for_every_shipped_form():
+    g, res = fused((SPECS / "gemm_rowmax.kspec").read_text(), NoEpilogueReductionBackend())
+    check_partition(g, res)
+    assert [k for k, _ in groups(g, res)] == ["gemm", "rowwise"]
+    assert any("(no epilogue reductions here); it reduces the stored GEMM result" in n for n in res.notes)
+    g, res = fused((SPECS / "gemm_rowmax.kspec").read_text())
+    assert [k for k, _ in groups(g, res)] == ["gemm"]
+
+
 def test_statements_with_other_index_names_still_fuse_into_the_epilogue():
     # each statement names its indices freely; values read under new names are unified with the
     # names of the statement that defined them, so the chain is one epilogue
