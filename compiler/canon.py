@@ -140,6 +140,8 @@ class GemmInfo:
     b_layout: str                # "row": n contiguous in B; "col": k contiguous
     m_fold: tuple[str, ...] = ()
     k_fold: tuple[str, ...] = ()     # reduced labels folded into K before k (e.g. heads and head dim)
+    anchor2: str | None = None       # a dual GEMM (set by fusion): the second contraction of A ...
+    b2: str | None = None            # ... with this second B operand (same dtype, layout and shape)
 
     @property
     def m_labels(self) -> tuple[str, ...]:

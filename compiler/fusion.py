@@ -9,7 +9,7 @@ not create a cycle between kernels.  Why a node could not join a group is kept i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -219,39 +219,103 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if isinstance(gi, str):
             res.notes.append(f"contraction {c}: not a GEMM ({gi}); it runs as a separate generic kernel")
             continue
-        group = {c}
-        axes = set(op(g, c).axes)
-        changed = True
-        while changed:
-            changed = False
-            candidates = sorted({s for n in group for s in g.successors(n)} - group, key=_node_order)
-            for s in candidates:
-                so = op(g, s)
-                if so.kind == "output" or res.group_of(s):
-                    continue
-                why = _epilogue_reject(g, s, group, gi, axes, ctx)
-                if why:
-                    note = f"{so.label()} not fused into the GEMM at {c}: {why}"
-                    if note not in res.notes:
-                        res.notes.append(note)
-                    continue
-                trial = group | {s}
-                # producers of s from outside must be inputs/params/consts or broadcasts of those
-                if legal_group(g, trial):
-                    res.notes.append(f"{so.label()} not fused into the GEMM at {c}: {legal_group(g, trial)}")
-                    continue
-                # (the scalars it reads join at the end of fusion: see attach_scalars)
-                for u, labels in operands(g, s):
-                    cone = _input_cone(g, res, u, labels, gi, trial, ctx)
-                    if cone and legal_group(g, trial | cone) is None:
-                        trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
-                group = trial
-                changed = True
+        group, gi = _dual_or_single(g, res, c, gi, ctx)
         group = _recompute_cheap_values(g, res, group, c)
         group = _keep_a_stored_result(g, res, group, c)
         _add_epilogue_loads(g, res, group)
         group = _split_unbuildable_reductions(g, res, group, c, gi, ctx)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
+
+
+def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo, ctx: FusionContext) -> set:
+    """The GEMM group `group` (the contraction c, or c and its dual partner) grown over the ops that
+    consume it and can run in its epilogue."""
+    axes = set(op(g, c).axes)
+    changed = True
+    while changed:
+        changed = False
+        candidates = sorted({s for n in group for s in g.successors(n)} - group, key=_node_order)
+        for s in candidates:
+            so = op(g, s)
+            if so.kind == "output" or res.group_of(s):
+                continue
+            why = _epilogue_reject(g, s, group, gi, axes, ctx)
+            if why:
+                note = f"{so.label()} not fused into the GEMM at {c}: {why}"
+                if note not in res.notes:
+                    res.notes.append(note)
+                continue
+            trial = group | {s}
+            # producers of s from outside must be inputs/params/consts or broadcasts of those
+            if legal_group(g, trial):
+                res.notes.append(f"{so.label()} not fused into the GEMM at {c}: {legal_group(g, trial)}")
+                continue
+            # (the scalars it reads join at the end of fusion: see attach_scalars)
+            for u, labels in operands(g, s):
+                cone = _input_cone(g, res, u, labels, gi, trial, ctx)
+                if cone and legal_group(g, trial | cone) is None:
+                    trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
+            group = trial
+            changed = True
+    return group
+
+
+def _dual_partner(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo):
+    """(c2, its GemmInfo) for another ungrouped contraction that multiplies the same A operand (node,
+    labels, layout) over the same output axes and reduced labels by a B operand of the same dtype,
+    layout and shape as c's: the two can share every A tile (a dual GEMM); None if there is none."""
+    co, bo = op(g, c), op(g, gi.b)
+    for c2 in sorted(g.nodes, key=_node_order):
+        o2 = op(g, c2)
+        if c2 == c or o2.kind != "contraction" or res.group_of(c2) is not None or o2.axes != co.axes \
+                or o2.dtype != co.dtype or o2.reduced != co.reduced:
+            continue
+        gi2 = gemm_info(g, c2)
+        if isinstance(gi2, str) or gi2.a != gi.a or gi2.b == gi.b:
+            continue
+        if (gi2.m, gi2.n, gi2.k, gi2.batch, gi2.a_layout, gi2.b_layout, gi2.m_fold, gi2.k_fold) != \
+                (gi.m, gi.n, gi.k, gi.batch, gi.a_layout, gi.b_layout, gi.m_fold, gi.k_fold):
+            continue
+        b2 = op(g, gi2.b)
+        if (b2.kind, b2.dtype, tuple(b2.shape)) != (bo.kind, bo.dtype, tuple(bo.shape)) or b2.kind != "input":
+            continue
+        return c2, gi2
+    return None
+
+
+def _dual_or_single(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: FusionContext):
+    """The epilogue group of the GEMM at c, and its GemmInfo.  When another contraction shares c's A
+    operand and the two results are combined element by element in the epilogue and nowhere else
+    (SwiGLU: silu(X Wg^T) * (X Wu^T)), both run as one dual GEMM that reads each A tile once, if a
+    GEMM backend builds it on every arch (asked through the oracle); else c's group alone, with a note."""
+    partner = _dual_partner(g, res, c, gi)
+    if partner is None:
+        return _grow_epilogue(g, res, {c}, c, gi, ctx), gi
+    c2, gi2 = partner
+    dual = replace(gi, anchor2=c2, b2=gi2.b)
+    notes = len(res.notes)
+    group = _grow_epilogue(g, res, {c, c2}, c, dual, ctx)
+    combined = any(n not in (c, c2) and c in nx.ancestors(g, n) and c2 in nx.ancestors(g, n) for n in group)
+    why = None
+    if not combined:
+        why = "their results are not combined in the epilogue"
+    elif any(s not in group for s in g.successors(c2)):
+        why = f"the result of {c2} is also used outside the epilogue"
+    elif ctx.oracle is not None:
+        from .ir_build import candidate_ir
+        scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, dual), ctx.kernel),
+                                  ctx.archs)
+        why = why and f"no GEMM backend builds the dual GEMM ({why})"
+    if why is None:
+        res.notes.append(f"contractions {c} and {c2} share their A operand {op(g, gi.a).name or gi.a}: one dual GEMM "
+                         "(each A tile is read once, both accumulators feed the epilogue)")
+        return group, dual
+    del res.notes[notes:]
+    if combined:        # (GEMMs that merely share an input, e.g. Q/K/V projections, need no note)
+        res.notes.append(f"contractions {c} and {c2} share their A operand {op(g, gi.a).name or gi.a} but stay "
+                         f"separate GEMMs: {why}")
+    return _grow_epilogue(g, res, {c}, c, gi, ctx), gi
 
 
 def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,

@@ -37,7 +37,9 @@ ROLES = ("input", "output", "param", "intermediate")
 
 @dataclass(frozen=True)
 class Accum:
-    """The GEMM accumulator value at (m, n)."""
+    """The GEMM accumulator value at (m, n); index 1: the second accumulator of a dual GEMM
+    (A times the second B operand)."""
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def epi_loads(e: EpiExpr) -> list[Load]:
 
 def format_epi(e: EpiExpr) -> str:
     if isinstance(e, Accum):
-        return "acc"
+        return "acc" if e.index == 0 else f"acc{e.index}"
     if isinstance(e, Load):
         if e.kind in ("scalar", "full"):
             return e.name
@@ -253,6 +255,15 @@ class GemmStructure:
     dims: tuple[tuple[str, BatchExtent], ...]     # ("M", ..), ("N", ..), ("K", ..), ("L", ..)
     m_fold: tuple[str, ...] = ()                  # A's free labels folded into M before m (shared weight)
     k_fold: tuple[str, ...] = ()                  # reduced labels folded into K before k
+    # a dual GEMM (e.g. SwiGLU's gate and up projections): a second contraction of the same A with
+    # a second B operand (same dtype, layout and extents), accumulated beside the first (Accum(1))
+    anchor2: str | None = None
+    b2: str | None = None
+    b2_buffer: str | None = None
+
+    @property
+    def dual(self) -> bool:
+        return self.b2 is not None
 
 
 @dataclass(frozen=True)
@@ -494,14 +505,23 @@ def verify(ir: KernelIR) -> KernelIR:
         s = ir.gemm
         if seen.get(s.anchor) is None or seen[s.anchor].kind != "contraction":
             bad("the GEMM anchor is not a contraction")
-        for x, buf in ((s.a, s.a_buffer), (s.b, s.b_buffer)):
+        for x, buf in ((s.a, s.a_buffer), (s.b, s.b_buffer), *(((s.b2, s.b2_buffer),) if s.dual else ())):
             if x not in seen or seen[x].buffer != buf:
                 bad(f"GEMM operand {x} is not a load of {buf}")
+        if s.dual:
+            second = seen.get(s.anchor2)
+            if second is None or second.kind != "contraction" or second.axes != seen[s.anchor].axes or \
+                    {u for u, _ in second.args} != {s.a, s.b2}:
+                bad("the dual GEMM's second anchor is not a contraction of A and B2 over the same axes")
+            if (seen[s.b2].dtype, seen[s.b2].shape) != (seen[s.b].dtype, seen[s.b].shape):
+                bad("the dual GEMM's B operands differ in dtype or shape")
         if ir.epilogue is None or not ir.epilogue.stores:
             bad("a GEMM needs an epilogue with at least the output store")
         for st in (*ir.epilogue.stores, *ir.epilogue.reductions):
             if st.name not in bufs:
                 bad(f"epilogue store into unknown buffer {st.name}")
+            if any(isinstance(x, Accum) and x.index not in ((0, 1) if s.dual else (0,)) for x in epi_nodes(st.value)):
+                bad(f"epilogue of {st.name} reads an accumulator the GEMM does not have")
             for ld in epi_loads(st.value):
                 if ld.name not in bufs:
                     bad(f"epilogue load of unknown buffer {ld.name}")
@@ -556,8 +576,9 @@ def format_ir(ir: KernelIR) -> str:
         dims = ", ".join(f"{r}={_fmt_extent(v)}" for r, v in s.dims)
         m = f"({', '.join((*s.m_fold, s.m))})" if s.m_fold else s.m
         k = f"({', '.join((*s.k_fold, s.k))})" if s.k_fold else s.k
+        b2 = f" and acc1 = {s.a_buffer} x {s.b2_buffer}" if s.dual else ""
         lines.append(f"  gemm: {batch}{s.a_buffer} ({s.a_dtype}, {s.a_layout}) x {s.b_buffer} ({s.b_dtype}, "
-                     f"{s.b_layout}) -> acc {s.acc_dtype}; m={m} n={s.n} k={k}; {dims}")
+                     f"{s.b_layout}) -> acc {s.acc_dtype}{b2}; m={m} n={s.n} k={k}; {dims}")
     if ir.epilogue is not None:
         lines.append("  epilogue:")
         for st in ir.epilogue.stores:
@@ -598,7 +619,7 @@ def _epi_to_json(e: EpiExpr):
     if isinstance(e, Op):
         return {"Op": [e.fn, [_epi_to_json(a) for a in e.args]]}
     if isinstance(e, Accum):
-        return {"Accum": []}
+        return {"Accum": [e.index] if e.index else []}
     if isinstance(e, Score):
         return {"Score": []}
     if isinstance(e, Index):
@@ -618,7 +639,7 @@ def _epi_from_json(d) -> EpiExpr:
     if tag == "Op":
         return Op(v[0], tuple(_epi_from_json(a) for a in v[1]))
     if tag == "Accum":
-        return Accum()
+        return Accum(*v)
     if tag == "Score":
         return Score()
     if tag == "Index":

@@ -904,14 +904,106 @@ def test_shared_weight_linear_limits(body, why):
         assert any("not a GEMM" in n for n in res.notes)
 
 
-def test_swiglu_plans_three_gemms_with_the_gating_in_an_epilogue():
-    sched = plan_of((SPECS / "swiglu_mlp.kspec").read_text())
+SWIGLU = (SPECS / "swiglu_mlp.kspec").read_text()
+SWIGLU_SIZES = {"M": 4096, "K": 4096, "F": 11008, "N": 4096}
+
+
+class NoDualGemm(Planner):
+    """An oracle whose GEMM backends build no dual GEMMs (records the candidates fusion asked about)."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def can_fuse(self, ir, archs):
+        if ir.kind == "gemm" and ir.gemm.dual:
+            self.asked.append(ir)
+            return "no dual GEMM kernel here"
+        return super().can_fuse(ir, archs)
+
+
+def test_swiglu_gate_and_up_projections_are_one_dual_gemm():
+    """h = silu(X Wg^T) * (X Wu^T): one kernel reads each X tile once for both products (two
+    accumulators, Accum(0) and Accum(1)), then Y = h Wd^T: two GEMMs, no f32 [M, F] round trip."""
+    from kspec.compiler import cost
+    from kspec.compiler.kir import format_epi
+    sched = plan_kernel(kernel_of(SWIGLU), ARCHS, Planner())
+    g = sched.graph
+    check_partition(g, sched.fusion)
+    assert [p.kind for p in sched.plans] == ["gemm", "gemm"]
+    dual, down = sched.plans
+    s = dual.ir.gemm
+    assert s.dual and (s.a_buffer, {s.b_buffer, s.b2_buffer}) == ("X", {"Wg", "Wu"})
+    assert down.ir.gemm.a_buffer.startswith("h") and not down.ir.gemm.dual
+    (h,) = dual.ir.epilogue.stores
+    gate_acc = "acc" if s.b_buffer == "Wg" else "acc1"
+    up_acc = "acc1" if gate_acc == "acc" else "acc"
+    assert format_epi(h.value) == f"cast:f16(mul(silu({gate_acc}), {up_acc}))"
+    assert [b.dtype for b in sched.intermediates] == ["f16"]
+    assert all(c.backend == "cute" for p in sched.plans for c in p.choices.values())
+    assert any("one dual GEMM" in n for n in sched.fusion.notes)
+    # DRAM bytes at LLaMA-7B sizes: 912 MB as three GEMMs, 518 MB with the dual GEMM
+    three = plan_kernel(kernel_of(SWIGLU), ARCHS, NoDualGemm())
+    fused_bytes, three_bytes = cost(sched, SWIGLU_SIZES).fused_bytes, cost(three, SWIGLU_SIZES).fused_bytes
+    assert fused_bytes < 0.6 * three_bytes
+    X, W, H, Y = 4096 * 4096 * 2, 11008 * 4096 * 2, 4096 * 11008 * 2, 4096 * 4096 * 2
+    assert fused_bytes == (X + 2 * W + H) + (H + 4096 * 11008 * 2 + Y)
+
+
+def test_swiglu_without_a_dual_gemm_backend_plans_three_gemms_with_a_note():
+    oracle = NoDualGemm()
+    sched = plan_kernel(kernel_of(SWIGLU), ARCHS, oracle)
     g = sched.graph
     assert [p.kind for p in sched.plans] == ["gemm", "gemm", "gemm"]
+    assert len(oracle.asked) == 1 and oracle.asked[0].gemm.dual
     gate = sched.plans[1]
     assert sorted(op(g, n).fn for n in gate.group.nodes if op(g, n).kind == "elementwise") == ["mul", "silu"]
     assert [b.dtype for b in sched.intermediates] == ["f32", "f16"]
+    assert any("share their A operand X but stay separate GEMMs: no GEMM backend builds the dual GEMM "
+               "(no dual GEMM kernel here)" in n for n in sched.fusion.notes), sched.fusion.notes
     lower_all(sched)
+
+
+def test_cutlass_declines_the_dual_gemm_by_capability():
+    from kspec.backends import registry
+    sched = plan_kernel(kernel_of(SWIGLU), ARCHS, Planner())
+    why = registry.get("cutlass").can_implement(sched.plans[0].ir, "sm90a")
+    assert "dual GEMMs" in why
+
+
+@pytest.mark.parametrize("body,dual", [
+    # two products of X merely read side by side (Q/K/V-style projections): separate GEMMs, no note
+    ("  out G : f16[M, F]\n  out U : f16[M, F]\n  G[m, f] = sum(k) X[m, k] * Wg[f, k]\n"
+     "  U[m, f] = sum(k) X[m, k] * Wu[f, k]\n}", False),
+    # the up projection is also an output: its value leaves the epilogue
+    ("  out U : f32[M, F]\n  out H : f16[M, F]\n  U[m, f] = sum(k) X[m, k] * Wu[f, k]\n"
+     "  H[m, f] = silu(sum(k) X[m, k] * Wg[f, k]) * U[m, f]\n}", False),
+    # combined with a bias and a gelu: still one dual GEMM
+    ("  in  bu : f32[F]\n  out H : f16[M, F]\n"
+     "  H[m, f] = gelu(sum(k) X[m, k] * Wg[f, k]) * (sum(k) X[m, k] * Wu[f, k] + bu[f])\n}", True),
+])
+def test_dual_gemm_recognition_limits(body, dual):
+    head = "kernel d {\n  in X : f16[M, K]\n  in Wg : f16[F, K]\n  in Wu : f16[F, K]\n"
+    sched = plan_kernel(kernel_of(head + body), ARCHS, Planner())
+    check_partition(sched.graph, sched.fusion)
+    assert [p.ir.gemm.dual for p in sched.plans if p.kind == "gemm"] == ([True] if dual else [False, False])
+    if not dual:
+        assert not any("one dual GEMM" in n for n in sched.fusion.notes)
+
+
+def test_dual_gemm_fused_reference_matches_float64_numpy():
+    import numpy as np
+    from kspec.backends.reference import reference
+    rng = np.random.default_rng(11)
+    M, K, F, N = 6, 16, 10, 8
+    args = {k: (rng.standard_normal(s) / 2).astype(np.float16)
+            for k, s in (("X", (M, K)), ("Wg", (F, K)), ("Wu", (F, K)), ("Wd", (N, F)))}
+    out = reference(SWIGLU)(**args)["Y"]
+    assert out.tobytes() == reference(SWIGLU, fused=False)(**args)["Y"].tobytes()
+    f = {k: v.astype(np.float64) for k, v in args.items()}
+    gate, up = f["X"] @ f["Wg"].T, f["X"] @ f["Wu"].T
+    h = (gate / (1 + np.exp(-gate)) * up).astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(out.astype(np.float64), h @ f["Wd"].T, rtol=5e-3, atol=5e-3)
 
 
 def test_attention_output_projection_folds_heads_into_k():

@@ -55,7 +55,7 @@ class CuteBackend:
         if why:
             return why
         if self._hinted(ir, arch):
-            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch)
+            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch, desc.b2 is not None)
             if bad is not None:
                 return f"the schedule hint is not a CuTe DSL configuration: {bad}"
         return None

@@ -102,6 +102,8 @@ class _Builder:
 
     def _value(self, e: EpiExpr) -> str:
         if isinstance(e, Accum):
+            if e.index:
+                raise KspecInternalError(f"EVT epilogue of '{self.desc.name}' reads a second accumulator")
             return "accum"
         if isinstance(e, Const):
             return self._imm(e.value)
