@@ -547,3 +547,135 @@ def test_per_batch_vectors_build_offline_and_launch_through_the_fake_driver(tmp_
     words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
     for t in (A, B, D, bias, cs):
         assert t.__cuda_array_interface__["data"][0] in words
+
+
+# ------------------------------------------------------------------ dual GEMM (SwiGLU gate + up)
+
+def _dual_desc(arch="sm90a", value=None):
+    v = value or Op("cast:f16", (Op("mul", (Op("silu", (Accum(),)), Accum(1))),))
+    return GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                    Store("t3", v, "f16"), b2=Operand("t2", "f16", "col"))
+
+
+def test_dual_epilogue_reads_both_accumulators_against_float64_numpy():
+    """silu(X Wg^T) * (X Wu^T): the generated epilogue takes the second accumulator as acc1; the
+    accumulators are the two products of one A tile (float64 here)."""
+    bias = Load("t4", "row", "f32")
+    d = _dual_desc(value=Op("mul", (Op("silu", (Accum(),)), Op("add", (Accum(1), bias)))))
+    code = epilogue.generate(d)
+    assert "acc1" in code.source and code.source.startswith("def kspec_epilogue(acc, ins, sc, acc1=None):")
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((12, 32)).astype(np.float16)
+    Wg, Wu = (rng.standard_normal((20, 32)).astype(np.float16) for _ in range(2))
+    b = rng.standard_normal(20).astype(np.float32)
+    x, g, u = (t.astype(np.float64) for t in (X, Wg, Wu))
+    acc, acc1 = (x @ g.T).astype(np.float32), (x @ u.T).astype(np.float32)
+    (got,) = epilogue.run_numpy(code, acc, (np.broadcast_to(b, acc.shape),), (), acc1)
+    gate = x @ g.T
+    want = gate / (1 + np.exp(-gate)) * (x @ u.T + b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a plain GEMM has no second accumulator
+    with pytest.raises(KspecInternalError, match="accumulator 1"):
+        epilogue.generate(_desc(Accum(1)))
+
+
+def test_dual_gemm_abi_and_configurations():
+    d = _dual_desc()
+    code = epilogue.generate(d)
+    assert gemm.abi_names(d, code) == ("t0", "t1", "t2", "t3")
+    abi = {t.name: t for t in gemm.tensor_abi(d, code)}
+    assert {n: t.ptr_index for n, t in abi.items()} == {"a": 0, "b": 1, "b2": 2, "d": 3}
+    assert abi["b2"].stride == abi["b"].stride and abi["b2"].tma
+    for arch in ARCHS:
+        cands = gemm.candidates(d, arch)
+        assert cands and all(c.tile[1] <= gemm.DUAL_MAX_TILE_N for c in cands)
+        assert "dual GEMM" in gemm.valid_config(gemm.CuteConfig((128, 256)), arch, dual=True)
+        big = gemm.default_config(d, arch, {"M": 8192, "N": 8192})
+        assert gemm.valid_config(big, arch, dual=True) is None and big.tile[1] == 128
+    assert gemm.default_config(d, "sm100a", {"M": 8192, "N": 8192}).use_2cta
+    src = gemm.entry_source(d, "sm90a", gemm.CuteConfig((128, 128)), code)
+    assert "dual=True)" in src and "max_clusters, stream, (b2, ))" in src
+    bad = GemmDesc("k_0", "sm90a", d.a, d.b, "f32", d.output, b2=Operand("t2", "bf16", "col"))
+    assert "dual GEMM B operands" in gemm.can_implement(bad, "sm90a")
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch,cfg", [("sm90a", gemm.CuteConfig((64, 128))), ("sm90a", gemm.CuteConfig((128, 128), (2, 1))),
+                                      ("sm100a", gemm.CuteConfig((128, 128))),
+                                      ("sm100a", gemm.CuteConfig((256, 128), (2, 1), True))])
+def test_dual_gemm_multiplies_each_a_tile_into_two_accumulators(arch, cfg):
+    """The dual kernel multiplies each A tile in shared memory by both B tiles: on sm90a it issues
+    twice the WGMMAs of the same GEMM with one B per k-tile, into two register accumulators; on
+    sm100a its UMMAs write two tensor-memory accumulators (the one-B kernel: one); B2 arrives by TMA
+    beside B; nothing spills."""
+    import re
+    from kspec.backends.toolchain import find_toolchain
+    dual = _dual_desc(arch)
+    one = GemmDesc("k_0", arch, dual.a, dual.b, "f32", Store("t3", Op("cast:f16", (Op("silu", (Accum(),)),)), "f16"))
+    ptx = {}
+    for name, d in (("one", one), ("dual", dual)):
+        b = cbuild.build(d, arch, test_cache_root(), cfg)
+        ptx[name] = (Path(b.cubin).parent / "kernel.ptx").read_text()
+        try:
+            tc = find_toolchain()
+            sass = _sass(Path(b.cubin), tc)
+            assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+            assert " STL" not in sass, "the accumulators spill to local memory"
+        except KspecInternalError:
+            pass
+    if arch == "sm90a":
+        n = {k: len(re.findall(r"wgmma\.mma_async", v)) for k, v in ptx.items()}
+        # (with M = 128 the dual kernel splits the tile over two warpgroups, the one-B kernel does not)
+        assert n["one"] > 0 and (n["dual"] == 2 * n["one"] if cfg.tile[0] == 64 else n["dual"] > 0), n
+    else:
+        accs = {k: {m for m in re.findall(r"tcgen05\.mma\.[\w:.]+ \[(%r\d+)\]", v)} for k, v in ptx.items()}
+        assert len(accs["one"]) == 1 and len(accs["dual"]) >= 2, accs
+    # the TMA loads of the producer: one more tensor (B2) per stage
+    assert ptx["dual"].count("cp.async.bulk.tensor") > ptx["one"].count("cp.async.bulk.tensor")
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_swiglu_mlp_builds_two_kernels_and_launches_through_the_fake_driver(tmp_path, monkeypatch, arch):
+    """specs/swiglu_mlp.kspec: the dual gate/up GEMM then the down projection, both CuTe DSL on
+    tensor cores; the first launch reads X, Wg and Wu, the second Wd and writes Y."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime import driver
+    from test_runtime import FakeCAI
+    art = compile_spec(SPECS / "swiglu_mlp.kspec", (arch,), tmp_path, cache=CompileCache(test_cache_root()),
+                       backend="cute")
+    m = json.loads((art / "manifest.json").read_text())
+    plans = m["kernels"][0]["plans"]
+    assert len(plans) == 2 and all(p["binaries"][arch]["config"]["backend"] == "cute" for p in plans)
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        tc = None
+    if tc is not None and tc.cuobjdump is not None:
+        for p in plans:
+            assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in _sass(art / p["binaries"][arch]["cubin"], tc)
+    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    monkeypatch.setattr(driver, "_driver", rec)
+    mod = kspec.load(art)
+    base = 0x7F0000000000
+    M, K, F, N = 256, 512, 1024, 512
+    X = FakeCAI(base, (M, K))
+    Wg, Wu = FakeCAI(base + 0x1000000, (F, K)), FakeCAI(base + 0x2000000, (F, K))
+    Wd = FakeCAI(base + 0x3000000, (N, F))
+    Y = FakeCAI(base + 0x4000000, (M, N))
+    mod.swiglu_mlp(X, Wg, Wu, Wd, Y=Y)
+    launches = [e for e in rec.log if e[0] == "launch"]
+    assert len(launches) == 2
+
+    def words(blob):
+        return set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+    first, second = (words(l[-1]) for l in launches)
+    for t in (X, Wg, Wu):
+        assert t.__cuda_array_interface__["data"][0] in first
+    for t in (Wd, Y):
+        assert t.__cuda_array_interface__["data"][0] in second
