@@ -223,6 +223,7 @@ CUTE_SPECS = {   # spec -> tensor-core instruction per arch (by operand dtype)
     "gemm_bias_gelu_residual": ("HGMMA", "UTCHMMA"),
     "batched_gemm": ("HGMMA", "UTCHMMA"),
     "batched_gemm_shared_b": ("HGMMA", "UTCHMMA"),     # the batch folded into M: one GEMM
+    "masked_scores": ("HGMMA", "UTCHMMA"),             # a per-batch mask row in the epilogue
     "fp8_gemm_scaled": ("QGMMA", "UTCQMMA"),
     "gemm_int8": ("IGMMA", "UTCIMMA"),
     "gemm_tf32": (None, "UTCHMMA"),          # sm90a: CUTLASS C++ (no tf32 WGMMA in the DSL wheel)
