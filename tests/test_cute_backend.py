@@ -544,6 +544,7 @@ def test_per_batch_vectors_build_offline_and_launch_through_the_fake_driver(tmp_
     D = FakeCAI(base + 0x4000000, (L, M, N))
     mod.bgemm_bias(A, B, bias, cs, D=D)
     (launch,) = [e for e in rec.log if e[0] == "launch"]
+    assert 0 < launch[5] <= 232448
     blob = launch[-1]
     words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
     for t in (A, B, D, bias, cs):
@@ -672,6 +673,7 @@ def test_swiglu_mlp_builds_two_kernels_and_launches_through_the_fake_driver(tmp_
     mod.swiglu_mlp(X, Wg, Wu, Wd, Y=Y)
     launches = [e for e in rec.log if e[0] == "launch"]
     assert len(launches) == 2
+    assert all(0 < l[5] <= 232448 for l in launches), [l[5] for l in launches]     # dynamic shared memory
 
     def words(blob):
         return set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))

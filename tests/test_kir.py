@@ -150,19 +150,10 @@ def test_verifier_rejects_broken_attention_mods(which, message):
         verify(_with_mods(**mods))
 
 
-PER_BATCH_BIAS = """kernel bgemm_bias {
-  in  A    : f16[L, M, K]
-  in  B    : f16[L, K, N]
-  in  bias : f16[L, N]
-  in  cs   : f32[L, M]
-  out D    : f16[L, M, N]
-  D[l, m, n] = relu(cs[l, m] * sum(k) A[l, m, k] * B[l, k, n] + bias[l, n])
-}"""
-
-
 def test_per_batch_epilogue_vectors_print_verify_and_round_trip():
     from kspec.compiler.kir import Epilogue, Load, Op, Store
-    (p,) = plan_kernel(load_spec(PER_BATCH_BIAS, is_text=True).kernels[0], ("sm90a", "sm100a"), Planner()).plans
+    from test_fusion import BATCHED_BIAS
+    (p,) = plan_kernel(load_spec(BATCHED_BIAS, is_text=True).kernels[0], ("sm90a", "sm100a"), Planner()).plans
     ir = verify(p.ir)
     text = format_ir(ir)
     assert "D : f16 (row) = cast:f16(relu(add(mul(cs[l, m], acc), bias[l, n])))" in text
