@@ -678,7 +678,7 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
         ops.append(d)
     doc = {"id": ir.id, "kind": ir.kind, "spec_kernel": ir.spec_kernel,
            "buffers": [plain(b) for b in ir.buffers], "ops": ops, "stores": [[n, b, list(l)] for n, b, l in ir.stores],
-           "gemm": plain(ir.gemm) if ir.gemm else None,
+           "gemm": _gemm_to_json(ir.gemm, plain) if ir.gemm else None,
            "attention": _attention_to_json(ir.attention, plain, value) if ir.attention else None,
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
@@ -689,6 +689,16 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
             "reductions": [{"name": r.name, "op": r.op, "axis": r.axis, "value": _epi_to_json(r.value),
                             "dtype": r.dtype} for r in ir.epilogue.reductions]}
     return json.loads(json.dumps(doc))
+
+
+def _gemm_to_json(s: GemmStructure, plain) -> dict:
+    """A GEMM's fields; a dual GEMM's fields only when it is one, so a plain GEMM's digest (the key
+    of its builds and tuning results) is what it was before dual GEMMs existed."""
+    d = plain(s)
+    if not s.dual:
+        for k in ("anchor2", "b2", "b2_buffer"):
+            del d[k]
+    return d
 
 
 def _attention_to_json(a: AttentionStructure, plain, value) -> dict:
