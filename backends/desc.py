@@ -49,6 +49,9 @@ class GemmDesc:
     tile: tuple[int, int, int] | None = None       # CTA tile M x N x K; None = backend default
     cluster: tuple[int, int, int] | None = None
     stages: int | None = None
+    # a dual GEMM: a second B operand (same dtype, layout and extents as b) whose product with A is
+    # the epilogue's Accum(1) (SwiGLU's up projection beside the gate projection)
+    b2: Operand | None = None
 
 
 @dataclass(frozen=True)

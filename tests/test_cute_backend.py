@@ -223,6 +223,7 @@ CUTE_SPECS = {   # spec -> tensor-core instruction per arch (by operand dtype)
     "gemm_bias_gelu_residual": ("HGMMA", "UTCHMMA"),
     "batched_gemm": ("HGMMA", "UTCHMMA"),
     "batched_gemm_shared_b": ("HGMMA", "UTCHMMA"),     # the batch folded into M: one GEMM
+    "masked_scores": ("HGMMA", "UTCHMMA"),             # a per-batch mask row in the epilogue
     "fp8_gemm_scaled": ("QGMMA", "UTCQMMA"),
     "gemm_int8": ("IGMMA", "UTCIMMA"),
     "gemm_tf32": (None, "UTCHMMA"),          # sm90a: CUTLASS C++ (no tf32 WGMMA in the DSL wheel)
@@ -434,3 +435,250 @@ def test_auxiliary_output_is_stored_by_tma_beside_d(arch):
         pytest.skip("no cuobjdump for the SASS check")
     sass = _sass(Path(b.cubin), tc)
     assert sass.count("UTMASTG") >= 2
+
+
+# ------------------------------------------------------------------ per-batch epilogue vectors
+
+def _batched_desc(arch="sm90a"):
+    v = Op("relu", (Op("add", (Op("mul", (Load("t4", "col_batched", "f32"), Accum())), Load("t2", "row_batched", "f16"))),))
+    return GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                    Store("t3", v, "f16"), batched=True)
+
+
+def test_per_batch_vectors_are_n_by_l_and_m_by_l_tensors_in_the_abi():
+    d = _batched_desc()
+    code = epilogue.generate(d)
+    assert code.input_kinds == ("col_batched", "row_batched")
+    abi = {t.name: t for t in gemm.tensor_abi(d, code)}
+    assert (abi["i0"].shape, abi["i0"].stride, abi["i0"].tma) == (("M", "L"), (1, ("M",)), False)
+    assert (abi["i1"].shape, abi["i1"].stride, abi["i1"].tma) == (("N", "L"), (1, ("N",)), False)
+    glue = cbuild.glue_source(list(abi.values()), 0, "ciface", "entry", (0,), (8,), 1, 0)
+    assert "ks_tensor_i1 t_i1 = {ptrs[3], {(int32_t)N, (int32_t)L}, {(int64_t)N}};" in glue
+    assert "ks_tensor_i0 t_i0 = {ptrs[2], {(int32_t)M, (int32_t)L}, {(int64_t)M}};" in glue
+    # a GEMM that is not batched has no per-batch vectors
+    flat = GemmDesc("k_0", "sm90a", d.a, d.b, "f32", d.output)
+    assert "not batched" in epilogue.unsupported(flat)
+
+
+def test_per_batch_vectors_staged_per_tile_match_float64_numpy():
+    """Emulates the kernels' staging of vector inputs (element i of the tile's slice at coordinate
+    (i, l) of the (N, L) / (M, L) tensor the ABI describes over the row-major [L, N] / [L, M] buffer)
+    and runs the generated epilogue per tile, against float64 numpy of the spec's semantics."""
+    d = _batched_desc()
+    code = epilogue.generate(d)
+    abi = {t.name: t for t in gemm.tensor_abi(d, code)}
+    rng = np.random.default_rng(7)
+    L, M, N, tm, tn = 3, 10, 12, 4, 8
+    dims = {"M": M, "N": N, "L": L}
+    acc = rng.standard_normal((L, M, N)).astype(np.float32)
+    cs = rng.standard_normal((L, M)).astype(np.float32)
+    bias = rng.standard_normal((L, N)).astype(np.float16)
+    flat = {"i0": cs.reshape(-1), "i1": bias.reshape(-1)}
+
+    def element(t, i, l):
+        strides = [1 if s == 1 else math.prod(dims[x] for x in s) for s in t.stride]
+        return flat[t.name][i * strides[0] + l * strides[1]]
+
+    got = np.zeros((L, M, N), np.float32)
+    for l in range(L):
+        for m0 in range(0, M, tm):
+            for n0 in range(0, N, tn):
+                rows = [min(m0 + i, M - 1) for i in range(tm)]         # clamped as the kernels do
+                cols = [min(n0 + i, N - 1) for i in range(tn)]
+                vm = np.array([element(abi["i0"], m, l) for m in rows], np.float32)
+                vn = np.array([element(abi["i1"], n, l) for n in cols], np.float32)
+                tile = acc[l][np.ix_(rows, cols)]
+                (out,) = epilogue.run_numpy(code, tile, (np.broadcast_to(vm[:, None], tile.shape),
+                                                         np.broadcast_to(vn[None, :], tile.shape)), ())
+                got[l, m0:m0 + tm, n0:n0 + tn] = out[:min(tm, M - m0), :min(tn, N - n0)]
+    want = np.maximum(cs.astype(np.float64)[:, :, None] * acc + bias.astype(np.float64)[:, None, :], 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+PER_BATCH_SPEC = """kernel bgemm_bias {
+  in  A    : f16[L, M, K]
+  in  B    : f16[L, K, N] col
+  in  bias : f16[L, N]
+  in  cs   : f32[L, M]
+  out D    : f16[L, M, N]
+  D[l, m, n] = relu(cs[l, m] * sum(k) A[l, m, k] * B[l, k, n] + bias[l, n])
+}
+"""
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_batch_vectors_build_offline_and_launch_through_the_fake_driver(tmp_path, monkeypatch, arch):
+    """bias[l, n] and cs[l, m] in one batched CuTe DSL GEMM: tensor-core SASS, and the launch passes
+    both vectors' addresses to the kernel."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime import driver
+    from test_runtime import FakeCAI
+    spec = tmp_path / "bgemm_bias.kspec"
+    spec.write_text(PER_BATCH_SPEC)
+    art = compile_spec(spec, (arch,), tmp_path / "out", cache=CompileCache(test_cache_root()), backend="cute")
+    m = json.loads((art / "manifest.json").read_text())
+    (plan,) = m["kernels"][0]["plans"]
+    b = plan["binaries"][arch]
+    assert b["config"]["backend"] == "cute"
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        tc = None
+    if tc is not None and tc.cuobjdump is not None:
+        sass = _sass(art / b["cubin"], tc)
+        assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    monkeypatch.setattr(driver, "_driver", rec)
+    mod = kspec.load(art)
+    base = 0x7F0000000000
+    L, M, N, K = 4, 300, 256, 128
+    A = FakeCAI(base, (L, M, K))
+    B = FakeCAI(base + 0x1000000, (L, K, N), strides=(K * N * 2, 2, K * 2))
+    bias = FakeCAI(base + 0x2000000, (L, N))
+    cs = FakeCAI(base + 0x3000000, (L, M), typestr="<f4")
+    D = FakeCAI(base + 0x4000000, (L, M, N))
+    mod.bgemm_bias(A, B, bias, cs, D=D)
+    (launch,) = [e for e in rec.log if e[0] == "launch"]
+    assert 0 < launch[5] <= 232448
+    blob = launch[-1]
+    words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+    for t in (A, B, D, bias, cs):
+        assert t.__cuda_array_interface__["data"][0] in words
+
+
+# ------------------------------------------------------------------ dual GEMM (SwiGLU gate + up)
+
+def _dual_desc(arch="sm90a", value=None):
+    v = value or Op("cast:f16", (Op("mul", (Op("silu", (Accum(),)), Accum(1))),))
+    return GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                    Store("t3", v, "f16"), b2=Operand("t2", "f16", "col"))
+
+
+def test_dual_epilogue_reads_both_accumulators_against_float64_numpy():
+    """silu(X Wg^T) * (X Wu^T): the generated epilogue takes the second accumulator as acc1; the
+    accumulators are the two products of one A tile (float64 here)."""
+    bias = Load("t4", "row", "f32")
+    d = _dual_desc(value=Op("mul", (Op("silu", (Accum(),)), Op("add", (Accum(1), bias)))))
+    code = epilogue.generate(d)
+    assert "acc1" in code.source and code.source.startswith("def kspec_epilogue(acc, ins, sc, acc1=None):")
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((12, 32)).astype(np.float16)
+    Wg, Wu = (rng.standard_normal((20, 32)).astype(np.float16) for _ in range(2))
+    b = rng.standard_normal(20).astype(np.float32)
+    x, g, u = (t.astype(np.float64) for t in (X, Wg, Wu))
+    acc, acc1 = (x @ g.T).astype(np.float32), (x @ u.T).astype(np.float32)
+    (got,) = epilogue.run_numpy(code, acc, (np.broadcast_to(b, acc.shape),), (), acc1)
+    gate = x @ g.T
+    want = gate / (1 + np.exp(-gate)) * (x @ u.T + b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a plain GEMM has no second accumulator
+    with pytest.raises(KspecInternalError, match="accumulator 1"):
+        epilogue.generate(_desc(Accum(1)))
+
+
+def test_dual_gemm_abi_and_configurations():
+    d = _dual_desc()
+    code = epilogue.generate(d)
+    assert gemm.abi_names(d, code) == ("t0", "t1", "t2", "t3")
+    abi = {t.name: t for t in gemm.tensor_abi(d, code)}
+    assert {n: t.ptr_index for n, t in abi.items()} == {"a": 0, "b": 1, "b2": 2, "d": 3}
+    assert abi["b2"].stride == abi["b"].stride and abi["b2"].tma
+    for arch in ARCHS:
+        cands = gemm.candidates(d, arch)
+        assert cands and all(c.tile[1] <= gemm.DUAL_MAX_TILE_N for c in cands)
+        assert "dual GEMM" in gemm.valid_config(gemm.CuteConfig((128, 256)), arch, dual=True)
+        big = gemm.default_config(d, arch, {"M": 8192, "N": 8192})
+        assert gemm.valid_config(big, arch, dual=True) is None and big.tile[1] == 128
+    assert gemm.default_config(d, "sm100a", {"M": 8192, "N": 8192}).use_2cta
+    src = gemm.entry_source(d, "sm90a", gemm.CuteConfig((128, 128)), code)
+    assert "dual=True)" in src and "max_clusters, stream, (b2, ))" in src
+    bad = GemmDesc("k_0", "sm90a", d.a, d.b, "f32", d.output, b2=Operand("t2", "bf16", "col"))
+    assert "dual GEMM B operands" in gemm.can_implement(bad, "sm90a")
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch,cfg", [("sm90a", gemm.CuteConfig((64, 128))), ("sm90a", gemm.CuteConfig((128, 128), (2, 1))),
+                                      ("sm100a", gemm.CuteConfig((128, 128))),
+                                      ("sm100a", gemm.CuteConfig((256, 128), (2, 1), True))])
+def test_dual_gemm_multiplies_each_a_tile_into_two_accumulators(arch, cfg):
+    """The dual kernel multiplies each A tile in shared memory by both B tiles: on sm90a it issues
+    twice the WGMMAs of the same GEMM with one B per k-tile, into two register accumulators; on
+    sm100a its UMMAs write two tensor-memory accumulators (the one-B kernel: one); B2 arrives by TMA
+    beside B; nothing spills."""
+    import re
+    from kspec.backends.toolchain import find_toolchain
+    dual = _dual_desc(arch)
+    one = GemmDesc("k_0", arch, dual.a, dual.b, "f32", Store("t3", Op("cast:f16", (Op("silu", (Accum(),)),)), "f16"))
+    ptx = {}
+    for name, d in (("one", one), ("dual", dual)):
+        b = cbuild.build(d, arch, test_cache_root(), cfg)
+        ptx[name] = (Path(b.cubin).parent / "kernel.ptx").read_text()
+        try:
+            tc = find_toolchain()
+            sass = _sass(Path(b.cubin), tc)
+            assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+            assert " STL" not in sass, "the accumulators spill to local memory"
+        except KspecInternalError:
+            pass
+    if arch == "sm90a":
+        n = {k: len(re.findall(r"wgmma\.mma_async", v)) for k, v in ptx.items()}
+        # (with M = 128 the dual kernel splits the tile over two warpgroups, the one-B kernel does not)
+        assert n["one"] > 0 and (n["dual"] == 2 * n["one"] if cfg.tile[0] == 64 else n["dual"] > 0), n
+    else:
+        accs = {k: {m for m in re.findall(r"tcgen05\.mma\.[\w:.]+ \[(%r\d+)\]", v)} for k, v in ptx.items()}
+        assert len(accs["one"]) == 1 and len(accs["dual"]) >= 2, accs
+    # the TMA loads of the producer: one more tensor (B2) per stage
+    assert ptx["dual"].count("cp.async.bulk.tensor") > ptx["one"].count("cp.async.bulk.tensor")
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_swiglu_mlp_builds_two_kernels_and_launches_through_the_fake_driver(tmp_path, monkeypatch, arch):
+    """specs/swiglu_mlp.kspec: the dual gate/up GEMM then the down projection, both CuTe DSL on
+    tensor cores; the first launch reads X, Wg and Wu, the second Wd and writes Y."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime import driver
+    from test_runtime import FakeCAI
+    art = compile_spec(SPECS / "swiglu_mlp.kspec", (arch,), tmp_path, cache=CompileCache(test_cache_root()),
+                       backend="cute")
+    m = json.loads((art / "manifest.json").read_text())
+    plans = m["kernels"][0]["plans"]
+    assert len(plans) == 2 and all(p["binaries"][arch]["config"]["backend"] == "cute" for p in plans)
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        tc = None
+    if tc is not None and tc.cuobjdump is not None:
+        for p in plans:
+            assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in _sass(art / p["binaries"][arch]["cubin"], tc)
+    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    monkeypatch.setattr(driver, "_driver", rec)
+    mod = kspec.load(art)
+    base = 0x7F0000000000
+    M, K, F, N = 256, 512, 1024, 512
+    X = FakeCAI(base, (M, K))
+    Wg, Wu = FakeCAI(base + 0x1000000, (F, K)), FakeCAI(base + 0x2000000, (F, K))
+    Wd = FakeCAI(base + 0x3000000, (N, F))
+    Y = FakeCAI(base + 0x4000000, (M, N))
+    mod.swiglu_mlp(X, Wg, Wu, Wd, Y=Y)
+    launches = [e for e in rec.log if e[0] == "launch"]
+    assert len(launches) == 2
+    assert all(0 < l[5] <= 232448 for l in launches), [l[5] for l in launches]     # dynamic shared memory
+
+    def words(blob):
+        return set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+    first, second = (words(l[-1]) for l in launches)
+    for t in (X, Wg, Wu):
+        assert t.__cuda_array_interface__["data"][0] in first
+    for t in (Wd, Y):
+        assert t.__cuda_array_interface__["data"][0] in second

@@ -32,7 +32,7 @@ class CuteBackend:
                        ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
         epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
                                 "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs", "clamp")),
-        epilogue_loads=frozenset(("row", "col", "full", "scalar")))
+        epilogue_loads=frozenset(("row", "col", "row_batched", "col_batched", "full", "scalar")))
 
     def available(self) -> str | None:
         from . import compat
@@ -55,7 +55,7 @@ class CuteBackend:
         if why:
             return why
         if self._hinted(ir, arch):
-            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch)
+            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch, desc.b2 is not None)
             if bad is not None:
                 return f"the schedule hint is not a CuTe DSL configuration: {bad}"
         return None

@@ -17,6 +17,8 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
                                       transform_partitioned_tensor_layout)
 
@@ -26,7 +28,7 @@ class Sm100Gemm:
     shape (M must be even with 2-CTA UMMA)."""
 
     def __init__(self, acc_dtype, mma_tiler_mn, cluster_mn, use_2cta, epi_fn, input_kinds, num_scalars,
-                 stages=None):
+                 stages=None, dual=False):
         self.acc_dtype = acc_dtype
         self.mma_tiler = (*mma_tiler_mn, 1)
         self.cluster_shape_mn = tuple(cluster_mn)
@@ -36,6 +38,9 @@ class Sm100Gemm:
         self.input_kinds = tuple(input_kinds)
         self.num_scalars = num_scalars
         self.stages_override = stages
+        # a dual GEMM: a second B operand sharing the A tiles, and a second TMEM accumulator per
+        # stage (stage s of the second at buffer s + num_acc_stage)
+        self.dual = dual
         self.epilogue_warp_id = (0, 1, 2, 3)
         self.mma_warp_id = 4
         self.tma_warp_id = 5
@@ -43,6 +48,11 @@ class Sm100Gemm:
         self.epilog_sync_bar_id = 1
         self.tmem_alloc_sync_bar_id = 2
         self.arch = "sm_100"
+
+    def _vector_coord(self, j, i, batch):
+        """The coordinate of element i of epilogue vector input j in the tile's batch entry: vectors
+        shared by the batch are (N,)/(M,), per-batch vectors (N, L)/(M, L)."""
+        return (i, batch) if self.input_kinds[j].endswith("_batched") else i
 
     def _in_layout(self):
         """Shared-memory layout of one full-input sub-tile: (EPI_M, EPI_N), n contiguous."""
@@ -70,7 +80,7 @@ class Sm100Gemm:
         self.num_acc_stage = 2
         a1 = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, 1)
         b1 = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, 1)
-        ab_bytes = cute.size_in_bytes(self.a_dtype, a1) + cute.size_in_bytes(self.b_dtype, b1)
+        ab_bytes = cute.size_in_bytes(self.a_dtype, a1) + cute.size_in_bytes(self.b_dtype, b1) * (1 + int(self.dual))
         c1 = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
         c_bytes = cute.size_in_bytes(self.c_dtype, c1)
         self.num_c_stage = 2
@@ -78,9 +88,9 @@ class Sm100Gemm:
         # sub-tiles (their dtype, loaded by TMA)
         in_bytes = 0
         for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind == "row":
+            if kind in ROW_KINDS:
                 in_bytes += self.mma_tiler[1] * 4 + 128
-            elif kind == "col":
+            elif kind in COL_KINDS:
                 in_bytes += self.mma_tiler[0] * 4 + 128
             else:
                 in_bytes += 2 * self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128   # double-buffered
@@ -95,11 +105,12 @@ class Sm100Gemm:
                                                               self.num_c_stage)
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         self.num_tmem_cols = utils.get_num_tmem_alloc_cols(
-            tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage)), arch=self.arch)
+            tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage * (1 + int(self.dual)))),
+            arch=self.arch)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream):
+                 max_active_clusters: cutlass.Int32, stream, b2s=()):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = c.element_type
@@ -128,8 +139,12 @@ class Sm100Gemm:
         tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
             sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id), b, b_smem,
             self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32)
+        # a dual GEMM's second B operand: the same tiles, loaded beside B into its own stage ring
+        b2_loads = [cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id), x, b_smem,
+            self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32) for x in b2s]
         self.num_tma_load_bytes = (cute.size_in_bytes(self.a_dtype, a_smem)
-                                   + cute.size_in_bytes(self.b_dtype, b_smem)) * v
+                                   + cute.size_in_bytes(self.b_dtype, b_smem) * (1 + len(b2s))) * v
         aux_atoms, aux_tmas = [], []
         for x in auxes:
             atom, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), x,
@@ -144,7 +159,7 @@ class Sm100Gemm:
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
         self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, tuple(aux_atoms), tuple(aux_tmas), inputs,
                     tuple(full_atoms), tuple(full_tmas),
-                    scalars, self.cluster_layout_vmnk,
+                    scalars, tuple(x[0] for x in b2_loads), tuple(x[1] for x in b2_loads), self.cluster_layout_vmnk,
                     self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1), stream=stream)
 
@@ -152,7 +167,7 @@ class Sm100Gemm:
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, aux_atoms, aux_tmas,
                inputs, full_atoms,
-               full_tmas, scalars,
+               full_tmas, scalars, b2_atoms, b2_tmas,
                cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -202,6 +217,8 @@ class Sm100Gemm:
                                   swizzle=a_smem_staged.inner)
         sB = smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
                                   swizzle=b_smem_staged.inner)
+        sB2 = [smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
+                                    swizzle=b_smem_staged.inner) for _ in b2_atoms]
         a_mask = None
         b_mask = None
         if cutlass.const_expr(self.num_mcast_a > 1 or self.num_mcast_b > 1 or self.use_2cta_instrs):
@@ -224,10 +241,17 @@ class Sm100Gemm:
         tBsB, tBgB = cpasync.tma_partition(
             tma_b, crd_vmnk[1], cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape),
             cute.group_modes(sB, 0, 3), cute.group_modes(tCgB, 0, 3))
+        b2_part = [cpasync.tma_partition(
+            b2_atoms[x], crd_vmnk[1], cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape),
+            cute.group_modes(sB2[x], 0, 3),
+            cute.group_modes(thr_mma.partition_B(cute.local_tile(
+                b2_tmas[x], cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))), 0, 3))
+            for x in range(len(b2_atoms))]
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
+        tCrB2 = [tiled_mma.make_fragment_B(x) for x in sB2]
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage * (1 + len(b2_atoms))))
         pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
@@ -247,6 +271,9 @@ class Sm100Gemm:
                               mcast_mask=a_mask)
                     cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier,
                               mcast_mask=b_mask)
+                    for x in cutlass.range_constexpr(len(b2_atoms)):
+                        cute.copy(b2_atoms[x], b2_part[x][1][None, mt[1], None, mt[2]][None, h.count],
+                                  b2_part[x][0][None, h.index], tma_bar_ptr=h.barrier, mcast_mask=b_mask)
                     peek = cutlass.Boolean(1)
                     if h.count + 1 < k_tiles:
                         peek = ab_producer.try_acquire()
@@ -260,6 +287,7 @@ class Sm100Gemm:
             acc_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
             while work.is_valid_tile:
                 tCtAcc = tCtAcc_base[None, None, None, acc_prod.index]
+                tCtAcc2 = [tCtAcc_base[None, None, None, acc_prod.index + self.num_acc_stage] for _ in b2_atoms]
                 ab_consumer.reset()
                 peek = cutlass.Boolean(1)
                 if is_leader:
@@ -272,6 +300,8 @@ class Sm100Gemm:
                         for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
                             crd = (None, None, kb, h.index)
                             cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                            for x in cutlass.range_constexpr(len(b2_atoms)):
+                                cute.gemm(tiled_mma, tCtAcc2[x], tCrA[crd], tCrB2[x][crd], tCtAcc2[x])
                             tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                         h.release()
                         peek = cutlass.Boolean(1)
@@ -294,9 +324,9 @@ class Sm100Gemm:
         full_bytes = 0
         em, en = self.epi_mn
         for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind == "row"):
+            if cutlass.const_expr(kind in ROW_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
-            elif cutlass.const_expr(kind == "col"):
+            elif cutlass.const_expr(kind in COL_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
             else:
                 sIn.append(smem.allocate_tensor(inputs[j].element_type,
@@ -339,6 +369,7 @@ class Sm100Gemm:
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
             rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in self.input_kinds]
+            tTR_rAcc2 = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in b2_atoms]
             # the sub-tile boxes of the output, as coordinates, and the matching TMA sources of full inputs
             cEpi_all = cute.flat_divide(tCcC_t, epi_tile)
             full_src = []
@@ -363,6 +394,9 @@ class Sm100Gemm:
                 tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cons.index)]
                 acc_pipe.consumer_wait(acc_cons)
                 tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                tTR_tAcc2 = [tTR_tAcc_base[(None, None, None, None, None, acc_cons.index + self.num_acc_stage)]
+                             for _ in b2_atoms]
+                tTR_tAcc2 = [cute.group_modes(x, 3, cute.rank(x)) for x in tTR_tAcc2]
                 tTR_cC = cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))
                 bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
                 aux_dst = []
@@ -381,12 +415,14 @@ class Sm100Gemm:
                 n0 = mt[1] * self.mma_tiler[1]
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
                     for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(tidx, self.mma_tiler[1], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), mt[2])].to(
+                                    self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(tidx, self.mma_tiler[0], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), mt[2])].to(
+                                    self.acc_dtype)
                     epi_bar.arrive_and_wait()
                 # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
                 # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
@@ -408,6 +444,8 @@ class Sm100Gemm:
                                     cute.copy(full_atoms[f], bIn[f][1][(None, s + 1)], bIn[f][0][(None, (g + 1) % 2)],
                                               tma_bar_ptr=in_bar + (g + 1) % 2)
                     cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
+                    for x in cutlass.range_constexpr(len(b2_atoms)):
+                        cute.copy(copy_t2r, tTR_tAcc2[x][(None, None, None, s)], tTR_rAcc2[x])
                     if cutlass.const_expr(len(self.input_kinds) > 0):
                         tTR_cC_s = tTR_cC[(None, None, None, s)]
                         sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
@@ -417,14 +455,15 @@ class Sm100Gemm:
                             m, n, l = tTR_cC_s[e]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind == "row"):
+                                if cutlass.const_expr(kind in ROW_KINDS):
                                     rIn[j][e] = sIn[j][n - n0]
-                                elif cutlass.const_expr(kind == "col"):
+                                elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][e] = sIn[j][m - m0]
                                 else:
                                     rIn[j][e] = sIn[j][m - sm0, n - sn0, g % 2].to(self.acc_dtype)
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
-                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
+                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars,
+                                         *(copy_r2s.retile(r).load() for r in tTR_rAcc2))
                     tRS_rC.store(values[0].to(self.c_dtype))
                     buf = (prev + s) % self.num_c_stage
                     cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])

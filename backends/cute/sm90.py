@@ -7,7 +7,7 @@ Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/
 `epi(acc, inputs, scalars) -> value` on register vectors (TensorSSA) in f32/i32.
 
 Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
-epilogue inputs: kind "row" (N,), "col" (M,), "full" (M, N, L).
+epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L).
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
+from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
+
 SMEM_CAPACITY = 232448 - 1024          # sm_90 opt-in shared memory per CTA, less a margin
 
 
@@ -27,7 +29,7 @@ class Sm90Gemm:
     """One configuration of the kernel.  tile_mn: CTA tile (M in 64/128, N in 64..256);
     cluster_mn: cluster shape (TMA multicast of A along N, of B along M)."""
 
-    def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None):
+    def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None, dual=False):
         self.acc_dtype = acc_dtype
         self.tile_shape_mnk = (tile_mn[0], tile_mn[1], 1)
         self.cluster_shape_mn = tuple(cluster_mn)
@@ -35,8 +37,11 @@ class Sm90Gemm:
         self.input_kinds = tuple(input_kinds)
         self.num_scalars = num_scalars
         self.stages_override = stages
-        # two consumer warpgroups share an M=128 tile when N is wide ("cooperative")
-        self.atom_layout_mnk = (2, 1, 1) if tile_mn[0] > 64 and tile_mn[1] > 128 else (1, 1, 1)
+        # a dual GEMM (a second B operand sharing the A tiles, a second register accumulator)
+        self.dual = dual
+        # two consumer warpgroups share an M=128 tile when N is wide ("cooperative"), and in a dual
+        # GEMM (each holds half of both accumulators)
+        self.atom_layout_mnk = (2, 1, 1) if tile_mn[0] > 64 and (tile_mn[1] > 128 or dual) else (1, 1, 1)
         self.num_mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_wg
@@ -46,6 +51,11 @@ class Sm90Gemm:
         self.load_regs = 40
         self.mma_regs = 232
         self.buffer_align_bytes = 1024
+
+    def _vector_coord(self, j, i, batch):
+        """The coordinate of element i of epilogue vector input j in the tile's batch entry: vectors
+        shared by the batch are (N,)/(M,), per-batch vectors (N, L)/(M, L)."""
+        return (i, batch) if self.input_kinds[j].endswith("_batched") else i
 
     # ------------------------------------------------------------------ host-side planning
     def _setup(self):
@@ -62,7 +72,7 @@ class Sm90Gemm:
             self.epi_tile = (min(128, tm), min(32, tn))
         else:
             self.epi_tile = (min(64, tm), min(64 if self.d_dtype.width == 8 else 32, tn))
-        ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
+        ab_bytes = (tm * tk * self.a_dtype.width + (1 + int(self.dual)) * tn * tk * self.b_dtype.width) // 8
         self.epi_stage = 4
         # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8 * self.epi_stage * (1 + self.num_aux)
@@ -70,9 +80,9 @@ class Sm90Gemm:
         # sub-tiles (their dtype, loaded by TMA)
         in_bytes = 0
         for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind == "row":
+            if kind in ROW_KINDS:
                 in_bytes += tn * 4 + 128
-            elif kind == "col":
+            elif kind in COL_KINDS:
                 in_bytes += tm * 4 + 128
             else:
                 in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
@@ -105,7 +115,7 @@ class Sm90Gemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream):
+                 max_active_clusters: cutlass.Int32, stream, b2s=()):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.d_dtype = d.element_type
@@ -127,6 +137,8 @@ class Sm90Gemm:
                 full_tmas.append(t)
         tma_a, gA = self._tma_load(a, self.a_smem_staged, (tm, tk), self.cluster_shape_mn[1])
         tma_b, gB = self._tma_load(b, self.b_smem_staged, (tn, tk), self.cluster_shape_mn[0])
+        # a dual GEMM's second B operand: the same tiles, loaded beside B into its own stage ring
+        b2_loads = [self._tma_load(x, self.b_smem_staged, (tn, tk), self.cluster_shape_mn[0]) for x in b2s]
         tma_d, gD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(self.d_smem_staged, (None, None, 0)),
             self.epi_tile)
@@ -152,7 +164,8 @@ class Sm90Gemm:
                                   self.buffer_align_bytes]
         self.shared_storage = SharedStorage
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), inputs,
-                    tuple(full_atoms), tuple(full_tmas), scalars,
+                    tuple(full_atoms), tuple(full_tmas), scalars, tuple(x[0] for x in b2_loads),
+                    tuple(x[1] for x in b2_loads),
                     self.tiled_mma, self.cta_layout_mnk,
                     self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
@@ -162,7 +175,7 @@ class Sm90Gemm:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, aux_atoms, aux_tmas, inputs,
-               full_atoms, full_tmas, scalars,
+               full_atoms, full_tmas, scalars, b2_atoms, b2_tmas,
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -179,7 +192,8 @@ class Sm90Gemm:
         a_mask = a_mask if self.num_mcast_a > 1 else 0
         b_mask = b_mask if self.num_mcast_b > 1 else 0
         tx_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-                    + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0))))
+                    + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+                    * (1 + len(b2_atoms)))
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -189,9 +203,9 @@ class Sm90Gemm:
         n_full = 0
         full_bytes = 0
         for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind == "row"):
+            if cutlass.const_expr(kind in ROW_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tn,)), 128))
-            elif cutlass.const_expr(kind == "col"):
+            elif cutlass.const_expr(kind in COL_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
             else:
                 # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
@@ -218,6 +232,8 @@ class Sm90Gemm:
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
         sAux = [smem.allocate_tensor(self.d_dtype, d_smem_staged.outer, self.buffer_align_bytes,
                                      d_smem_staged.inner) for _ in range(self.num_aux)]
+        sB2 = [smem.allocate_tensor(self.b_dtype, b_smem_staged.outer, self.buffer_align_bytes,
+                                    b_smem_staged.inner) for _ in b2_atoms]
         tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
@@ -229,6 +245,11 @@ class Sm90Gemm:
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
             cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        b2_part = [cute.nvgpu.cpasync.tma_partition(
+            b2_atoms[x], cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB2[x], 0, 2),
+            cute.group_modes(cute.local_tile(b2_tmas[x], cute.slice_(self.tile_shape_mnk, (0, None, None)),
+                                             (None, None, None)), 0, 2)) for x in range(len(b2_atoms))]
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         thr_mma = tiled_mma.get_slice(
@@ -236,6 +257,8 @@ class Sm90Gemm:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype)
+        tCrB2 = [tiled_mma.make_fragment_B(thr_mma.partition_B(x)) for x in sB2]
+        acc2 = [cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype) for _ in sB2]
         k_tiles = cute.size(gA, mode=[3])
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
@@ -259,6 +282,9 @@ class Sm90Gemm:
                               mcast_mask=a_mask)
                     cute.copy(tma_b, tBgB_t[None, prod.count], tBsB[None, prod.index], tma_bar_ptr=bar,
                               mcast_mask=b_mask)
+                    for x in cutlass.range_constexpr(len(b2_atoms)):
+                        cute.copy(b2_atoms[x], b2_part[x][1][None, tc[1], None, tc[2]][None, prod.count],
+                                  b2_part[x][0][None, prod.index], tma_bar_ptr=bar, mcast_mask=b_mask)
                     ab_pipe.producer_commit(prod)
                     prod.advance()
                 sched.advance_to_next_work()
@@ -283,8 +309,10 @@ class Sm90Gemm:
             tRS_sD = thr_r2s.partition_D(sD)
             tRS_sAux = [thr_r2s.partition_D(x) for x in sAux]
             tRS_rAcc = copy_r2s.retile(acc)
+            tRS_rAcc2 = [copy_r2s.retile(x) for x in acc2]
             rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            tRS_rD2 = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in acc2]
             tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
             rIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in self.input_kinds]
             tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
@@ -299,6 +327,8 @@ class Sm90Gemm:
                 read.reset_count()
                 release.reset_count()
                 acc.fill(0)
+                for x in cutlass.range_constexpr(len(acc2)):
+                    acc2[x].fill(0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 # keep one WGMMA batch in flight: release a stage only after the next one issued
@@ -307,6 +337,8 @@ class Sm90Gemm:
                     for kb in cutlass.range_constexpr(k_blocks):
                         crd = (None, None, kb, read.index)
                         cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                        for x in cutlass.range_constexpr(len(acc2)):
+                            cute.gemm(tiled_mma, acc2[x], tCrA[crd], tCrB2[x][crd], acc2[x])
                     cute.nvgpu.warpgroup.commit_group()
                     read.advance()
                     if k > 0:
@@ -337,12 +369,14 @@ class Sm90Gemm:
                 n0 = tc[1] * tn
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
                     for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(epi_tidx, tn, self.num_mma_threads):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), tc[2])].to(
+                                    self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(epi_tidx, tm, self.num_mma_threads):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), tc[2])].to(
+                                    self.acc_dtype)
                     epi_bar.arrive_and_wait()
                 full_src = []
                 k = 0
@@ -376,17 +410,20 @@ class Sm90Gemm:
                         cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
                     for v in cutlass.range_constexpr(n_v):
                         tRS_rD[v] = tRS_rAcc[e * n_v + v]
+                        for x in cutlass.range_constexpr(len(acc2)):
+                            tRS_rD2[x][v] = tRS_rAcc2[x][e * n_v + v]
                         if cutlass.const_expr(len(self.input_kinds) > 0):
                             lm, ln = tRS_cL[v]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind == "row"):
+                                if cutlass.const_expr(kind in ROW_KINDS):
                                     rIn[j][v] = sIn[j][ec[1] * self.epi_tile[1] + ln]
-                                elif cutlass.const_expr(kind == "col"):
+                                elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
                                     rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)
-                    values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
+                    values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars,
+                                         *(r.load() for r in tRS_rD2))
                     tRS_rOut.store(values[0].to(self.d_dtype))
                     buf = (prev + e) % self.epi_stage
                     cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
