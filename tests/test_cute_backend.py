@@ -197,7 +197,9 @@ def test_reduction_plan_rejects_non_uniform_layouts():
     ("f8e4m3", "f8e5m2", "row", "col", "sm90a", True),
     ("f8e4m3", "f8e4m3", "col", "col", "sm90a", False),     # WGMMA fp8 needs K-major operands
     ("f8e4m3", "f8e5m2", "row", "col", "sm100a", False),
-    ("tf32", "tf32", "row", "col", "sm90a", False),
+    ("tf32", "tf32", "row", "col", "sm90a", True),
+    ("tf32", "tf32", "col", "col", "sm90a", False),         # tf32 WGMMA: K-major only (no 32-bit transpose)
+    ("tf32", "tf32", "row", "row", "sm90a", False),
     ("tf32", "tf32", "col", "row", "sm100a", True),
     ("f16", "bf16", "row", "col", "sm100a", False),
 ])
@@ -318,7 +320,7 @@ CUTE_SPECS = {   # spec -> tensor-core instruction per arch (by operand dtype)
     "fp8_gemm_scaled": ("QGMMA", "UTCQMMA"),
     "gemm_int8": ("IGMMA", "UTCIMMA"),
     "gemm_rowmax": ("HGMMA", "UTCHMMA"),     # epilogue row max: shared + global atomics
-    "gemm_tf32": (None, "UTCHMMA"),          # sm90a: CUTLASS C++ (no tf32 WGMMA in the DSL wheel)
+    "gemm_tf32": ("HGMMA", "UTCHMMA"),       # sm90a: kspec's tf32 WGMMA op (K-major A and B)
 }
 
 
@@ -475,6 +477,7 @@ LAYOUT_CASES = [  # (arch, A layout, B layout, D layout, dtype, config)
     ("sm100a", "row", "row", "col", "bf16", gemm.CuteConfig((64, 256), (1, 1))),
     ("sm100a", "col", "col", "row", "f16", gemm.CuteConfig((256, 128), (4, 1), use_2cta=True)),
     ("sm100a", "col", "row", "row", "tf32", gemm.CuteConfig((128, 64), (2, 1))),
+    ("sm90a", "row", "col", "row", "tf32", gemm.CuteConfig((128, 256), (1, 1))),     # two consumer warpgroups
 ]
 
 
@@ -498,6 +501,8 @@ def test_layouts_and_candidate_configurations_compile(arch, la, lb, ld, dt, cfg)
         pytest.skip("no cuobjdump for the SASS check")
     sass = _sass(Path(b.cubin), tc)
     assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+    if arch == "sm90a" and dt == "tf32":
+        assert "HGMMA.64x256x8.F32.TF32" in sass
     if cfg.use_2cta:
         assert "UTCHMMA.2CTA" in sass
 

@@ -74,9 +74,8 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     if (a == "i8") != (desc.acc_dtype == "i32"):
         return f"accumulator {desc.acc_dtype} with {a} operands"
     if arch == "sm90a":
-        if a == "tf32":
-            return "tf32 GEMMs on sm90a are not implemented by the CuTe DSL backend"
-        if (a in FP8_DTYPES or a == "i8") and (desc.a.layout != "row" or desc.b.layout != "col"):
+        if (a in FP8_DTYPES or a in ("i8", "tf32")) and (desc.a.layout != "row" or desc.b.layout != "col"):
+            # PTX wgmma transposes (MN-major operands) only 16-bit types
             return (f"{a} WGMMA on sm90a needs K-major operands (A row-major, B column-major); "
                     f"got A {desc.a.layout} / B {desc.b.layout}")
     if desc.output.dtype not in _D_DTYPES:

@@ -19,11 +19,40 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir
+from cutlass.cute.atom import make_atom
+from cutlass.cute.core import _pack_shape
+from cutlass.cute.nvgpu.warpgroup import OperandSource
+from cutlass.cute.nvgpu.warpgroup.mma import MmaF16BF16Trait, MmaOp
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from kspec.core import KspecInternalError
 
 from . import reduce as red
 
 SMEM_CAPACITY = 232448 - 1024          # sm_90 opt-in shared memory per CTA, less a margin
+
+
+class _Tf32WgmmaOp(MmaOp):
+    """WGMMA with tf32 operands (`wgmma.mma_async...f32.tf32.tf32`, K = 8 per instruction), which the
+    DSL wheel's warpgroup module does not wrap (it has f16/bf16, fp8 and int8 ops).  PTX allows
+    tf32 operands only K-major (no transpose for 32-bit types), both from shared memory here."""
+
+    descriptive_name = "warpgroup TF32 MMA Operation (kspec)"
+
+    def __init__(self, shape_mn, a_major_mode, b_major_mode):
+        super().__init__(cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (*shape_mn, 8),
+                         OperandSource.SMEM, a_major_mode, b_major_mode)
+        K = cute.nvgpu.OperandMajorMode.K
+        if a_major_mode != K or b_major_mode != K:
+            raise KspecInternalError("tf32 WGMMA needs K-major A and B (gemm.can_implement checks this)")
+
+    def _make_trait(self, *, loc=None, ip=None, **kwargs):
+        ty = _cute_nvgpu_ir.MmaAtomSM90Type.get(
+            _pack_shape(self.shape_mnk, loc=loc, ip=ip).type.attribute, self.a_major_mode._to_ir(),
+            self.b_major_mode._to_ir(), self.a_dtype.mlir_type, self.b_dtype.mlir_type, self.acc_dtype.mlir_type,
+            self.a_src._to_ir())
+        return MmaF16BF16Trait(make_atom(ty, [cutlass.Boolean(False).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip))
 
 
 class Sm90Gemm:
@@ -55,9 +84,14 @@ class Sm90Gemm:
 
     # ------------------------------------------------------------------ host-side planning
     def _setup(self):
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
+        if self.a_dtype is cutlass.TFloat32:
+            self.tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(_Tf32WgmmaOp(
+                (64, self.tile_shape_mnk[1]), self.a_layout.sm90_mma_major_mode(),
+                self.b_layout.sm90_mma_major_mode())), self.atom_layout_mnk)
+        else:
+            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
         k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         self.tile_shape_mnk = (self.tile_shape_mnk[0], self.tile_shape_mnk[1], k_inst * 4)
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
@@ -104,18 +138,20 @@ class Sm90Gemm:
         self.d_smem_staged = cute.tile_to_shape(d_atom, (*self.epi_tile, self.epi_stage),
                                                 order=(1, 0, 2) if self.d_layout.is_m_major_c() else (0, 1, 2))
 
-    @staticmethod
-    def _tma_load(tensor, smem_staged, tile, mcast):
+    def _tma_load(self, tensor, smem_staged, tile, mcast):
         op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1
               else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        # f32 data multiplied at tf32 precision: shared memory holds it as tf32 (the same bits)
+        internal = cutlass.TFloat32 if self.a_dtype is cutlass.TFloat32 else None
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile,
-                                                      num_multicast=mcast)
+                                                      num_multicast=mcast, internal_type=internal)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
+        # kspec's tf32 operands are f32 in memory, multiplied as tf32
+        self.a_dtype = cutlass.TFloat32 if a.element_type is cutlass.Float32 else a.element_type
+        self.b_dtype = cutlass.TFloat32 if b.element_type is cutlass.Float32 else b.element_type
         self.d_dtype = d.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(a)
         self.b_layout = utils.LayoutEnum.from_tensor(b)
