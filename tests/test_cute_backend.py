@@ -196,7 +196,8 @@ def test_reduction_plan_rejects_non_uniform_layouts():
     ("bf16", "bf16", "row", "row", "sm100a", True),
     ("f8e4m3", "f8e5m2", "row", "col", "sm90a", True),
     ("f8e4m3", "f8e4m3", "col", "col", "sm90a", False),     # WGMMA fp8 needs K-major operands
-    ("f8e4m3", "f8e5m2", "row", "col", "sm100a", False),
+    ("f8e4m3", "f8e5m2", "row", "col", "sm100a", True),      # tcgen05 kind::f8f6f4 mixes kinds
+    ("f8e5m2", "f8e4m3", "col", "row", "sm100a", True),
     ("tf32", "tf32", "row", "col", "sm90a", True),
     ("tf32", "tf32", "col", "col", "sm90a", False),         # tf32 WGMMA: K-major only (no 32-bit transpose)
     ("tf32", "tf32", "row", "row", "sm90a", False),
@@ -568,6 +569,49 @@ def test_gemm_rowmax_launch_abi_through_the_fake_driver(cute_artifacts, arch):
             assert fake.fills[fills:] == [(args["rowmax"].ptr, 0xFF800000, 4, sizes["M"])]
             words = set(struct.unpack_from(f"<{len(rec.params) // 8}Q", rec.params[:len(rec.params) // 8 * 8]))
             assert args["rowmax"].ptr in words and args["bias"].ptr in words
+
+
+def test_cache_key_covers_operand_dtypes_and_layouts():
+    """The entry source names tensors but not their dtypes/layouts (they reach the trace as fake
+    tensors), so the key must include the tensor ABI: kernels differing only there never share a build."""
+    base = dict(a="f8e4m3", b="f8e4m3", la="row", lb="col", out="f16")
+    keys = {cbuild.build_key(_desc(Accum(), **{**base, **kw}), "sm100a", gemm.CuteConfig((128, 128)))[0]
+            for kw in ({}, {"b": "f8e5m2"}, {"a": "f8e5m2"}, {"lb": "row"}, {"out": "bf16"})}
+    assert len(keys) == 5
+
+
+def _umma_formats(ptx: str, tile_m: int, tile_n: int) -> set[tuple[int, int]]:
+    """(A format, B format) fields of every tcgen05 instruction descriptor constant in the PTX that
+    describes an M x N UMMA with an f32 accumulator (PTX ISA: bits 4-5 D format, 7-9 A, 10-12 B,
+    17-22 N >> 3, 24-28 M >> 4)."""
+    import re
+    out = set()
+    for c in map(int, re.findall(r"\b(\d{6,})\b", ptx)):
+        if c < 2 ** 32 and (c >> 24) & 0x1F == tile_m >> 4 and (c >> 17) & 0x3F == tile_n >> 3 and (c >> 4) & 3 == 1:
+            out.add(((c >> 7) & 7, (c >> 10) & 7))
+    return out
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("a,b", [("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3")])
+def test_mixed_fp8_kinds_on_sm100a(a, b):
+    """e4m3 x e5m2 (either order) is one tcgen05 kind::f8f6f4 UMMA whose instruction descriptor
+    encodes each operand's own format (E4M3 = 0, E5M2 = 1), with per-row/per-column scales."""
+    v = Op("mul", (Op("mul", (Accum(), Load("t2", "col", "f32"))), Load("t4", "row", "f32")))
+    d = GemmDesc("k_0", "sm100a", Operand("t0", a, "row"), Operand("t1", b, "col"), "f32", Store("t3", v, "bf16"))
+    assert gemm.can_implement(d, "sm100a") is None
+    built = cbuild.build(d, "sm100a", test_cache_root(), gemm.CuteConfig((128, 128)))
+    ptx = (Path(built.dir) / "kernel.ptx").read_text()
+    assert "kind::f8f6f4" in ptx
+    fmt = {"f8e4m3": 0, "f8e5m2": 1}
+    assert _umma_formats(ptx, 128, 128) == {(fmt[a], fmt[b])}
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    assert "UTCQMMA" in _sass(Path(built.cubin), tc)
 
 
 @needs_dsl

@@ -64,8 +64,6 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     elif a in FP8_DTYPES:
         if b not in FP8_DTYPES:
             return f"mixed operand dtypes {a} x {b}"
-        if arch == "sm100a" and a != b:
-            return f"mixed fp8 operands {a} x {b} on {arch}"
     elif a == "i8":
         if b != "i8":
             return f"mixed operand dtypes {a} x {b}"

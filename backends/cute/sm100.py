@@ -55,8 +55,9 @@ class Sm100Gemm:
         return cute.make_layout((em, en), stride=(en, 1))
 
     def _tiled_mma(self):
-        return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.a_major, self.b_major, self.acc_dtype,
-                                                  self.cta_group, self.mma_tiler[:2])
+        # separate A and B dtypes: tcgen05 kind::f8f6f4 multiplies e4m3 x e5m2 directly
+        return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.b_dtype, self.a_major, self.b_major,
+                                                  self.acc_dtype, self.cta_group, self.mma_tiler[:2])
 
     def _setup(self):
         tiled_mma = self._tiled_mma()
