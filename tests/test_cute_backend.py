@@ -457,6 +457,30 @@ def test_warm_compile_does_not_import_the_dsl(cute_artifacts, tmp_path):
 
 @needs_dsl
 @pytest.mark.cute
+def test_resource_counts_come_from_the_cubin_without_cuobjdump(cute_artifacts, tmp_path):
+    """kspec compile records registers and static shared memory from the cubin's ELF attributes
+    (no cuobjdump run, which took about a second per cubin on the cold path); they equal cuobjdump's."""
+    from kspec.compile import _resources
+    art = cute_artifacts("gemm_bias_gelu_residual")
+    m = json.loads((art / "manifest.json").read_text())
+    for arch in ARCHS:
+        b = m["kernels"][0]["plans"][0]["binaries"][arch]
+        regs, smem = _resources(art / b["cubin"], None, tmp_path, b["symbol"])
+        assert regs is not None and 24 <= regs <= 255 and smem is not None
+        assert (b["registers"], b["smem"]) == (regs, smem)
+        assert not (tmp_path / "resources").exists()          # nothing memoised: nothing was run
+        from kspec.backends.toolchain import find_toolchain
+        try:
+            tc = find_toolchain()
+        except Exception:
+            continue
+        from kspec.backends.inspect import sass_summary
+        k = sass_summary(art / b["cubin"], tc).kernel(b["symbol"])
+        assert (k.registers, k.shared_bytes) == (regs, smem)
+
+
+@needs_dsl
+@pytest.mark.cute
 def test_prepare_rejects_misaligned_leading_dimensions(cute_artifacts):
     from kspec.runtime.glue import HostGlue
     art = cute_artifacts("gemm")
