@@ -638,6 +638,49 @@ def test_mixed_fp8_kinds_on_sm100a(a, b):
     assert "UTCQMMA" in _sass(Path(built.cubin), tc)
 
 
+BATCHED_REDUCTIONS = """
+kernel bgemm_red {
+  in  A  : f16[L, M, K]
+  in  B  : f16[L, K, N] col
+  out D  : f16[L, M, N]
+  out rs : f32[L, M]
+  out cm : f32[L, N]
+
+  acc[l, m, n] : f32 = sum(k) A[l, m, k] * B[l, k, n]
+  D[l, m, n] = acc[l, m, n]
+  rs[l, m] = sum(n) acc[l, m, n]
+  cm[l, n] = max(m) acc[l, m, n]
+}
+"""
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_batched_reductions_launch_abi(tmp_path):
+    """A batched GEMM with a row sum and a column max fused: one CuTe DSL kernel per arch whose
+    launches (every size set, L up to 3) match the cubin and tensors, with one vector per batch
+    filled by the loader (sum: 0 over L*M, max: -inf over L*N)."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.selftest import SIZE_SETS
+    spec = tmp_path / "bgemm_red.kspec"
+    spec.write_text(BATCHED_REDUCTIONS)
+    art = compile_spec(spec, ARCHS, tmp_path / "out", cache=CompileCache(test_cache_root()), backend="cute")
+    mod = kspec.load(art)
+    for arch in ARCHS:
+        with FakeDriver((9, 0) if arch == "sm90a" else (10, 0), sm_count=132) as fake:
+            for sz in SIZE_SETS.values():
+                n = len(fake.fills)
+                call = fake_call(mod, "bgemm_red", sz, fake)
+                assert check_call(call, arch, mod) == []
+                args = {a.name: a for a in call.plan_args[0]}
+                assert args["rs"].strides == (sz["M"], 1)
+                assert fake.fills[n:] == [(args["rs"].ptr, 0, 4, sz["L"] * sz["M"]),
+                                          (args["cm"].ptr, 0xFF800000, 4, sz["L"] * sz["N"])]
+
+
 @needs_dsl
 @pytest.mark.cute
 @pytest.mark.parametrize("arch", ARCHS)
