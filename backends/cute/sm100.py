@@ -474,15 +474,16 @@ class Sm100Gemm:
                         c_pipe.producer_acquire()
                     epi_bar.arrive_and_wait()
                 epi_bar.arrive_and_wait()
+                with cute.arch.elect_one():
+                    acc_pipe.consumer_release(acc_cons)
+                acc_cons.advance()
                 if cutlass.const_expr(len(self.reductions) > 0):
+                    # the accumulator is released first: the MMA warp need not wait for the flush
                     for r in cutlass.range_constexpr(len(self.reductions)):
                         along_n = self.reductions[r][1] == "n"
                         red.flush(sRed[r], cute.size(sRed[r]), tidx, 128, m0 if along_n else n0,
                                   M if along_n else N, reds[r], mt[2], plans[r])
                     epi_bar.arrive_and_wait()
-                with cute.arch.elect_one():
-                    acc_pipe.consumer_release(acc_cons)
-                acc_cons.advance()
             c_pipe.producer_tail()
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
