@@ -120,8 +120,9 @@ def plan_threads(num_threads: int) -> list[int]:
 
 
 def simulate(plan: ReducePlan, values, coords, shape, base=(0, 0)):
-    """numpy model of steps 1-3 for one sub-tile (tests): values[t][v] and coords[t][v] for every
-    thread t; returns the tile vector the kernel would hold in shared memory (identity-filled)."""
+    """numpy model of steps 1-3 for one sub-tile (tests): values[t][v] and coords[t][v] for the
+    threads given (whole warps); `shape` is the problem's (M, N) seen from the sub-tile origin
+    `base`.  Returns the tile vector the kernel would hold in shared memory (identity elsewhere)."""
     import numpy as np
     ident = IDENTITY[plan.op]
     comb = np.maximum if plan.is_max else np.add
