@@ -410,10 +410,6 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
     attributes (EIATTR_REGCOUNT, .nv.shared.<name>) in well under a millisecond; cuobjdump (about a
     second per cubin, remembered per cubin digest under the cache root) only when the cubin does not
     declare them."""
-    import json
-
-    from kspec.artifact import sha256_file
-    from kspec.backends.inspect import sass_summary
     from kspec.runtime.cubin import read_cubin
     try:
         info = read_cubin(cubin).kernels.get(symbol)
@@ -421,6 +417,10 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
         info = None
     if info is not None and info.registers is not None:
         return info.registers, info.static_smem_bytes
+    import json
+
+    from kspec.artifact import sha256_file
+    from kspec.backends.inspect import sass_summary
     memo = cache_root / "resources" / f"{sha256_file(cubin)}.json" if cache_root else None
     if memo is not None and memo.is_file():
         try:
