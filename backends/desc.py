@@ -53,6 +53,11 @@ class GemmDesc:
     # the epilogue's Accum(1) (SwiGLU's up projection beside the gate projection)
     b2: Operand | None = None
 
+    def reduction_init(self) -> tuple[tuple[str, str], ...]:
+        """What the loader fills each epilogue reduction output with before the launch (the
+        identity of its atomic combination): EmittedKernel.init."""
+        return tuple((r.name, "neg_inf" if r.op == "max" else "zero") for r in self.reductions)
+
 
 @dataclass(frozen=True)
 class AttentionDesc:

@@ -87,13 +87,105 @@ def test_no_user_text_in_generated_code():
 
 def test_unsupported_epilogues_have_reasons():
     aux = _desc(Accum(), aux_stores=(Store("t7", Accum(), "f32"),))
-    red = _desc(Accum(), reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))
     assert "auxiliary" in epilogue.unsupported(aux)
     assert epilogue.unsupported(_desc(Accum(), aux_stores=(Store("t7", Accum(), "f16"),))) is None
-    assert "reductions" in epilogue.unsupported(red)
+    assert epilogue.unsupported(_desc(Accum(), reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))) is None
+    bad_op = _desc(Accum(), reductions=(ReductionStore("t8", "min", "n", Accum(), "f32"),))
+    assert "sum or max" in epilogue.unsupported(bad_op)
+    assert "f32 atomics" in epilogue.unsupported(_desc(Accum(), reductions=(ReductionStore("t8", "sum", "m", Accum(),
+                                                                                            "f16"),)))
+    int_red = _desc(Accum(), a="i8", b="i8", out="i32", acc="i32",
+                    reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))
+    assert "f32 atomics" in epilogue.unsupported(int_red)
+    assert "not supported" in epilogue.unsupported(_desc(Accum(), reductions=(
+        ReductionStore("t8", "sum", "n", Op("log", (Accum(),)), "f32"),)))
     assert "not supported" in epilogue.unsupported(_desc(Op("log", (Accum(),))))
     with pytest.raises(KspecInternalError):
-        epilogue.generate(red)
+        epilogue.generate(bad_op)
+
+
+def _rowmax_colsum_desc(arch="sm90a"):
+    """D = gelu(alpha * acc + bias[n]) (f16); rowmax[m] = max_n (alpha * acc + bias); colsum[n] = sum_m D
+    before its rounding to f16."""
+    y = Op("add", (Op("mul", (Load("t5", "scalar", "f32"), Accum())), Load("t2", "row", "f16")))
+    g = Op("gelu", (y,))
+    return GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                    Store("t3", g, "f16"), reductions=(ReductionStore("t4", "max", "n", y, "f32"),
+                                                       ReductionStore("t6", "sum", "m", g, "f32")))
+
+
+def test_reduced_epilogue_values_match_float64_numpy():
+    """The generated epilogue returns D and then each value to reduce; reduced along n (row max)
+    and m (column sum) they match float64 numpy.  ABI: reduction outputs last (CUTLASS order),
+    (M, L) / (N, L) vectors, 4-byte aligned, initialised by the loader (max: -inf, sum: 0)."""
+    d = _rowmax_colsum_desc()
+    code = epilogue.generate(d)
+    assert code.reductions == (("max", "n"), ("sum", "m"))
+    rng = np.random.default_rng(1)
+    acc = rng.standard_normal((40, 24)).astype(np.float32) * 3
+    bias = rng.standard_normal(24).astype(np.float32)
+    dv, yv, gv = epilogue.run_numpy(code, acc, (np.broadcast_to(bias, acc.shape),), (np.float32(0.75),))
+    y64 = 0.75 * acc.astype(np.float64) + bias
+    g64 = _gelu64(y64)
+    np.testing.assert_allclose(yv.max(axis=1), y64.max(axis=1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gv.astype(np.float64).sum(axis=0), g64.sum(axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(dv, gv)
+    assert gemm.abi_names(d, code) == ("t0", "t1", "t2", "t3", "t4", "t6")
+    t = {x.name: x for x in gemm.tensor_abi(d, code)}
+    assert (t["r0"].shape, t["r0"].stride, t["r0"].tma, t["r0"].ptr_index) == (("M", "L"), (1, ("M",)), False, 4)
+    assert (t["r1"].shape, t["r1"].stride, t["r1"].ptr_index) == (("N", "L"), (1, ("N",)), 5)
+    assert d.reduction_init() == (("t4", "neg_inf"), ("t6", "zero"))
+
+
+def _expected_reduction(op, axis, field, coords, bounds):
+    """float64 numpy: the reduction of field[m, n] over the (m, n) the threads hold, inside `bounds`."""
+    key = 0 if axis == "n" else 1
+    ident = -np.inf if op == "max" else 0.0
+    out = np.full(bounds[key], ident)
+    held = [c for t in coords for c in coords[t]]
+    assert len(set(held)) == len(held), "a coordinate is held twice"
+    for m, n in held:
+        if m < bounds[0] and n < bounds[1]:
+            i = (m, n)[key]
+            out[i] = max(out[i], field[m, n]) if op == "max" else out[i] + float(field[m, n])
+    return out
+
+
+def _check_plan_numerics(plan, axis, coords, bounds, seed=0):
+    from kspec.backends.cute import reduce as red
+    rng = np.random.default_rng(seed)
+    ext = (max(c[0] for t in coords for c in coords[t]) + 1, max(c[1] for t in coords for c in coords[t]) + 1)
+    field = (rng.standard_normal(ext) * 4).astype(np.float32)
+    values = {t: [field[c[0], c[1]] for c in coords[t]] for t in coords}
+    got = red.simulate(plan, values, coords, bounds)
+    want = _expected_reduction(plan.op, axis, field, coords, bounds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_dsl
+@pytest.mark.parametrize("op,axis,bits", [("max", "n", (1, 2)), ("sum", "m", (4, 8, 16)), ("sum", "n", (1, 2))])
+def test_reduction_plan_on_a_wgmma_like_layout(op, axis, bits):
+    """Register grouping, butterfly lane bits and representative lanes derived from coordinates
+    (a 128-thread WGMMA-style accumulator layout), checked against float64 numpy on a partial tile."""
+    from kspec.backends.cute import reduce as red
+    coords = {t: [(16 * (t // 32) + (t % 32) // 4 + 8 * ((v // 2) % 2), 2 * (t % 4) + v % 2 + 8 * (v // 4))
+                  for v in range(16)] for t in range(128)}
+    plan = red.make_plan(op, axis, {t: coords[t] for t in red.plan_threads(128)})
+    assert plan.lane_bits == bits
+    assert len(plan.groups) == (2 if axis == "n" else 8)
+    for bounds in ((64, 32), (50, 13), (3, 1)):
+        _check_plan_numerics(plan, axis, coords, bounds)
+
+
+@needs_dsl
+def test_reduction_plan_rejects_non_uniform_layouts():
+    from kspec.backends.cute import reduce as red
+    coords = {t: [(t, 0), (t, 1)] for t in range(32)}
+    coords[5] = [(5, 0), (6, 1)]                      # thread 5 holds two rows: grouped differently
+    with pytest.raises(KspecInternalError, match="thread 5"):
+        red.make_plan("max", "n", coords)
+    with pytest.raises(KspecInternalError, match="incomplete"):
+        red.make_plan("max", "n", {t: [(t, 0)] for t in range(20)})
 
 
 # ------------------------------------------------------------------ capabilities and configurations
@@ -104,8 +196,11 @@ def test_unsupported_epilogues_have_reasons():
     ("bf16", "bf16", "row", "row", "sm100a", True),
     ("f8e4m3", "f8e5m2", "row", "col", "sm90a", True),
     ("f8e4m3", "f8e4m3", "col", "col", "sm90a", False),     # WGMMA fp8 needs K-major operands
-    ("f8e4m3", "f8e5m2", "row", "col", "sm100a", False),
-    ("tf32", "tf32", "row", "col", "sm90a", False),
+    ("f8e4m3", "f8e5m2", "row", "col", "sm100a", True),      # tcgen05 kind::f8f6f4 mixes kinds
+    ("f8e5m2", "f8e4m3", "col", "row", "sm100a", True),
+    ("tf32", "tf32", "row", "col", "sm90a", True),
+    ("tf32", "tf32", "col", "col", "sm90a", False),         # tf32 WGMMA: K-major only (no 32-bit transpose)
+    ("tf32", "tf32", "row", "row", "sm90a", False),
     ("tf32", "tf32", "col", "row", "sm100a", True),
     ("f16", "bf16", "row", "col", "sm100a", False),
 ])
@@ -226,7 +321,8 @@ CUTE_SPECS = {   # spec -> tensor-core instruction per arch (by operand dtype)
     "masked_scores": ("HGMMA", "UTCHMMA"),             # a per-batch mask row in the epilogue
     "fp8_gemm_scaled": ("QGMMA", "UTCQMMA"),
     "gemm_int8": ("IGMMA", "UTCIMMA"),
-    "gemm_tf32": (None, "UTCHMMA"),          # sm90a: CUTLASS C++ (no tf32 WGMMA in the DSL wheel)
+    "gemm_rowmax": ("HGMMA", "UTCHMMA"),     # epilogue row max: shared + global atomics
+    "gemm_tf32": ("HGMMA", "UTCHMMA"),       # sm90a: kspec's tf32 WGMMA op (K-major A and B)
 }
 
 
@@ -362,6 +458,30 @@ def test_warm_compile_does_not_import_the_dsl(cute_artifacts, tmp_path):
 
 @needs_dsl
 @pytest.mark.cute
+def test_resource_counts_come_from_the_cubin_without_cuobjdump(cute_artifacts, tmp_path):
+    """kspec compile records registers and static shared memory from the cubin's ELF attributes
+    (no cuobjdump run, which took about a second per cubin on the cold path); they equal cuobjdump's."""
+    from kspec.compile import _resources
+    art = cute_artifacts("gemm_bias_gelu_residual")
+    m = json.loads((art / "manifest.json").read_text())
+    for arch in ARCHS:
+        b = m["kernels"][0]["plans"][0]["binaries"][arch]
+        regs, smem = _resources(art / b["cubin"], None, tmp_path, b["symbol"])
+        assert regs is not None and 24 <= regs <= 255 and smem is not None
+        assert (b["registers"], b["smem"]) == (regs, smem)
+        assert not (tmp_path / "resources").exists()          # nothing memoised: nothing was run
+        from kspec.backends.toolchain import find_toolchain
+        try:
+            tc = find_toolchain()
+        except Exception:
+            continue
+        from kspec.backends.inspect import sass_summary
+        k = sass_summary(art / b["cubin"], tc).kernel(b["symbol"])
+        assert (k.registers, k.shared_bytes) == (regs, smem)
+
+
+@needs_dsl
+@pytest.mark.cute
 def test_prepare_rejects_misaligned_leading_dimensions(cute_artifacts):
     from kspec.runtime.glue import HostGlue
     art = cute_artifacts("gemm")
@@ -383,6 +503,7 @@ LAYOUT_CASES = [  # (arch, A layout, B layout, D layout, dtype, config)
     ("sm100a", "row", "row", "col", "bf16", gemm.CuteConfig((64, 256), (1, 1))),
     ("sm100a", "col", "col", "row", "f16", gemm.CuteConfig((256, 128), (4, 1), use_2cta=True)),
     ("sm100a", "col", "row", "row", "tf32", gemm.CuteConfig((128, 64), (2, 1))),
+    ("sm90a", "row", "col", "row", "tf32", gemm.CuteConfig((128, 256), (1, 1))),     # two consumer warpgroups
 ]
 
 
@@ -406,8 +527,159 @@ def test_layouts_and_candidate_configurations_compile(arch, la, lb, ld, dt, cfg)
         pytest.skip("no cuobjdump for the SASS check")
     sass = _sass(Path(b.cubin), tc)
     assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+    if arch == "sm90a" and dt == "tf32":
+        assert "HGMMA.64x256x8.F32.TF32" in sass
     if cfg.use_2cta:
         assert "UTCHMMA.2CTA" in sass
+
+
+RED_CASES = [("sm90a", gemm.CuteConfig((128, 256), (1, 1))),               # two consumer warpgroups
+             ("sm100a", gemm.CuteConfig((256, 128), (2, 1), use_2cta=True)),  # a 2-CTA MMA tile
+             ("sm100a", gemm.CuteConfig((64, 128), (1, 1)))]                  # the M=64 TMEM layout
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch,cfg", RED_CASES)
+def test_epilogue_reductions_on_the_kernels_register_layouts(arch, cfg, tmp_path):
+    """A row max and a column sum in one kernel: built (traced here, fresh cache), the plans the
+    kernel derived from its own register layout combine the values its threads hold into the
+    float64 numpy reduction (partial tiles included); the SASS reduces with warp shuffles, shared-
+    memory atomics and global atomics (RED/ATOM)."""
+    import sys as _sys
+    d = _rowmax_colsum_desc(arch)
+    assert gemm.can_implement(d, arch) is None
+    b = cbuild.build(d, arch, tmp_path, cfg)
+    assert b.args == ("t0", "t1", "t2", "t3", "t4", "t6")
+    traced = _sys.modules[f"kspec_cute_entry_{b.key[:24]}"].GEMM.traced
+    coords = traced["red_coords"]
+    assert len(traced["red_plans"]) == 2
+    for plan, (op, axis) in zip(traced["red_plans"], (("max", "n"), ("sum", "m"))):
+        assert (plan.op, plan.key) == (op, 0 if axis == "n" else 1)
+        rows = max(c[0] for t in coords for c in coords[t]) + 1
+        cols = max(c[1] for t in coords for c in coords[t]) + 1
+        for bounds in ((rows, cols), (rows - 3, cols - 5), (1, 1)):
+            _check_plan_numerics(plan, axis, coords, bounds)
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    sass = _sass(Path(b.cubin), tc)
+    assert "ATOMS." in sass and "SHFL.BFLY" in sass
+    assert "REDG.E.ADD.F32" in sass or "ATOMG.E.ADD.F32" in sass          # column sums
+    assert "REDG.E.MAX.S32" in sass or "ATOMG.E.MAX.S32" in sass          # row max: the int-ordering trick
+    assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemm_rowmax_launch_abi_through_the_fake_driver(cute_artifacts, arch):
+    """specs/gemm_rowmax.kspec is one CuTe DSL kernel per arch; on the fake driver (every size set:
+    tile multiples, ragged, smaller than a tile) the launch matches the cubin and the tensors, and
+    the loader fills rowmax with -inf on the launch stream before the launch."""
+    import kspec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.selftest import SIZE_SETS
+    art = cute_artifacts("gemm_rowmax")
+    mod = kspec.load(art)
+    with FakeDriver((9, 0) if arch == "sm90a" else (10, 0), sm_count=132) as fake:
+        for sizes in SIZE_SETS.values():
+            fills = len(fake.fills)
+            call = fake_call(mod, "gemm_rowmax", sizes, fake)
+            assert check_call(call, arch, mod) == []
+            (rec,) = call.launches
+            args = {a.name: a for a in call.plan_args[0]}
+            assert fake.fills[fills:] == [(args["rowmax"].ptr, 0xFF800000, 4, sizes["M"])]
+            words = set(struct.unpack_from(f"<{len(rec.params) // 8}Q", rec.params[:len(rec.params) // 8 * 8]))
+            assert args["rowmax"].ptr in words and args["bias"].ptr in words
+
+
+def test_cache_key_covers_operand_dtypes_and_layouts():
+    """The entry source names tensors but not their dtypes/layouts (they reach the trace as fake
+    tensors), so the key must include the tensor ABI: kernels differing only there never share a build."""
+    base = dict(a="f8e4m3", b="f8e4m3", la="row", lb="col", out="f16")
+    keys = {cbuild.build_key(_desc(Accum(), **{**base, **kw}), "sm100a", gemm.CuteConfig((128, 128)))[0]
+            for kw in ({}, {"b": "f8e5m2"}, {"a": "f8e5m2"}, {"lb": "row"}, {"out": "bf16"})}
+    assert len(keys) == 5
+
+
+def _umma_formats(ptx: str, tile_m: int, tile_n: int) -> set[tuple[int, int]]:
+    """(A format, B format) fields of every tcgen05 instruction descriptor constant in the PTX that
+    describes an M x N UMMA with an f32 accumulator (PTX ISA: bits 4-5 D format, 7-9 A, 10-12 B,
+    17-22 N >> 3, 24-28 M >> 4)."""
+    import re
+    out = set()
+    for c in map(int, re.findall(r"\b(\d{6,})\b", ptx)):
+        if c < 2 ** 32 and (c >> 24) & 0x1F == tile_m >> 4 and (c >> 17) & 0x3F == tile_n >> 3 and (c >> 4) & 3 == 1:
+            out.add(((c >> 7) & 7, (c >> 10) & 7))
+    return out
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("a,b", [("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3")])
+def test_mixed_fp8_kinds_on_sm100a(a, b):
+    """e4m3 x e5m2 (either order) is one tcgen05 kind::f8f6f4 UMMA whose instruction descriptor
+    encodes each operand's own format (E4M3 = 0, E5M2 = 1), with per-row/per-column scales."""
+    v = Op("mul", (Op("mul", (Accum(), Load("t2", "col", "f32"))), Load("t4", "row", "f32")))
+    d = GemmDesc("k_0", "sm100a", Operand("t0", a, "row"), Operand("t1", b, "col"), "f32", Store("t3", v, "bf16"))
+    assert gemm.can_implement(d, "sm100a") is None
+    built = cbuild.build(d, "sm100a", test_cache_root(), gemm.CuteConfig((128, 128)))
+    ptx = (Path(built.dir) / "kernel.ptx").read_text()
+    assert "kind::f8f6f4" in ptx
+    fmt = {"f8e4m3": 0, "f8e5m2": 1}
+    assert _umma_formats(ptx, 128, 128) == {(fmt[a], fmt[b])}
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    assert "UTCQMMA" in _sass(Path(built.cubin), tc)
+
+
+BATCHED_REDUCTIONS = """
+kernel bgemm_red {
+  in  A  : f16[L, M, K]
+  in  B  : f16[L, K, N] col
+  out D  : f16[L, M, N]
+  out rs : f32[L, M]
+  out cm : f32[L, N]
+
+  acc[l, m, n] : f32 = sum(k) A[l, m, k] * B[l, k, n]
+  D[l, m, n] = acc[l, m, n]
+  rs[l, m] = sum(n) acc[l, m, n]
+  cm[l, n] = max(m) acc[l, m, n]
+}
+"""
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_batched_reductions_launch_abi(tmp_path):
+    """A batched GEMM with a row sum and a column max fused: one CuTe DSL kernel per arch whose
+    launches (every size set, L up to 3) match the cubin and tensors, with one vector per batch
+    filled by the loader (sum: 0 over L*M, max: -inf over L*N)."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.selftest import SIZE_SETS
+    spec = tmp_path / "bgemm_red.kspec"
+    spec.write_text(BATCHED_REDUCTIONS)
+    art = compile_spec(spec, ARCHS, tmp_path / "out", cache=CompileCache(test_cache_root()), backend="cute")
+    mod = kspec.load(art)
+    for arch in ARCHS:
+        with FakeDriver((9, 0) if arch == "sm90a" else (10, 0), sm_count=132) as fake:
+            for sz in SIZE_SETS.values():
+                n = len(fake.fills)
+                call = fake_call(mod, "bgemm_red", sz, fake)
+                assert check_call(call, arch, mod) == []
+                args = {a.name: a for a in call.plan_args[0]}
+                assert args["rs"].strides == (sz["M"], 1)
+                assert fake.fills[n:] == [(args["rs"].ptr, 0, 4, sz["L"] * sz["M"]),
+                                          (args["cm"].ptr, 0xFF800000, 4, sz["L"] * sz["N"])]
 
 
 @needs_dsl

@@ -67,8 +67,6 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     elif a in FP8_DTYPES:
         if b not in FP8_DTYPES:
             return f"mixed operand dtypes {a} x {b}"
-        if arch == "sm100a" and a != b:
-            return f"mixed fp8 operands {a} x {b} on {arch}"
     elif a == "i8":
         if b != "i8":
             return f"mixed operand dtypes {a} x {b}"
@@ -77,16 +75,15 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     if (a == "i8") != (desc.acc_dtype == "i32"):
         return f"accumulator {desc.acc_dtype} with {a} operands"
     if arch == "sm90a":
-        if a == "tf32":
-            return "tf32 GEMMs on sm90a are not implemented by the CuTe DSL backend"
-        if (a in FP8_DTYPES or a == "i8") and (desc.a.layout != "row" or desc.b.layout != "col"):
+        if (a in FP8_DTYPES or a in ("i8", "tf32")) and (desc.a.layout != "row" or desc.b.layout != "col"):
+            # PTX wgmma transposes (MN-major operands) only 16-bit types
             return (f"{a} WGMMA on sm90a needs K-major operands (A row-major, B column-major); "
                     f"got A {desc.a.layout} / B {desc.b.layout}")
     if desc.output.dtype not in _D_DTYPES:
         return f"output dtype {desc.output.dtype} is not supported by the CuTe DSL backend"
     if (desc.output.dtype == "i32") != (desc.acc_dtype == "i32"):
         return f"output dtype {desc.output.dtype} with accumulator {desc.acc_dtype}"
-    for e in (x for st in (desc.output, *desc.aux_stores) for x in epilogue._walk(st.value)):
+    for e in (x for st in (desc.output, *desc.aux_stores, *desc.reductions) for x in epilogue._walk(st.value)):
         if isinstance(e, epilogue.Load) and e.kind != "scalar" and e.dtype not in ("f16", "bf16", "f32", "i32", "i8"):
             return f"epilogue input dtype {e.dtype}"
     why = epilogue.unsupported(desc)
@@ -246,16 +243,21 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
             out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, nb + j))
     for k, st in enumerate(desc.aux_stores):
         out.append(TensorABI(f"x{k}", st.dtype, ("M", "N", "L"), d_stride, True, nb + 1 + n_in + k))
+    # reduction outputs: one contiguous vector per batch, (M, L) for a reduction along n, (N, L) along m
+    for k, r in enumerate(desc.reductions):
+        ext = "M" if r.axis == "n" else "N"
+        out.append(TensorABI(f"r{k}", r.dtype, (ext, "L"), (1, (ext,)), False,
+                             nb + 1 + n_in + len(desc.aux_stores) + k))
     return out
 
 
 def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
     """Descriptor names of the tensor arguments in ABI order: A, B, the epilogue's tensor inputs in
-    first-use order, D, the auxiliary outputs -- the same order as the CUTLASS C++ backend, so one
-    plan may use either backend per arch under one manifest signature."""
+    first-use order, D, the auxiliary outputs, the reduction outputs -- the same order as the
+    CUTLASS C++ backend, so one plan may use either backend per arch under one manifest signature."""
     b2 = (desc.b2.name,) if desc.b2 is not None else ()
     return (desc.a.name, desc.b.name, *b2, *(l.name for l in code.inputs), desc.output.name,
-            *(st.name for st in desc.aux_stores))
+            *(st.name for st in desc.aux_stores), *(r.name for r in desc.reductions))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,19 +272,21 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     kinds = repr(code.input_kinds)
     ns = len(code.scalars)
     dual = ", dual=True" if desc.b2 is not None else ""
+    reds = repr(code.reductions)
     if arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
-                f"{cfg.stages!r}{dual})")
+                f"{cfg.stages!r}, {reds}{dual})")
         imp = "from kspec.backends.cute.sm90 import Sm90Gemm"
     else:
         ctor = (f"Sm100Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, {cfg.use_2cta!r}, kspec_epilogue, "
-                f"{kinds}, {ns}, {cfg.stages!r}{dual})")
+                f"{kinds}, {ns}, {cfg.stages!r}, {reds}{dual})")
         imp = "from kspec.backends.cute.sm100 import Sm100Gemm"
     tensors = [f"{t.name}: cute.Tensor" for t in tensor_abi(desc, code)]
     scalars = [f"s{k}: cutlass.Float32" for k in range(ns)]
     params = ", ".join(tensors + scalars + ["max_clusters: cutlass.Int32", "stream: cuda.CUstream"])
     ins = "".join(f"i{j}, " for j in range(len(code.inputs)))
     auxes = "".join(f"x{k}, " for k in range(len(desc.aux_stores)))
+    auxes += "".join(f"r{k}, " for k in range(len(desc.reductions)))       # reduction outputs follow
     scs = "".join(f"s{k}, " for k in range(ns))
     b2 = "b2, " if desc.b2 is not None else ""
     return (f'"""Generated by kspec (CuTe DSL backend) for GEMM {desc.name} on {arch}; do not edit."""\n'

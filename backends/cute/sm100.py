@@ -3,7 +3,8 @@ tensor memory, TMA loads (multicast across the cluster, 2-CTA UMMA when the MMA 
 a static persistent tile scheduler, warp specialization (one TMA warp, one MMA warp, four epilogue
 warps, double-buffered accumulators in TMEM) and a fused epilogue: TMEM -> registers -> the
 generated math -> shared memory -> TMA store (D and auxiliary outputs); epilogue inputs staged in
-shared memory (row/column vectors per MMA tile, residual sub-tiles by double-buffered TMA loads).
+shared memory (row/column vectors per MMA tile, residual sub-tiles by double-buffered TMA loads);
+row/column reductions of epilogue values combined per tile and written with atomics (reduce.py).
 
 Built only from the DSL wheel's building blocks (`cutlass.utils.sm100`, `cutlass.utils.gemm.sm100`
 partition helpers, pipelines, TMEM allocator).  Same tensor and epilogue conventions as `sm90.py`.
@@ -22,13 +23,15 @@ from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
                                       transform_partitioned_tensor_layout)
 
+from . import reduce as red
+
 
 class Sm100Gemm:
     """mma_tiler_mn: the UMMA tile (M 64/128, or 128/256 with `use_2cta`); cluster_mn: cluster
     shape (M must be even with 2-CTA UMMA)."""
 
     def __init__(self, acc_dtype, mma_tiler_mn, cluster_mn, use_2cta, epi_fn, input_kinds, num_scalars,
-                 stages=None, dual=False):
+                 stages=None, reductions=(), dual=False):
         self.acc_dtype = acc_dtype
         self.mma_tiler = (*mma_tiler_mn, 1)
         self.cluster_shape_mn = tuple(cluster_mn)
@@ -38,6 +41,8 @@ class Sm100Gemm:
         self.input_kinds = tuple(input_kinds)
         self.num_scalars = num_scalars
         self.stages_override = stages
+        self.reductions = tuple(reductions)          # (op, axis) per reduced value (reduce.py)
+        self.traced = {}                             # trace-time facts (tests)
         # a dual GEMM: a second B operand sharing the A tiles, and a second TMEM accumulator per
         # stage (stage s of the second at buffer s + num_acc_stage)
         self.dual = dual
@@ -60,8 +65,9 @@ class Sm100Gemm:
         return cute.make_layout((em, en), stride=(en, 1))
 
     def _tiled_mma(self):
-        return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.a_major, self.b_major, self.acc_dtype,
-                                                  self.cta_group, self.mma_tiler[:2])
+        # separate A and B dtypes: tcgen05 kind::f8f6f4 multiplies e4m3 x e5m2 directly
+        return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.b_dtype, self.a_major, self.b_major,
+                                                  self.acc_dtype, self.cta_group, self.mma_tiler[:2])
 
     def _setup(self):
         tiled_mma = self._tiled_mma()
@@ -94,6 +100,8 @@ class Sm100Gemm:
                 in_bytes += self.mma_tiler[0] * 4 + 128
             else:
                 in_bytes += 2 * self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128   # double-buffered
+        for _op, axis in self.reductions:          # one f32 per MMA-tile row (column) per reduction
+            in_bytes += self.mma_tiler[0 if axis == "n" else 1] * 4 + 128
         # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
         stages = (smem_cap - 1024 - c_bytes * self.num_c_stage * (1 + self.num_aux) - in_bytes) // ab_bytes
         if self.stages_override is not None:
@@ -118,7 +126,10 @@ class Sm100Gemm:
         self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
         self.c_layout = utils.LayoutEnum.from_tensor(c)
         self.input_widths = tuple(t.element_type.width for t in inputs)
-        self.num_aux = len(auxes)
+        # `auxes`: the auxiliary outputs, then the reduction outputs
+        self.num_aux = len(auxes) - len(self.reductions)
+        reds = tuple(auxes[self.num_aux:])
+        auxes = tuple(auxes[:self.num_aux])
         tiled_mma = self._tiled_mma()
         self._setup()
         # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
@@ -157,7 +168,7 @@ class Sm100Gemm:
             0, (None, None, None)].shape
         sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
-        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, tuple(aux_atoms), tuple(aux_tmas), inputs,
+        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, tuple(aux_atoms), tuple(aux_tmas), reds, inputs,
                     tuple(full_atoms), tuple(full_tmas),
                     scalars, tuple(x[0] for x in b2_loads), tuple(x[1] for x in b2_loads), self.cluster_layout_vmnk,
                     self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
@@ -166,7 +177,7 @@ class Sm100Gemm:
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, aux_atoms, aux_tmas,
-               inputs, full_atoms,
+               reds, inputs, full_atoms,
                full_tmas, scalars, b2_atoms, b2_tmas,
                cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
@@ -333,6 +344,9 @@ class Sm100Gemm:
                                                 cute.make_layout((em, en, 2), stride=(en, 1, em * en)), 128))
                 n_full += 1
                 full_bytes += em * en * inputs[j].element_type.width // 8
+        # reductions: one f32 per MMA-tile row (column), combined into global memory once per tile
+        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.mma_tiler[0 if axis == "n" else 1],)), 128)
+                for _op, axis in self.reductions]
         in_bar = smem.allocate_array(cutlass.Int64, 2)
         if warp_idx < self.mma_warp_id:
             if cutlass.const_expr(n_full > 0):
@@ -384,6 +398,21 @@ class Sm100Gemm:
                     k += 1
             n_v = cute.size(tTR_rAcc)
             M, N, L = mC.shape
+            plans = []
+            if cutlass.const_expr(len(self.reductions) > 0):
+                # the static coordinates of each thread's values in one sub-tile (the same partition
+                # of an identity tensor over one MMA tile, as the first CTA of an MMA pair: the peer's
+                # coordinates differ by a constant)
+                cS = cute.flat_divide(transform_partitioned_tensor_layout(
+                    tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))), epi_tile)
+                coords = red.static_coords(
+                    lambda t: copy_t2r.get_slice(t).partition_D(cS)[(None, None, None, 0, 0)], red.plan_threads(128))
+                plans = [red.make_plan(op, axis, coords) for op, axis in self.reductions]
+                self.traced.update(red_plans=plans, red_coords=coords)      # for tests
+                rRed = cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype)
+                for r in cutlass.range_constexpr(len(self.reductions)):
+                    red.fill(sRed[r], cute.size(sRed[r]), tidx, 128, plans[r])
+                epi_bar.arrive_and_wait()
             while work.is_valid_tile:
                 tc = work.tile_idx
                 mt = (tc[0] // v, tc[1], tc[2])
@@ -464,6 +493,10 @@ class Sm100Gemm:
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars,
                                          *(copy_r2s.retile(r).load() for r in tTR_rAcc2))
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        copy_r2s.retile(rRed).store(values[1 + self.num_aux + r])
+                        red.reduce_subtile(rRed, tTR_cC[(None, None, None, s)], 0, 0, M, N,
+                                           m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
                     tRS_rC.store(values[0].to(self.c_dtype))
                     buf = (prev + s) % self.num_c_stage
                     cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
@@ -483,6 +516,13 @@ class Sm100Gemm:
                 with cute.arch.elect_one():
                     acc_pipe.consumer_release(acc_cons)
                 acc_cons.advance()
+                if cutlass.const_expr(len(self.reductions) > 0):
+                    # the accumulator is released first: the MMA warp need not wait for the flush
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        along_n = self.reductions[r][1] == "n"
+                        red.flush(sRed[r], cute.size(sRed[r]), tidx, 128, m0 if along_n else n0,
+                                  M if along_n else N, reds[r], mt[2], plans[r])
+                    epi_bar.arrive_and_wait()
             c_pipe.producer_tail()
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)

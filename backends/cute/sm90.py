@@ -7,7 +7,8 @@ Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/
 `epi(acc, inputs, scalars) -> value` on register vectors (TensorSSA) in f32/i32.
 
 Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
-epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L).
+epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L);
+outputs after D: the auxiliary outputs (like D), then the reduction outputs ((M, L) or (N, L), see reduce.py).
 """
 from __future__ import annotations
 
@@ -18,18 +19,49 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir
+from cutlass.cute.atom import make_atom
+from cutlass.cute.core import _pack_shape
+from cutlass.cute.nvgpu.warpgroup import OperandSource
+from cutlass.cute.nvgpu.warpgroup.mma import MmaF16BF16Trait, MmaOp
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
+from kspec.core import KspecInternalError
+
+from . import reduce as red
 
 SMEM_CAPACITY = 232448 - 1024          # sm_90 opt-in shared memory per CTA, less a margin
+
+
+class _Tf32WgmmaOp(MmaOp):
+    """WGMMA with tf32 operands (`wgmma.mma_async...f32.tf32.tf32`, K = 8 per instruction), which the
+    DSL wheel's warpgroup module does not wrap (it has f16/bf16, fp8 and int8 ops).  PTX allows
+    tf32 operands only K-major (no transpose for 32-bit types), both from shared memory here."""
+
+    descriptive_name = "warpgroup TF32 MMA Operation (kspec)"
+
+    def __init__(self, shape_mn, a_major_mode, b_major_mode):
+        super().__init__(cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (*shape_mn, 8),
+                         OperandSource.SMEM, a_major_mode, b_major_mode)
+        K = cute.nvgpu.OperandMajorMode.K
+        if a_major_mode != K or b_major_mode != K:
+            raise KspecInternalError("tf32 WGMMA needs K-major A and B (gemm.can_implement checks this)")
+
+    def _make_trait(self, *, loc=None, ip=None, **kwargs):
+        ty = _cute_nvgpu_ir.MmaAtomSM90Type.get(
+            _pack_shape(self.shape_mnk, loc=loc, ip=ip).type.attribute, self.a_major_mode._to_ir(),
+            self.b_major_mode._to_ir(), self.a_dtype.mlir_type, self.b_dtype.mlir_type, self.acc_dtype.mlir_type,
+            self.a_src._to_ir())
+        return MmaF16BF16Trait(make_atom(ty, [cutlass.Boolean(False).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip))
 
 
 class Sm90Gemm:
     """One configuration of the kernel.  tile_mn: CTA tile (M in 64/128, N in 64..256);
     cluster_mn: cluster shape (TMA multicast of A along N, of B along M)."""
 
-    def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None, dual=False):
+    def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None,
+                 reductions=(), dual=False):
         self.acc_dtype = acc_dtype
         self.tile_shape_mnk = (tile_mn[0], tile_mn[1], 1)
         self.cluster_shape_mn = tuple(cluster_mn)
@@ -37,6 +69,8 @@ class Sm90Gemm:
         self.input_kinds = tuple(input_kinds)
         self.num_scalars = num_scalars
         self.stages_override = stages
+        self.reductions = tuple(reductions)          # (op, axis) per reduced value (reduce.py)
+        self.traced = {}                             # trace-time facts (tests)
         # a dual GEMM (a second B operand sharing the A tiles, a second register accumulator)
         self.dual = dual
         # two consumer warpgroups share an M=128 tile when N is wide ("cooperative"), and in a dual
@@ -59,9 +93,14 @@ class Sm90Gemm:
 
     # ------------------------------------------------------------------ host-side planning
     def _setup(self):
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
+        if self.a_dtype is cutlass.TFloat32:
+            self.tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(_Tf32WgmmaOp(
+                (64, self.tile_shape_mnk[1]), self.a_layout.sm90_mma_major_mode(),
+                self.b_layout.sm90_mma_major_mode())), self.atom_layout_mnk)
+        else:
+            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
         k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         self.tile_shape_mnk = (self.tile_shape_mnk[0], self.tile_shape_mnk[1], k_inst * 4)
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
@@ -86,6 +125,8 @@ class Sm90Gemm:
                 in_bytes += tm * 4 + 128
             else:
                 in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
+        for _op, axis in self.reductions:          # one f32 per tile row (column) per reduction
+            in_bytes += (tm if axis == "n" else tn) * 4 + 128
         stages = (SMEM_CAPACITY - 1024 - epi_bytes - in_bytes) // ab_bytes
         if self.stages_override is not None:
             stages = min(stages, self.stages_override)
@@ -106,24 +147,29 @@ class Sm90Gemm:
         self.d_smem_staged = cute.tile_to_shape(d_atom, (*self.epi_tile, self.epi_stage),
                                                 order=(1, 0, 2) if self.d_layout.is_m_major_c() else (0, 1, 2))
 
-    @staticmethod
-    def _tma_load(tensor, smem_staged, tile, mcast):
+    def _tma_load(self, tensor, smem_staged, tile, mcast):
         op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1
               else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        # f32 data multiplied at tf32 precision: shared memory holds it as tf32 (the same bits)
+        internal = cutlass.TFloat32 if self.a_dtype is cutlass.TFloat32 else None
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile,
-                                                      num_multicast=mcast)
+                                                      num_multicast=mcast, internal_type=internal)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, b2s=()):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
+        # kspec's tf32 operands are f32 in memory, multiplied as tf32
+        self.a_dtype = cutlass.TFloat32 if a.element_type is cutlass.Float32 else a.element_type
+        self.b_dtype = cutlass.TFloat32 if b.element_type is cutlass.Float32 else b.element_type
         self.d_dtype = d.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(a)
         self.b_layout = utils.LayoutEnum.from_tensor(b)
         self.d_layout = utils.LayoutEnum.from_tensor(d)
         self.input_widths = tuple(t.element_type.width for t in inputs)
-        self.num_aux = len(auxes)
+        # `auxes`: the auxiliary outputs, then the reduction outputs
+        self.num_aux = len(auxes) - len(self.reductions)
+        reds = tuple(auxes[self.num_aux:])
+        auxes = tuple(auxes[:self.num_aux])
         self._setup()
         tm, tn, tk = self.tile_shape_mnk
         # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
@@ -163,7 +209,7 @@ class Sm90Gemm:
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
                                   self.buffer_align_bytes]
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), inputs,
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), reds, inputs,
                     tuple(full_atoms), tuple(full_tmas), scalars, tuple(x[0] for x in b2_loads),
                     tuple(x[1] for x in b2_loads),
                     self.tiled_mma, self.cta_layout_mnk,
@@ -174,7 +220,7 @@ class Sm90Gemm:
     # ------------------------------------------------------------------ device code
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, aux_atoms, aux_tmas, inputs,
+               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, aux_atoms, aux_tmas, reds, inputs,
                full_atoms, full_tmas, scalars, b2_atoms, b2_tmas,
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
@@ -213,6 +259,9 @@ class Sm90Gemm:
                     (*self.epi_tile, 2), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
                 n_full += 1
                 full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
+        # reductions: one f32 per tile row (column), combined into global memory once per tile
+        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((tm if axis == "n" else tn,)), 128)
+                for _op, axis in self.reductions]
         in_bar = smem.allocate_array(cutlass.Int64, 2)
         if cutlass.const_expr(n_full > 0):
             if tidx == 0:
@@ -238,7 +287,6 @@ class Sm90Gemm:
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
         gD = cute.local_tile(mD_tma, tile_mn, (None, None, None))
-        cD = cute.local_tile(cute.make_identity_tensor(mD.shape), tile_mn, (None, None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
             cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -322,6 +370,16 @@ class Sm90Gemm:
                 num_stages=self.epi_stage,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
             M, N, L = mD.shape
+            plans = []
+            if cutlass.const_expr(len(self.reductions) > 0):
+                coords = red.static_coords(lambda t: copy_r2s.get_slice(t).partition_S(
+                    cute.make_identity_tensor(self.epi_tile)), red.plan_threads(self.num_mma_threads))
+                plans = [red.make_plan(op, axis, coords) for op, axis in self.reductions]
+                self.traced.update(red_plans=plans, red_coords=coords)      # for tests
+                rRed = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+                for r in cutlass.range_constexpr(len(self.reductions)):
+                    red.fill(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads, plans[r])
+                epi_bar.arrive_and_wait()
             while work.is_valid_tile:
                 tc = work.tile_idx
                 read.reset_count()
@@ -424,6 +482,10 @@ class Sm90Gemm:
                                     rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)
                     values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars,
                                          *(r.load() for r in tRS_rD2))
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        rRed.store(values[1 + self.num_aux + r])
+                        red.reduce_subtile(rRed, tRS_cL, m0 + ec[0] * self.epi_tile[0], n0 + ec[1] * self.epi_tile[1],
+                                           M, N, m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
                     tRS_rOut.store(values[0].to(self.d_dtype))
                     buf = (prev + e) % self.epi_stage
                     cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
@@ -438,6 +500,13 @@ class Sm90Gemm:
                             cute.copy(aux_atoms[x], aux_dst[x][0][None, buf], aux_dst[x][1][None, ec])
                         store_pipe.producer_commit()
                         store_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                if cutlass.const_expr(len(self.reductions) > 0):
+                    # every sub-tile's shared-memory atomics are done (the barrier above)
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        along_n = self.reductions[r][1] == "n"
+                        red.flush(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads,
+                                  m0 if along_n else n0, M if along_n else N, reds[r], tc[2], plans[r])
                     epi_bar.arrive_and_wait()
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
