@@ -231,31 +231,6 @@ def _split_mask(e: EpiExpr) -> tuple[EpiExpr | None, EpiExpr]:
     return mask, e
 
 
-def _divisor(g: nx.DiGraph, den):
-    """A group or page size: (a param name, an int or a size symbol, the nodes computing it)."""
-    do = op(g, den)
-    if do.kind == "param":
-        return do.name, set()
-    if do.kind == "const":
-        return int(do.value), {den}
-    if do.kind == "size":
-        return do.fn, {den}
-    return None
-
-
-def _index_op(g: nx.DiGraph, u, read_labels, fn: str, label: str):
-    """If u is `label <fn> D` (fn floordiv or mod) for a divisor D, read under read_labels:
-    (D, the nodes computing u)."""
-    uo = op(g, u)
-    if uo.kind != "elementwise" or uo.fn != fn:
-        return None
-    (num, nl), (den, _) = operands(g, u)
-    if op(g, num).kind != "index" or len(nl) != 1 or dict(zip(uo.axes, read_labels)).get(nl[0]) != label:
-        return None
-    d = _divisor(g, den)
-    return None if d is None else (d[0], {u, num} | d[1])
-
-
 def kv_group_read(g: nx.DiGraph, n, head_label: str):
     """If n reads a kernel input at head index `h / G` (`K[b, h / G, j, e]`): (the input node, G as a
     param name, an int or a size symbol, the K/V head count (extent of that input axis), the nodes
@@ -272,36 +247,19 @@ def kv_group_read(g: nx.DiGraph, n, head_label: str):
         return None
     axis, x = computed[0]
     u, ul = ins[int(x[1:])]
-    found = _index_op(g, u, ul, "floordiv", head_label)
-    if found is None:
+    uo = op(g, u)
+    if uo.kind != "elementwise" or uo.fn != "floordiv":
         return None
-    return src, found[0], op(g, src).shape[axis], {n} | found[1]
-
-
-def kv_paged_read(g: nx.DiGraph, n, key_label: str):
-    """If n reads a paged cache through a block table, `Kc[bt[b, j / P], j % P, h, e]` (the cache
-    [pages, P, heads, head dim], the table [batch, blocks]): (the cache input, the table input, P as
-    a param name, an int or a size symbol, the nodes computing the read).  None otherwise."""
-    o = op(g, n)
-    subs = o.subscripts
-    if o.kind != "gather" or len(subs) < 3 or not subs[0].startswith("@") or not subs[1].startswith("@") \
-            or any(x.startswith(("@", "#")) for x in subs[2:]):
+    (num, nl), (den, _) = operands(g, u)
+    no, do = op(g, num), op(g, den)
+    if no.kind != "index" or len(nl) != 1 or dict(zip(uo.axes, ul)).get(nl[0]) != head_label:
         return None
-    ins = operands(g, n)
-    cache = ins[0][0]
-    (t, tl), (r, rl) = ins[int(subs[0][1:])], ins[int(subs[1][1:])]
-    to = op(g, t)
-    if op(g, cache).kind != "input" or to.kind != "gather" or len(to.subscripts) != 2 or \
-            not to.subscripts[1].startswith("@") or to.subscripts[0].startswith(("@", "#")):
+    if do.kind == "param":
+        group = do.name
+    elif do.kind == "const":
+        group = int(do.value)
+    elif do.kind == "size":
+        group = do.fn
+    else:
         return None
-    tins = operands(g, t)
-    table = tins[0][0]
-    if op(g, table).kind != "input" or op(g, table).dtype not in INT_DTYPES:
-        return None
-    q, ql = tins[int(to.subscripts[1][1:])]
-    to_n = dict(zip(to.axes, tl))              # the table read's labels as n reads them
-    block = _index_op(g, q, tuple(to_n.get(x, x) for x in ql), "floordiv", key_label)
-    slot = _index_op(g, r, rl, "mod", key_label)
-    if block is None or slot is None or block[0] != slot[0]:
-        return None
-    return cache, table, block[0], {n, t} | block[1] | slot[1]
+    return src, group, op(g, src).shape[axis], {n, u, num} | ({den} if do.kind != "param" else set())

@@ -16,7 +16,7 @@ import networkx as nx
 
 from kspec.core import dtype_bytes  # noqa: F401
 
-from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, kv_paged_read, lift_mods,
+from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods,
                         score_path)
 from .canon import GemmInfo, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
@@ -68,8 +68,6 @@ class AttentionInfo:
     kv_head: object = None             # GQA: the K/V head count
     k_read: object = None              # the nodes QK^T and PV read K and V through (a gather for GQA)
     v_read: object = None
-    kv_table: object = None            # paged K/V: the block-table input node
-    kv_page: object = None             # paged K/V: the page size (param name, int or size symbol)
 
 
 def is_operator(g: nx.DiGraph, n) -> bool:
@@ -143,14 +141,6 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         (up, lp), (uv, lv) = operands(g, pv)
         if up != last:
             (up, lp), (uv, lv) = (uv, lv), (up, lp)
-        # a paged cache read through a block table (`Kc[bt[b, j / P], j % P, h, e]`), K and V alike
-        paged = [kv_paged_read(g, u, axis) if len(_consumers(g, u)) == 1 else None for u in (uk, uv)]
-        if any(paged):
-            if not all(paged) or paged[0][1:3] != paged[1][1:3]:
-                _not_fused(res, g, sm, "K and V must be read alike, both through one block table or neither")
-                continue
-            if set(lk) == set(lv) == {*batch, axis, head}:
-                lk = lv = (*batch, axis, head)        # the logical [batch.., key, head] view
         kv_batch = tuple(lk[:-2])
         shapes_ok = (lq == (*batch, query, head) and tuple(lk[-2:]) == (axis, head) and lv == lk
                      and _is_subsequence(kv_batch, tuple(batch)) and po.axes == (*batch, query, head))
@@ -165,10 +155,9 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         # K and V as they are, or (GQA) inputs read at head h / G inside the kernel; another
         # gather (e.g. through a block table) runs as a kernel of its own before the attention
         reads = {}
-        for role, u, labels, pr in (("K", uk, lk, paged[0]), ("V", uv, lv, paged[1])):
+        for role, u, labels in (("K", uk, lk), ("V", uv, lv)):
             found = kv_group_read(g, u, labels[-3]) if len(labels) >= 3 and len(_consumers(g, u)) == 1 else None
-            reads[role] = (pr[0], None, None, pr[3]) if pr else found if found is not None else \
-                (u, None, None, set())
+            reads[role] = found if found is not None else (u, None, None, set())
         (k_in, k_group, k_heads, k_nodes), (v_in, v_group, v_heads, v_nodes) = reads["K"], reads["V"]
         if (k_group, k_heads) != (v_group, v_heads):
             _not_fused(res, g, sm, "K and V are read with different head groupings")
@@ -184,8 +173,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             mods = LiftedMods(mods.score_mod, None, mods.aux, mods.nodes)
         info = AttentionInfo(qk, sm, pv, tuple(sp.scale), uq, k_in, v_in, tuple(batch), query, axis, head,
                              o.causal == query or top_left, tuple(p_cast),
-                             None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv,
-                             paged[0][1] if paged[0] else None, paged[0][2] if paged[0] else None)
+                             None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv)
         nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
@@ -202,7 +190,6 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                 lifted = [f"{what}: {format_epi(e)}" for what, e in
                           (("score_mod", mods.score_mod), ("mask", mods.mask)) if e is not None]
                 lifted += [f"kv heads: h // {k_group}"] if k_group is not None else []
-                lifted += [f"kv pages: {op(g, paged[0][1]).name}, page size {paged[0][2]}"] if paged[0] else []
                 res.notes.append(f"attention at {sm}: not fused ({why}); using the unfused plan"
                                  + (f" (lifted {'; '.join(lifted)})" if lifted else ""))
                 res.unfused_attention.append((o.span, f"no backend implements it ({why})"))

@@ -70,13 +70,9 @@ def _is_input(ir: KernelIR, name: str) -> bool:
 
 
 def _input_buffer(ir: KernelIR, o: IROp) -> str | None:
-    """The kernel input an index operand loads, None when its value is computed.  An element of an
-    input picked by a computed subscript (a block table read at `bt[b, j / P]`) is a value of that
-    input: the whole table is checked."""
+    """The kernel input an index operand loads, None when its value is computed."""
     if o.kind == "input" and o.buffer is not None and _is_input(ir, o.buffer):
         return o.buffer
-    if o.kind == "gather":
-        return _input_buffer(ir, ir.op(o.args[0][0]))
     return None
 
 

@@ -244,8 +244,7 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
         kv_shared=tuple(x for x in info.batch if info.kv_batch is not None and x not in info.kv_batch),
         p_dtypes=tuple(op(g, n).dtype for n in info.p_cast),
         score_mod=score_mod, mask=mask, aux=aux,
-        kv_group=info.kv_group, kv_head=info.kv_head if info.kv_group is not None else None,
-        kv_table=buffer_of(info.kv_table) if info.kv_table is not None else None, kv_page=info.kv_page)
+        kv_group=info.kv_group, kv_head=info.kv_head if info.kv_group is not None else None)
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str) -> KernelIR:

@@ -311,10 +311,6 @@ class AttentionStructure:
     kv_group: Extent | None = None
     kv_head: Extent | None = None                  # GQA: the K/V head count (extent of that axis)
     lse: str | None = None                         # buffer receiving the log-sum-exp [batch.., i], f32
-    # Paged K/V: k_buffer/v_buffer are caches [pages, kv_page, heads, head dim] and key j of batch b
-    # is at page kv_table[b, j // kv_page], slot j % kv_page (kv_table: an integer [B, blocks] buffer)
-    kv_table: str | None = None
-    kv_page: Extent | None = None
 
     @property
     def head_dim(self) -> Extent | None:
@@ -570,8 +566,6 @@ def verify(ir: KernelIR) -> KernelIR:
                     bad(f"attention {what}: {format_epi(x)} is not a load of a declared aux buffer")
                 if isinstance(x, Load) and x.name not in bufs:
                     bad(f"attention {what}: unknown scalar {x.name}")
-        if (a.kv_table is None) != (a.kv_page is None) or (a.kv_table is not None and a.kv_table not in bufs):
-            bad(f"attention kv_table {a.kv_table} / kv_page {a.kv_page}: both or neither, the table a buffer")
         if a.lse is not None and (a.lse not in bufs or bufs[a.lse].role not in ("output", "intermediate")):
             bad(f"attention lse buffer {a.lse} is not an output")
     if (ir.kind == "rowwise") != (ir.row is not None):
@@ -613,8 +607,6 @@ def format_ir(ir: KernelIR) -> str:
                      f"softmax over {a.key}{', causal' if a.causal else ''}, scale={a.scale}; {dims}")
         if a.kv_group is not None:
             lines.append(f"    kv heads: h // {a.kv_group} of {a.kv_head}")
-        if a.kv_table is not None:
-            lines.append(f"    kv pages: {a.kv_table}[b, j // {a.kv_page}], slot j % {a.kv_page}")
         if a.score_mod is not None:
             lines.append(f"    score_mod: {format_epi(a.score_mod)}")
         if a.mask is not None:

@@ -150,8 +150,6 @@ class Stmt:
     value: Expr
     span: Span | None = _span()
     index_spans: tuple[Span | None, ...] = field(default=(), compare=False, repr=False)
-    # per left-side index, a declared extent (`j : T`) or None; () when none is declared
-    extents: tuple[Dim | None, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -547,18 +547,6 @@ class _KernelChecker:
         if target is not None:
             for ix, dim, sp in zip(s.indices, target.shape, s.index_spans or [None] * len(s.indices)):
                 env.bind(ix, dim, f"{name}[{', '.join(s.indices)}]", sp or s.span)
-        for ix, d in zip(s.indices, s.extents):
-            if d is None:
-                continue
-            if target is not None:
-                self.error(f"'{name}' is declared with a shape; its indices take their extents from it", d.span,
-                           f"drop ` : {d.value}`", abort=True)
-            if d.is_symbol:
-                if d.value not in self.symbols:
-                    self.symbols.append(d.value)  # type: ignore[arg-type]
-            elif not 1 <= int(d.value) < MAX_LITERAL_DIM:
-                self.error(f"dimension {d.value} is out of range (1 to {MAX_LITERAL_DIM - 1})", d.span, abort=True)
-            env.bind(ix, d.value, f"the extent declared for '{ix}'", d.span or s.span)
         value = self.expr(s.value, env, i, future)
         # free indices on the right must be bound on the left
         for ix in value.free:
@@ -572,7 +560,7 @@ class _KernelChecker:
                 self.error(f"the extent of index '{ix}' cannot be inferred: it is used only as a value or "
                            "inside computed subscripts", sp or s.span,
                            f"use '{ix}' as a plain subscript of some tensor (e.g. `x[{ix}]`), whose dimension "
-                           f"gives its range, or declare it on the left side: `{name}[.., {ix} : T]`", abort=True)
+                           "gives its range", abort=True)
         for ix, sp in zip(s.indices, s.index_spans or [None] * len(s.indices)):
             if ix not in env.dims:
                 self.error(f"index '{ix}' of '{name}' has no extent: it does not occur on the right side",

@@ -161,11 +161,7 @@ class _Build(Transformer_NonRecursive):
 
     def shape(self, children): return tuple(children)
 
-    def index_list(self, children): return list(children)
-
-    def lhs_index(self, children):
-        tok = children[0]
-        return (self._name(tok), self._span(tok), children[1] if len(children) > 1 else None)
+    def index_list(self, children): return [(self._name(t), self._span(t)) for t in children]
 
     @v_args(inline=True)
     def annotation(self, dt): return ("annotation", dt)
@@ -273,9 +269,8 @@ class _Build(Transformer_NonRecursive):
                 idx = r
             elif isinstance(r, tuple) and r[0] == "annotation":
                 dt = r[1]
-        return ast.Stmt(self._name(target), tuple(i for i, _, _ in idx), dt, value, self._span(meta),
-                        tuple(s for _, s, _ in idx),
-                        tuple(d for _, _, d in idx) if any(d is not None for _, _, d in idx) else ())
+        return ast.Stmt(self._name(target), tuple(i for i, _ in idx), dt, value, self._span(meta),
+                        tuple(s for _, s in idx))
 
     @v_args(meta=True)
     def kernel(self, meta, children):
@@ -482,7 +477,7 @@ def _check_nesting(tree: lark.Tree, file: str, source: str) -> None:
         for c in node.children:
             if isinstance(c, lark.Tree):
                 # lists are no level of their own: `gelu(x)` nests x one level deep
-                flat = c.data in ("arg_list", "index_list", "lhs_index", "subscript_list", "name_ref", "number")
+                flat = c.data in ("arg_list", "index_list", "subscript_list", "name_ref", "number")
                 stack.append((c, depth if flat else depth + 1, stmt))
 
 

@@ -82,9 +82,7 @@ def print_decl(d: ast.Decl) -> str:
 
 def print_stmt(s: ast.Stmt) -> str:
     ann = f" : {s.dtype}" if s.dtype else ""
-    ext = s.extents or (None,) * len(s.indices)
-    idx = ", ".join(i if d is None else f"{i} : {_dim(d)}" for i, d in zip(s.indices, ext))
-    return f"{s.target}[{idx}]{ann} = {print_expr(s.value)}"
+    return f"{s.target}[{', '.join(s.indices)}]{ann} = {print_expr(s.value)}"
 
 
 def print_program(p: ast.Program) -> str:

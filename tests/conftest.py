@@ -17,7 +17,7 @@ SHIPPED = sorted(p.stem for p in SPECS.glob("*.kspec"))
 # masks) no other backend lowers.  Tests over every shipped spec expect them to fail until then.
 AWAITING_ATTENTION_BACKEND = frozenset({"attention_gqa", "attention_alibi", "attention_sliding_window",
                                         "attention_bias", "attention_softcap", "attention_decode",
-                                        "attention_varlen", "attention_paged"})
+                                        "attention_varlen"})
 
 
 def shipped_params(stems):

@@ -112,20 +112,6 @@ def test_varlen_mask_reads_the_lengths():
     assert a.aux == ("Lq", "Lk") and a.score_mod is None
 
 
-def test_paged_kv_reads_through_the_block_table():
-    from kspec.compiler.indices import index_ranges
-    ir = attention_ir("attention_paged")
-    a = ir.attention
-    assert (a.k_buffer, a.v_buffer, a.kv_table, a.kv_page, a.kv_group) == ("Kc", "Vc", "bt", "P", None)
-    lk = AuxLoad("Lk", idx("b"), "i32")
-    assert a.mask == Op("and", (Op("lt", (Index("j"), lk)),
-                                Op("le", (Index("j"), Op("add", (Index("i"), Op("sub", (lk, Size("S")))))))))
-    assert dict(a.dims)["T"] == "T" and a.head_dims == (128, 128, 128) and a.score_mod is None
-    assert ir.buffer("bt").shape == ("B", "MB") and ir.buffer("Kc").shape == ("NP", "P", "H", 128)
-    # the launch checks every block-table entry against the cache's pages
-    assert {(r.tensor, r.target, r.axis) for r in index_ranges(ir)} == {("bt", "Kc", 0), ("bt", "Vc", 0)}
-
-
 # ---------------------------------------------------------------- the forms the issue names
 
 HEAD = """kernel k {

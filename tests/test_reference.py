@@ -326,37 +326,6 @@ def test_attention_varlen_per_sequence():
     assert not out[3, :, 0].any()               # 3 queries, 2 keys: the first query sees none
 
 
-def test_attention_paged_reads_keys_through_the_block_table():
-    rng = np.random.default_rng(38)
-    B, H, S, P, NP = 2, 2, 2, 4, 6
-    Q = rand(rng, (B, H, S, 128), BF16)
-    Kc, Vc = rand(rng, (NP, P, H, 128), BF16), rand(rng, (NP, P, H, 128), BF16)
-    bt = np.array([[4, 0, 2], [1, 5, 3]], dtype=np.int32)
-    Lk = np.array([9, 2], dtype=np.int32)
-    T = 12
-    args = dict(Q=Q, Kc=Kc, Vc=Vc, bt=bt, Lk=Lk, T=T)
-    out = run_both(SPECS / "attention_paged.kspec", **args)["O"]
-    # the logical K and V of each sequence, gathered page by page with numpy
-    j = np.arange(T)
-    K = np.stack([Kc[bt[b, j // P], j % P] for b in range(B)]).transpose(0, 2, 1, 3)     # [B, H, T, E]
-    V = np.stack([Vc[bt[b, j // P], j % P] for b in range(B)]).transpose(0, 2, 1, 3)
-    i = np.arange(S)[:, None]
-    keep = (j[None, None, None, :] < Lk[:, None, None, None]) & \
-        (j[None, None, None, :] <= i[None, None] + (Lk[:, None, None, None] - S))
-    assert_close(out, sdpa64(Q, K, V, 0.08838834764831845, keep=keep), BF16)
-    # sequence 1 caches 2 keys for 2 queries: the first sees key 0 only
-    assert_close(out[1, :, 0], f64(V[1, :, 0]), BF16)
-    # a block-table entry outside the cache, and a capacity past the table, are errors naming them
-    bad = bt.copy()
-    bad[1, 2] = 6
-    with pytest.raises(KspecError, match=r"subscript bt\[b, j / P\] of 'Kc' \(axis 0\) is 6 at b=1, j=8.*size 6"):
-        reference(SPECS / "attention_paged.kspec")(**{**args, "bt": bad})
-    with pytest.raises(KspecError, match=r"subscript j / P of 'bt' \(axis 1\) is 3 at .*size 3"):
-        reference(SPECS / "attention_paged.kspec")(**{**args, "T": 13})
-    with pytest.raises(KspecError, match=r"size T cannot be inferred from the inputs"):
-        reference(SPECS / "attention_paged.kspec")(**{k: v for k, v in args.items() if k != "T"})
-
-
 def test_gemm_int8_is_exact():
     rng = np.random.default_rng(21)
     A = rng.integers(-128, 128, (9, 257)).astype(np.int8)
@@ -387,7 +356,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
               "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b", "masked_scores",
               "attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
-              "attention_softcap", "attention_decode", "attention_varlen", "attention_paged",
+              "attention_softcap", "attention_decode", "attention_varlen",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested

@@ -293,17 +293,6 @@ PRINTER_CASES = [
 ]
 
 
-def test_declared_index_extent_round_trips_and_binds():
-    src = ("kernel k {\n  in Kc : f16[NP, P, 64]\n  in bt : i32[B, MB]\n  out y : f32[B]\n"
-           "  s[b, j : T] = f32(Kc[bt[b, j / P], j % P, 0])\n  y[b] = sum(j) s[b, j]\n}\n")
-    p = parse(src)
-    (st, _) = p.kernels[0].stmts
-    assert st.indices == ("b", "j") and [d.value if d else None for d in st.extents] == [None, "T"]
-    assert parse(print_program(p)) == p and "s[b, j : T] = " in print_program(p)
-    k = load_spec(src, is_text=True).kernels[0]
-    assert "T" in k.symbols and dict(k.stmts[0].extents)["j"] == "T"
-
-
 @pytest.mark.parametrize("text", PRINTER_CASES)
 def test_printer_round_trip(text):
     e = one_stmt(text)

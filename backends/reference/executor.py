@@ -203,21 +203,12 @@ class ReferenceKernel:
         """Check the arguments; return (inputs in storage dtype, params, sizes)."""
         k = self.kernel
         known = {t.name for t in k.inputs + k.params}
-        carried = {d for t in k.inputs for d in t.shape if isinstance(d, str)}
-        # a size no input carries (an index extent declared on a left side, `j : T`) is an argument
-        free_sizes = {sym for sym in k.symbols if sym not in carried and sym not in dict(k.bindings)}
         for name in arrays:
-            if name not in known and name not in free_sizes:
+            if name not in known:
                 raise KspecReferenceError(f"{k.name}: unknown argument '{name}'",
-                                          hint=f"arguments: {', '.join(sorted(known | free_sizes))}")
+                                          hint=f"arguments: {', '.join(sorted(known))}")
         sizes: dict[str, int] = dict(k.bindings)
         where: dict[str, str] = {s: "the spec" for s in sizes}
-        for sym in sorted(free_sizes & set(arrays)):
-            v = arrays[sym]
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise KspecReferenceError(f"{k.name}: size {sym} must be a positive integer, got {v!r}")
-            sizes[sym] = int(v)
-            where[sym] = f"argument '{sym}'"
         inputs: dict[str, np.ndarray] = {}
         for t in k.inputs:
             if t.name not in arrays:
@@ -243,8 +234,7 @@ class ReferenceKernel:
         unbound = [s for s in k.symbols if s not in sizes]
         if unbound:
             raise KspecReferenceError(f"{k.name}: size {', '.join(unbound)} cannot be inferred from the inputs",
-                                      hint="every size symbol of an output must also size an input; a size "
-                                           "declared for an index (`j : T`) is passed by name, e.g. T=64")
+                                      hint="every size symbol of an output must also size an input")
         params: dict[str, float] = {}
         for t in k.params:
             v = arrays.get(t.name, t.default)
