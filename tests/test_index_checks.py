@@ -352,7 +352,8 @@ def test_the_reference_refuses_the_same_label():
     logits = np.zeros((64, 1000), dtype=np.float32)
     labels = np.arange(64, dtype=np.int32)
     labels[17] = 1000
-    with pytest.raises(KspecError, match=r"label\[m\] is 1000 at m=17, but dimension 1 of 'logits' has size 1000"):
+    with pytest.raises(KspecError, match=r"subscript label\[m\] of 'logits' \(axis 1\) is 1000 at m=17, but that axis "
+                                         r"has size 1000"):
         f(logits=logits, label=labels)
 
 
