@@ -101,10 +101,13 @@ class Planner:
         return self._gemm_capability("epilogue_loads", archs)
 
     def can_fuse(self, ir: KernelIR, archs: tuple[str, ...]) -> str | None:
-        """None when a non-fallback backend implements this candidate kernel on every arch."""
+        """None when a non-fallback backend implements this candidate kernel on every arch (the
+        backend a spec's `backend = NAME` pins, where it pins this kind of kernel)."""
         for arch in archs:
             reasons = []
-            for b in self._fast():
+            pin = ir.hint(arch).backend
+            pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
+            for b in ([get(pin)] if pinned else self._fast()):
                 why = b.can_implement(ir, arch)
                 if why is None:
                     break
