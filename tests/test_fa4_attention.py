@@ -265,8 +265,20 @@ def _gqa_ir(group=4, mqa=False):
     return dataclasses.replace(ir, buffers=tuple(bufs), attention=a)
 
 
+def _dims_ir(d, dv):
+    """Q, K with head dim d; V, O with dv (DeepSeek-style (192, 128) where FA4 supports it)."""
+    ir = _ir("attention")
+    bufs = tuple(dataclasses.replace(b, shape=(*b.shape[:3], d if b.name in ("Q", "K") else dv))
+                 if b.name in ("Q", "K", "V", "O") else b for b in ir.buffers)
+    return dataclasses.replace(ir, buffers=bufs, attention=dataclasses.replace(ir.attention, head_dims=(d, d, dv)))
+
+
 VARIANTS = {
     "plain": lambda: _ir(),
+    "dims_192_128": lambda: _dims_ir(192, 128),
+    "dims_64": lambda: _dims_ir(64, 64),
+    "dims_96": lambda: _dims_ir(96, 96),
+    "dims_256": lambda: _dims_ir(256, 256),
     "causal_top_left": lambda: _ir(causal=True),
     "causal_bottom_right": lambda: _ir(mask=BR),
     "sliding_window": lambda: _ir(mask=WIN),
