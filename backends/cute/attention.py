@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -589,9 +590,17 @@ def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
     return {"symbol": entry, "param_offsets": list(offs), "compile_seconds": seconds}
 
 
-def _import_entry(path: Path, key: str):
-    from .build import _import_entry as imp
-    return imp(path, "attn_" + key)
+def _import_entry(path: Path):
+    """The generated module, imported under a name unique to its build directory (the DSL reads
+    the source of jit functions through their module, so it stays in sys.modules)."""
+    import importlib.util
+    import sys
+    name = "kspec_fa4_entry_" + re.sub(r"\W", "_", path.parent.name)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _read(d: Path) -> dict | None:
@@ -648,7 +657,7 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
     try:
         (work / "entry.py").write_text(entry_source(desc))
         with compat.fa4_target(desc.arch, desc.sm_count):
-            mod = _import_entry(work / "entry.py", key)
+            mod = _import_entry(work / "entry.py")
         found = choose_variants(desc, mod)
         if lengths is not None:
             found = [(sig, fa, [s for s in ls if s in lengths] or ls[:1]) for sig, fa, ls in found
@@ -684,7 +693,4 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
     meta = _read(d) or meta
     return _result(desc, key, d, meta, time.monotonic() - t0, False)
 
-
-def describe(desc: AttnDesc) -> str:
-    return ", ".join(f"{k}={v}" for k, v in config_items(desc))
 
