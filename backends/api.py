@@ -28,7 +28,7 @@ class Capabilities:
     layouts: tuple[str, ...] = ("row", "col")
     epilogue_fns: frozenset[str] = frozenset()
     epilogue_reductions: frozenset[str] = frozenset()
-    epilogue_loads: frozenset[str] = frozenset()        # row | col | full | full_col | scalar
+    epilogue_loads: frozenset[str] = frozenset()        # compiler.kir.LOAD_KINDS
     attention: tuple[tuple[str, str], ...] = ()          # (arch, "f16/bf16 head dims 64,128; causal") summaries
 
     def describe(self) -> list[str]:

@@ -49,6 +49,14 @@ class GemmDesc:
     tile: tuple[int, int, int] | None = None       # CTA tile M x N x K; None = backend default
     cluster: tuple[int, int, int] | None = None
     stages: int | None = None
+    # a dual GEMM: a second B operand (same dtype, layout and extents as b) whose product with A is
+    # the epilogue's Accum(1) (SwiGLU's up projection beside the gate projection)
+    b2: Operand | None = None
+
+    def reduction_init(self) -> tuple[tuple[str, str], ...]:
+        """What the loader fills each epilogue reduction output with before the launch (the
+        identity of its atomic combination): EmittedKernel.init."""
+        return tuple((r.name, "neg_inf" if r.op == "max" else "zero") for r in self.reductions)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 `sass_summary` runs `cuobjdump -sass` and `cuobjdump -res-usage` (pip's nvidia-cuda-cuobjdump;
 `-sass` needs nvdisasm on PATH, which `Toolchain.env()` arranges) and counts the instruction
 families that show which hardware paths a kernel really uses:
-  HGMMA              Hopper warpgroup MMA (PTX wgmma.mma_async)
+  HGMMA/QGMMA/IGMMA  Hopper warpgroup MMA (PTX wgmma.mma_async) on f16/bf16/tf32, fp8, int8
   UTCHMMA/UTCQMMA/UTCIMMA  Blackwell tcgen05.mma, kind f16/tf32, f8f6f4 (and block-scaled), i8
   UTCBAR             tcgen05.commit (MMA completion -> mbarrier)
   UTMALDG/UTMASTG/UTMAPF   TMA tensor load / store / prefetch (cp.async.bulk.tensor)
@@ -22,10 +22,11 @@ from kspec.spec_lang.errors import KspecError
 
 from .toolchain import Toolchain, find_toolchain
 
-FAMILIES: tuple[str, ...] = ("HGMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCBAR", "UTMALDG", "UTMASTG",
-                             "UTMAPF", "LDTM", "STTM", "MUFU.EX2")
-MMA_FAMILIES: tuple[str, ...] = ("HGMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA")
-PTX_NAME = {"HGMMA": "wgmma.mma_async", "UTCHMMA": "tcgen05.mma kind::f16/tf32",
+FAMILIES: tuple[str, ...] = ("HGMMA", "QGMMA", "IGMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCBAR", "UTMALDG",
+                             "UTMASTG", "UTMAPF", "LDTM", "STTM", "MUFU.EX2")
+MMA_FAMILIES: tuple[str, ...] = ("HGMMA", "QGMMA", "IGMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA")
+PTX_NAME = {"HGMMA": "wgmma.mma_async", "QGMMA": "wgmma.mma_async (fp8)", "IGMMA": "wgmma.mma_async (int8)",
+            "UTCHMMA": "tcgen05.mma kind::f16/tf32",
             "UTCQMMA": "tcgen05.mma kind::f8f6f4", "UTCIMMA": "tcgen05.mma kind::i8"}
 
 _FUNC_RE = re.compile(r"^\s*Function\s*:\s*(\S+)\s*$")

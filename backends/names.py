@@ -14,3 +14,17 @@ class Names:
 
     def back(self) -> dict[str, str]:
         return {c: b for b, c in self.to_c.items()}
+
+
+def number_placeholders(text: str, names: Names, scalars) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """Generated kernel text refers to buffer `tN` / scalar as `{tN}`; number the tensor arguments
+    and the scalars (each in generated order) and put their positions in place of the placeholders.
+    Returns (text, tensor arguments in ABI order, scalars in ABI order)."""
+    def order(c: str) -> int:
+        return int(c[1:])
+    args = tuple(sorted({c for c in names.to_c.values() if c not in scalars}, key=order))
+    scal = tuple(sorted(scalars, key=order))
+    for group in (args, scal):
+        for i, c in enumerate(group):
+            text = text.replace(f"{{{c}}}", str(i))
+    return text, args, scal

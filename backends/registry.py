@@ -96,6 +96,10 @@ class Planner:
     def epilogue_reductions(self, archs: tuple[str, ...]) -> frozenset[str]:
         return self._gemm_capability("epilogue_reductions", archs)
 
+    def epilogue_loads(self, archs: tuple[str, ...]) -> frozenset[str]:
+        """Epilogue input kinds (compiler.kir.LOAD_KINDS) some GEMM backend reads on every arch."""
+        return self._gemm_capability("epilogue_loads", archs)
+
     def can_fuse(self, ir: KernelIR, archs: tuple[str, ...]) -> str | None:
         """None when a non-fallback backend implements this candidate kernel on every arch."""
         for arch in archs:

@@ -140,6 +140,8 @@ class GemmInfo:
     b_layout: str                # "row": n contiguous in B; "col": k contiguous
     m_fold: tuple[str, ...] = ()
     k_fold: tuple[str, ...] = ()     # reduced labels folded into K before k (e.g. heads and head dim)
+    anchor2: str | None = None       # a dual GEMM (set by fusion): the second contraction of A ...
+    b2: str | None = None            # ... with this second B operand (same dtype, layout and shape)
 
     @property
     def m_labels(self) -> tuple[str, ...]:
@@ -150,6 +152,18 @@ class GemmInfo:
     def k_labels(self) -> tuple[str, ...]:
         """Every reduced label, outermost first (k last): K is their product."""
         return (*self.k_fold, self.k)
+
+    def vector_kind(self, labels) -> str | None:
+        """The epilogue load kind (compiler.kir.LOAD_KINDS) of a vector read under `labels` and
+        broadcast over the GEMM result: 'row' [n], 'col' [m], 'row_batched' [batch.., n],
+        'col_batched' [batch.., m] (every batch axis, in order); None for anything else, and for
+        vectors along m when M folds several axes."""
+        labels = tuple(labels)
+        along = labels[-1:] if labels[:-1] in ((), self.batch) else ()
+        if along not in ((self.n,), (self.m,)) or (along == (self.m,) and self.m_fold):
+            return None
+        kind = "row" if along == (self.n,) else "col"
+        return kind + "_batched" if len(labels) > 1 else kind
 
 
 def _storage_order(g: nx.DiGraph, node, labels: tuple[str, ...]) -> tuple[str, ...]:

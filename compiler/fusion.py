@@ -9,7 +9,7 @@ not create a cycle between kernels.  Why a node could not join a group is kept i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -36,6 +36,10 @@ class FusionContext:
 
     def epilogue_reductions(self) -> frozenset[str]:
         return frozenset(("max", "sum")) if self.oracle is None else self.oracle.epilogue_reductions(self.archs)
+
+    def epilogue_loads(self) -> frozenset[str]:
+        from .kir import LOAD_KINDS
+        return frozenset(LOAD_KINDS) if self.oracle is None else self.oracle.epilogue_loads(self.archs)
 
 
 @dataclass(frozen=True)
@@ -215,38 +219,103 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if isinstance(gi, str):
             res.notes.append(f"contraction {c}: not a GEMM ({gi}); it runs as a separate generic kernel")
             continue
-        group = {c}
-        axes = set(op(g, c).axes)
-        changed = True
-        while changed:
-            changed = False
-            candidates = sorted({s for n in group for s in g.successors(n)} - group, key=_node_order)
-            for s in candidates:
-                so = op(g, s)
-                if so.kind == "output" or res.group_of(s):
-                    continue
-                why = _epilogue_reject(g, s, group, gi, axes, ctx)
-                if why:
-                    note = f"{so.label()} not fused into the GEMM at {c}: {why}"
-                    if note not in res.notes:
-                        res.notes.append(note)
-                    continue
-                trial = group | {s}
-                # producers of s from outside must be inputs/params/consts or broadcasts of those
-                if legal_group(g, trial):
-                    res.notes.append(f"{so.label()} not fused into the GEMM at {c}: {legal_group(g, trial)}")
-                    continue
-                # (the scalars it reads join at the end of fusion: see attach_scalars)
-                for u, labels in operands(g, s):
-                    cone = _input_cone(g, res, u, labels, gi, trial, ctx)
-                    if cone and legal_group(g, trial | cone) is None:
-                        trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
-                group = trial
-                changed = True
+        group, gi = _dual_or_single(g, res, c, gi, ctx)
         group = _recompute_cheap_values(g, res, group, c)
         group = _keep_a_stored_result(g, res, group, c)
         _add_epilogue_loads(g, res, group)
+        group = _split_unbuildable_reductions(g, res, group, c, gi, ctx)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
+
+
+def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo, ctx: FusionContext) -> set:
+    """The GEMM group `group` (the contraction c, or c and its dual partner) grown over the ops that
+    consume it and can run in its epilogue."""
+    axes = set(op(g, c).axes)
+    changed = True
+    while changed:
+        changed = False
+        candidates = sorted({s for n in group for s in g.successors(n)} - group, key=_node_order)
+        for s in candidates:
+            so = op(g, s)
+            if so.kind == "output" or res.group_of(s):
+                continue
+            why = _epilogue_reject(g, s, group, gi, axes, ctx)
+            if why:
+                note = f"{so.label()} not fused into the GEMM at {c}: {why}"
+                if note not in res.notes:
+                    res.notes.append(note)
+                continue
+            trial = group | {s}
+            # producers of s from outside must be inputs/params/consts or broadcasts of those
+            if legal_group(g, trial):
+                res.notes.append(f"{so.label()} not fused into the GEMM at {c}: {legal_group(g, trial)}")
+                continue
+            # (the scalars it reads join at the end of fusion: see attach_scalars)
+            for u, labels in operands(g, s):
+                cone = _input_cone(g, res, u, labels, gi, trial, ctx)
+                if cone and legal_group(g, trial | cone) is None:
+                    trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
+            group = trial
+            changed = True
+    return group
+
+
+def _dual_partner(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo):
+    """(c2, its GemmInfo) for another ungrouped contraction that multiplies the same A operand (node,
+    labels, layout) over the same output axes and reduced labels by a B operand of the same dtype,
+    layout and shape as c's: the two can share every A tile (a dual GEMM); None if there is none."""
+    co, bo = op(g, c), op(g, gi.b)
+    for c2 in sorted(g.nodes, key=_node_order):
+        o2 = op(g, c2)
+        if c2 == c or o2.kind != "contraction" or res.group_of(c2) is not None or o2.axes != co.axes \
+                or o2.dtype != co.dtype or o2.reduced != co.reduced:
+            continue
+        gi2 = gemm_info(g, c2)
+        if isinstance(gi2, str) or gi2.a != gi.a or gi2.b == gi.b:
+            continue
+        if (gi2.m, gi2.n, gi2.k, gi2.batch, gi2.a_layout, gi2.b_layout, gi2.m_fold, gi2.k_fold) != \
+                (gi.m, gi.n, gi.k, gi.batch, gi.a_layout, gi.b_layout, gi.m_fold, gi.k_fold):
+            continue
+        b2 = op(g, gi2.b)
+        if (b2.kind, b2.dtype, tuple(b2.shape)) != (bo.kind, bo.dtype, tuple(bo.shape)) or b2.kind != "input":
+            continue
+        return c2, gi2
+    return None
+
+
+def _dual_or_single(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: FusionContext):
+    """The epilogue group of the GEMM at c, and its GemmInfo.  When another contraction shares c's A
+    operand and the two results are combined element by element in the epilogue and nowhere else
+    (SwiGLU: silu(X Wg^T) * (X Wu^T)), both run as one dual GEMM that reads each A tile once, if a
+    GEMM backend builds it on every arch (asked through the oracle); else c's group alone, with a note."""
+    partner = _dual_partner(g, res, c, gi)
+    if partner is None:
+        return _grow_epilogue(g, res, {c}, c, gi, ctx), gi
+    c2, gi2 = partner
+    dual = replace(gi, anchor2=c2, b2=gi2.b)
+    notes = len(res.notes)
+    group = _grow_epilogue(g, res, {c, c2}, c, dual, ctx)
+    combined = any(n not in (c, c2) and c in nx.ancestors(g, n) and c2 in nx.ancestors(g, n) for n in group)
+    why = None
+    if not combined:
+        why = "their results are not combined in the epilogue"
+    elif any(s not in group for s in g.successors(c2)):
+        why = f"the result of {c2} is also used outside the epilogue"
+    elif ctx.oracle is not None:
+        from .ir_build import candidate_ir
+        scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, dual), ctx.kernel),
+                                  ctx.archs)
+        why = why and f"no GEMM backend builds the dual GEMM ({why})"
+    if why is None:
+        res.notes.append(f"contractions {c} and {c2} share their A operand {op(g, gi.a).name or gi.a}: one dual GEMM "
+                         "(each A tile is read once, both accumulators feed the epilogue)")
+        return group, dual
+    del res.notes[notes:]
+    if combined:        # (GEMMs that merely share an input, e.g. Q/K/V projections, need no note)
+        res.notes.append(f"contractions {c} and {c2} share their A operand {op(g, gi.a).name or gi.a} but stay "
+                         f"separate GEMMs: {why}")
+    return _grow_epilogue(g, res, {c}, c, gi, ctx), gi
 
 
 def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
@@ -290,13 +359,10 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
             continue
         if uo.kind == "broadcast":
             (src, slabels), = operands(g, u)
-            # (a per-batch vector, e.g. s[b], has no epilogue load: the backend loads rows/columns)
-            if _loaded_input(g, src) is not None and len(slabels) == 1 and slabels[0] in (gi.m, gi.n):
-                if slabels[0] == gi.m and gi.m_fold:
-                    return (f"it broadcasts a vector over '{gi.m}' only, but the GEMM folds "
-                            f"[{', '.join(gi.m_labels)}] into its M axis")
-                continue
-            return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+            why = _vector_reject(g, src, slabels, gi, ctx)
+            if why:
+                return why
+            continue
         if set(labels) == gemm_axes and tuple(labels) == (*gi.batch, *gi.m_labels, gi.n):
             if _storage_layout(g, u) == "col":
                 return f"operand {uo.name or u} is column-major; an epilogue reads full tensors row-major"
@@ -304,6 +370,30 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
         if set(labels) == gemm_axes:
             return f"operand {uo.name or u} is read with its axes in another order than the GEMM result's"
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
+    return None
+
+
+def _vector_reject(g, src, labels, gi: GemmInfo, ctx: FusionContext = FusionContext()) -> str | None:
+    """Why a broadcast of `src` (read under `labels`) cannot be an epilogue vector load (None if it can):
+    an input (or casts of one) indexed by n or m, optionally also by every batch axis of the GEMM."""
+    labels = tuple(labels)
+    inp = _loaded_input(g, src)
+    if inp is None:
+        return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+    kind = gi.vector_kind(labels)
+    if kind is None:
+        if gi.m in labels and gi.m_fold:
+            return (f"it broadcasts a vector over '{gi.m}' only, but the GEMM folds "
+                    f"[{', '.join(gi.m_labels)}] into its M axis")
+        if labels[:-1] and set(labels[:-1]) < set(gi.batch) and labels[-1] in (gi.m, gi.n):
+            return (f"it broadcasts a vector over [{', '.join(labels)}]; a per-batch epilogue vector is indexed by "
+                    f"every batch axis of the GEMM, [{', '.join(gi.batch)}], then '{gi.m}' or '{gi.n}'")
+        return "it broadcasts a value that is not a row or column vector input (or a cast of one)"
+    if len(labels) > 1 and op(g, inp).layout != "row":
+        return f"the per-batch vector {op(g, inp).name} is column-major; epilogue vectors are read row-major"
+    offered = ctx.epilogue_loads()
+    if kind not in offered:
+        return f"no GEMM backend reads '{kind}' epilogue vectors on {', '.join(ctx.archs)}"
     return None
 
 
@@ -384,7 +474,7 @@ def _input_cone(g: nx.DiGraph, res: FusionResult, u, labels, gi: GemmInfo, group
             return False
         if o.kind == "broadcast":
             (src, sl), = operands(g, n)
-            if _loaded_input(g, src) is None or len(sl) != 1 or not (sl[0] == gi.n or (sl[0] == gi.m and not gi.m_fold)):
+            if _vector_reject(g, src, sl, gi, ctx) is not None:
                 return False
             chain = [n]
             while op(g, chain[-1]).kind != "input":
@@ -414,8 +504,16 @@ def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) 
     stored = [n for n in group - reductions if any(s not in group for s in g.successors(n))]
     if stored:
         return group
+    res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
+                     "the GEMM stores no full result for it to ride on")
+    return _without_reductions(g, group, anchor)
+
+
+def _without_reductions(g: nx.DiGraph, group: set, anchor) -> set:
+    """The group less its epilogue reductions and the epilogue ops that only fed them, down to the
+    value the reductions read (which the GEMM then stores for the reduction kernels)."""
+    reductions = {n for n in group if op(g, n).kind == "reduction"}
     keep = group - reductions
-    # drop the epilogue ops that only fed the reductions, down to the value the reductions read
     while True:
         dead = {n for n in keep if n != anchor and not any(s in keep for s in g.successors(n))
                 and not any(op(g, s).kind == "output" for s in g.successors(n))}
@@ -424,9 +522,27 @@ def _keep_a_stored_result(g: nx.DiGraph, res: FusionResult, group: set, anchor) 
         if not dead:
             break
         keep -= dead
-    res.notes.append(f"{op(g, min(reductions, key=_node_order)).label()} not fused into the GEMM at {anchor}: "
-                     "the GEMM stores no full result for it to ride on")
     return keep
+
+
+def _split_unbuildable_reductions(g: nx.DiGraph, res: FusionResult, group: set, anchor, gi: GemmInfo,
+                                  ctx: FusionContext) -> set:
+    """Only tensor-core GEMM backends fuse epilogue reductions: when none of them builds this GEMM
+    on every arch (so it runs as a loop kernel), its reductions run as kernels of their own over the
+    result the GEMM stores."""
+    reductions = {n for n in group if op(g, n).kind == "reduction"}
+    if not reductions or ctx.oracle is None:
+        return group
+    from .ir_build import candidate_ir
+    scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+    why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, anchor, gi), ctx.kernel),
+                              ctx.archs)
+    if why is None:
+        return group
+    for r in sorted(reductions, key=_node_order):
+        res.notes.append(f"{op(g, r).label()} not fused into the GEMM at {anchor}: no GEMM backend builds it with "
+                         f"an epilogue reduction ({why}); it reduces the stored GEMM result in a kernel of its own")
+    return _without_reductions(g, group, anchor)
 
 
 def _store_order_reject(g: nx.DiGraph, s, gi: GemmInfo) -> str | None:

@@ -118,6 +118,8 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
         o = op(g, n)
         if n == anchor:
             e: EpiExpr = Accum()
+        elif gi.anchor2 is not None and n == gi.anchor2:
+            e = Accum(1)
         elif o.kind == "const":
             e = Const(float(o.value))
         elif n not in nodes:
@@ -126,10 +128,9 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
             e = Load(name, "scalar" if bufs[name].role == "param" else "full", o.dtype)
         elif o.kind == "broadcast":
             (src, labels), = operands(g, n)
-            if len(labels) == 1 and labels[0] == gi.n:
-                e = vector(src, "row")
-            elif len(labels) == 1 and labels[0] == gi.m and not gi.m_fold:
-                e = vector(src, "col")
+            kind = gi.vector_kind(labels)
+            if kind is not None:
+                e = vector(src, kind)
             else:
                 raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: cannot broadcast a "
                                          f"[{', '.join(labels)}] value in a GEMM epilogue")
@@ -176,6 +177,8 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
         a_dtype=op(g, gi.a).dtype, b_dtype=op(g, gi.b).dtype, acc_dtype="i32" if acc == "i32" else "f32",
         a_layout=gi.a_layout, b_layout=gi.b_layout, m=gi.m, n=gi.n, k=gi.k, batch=tuple(gi.batch),
         m_fold=tuple(gi.m_fold), k_fold=tuple(gi.k_fold),
+        anchor2=None if gi.anchor2 is None else str(gi.anchor2), b2=None if gi.b2 is None else str(gi.b2),
+        b2_buffer=None if gi.b2 is None else buffer_of(gi.b2),
         dims=(("M", _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
               ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
     return structure, Epilogue(tuple(out_stores), tuple(reductions))

@@ -37,17 +37,25 @@ ROLES = ("input", "output", "param", "intermediate")
 
 @dataclass(frozen=True)
 class Accum:
-    """The GEMM accumulator value at (m, n)."""
+    """The GEMM accumulator value at (m, n); index 1: the second accumulator of a dual GEMM
+    (A times the second B operand)."""
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Load:
     """An epilogue input, by buffer name.  kind: 'row' = vector indexed by n (broadcast over m, e.g.
-    a bias[N]), 'col' = vector indexed by m, 'full' = an MxN tensor (e.g. a residual), 'scalar' = a
-    runtime scalar parameter (passed by value)."""
+    a bias[N]), 'col' = vector indexed by m, 'row_batched' / 'col_batched' = one such vector per
+    batch entry of a batched GEMM (a row-major [L, N] / [L, M] buffer over every batch axis, e.g. a
+    per-batch bias[l, n] or key-padding mask[b, j]), 'full' = an MxN tensor (e.g. a residual),
+    'scalar' = a runtime scalar parameter (passed by value)."""
     name: str
-    kind: Literal["row", "col", "full", "scalar"]
+    kind: Literal["row", "col", "row_batched", "col_batched", "full", "scalar"]
     dtype: str
+
+
+LOAD_KINDS = ("row", "col", "row_batched", "col_batched", "full", "scalar")
+VECTOR_AXIS = {"row": "n", "col": "m", "row_batched": "n", "col_batched": "m"}   # the axis a vector runs along
 
 
 @dataclass(frozen=True)
@@ -156,9 +164,11 @@ def epi_loads(e: EpiExpr) -> list[Load]:
 
 def format_epi(e: EpiExpr) -> str:
     if isinstance(e, Accum):
-        return "acc"
+        return "acc" if e.index == 0 else f"acc{e.index}"
     if isinstance(e, Load):
-        return e.name if e.kind in ("scalar", "full") else f"{e.name}[{'n' if e.kind == 'row' else 'm'}]"
+        if e.kind in ("scalar", "full"):
+            return e.name
+        return f"{e.name}[{'l, ' if e.kind.endswith('_batched') else ''}{VECTOR_AXIS[e.kind]}]"
     if isinstance(e, Const):
         return repr(e.value)
     if isinstance(e, Score):
@@ -245,6 +255,15 @@ class GemmStructure:
     dims: tuple[tuple[str, BatchExtent], ...]     # ("M", ..), ("N", ..), ("K", ..), ("L", ..)
     m_fold: tuple[str, ...] = ()                  # A's free labels folded into M before m (shared weight)
     k_fold: tuple[str, ...] = ()                  # reduced labels folded into K before k
+    # a dual GEMM (e.g. SwiGLU's gate and up projections): a second contraction of the same A with
+    # a second B operand (same dtype, layout and extents), accumulated beside the first (Accum(1))
+    anchor2: str | None = None
+    b2: str | None = None
+    b2_buffer: str | None = None
+
+    @property
+    def dual(self) -> bool:
+        return self.b2 is not None
 
 
 @dataclass(frozen=True)
@@ -409,6 +428,8 @@ class Oracle(Protocol):
 
     def epilogue_reductions(self, archs: tuple[str, ...]) -> frozenset[str]: ...
 
+    def epilogue_loads(self, archs: tuple[str, ...]) -> frozenset[str]: ...
+
     def can_fuse(self, ir: "KernelIR", archs: tuple[str, ...]) -> str | None: ...
 
     def choose(self, ir: "KernelIR", arch: str) -> BackendChoice: ...
@@ -484,17 +505,33 @@ def verify(ir: KernelIR) -> KernelIR:
         s = ir.gemm
         if seen.get(s.anchor) is None or seen[s.anchor].kind != "contraction":
             bad("the GEMM anchor is not a contraction")
-        for x, buf in ((s.a, s.a_buffer), (s.b, s.b_buffer)):
+        for x, buf in ((s.a, s.a_buffer), (s.b, s.b_buffer), *(((s.b2, s.b2_buffer),) if s.dual else ())):
             if x not in seen or seen[x].buffer != buf:
                 bad(f"GEMM operand {x} is not a load of {buf}")
+        if s.dual:
+            second = seen.get(s.anchor2)
+            if second is None or second.kind != "contraction" or second.axes != seen[s.anchor].axes or \
+                    {u for u, _ in second.args} != {s.a, s.b2}:
+                bad("the dual GEMM's second anchor is not a contraction of A and B2 over the same axes")
+            if (seen[s.b2].dtype, seen[s.b2].shape) != (seen[s.b].dtype, seen[s.b].shape):
+                bad("the dual GEMM's B operands differ in dtype or shape")
         if ir.epilogue is None or not ir.epilogue.stores:
             bad("a GEMM needs an epilogue with at least the output store")
         for st in (*ir.epilogue.stores, *ir.epilogue.reductions):
             if st.name not in bufs:
                 bad(f"epilogue store into unknown buffer {st.name}")
+            if any(isinstance(x, Accum) and x.index not in ((0, 1) if s.dual else (0,)) for x in epi_nodes(st.value)):
+                bad(f"epilogue of {st.name} reads an accumulator the GEMM does not have")
             for ld in epi_loads(st.value):
                 if ld.name not in bufs:
                     bad(f"epilogue load of unknown buffer {ld.name}")
+                if ld.kind not in LOAD_KINDS:
+                    bad(f"epilogue load of {ld.name}: unknown kind {ld.kind!r}")
+                if ld.kind.endswith("_batched"):
+                    b = bufs[ld.name]
+                    if not s.batch or len(b.shape) != len(s.batch) + 1 or b.layout != "row":
+                        bad(f"epilogue load of {ld.name}: a per-batch vector needs a batched GEMM and a row-major "
+                            f"buffer over its {len(s.batch)} batch axes and one more")
     if ir.attention is not None:
         a = ir.attention
         for x in (a.qk, a.softmax, a.pv, a.q, a.k, a.v):
@@ -539,8 +576,9 @@ def format_ir(ir: KernelIR) -> str:
         dims = ", ".join(f"{r}={_fmt_extent(v)}" for r, v in s.dims)
         m = f"({', '.join((*s.m_fold, s.m))})" if s.m_fold else s.m
         k = f"({', '.join((*s.k_fold, s.k))})" if s.k_fold else s.k
+        b2 = f" and acc1 = {s.a_buffer} x {s.b2_buffer}" if s.dual else ""
         lines.append(f"  gemm: {batch}{s.a_buffer} ({s.a_dtype}, {s.a_layout}) x {s.b_buffer} ({s.b_dtype}, "
-                     f"{s.b_layout}) -> acc {s.acc_dtype}; m={m} n={s.n} k={k}; {dims}")
+                     f"{s.b_layout}) -> acc {s.acc_dtype}{b2}; m={m} n={s.n} k={k}; {dims}")
     if ir.epilogue is not None:
         lines.append("  epilogue:")
         for st in ir.epilogue.stores:
@@ -581,7 +619,7 @@ def _epi_to_json(e: EpiExpr):
     if isinstance(e, Op):
         return {"Op": [e.fn, [_epi_to_json(a) for a in e.args]]}
     if isinstance(e, Accum):
-        return {"Accum": []}
+        return {"Accum": [e.index] if e.index else []}
     if isinstance(e, Score):
         return {"Score": []}
     if isinstance(e, Index):
@@ -601,7 +639,7 @@ def _epi_from_json(d) -> EpiExpr:
     if tag == "Op":
         return Op(v[0], tuple(_epi_from_json(a) for a in v[1]))
     if tag == "Accum":
-        return Accum()
+        return Accum(*v)
     if tag == "Score":
         return Score()
     if tag == "Index":
@@ -640,7 +678,7 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
         ops.append(d)
     doc = {"id": ir.id, "kind": ir.kind, "spec_kernel": ir.spec_kernel,
            "buffers": [plain(b) for b in ir.buffers], "ops": ops, "stores": [[n, b, list(l)] for n, b, l in ir.stores],
-           "gemm": plain(ir.gemm) if ir.gemm else None,
+           "gemm": _gemm_to_json(ir.gemm, plain) if ir.gemm else None,
            "attention": _attention_to_json(ir.attention, plain, value) if ir.attention else None,
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
@@ -651,6 +689,16 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
             "reductions": [{"name": r.name, "op": r.op, "axis": r.axis, "value": _epi_to_json(r.value),
                             "dtype": r.dtype} for r in ir.epilogue.reductions]}
     return json.loads(json.dumps(doc))
+
+
+def _gemm_to_json(s: GemmStructure, plain) -> dict:
+    """A GEMM's fields; a dual GEMM's fields only when it is one, so a plain GEMM's digest (the key
+    of its builds and tuning results) is what it was before dual GEMMs existed."""
+    d = plain(s)
+    if not s.dual:
+        for k in ("anchor2", "b2", "b2_buffer"):
+            del d[k]
+    return d
 
 
 def _attention_to_json(a: AttentionStructure, plain, value) -> dict:

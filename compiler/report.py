@@ -37,9 +37,12 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
     info = plan.info
     if plan.kind == "gemm":
         batch = f"batched over [{', '.join(info.batch)}], " if info.batch else ""
+        dual = f" and B2={op(g, info.b2).name or info.b2} (a dual GEMM: one A tile feeds two accumulators)" \
+            if info.b2 is not None else ""
         out.append(f"      GEMM {batch}A={op(g, info.a).name or info.a} ({info.a_layout}), "
-                   f"B={op(g, info.b).name or info.b} ({info.b_layout}), m={info.m} n={info.n} k={info.k}")
-        epi = sorted((n for n in plan.group.nodes if n != plan.group.anchor and op(g, n).kind != "const"), key=_order)
+                   f"B={op(g, info.b).name or info.b} ({info.b_layout}){dual}, m={info.m} n={info.n} k={info.k}")
+        epi = sorted((n for n in plan.group.nodes if n not in (plan.group.anchor, info.anchor2)
+                      and op(g, n).kind != "const"), key=_order)
         if epi:
             out.append("      epilogue: " + "; ".join(op(g, n).label() for n in epi))
     elif plan.kind == "attention":

@@ -24,6 +24,9 @@ Layout of an artifact directory::
         "outputs": [{"name": "D", "dtype": "f16", "shape": ["M", "N"], "layout": "row"}],
         "params":  [{"name": "alpha", "dtype": "f32", "default": 1.0}],   # default may be null
         "intermediates": [{"name": "t3", "dtype": "f32", "shape": ["M", "N"], "layout": "row"}],
+        "index_ranges": [{"tensor": "label", "target": "logits", "axis": 1, "extent": "V",
+                          "negative": false, "inclusive": false, "monotonic": false,
+                          "plans": ["cross_entropy_0"]}],
         "plans": [{                            # launched in this order on one stream
           "id": "gemm_bias_relu_0", "kind": "gemm",          # gemm | attention | elementwise
           "dims": [["M", "M"], ["N", "N"], ["K", "K"], ["L", 1]],
@@ -72,6 +75,16 @@ Meaning of the fields
   any such strides (rows at a pitch, row views of wider tensors); its last axis stays contiguous.
 - intermediates: global buffers written by one plan and read by a later one; the loader allocates
   them per call, stream-ordered.
+- index_ranges: the integer inputs whose values are subscripts (kspec.core.IndexRange): every
+  element of `tensor` (an integer input) selects along axis `axis` of `target` (a tensor name, for
+  messages), so it must lie in [0, extent) (`extent` a size symbol bound by the arguments, or an
+  int); `negative: true` allows negative values too, `inclusive: true` the extent itself
+  ([0, extent]: offsets that mark an end, such as cumulative sequence lengths), and
+  `monotonic: true` asks that values never decrease along the tensor's last axis.  The optional
+  flags default to false.  The runtime checks them before a launch
+  (kspec.runtime.indexcheck).  `[]`: the kernel uses no index tensor.  Absent (artifacts written
+  before kspec recorded them): nothing is known, so nothing is checked before the launch; the
+  kernels' own guards still keep every read in bounds.
 - binaries[*].variants (optional; FlashAttention-4 attention kernels): builds of the same plan for
   different size buckets, each {"cubin", "host", "sha256", "symbol", "config", "select"}, where
   select is a list of boxes {dims role: [lo, hi]} (inclusive, hi null = unbounded); the loader
@@ -96,7 +109,7 @@ from pathlib import Path
 from typing import Any, Union
 
 # The runtime reads artifacts on machines without the compiler: only the dependency-free core here.
-from kspec.core import ARCHS, DTYPES, IDENT_RE, KspecError
+from kspec.core import ARCHS, DTYPES, IDENT_RE, IndexRange, KspecError, is_int
 
 FORMAT = "kspec-artifact"
 FORMAT_VERSION = 1
@@ -197,6 +210,7 @@ class KernelEntry:
     params: tuple[ParamSpec, ...] = ()
     intermediates: tuple[TensorSpec, ...] = ()
     plans: tuple[Plan, ...] = ()
+    index_ranges: tuple[IndexRange, ...] | None = None    # None: not recorded (an older artifact)
 
     def tensor(self, name: str) -> TensorSpec | None:
         for t in (*self.inputs, *self.outputs, *self.intermediates):
@@ -271,6 +285,11 @@ def _binary_json(b: Binary) -> dict[str, Any]:
     return out
 
 
+def _range_json(r: IndexRange) -> dict[str, Any]:
+    return {"tensor": r.tensor, "target": r.target, "axis": r.axis, "extent": r.extent, "negative": r.negative,
+            "inclusive": r.inclusive, "monotonic": r.monotonic, "plans": list(r.plans)}
+
+
 def _plan_json(p: Plan) -> dict[str, Any]:
     return {"id": p.id, "kind": p.kind, "dims": [[r, list(v) if isinstance(v, tuple) else v] for r, v in p.dims], "args": list(p.args),
             "scalars": list(p.scalars), "init": dict(p.init), "alignment": dict(p.alignment),
@@ -291,6 +310,7 @@ def manifest_to_json(m: Manifest) -> dict[str, Any]:
             "params": [{"name": p.name, "dtype": p.dtype, "default": p.default} for p in k.params],
             "intermediates": [_tensor_json(t) for t in k.intermediates],
             "plans": [_plan_json(p) for p in k.plans],
+            **({"index_ranges": [_range_json(r) for r in k.index_ranges]} if k.index_ranges is not None else {}),
         } for k in m.kernels],
     }
 
@@ -502,7 +522,32 @@ class _Reader:
                       for i, p in enumerate(self.get(obj, "plans", where, list)))
         if not plans:
             raise self.fail(where, "a kernel needs at least one plan")
-        return KernelEntry(name, groups["inputs"], groups["outputs"], params, groups["intermediates"], plans)
+        ranges = self.get(obj, "index_ranges", where, list, optional=True)
+        if ranges is not None:
+            ranges = tuple(self.index_range(r, f"{where}.index_ranges[{i}]", scope, {p.id for p in plans})
+                           for i, r in enumerate(ranges))
+        return KernelEntry(name, groups["inputs"], groups["outputs"], params, groups["intermediates"], plans,
+                           ranges)
+
+    def index_range(self, obj: Any, where: str, kernel: "_KernelScope", plan_ids: set[str]) -> IndexRange:
+        tensor = self.ident(self.get(obj, "tensor", where, str), f"{where}.tensor")
+        spec = next((t for t in kernel.inputs if t.name == tensor), None)
+        if spec is None or not is_int(spec.dtype):
+            raise self.fail(f"{where}.tensor", f"'{tensor}' is not an integer input of kernel '{kernel.name}'")
+        target = self.ident(self.get(obj, "target", where, str), f"{where}.target")
+        axis = self.get(obj, "axis", where, int)
+        if axis < 0:
+            raise self.fail(f"{where}.axis", f"expected a non-negative axis, got {axis}")
+        extent = self.extent(self.get(obj, "extent", where, (str, int)), f"{where}.extent")
+        if isinstance(extent, str) and extent not in kernel.bindable:
+            raise self.fail(f"{where}.extent", f"size symbol '{extent}' occurs in no input or output shape")
+        flags = {k: self.get(obj, k, where, bool, optional=True, default=False)
+                 for k in ("negative", "inclusive", "monotonic")}
+        plans = tuple(self.get(obj, "plans", where, list, optional=True, default=[]))
+        for p in plans:
+            if p not in plan_ids:
+                raise self.fail(f"{where}.plans", f"{json.dumps(p)[:60]} is not a plan of kernel '{kernel.name}'")
+        return IndexRange(tensor, target, axis, extent, plans=plans, **flags)
 
     def manifest(self, obj: Any) -> Manifest:
         if not isinstance(obj, dict):

@@ -243,3 +243,40 @@ def abi_header() -> str:
             "#ifdef __cplusplus\nextern \"C\" {\n#endif\n"
             f"{WORKSPACE_PROTO};\n{PREPARE_PROTO};\n{ABI_VERSION_PROTO};\n"
             "#ifdef __cplusplus\n}\n#endif\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Index ranges: the contract between the compile step and the runtime's pre-launch check
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IndexRange:
+    """An integer input tensor whose values are used as subscripts: every element of `tensor`
+    selects an element along axis `axis` of `target`, so it must lie in [0, extent) (`extent` a
+    size symbol or an int).  `negative`: a negative value is allowed too (it selects nothing).
+    `inclusive`: the bound itself is allowed, [0, extent] (offsets such as cumulative sequence
+    lengths, where `extent` marks the end).  `monotonic`: values never decrease along the tensor's
+    last axis (cumulative offsets).  Computed from the kernel IR by the compile step
+    (kspec.compiler.indices), recorded per kernel in the artifact manifest, checked by the runtime
+    before a launch (kspec.runtime.indexcheck)."""
+    tensor: str
+    target: str
+    axis: int
+    extent: "str | int"
+    negative: bool = False
+    plans: tuple[str, ...] = ()          # the plans that read it
+    inclusive: bool = False
+    monotonic: bool = False
+
+    def bound(self, sizes: "dict[str, int]") -> int:
+        """The upper bound at the given size-symbol values (exclusive unless `inclusive`)."""
+        return self.extent if isinstance(self.extent, int) else sizes[self.extent]
+
+    def condition(self, bound: "str | int | None" = None) -> str:
+        """`0 <= t < bound` as text (the recorded extent when no bound value is given)."""
+        hi = self.extent if bound is None else bound
+        return f"{'' if self.negative else '0 <= '}{self.tensor} {'<=' if self.inclusive else '<'} {hi}"
+
+    def describe(self) -> str:
+        order = ", non-decreasing" if self.monotonic else ""
+        return f"{self.condition()} ({self.target} axis {self.axis}{order})"

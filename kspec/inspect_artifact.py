@@ -23,6 +23,11 @@ def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = No
         sig = ", ".join(f"{t.name}: {t.describe()}" for t in k.inputs)
         outs = ", ".join(f"{t.name}: {t.describe()}" for t in k.outputs)
         lines.append(f"kernel {k.name}({sig}) -> ({outs}): {len(k.plans)} plan{'s' if len(k.plans) != 1 else ''}")
+        if k.index_ranges is None:
+            lines.append("  index checks: not recorded (an artifact from an older kspec; rebuild to check index "
+                         "tensors before launch)")
+        elif k.index_ranges:
+            lines.append("  index checks before launch: " + "; ".join(r.describe() for r in k.index_ranges))
         for p in k.plans:
             lines.append(f"  plan {p.id} [{p.kind}] args {', '.join(p.args)}"
                          + (f"; scalars {', '.join(map(str, p.scalars))}" if p.scalars else ""))

@@ -167,16 +167,8 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
     params = {p.name: (p.default if p.default is not None else 1.5) for p in entry.params}
     mem = _Memory(drv)
     try:
-        args: dict[str, Any] = dict(params)
+        args: dict[str, Any] = {**params, **_place_inputs(mem, entry, host, OFFSET if variant == "offset" else 0)}
         placed: dict[str, tuple[int, tuple[int, ...], str, str]] = {}
-        for t in entry.inputs:
-            a = host[t.name]
-            data = _storage(a, t.layout)
-            off = OFFSET if variant == "offset" else 0
-            base = mem.alloc(len(data) + off)
-            mem.upload(base + off, data)
-            args[t.name] = DeviceBuffer(base + off, a.shape, dtypes.storage(t.dtype),
-                                        strides=layout_strides(a.shape, t.layout))
         if variant == "offset":
             sym = {**{e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)}}
             for t in entry.outputs:
@@ -235,6 +227,56 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
         mem.free_all()
 
 
+def _place_inputs(mem: _Memory, entry, host: dict, offset: int = 0) -> dict[str, Any]:
+    """Every input uploaded in its declared layout, `offset` bytes into an allocation of its own."""
+    from kspec.artifact import layout_strides
+    from kspec.runtime import DeviceBuffer, dtypes
+    args: dict[str, Any] = {}
+    for t in entry.inputs:
+        a = host[t.name]
+        data = _storage(a, t.layout)
+        base = mem.alloc(len(data) + offset)
+        mem.upload(base + offset, data)
+        args[t.name] = DeviceBuffer(base + offset, a.shape, dtypes.storage(t.dtype),
+                                    strides=layout_strides(a.shape, t.layout))
+    return args
+
+
+def run_index_check(mod, program, kname: str, sizes: dict[str, int], drv, seed: int) -> tuple[bool, str]:
+    """An index out of range is refused before the launch (kspec.runtime.indexcheck): the first
+    recorded index tensor gets its bound (-1 where that does not fit) at its middle element."""
+    import numpy as np
+
+    from kspec.run import random_inputs
+    from kspec.runtime import KspecRuntimeError
+    kernel = mod[kname]
+    entry = kernel.entry
+    r = entry.index_ranges[0]
+    host = random_inputs(program.kernel(kname), sizes, seed)
+    idx = host[r.tensor]
+    if idx.size == 0:
+        return True, f"'{r.tensor}' is empty at these sizes"
+    bound = r.bound({e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)})
+    pos = tuple(int(i) for i in np.unravel_index(idx.size // 2, idx.shape))
+    idx[pos] = bound if bound <= np.iinfo(idx.dtype).max else -1
+    params = {p.name: (p.default if p.default is not None else 1.5) for p in entry.params}
+    where = f"{r.tensor}[{', '.join(map(str, pos))}] = {int(idx[pos])}"
+    mem = _Memory(drv)
+    first = len(getattr(drv, "launches", ()))
+    saved, kernel.check_indices = kernel.check_indices, True
+    try:
+        kernel(**params, **_place_inputs(mem, entry, host))
+    except KspecRuntimeError as e:
+        text = e.message
+        launched = len(getattr(drv, "launches", ())) - first
+        ok = f"{where} is out of range" in text and not launched
+        return ok, text if ok else f"expected '{where} is out of range' and no launch, got: {text}"
+    finally:
+        kernel.check_indices = saved
+        mem.free_all()
+    return False, f"{where} was launched, not refused"
+
+
 # ------------------------------------------------------------------------------------------ bench
 
 def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
@@ -255,6 +297,10 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
             sizes.update(M=2048, N=2048, K=2048)
         try:
             args, shapes = {}, {}
+            bounds: dict[str, int] = {}                     # index tensor -> the least extent it indexes
+            for r in entry.index_ranges or ():
+                hi = r.extent if isinstance(r.extent, int) else sizes.get(r.extent, 1024)
+                bounds[r.tensor] = min(hi, bounds.get(r.tensor, hi))
             for t in (*entry.inputs, *entry.outputs):      # outputs passed: allocation is not timed
                 shape = tuple(e if isinstance(e, int) else sizes.get(e, 1024) for e in t.shape)
                 tdt = getattr(torch, {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "tf32": "float32",
@@ -264,13 +310,19 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
                     s = list(shape)
                     s[-1], s[-2] = s[-2], s[-1]
                     x = torch.randn(s, device="cuda").to(tdt).transpose(-1, -2)
+                elif t.name in bounds:                      # index tensors: valid values
+                    x = torch.randint(0, max(bounds[t.name], 1), shape, device="cuda").to(tdt)
                 else:
                     x = torch.randn(shape, device="cuda").to(tdt)
                 args[t.name] = x
                 if t in entry.inputs:
                     shapes[t.name] = shape
             fn = mod[kname]
-            k_ms = _time(torch, lambda: fn(**args), reps)
+            saved, fn.check_indices = fn.check_indices, False    # the kernel alone (the check syncs)
+            try:
+                k_ms = _time(torch, lambda: fn(**args), reps)
+            finally:
+                fn.check_indices = saved
             base, t_ms = "", None
             ins = [args[t.name] for t in entry.inputs]
             causal = any(str(b.config.get("mask", "")).startswith("causal")
@@ -371,6 +423,13 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
                         dt = time.perf_counter() - t0
                         checks.append(Check(art.name, kname, sname, variant, good, detail, errs, dt))
                         say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {sname:<7} {variant:<8} {detail}")
+                if mod[kname].entry.index_ranges:
+                    try:
+                        good, detail = run_index_check(mod, program, kname, size_sets["small"], drv, seed)
+                    except kspec.KspecError as e:
+                        good, detail = False, str(e).splitlines()[0]
+                    checks.append(Check(art.name, kname, "small", "bad-index", good, detail))
+                    say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {'small':<7} {'bad-index':<8} {detail}")
             if bench and not fake:
                 rows += bench_artifact(mod, art.name, reps)
         if rows:

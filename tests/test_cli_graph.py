@@ -221,3 +221,29 @@ def test_installed_entry_point():
     r = subprocess.run([sys.executable, "-m", "kspec", "run", "--reference", "--random-inputs", "M=-1",
                         str(SPECS / "gemm.kspec")], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 1 and "out of range" in r.stderr
+
+
+def test_graph_shows_the_swiglu_dual_gemm_and_the_dram_bytes_it_saves(capsys):
+    rc, out, err = run_cli(capsys, "graph", SPECS / "swiglu_mlp.kspec", "--sizes", "M=4096,K=4096,F=11008,N=4096")
+    assert rc == 0, err
+    assert "kernel swiglu_mlp: 2 fused kernels\n" in out
+    assert "[swiglu_mlp_0] gemm: reads X, Wg, Wu -> writes h" in out
+    assert "(a dual GEMM: one A tile feeds two accumulators)" in out
+    assert re.search(r"fused total\s+2\s+1\.11 TFLOP\s+518\.00 MB", out), out
+
+
+def test_graph_splits_the_reduction_of_a_loop_kernel_gemm_with_a_note(capsys, tmp_path):
+    spec = tmp_path / "f32_rowmax.kspec"
+    spec.write_text("""kernel f32_rowmax {
+  in  A    : f32[M, K]
+  in  B    : f32[K, N]
+  out D    : f32[M, N]
+  out rmax : f32[M]
+  D[m, n] = sum(k) A[m, k] * B[k, n]
+  rmax[m] = max(n) D[m, n]
+}
+""")
+    rc, out, err = run_cli(capsys, "graph", spec)
+    assert rc == 0, err                       # was: exit 1, "no backend can build kernel f32_rowmax_0"
+    assert "kernel f32_rowmax: 2 fused kernels" in out and "[f32_rowmax_1] rowwise: reads D -> writes rmax" in out
+    assert "it reduces the stored GEMM result in a kernel of its own" in out

@@ -26,7 +26,8 @@ def emitted():
     return {stem: emit_spec(SPECS / f"{stem}.kspec", ARCHS, backend="cutlass") for stem in CPP_SHIPPED}
 
 
-PLANS = {"mlp2": 2, "swiglu_mlp": 3}       # specs that are more than one kernel (two or three GEMMs)
+PLANS = {"mlp2": 2, "swiglu_mlp": 2}       # specs that are more than one kernel (two GEMMs)
+OTHER_BACKEND = {"swiglu_mlp_0": "cute"}   # the dual GEMM: CUTLASS C++ declines it, the CuTe DSL builds it
 
 
 @pytest.mark.parametrize("stem", CPP_SHIPPED)
@@ -36,6 +37,9 @@ def test_every_shipped_spec_emits_one_kernel_per_arch(emitted, stem):
     for plist in e.plans.values():
         assert [p.lowered.arch for p in plist] == list(ARCHS)
         for p in plist:
+            if p.lowered.ir.id in OTHER_BACKEND:
+                assert p.lowered.backend == OTHER_BACKEND[p.lowered.ir.id]
+                continue
             src = p.emitted.source
             assert 'extern "C" __global__' in src and "kspec_kernel" in src
             assert "kspec_prepare" in src and "kspec_workspace_size" in src

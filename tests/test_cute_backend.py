@@ -87,13 +87,105 @@ def test_no_user_text_in_generated_code():
 
 def test_unsupported_epilogues_have_reasons():
     aux = _desc(Accum(), aux_stores=(Store("t7", Accum(), "f32"),))
-    red = _desc(Accum(), reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))
     assert "auxiliary" in epilogue.unsupported(aux)
     assert epilogue.unsupported(_desc(Accum(), aux_stores=(Store("t7", Accum(), "f16"),))) is None
-    assert "reductions" in epilogue.unsupported(red)
+    assert epilogue.unsupported(_desc(Accum(), reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))) is None
+    bad_op = _desc(Accum(), reductions=(ReductionStore("t8", "min", "n", Accum(), "f32"),))
+    assert "sum or max" in epilogue.unsupported(bad_op)
+    assert "f32 atomics" in epilogue.unsupported(_desc(Accum(), reductions=(ReductionStore("t8", "sum", "m", Accum(),
+                                                                                            "f16"),)))
+    int_red = _desc(Accum(), a="i8", b="i8", out="i32", acc="i32",
+                    reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))
+    assert "f32 atomics" in epilogue.unsupported(int_red)
+    assert "not supported" in epilogue.unsupported(_desc(Accum(), reductions=(
+        ReductionStore("t8", "sum", "n", Op("log", (Accum(),)), "f32"),)))
     assert "not supported" in epilogue.unsupported(_desc(Op("log", (Accum(),))))
     with pytest.raises(KspecInternalError):
-        epilogue.generate(red)
+        epilogue.generate(bad_op)
+
+
+def _rowmax_colsum_desc(arch="sm90a"):
+    """D = gelu(alpha * acc + bias[n]) (f16); rowmax[m] = max_n (alpha * acc + bias); colsum[n] = sum_m D
+    before its rounding to f16."""
+    y = Op("add", (Op("mul", (Load("t5", "scalar", "f32"), Accum())), Load("t2", "row", "f16")))
+    g = Op("gelu", (y,))
+    return GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                    Store("t3", g, "f16"), reductions=(ReductionStore("t4", "max", "n", y, "f32"),
+                                                       ReductionStore("t6", "sum", "m", g, "f32")))
+
+
+def test_reduced_epilogue_values_match_float64_numpy():
+    """The generated epilogue returns D and then each value to reduce; reduced along n (row max)
+    and m (column sum) they match float64 numpy.  ABI: reduction outputs last (CUTLASS order),
+    (M, L) / (N, L) vectors, 4-byte aligned, initialised by the loader (max: -inf, sum: 0)."""
+    d = _rowmax_colsum_desc()
+    code = epilogue.generate(d)
+    assert code.reductions == (("max", "n"), ("sum", "m"))
+    rng = np.random.default_rng(1)
+    acc = rng.standard_normal((40, 24)).astype(np.float32) * 3
+    bias = rng.standard_normal(24).astype(np.float32)
+    dv, yv, gv = epilogue.run_numpy(code, acc, (np.broadcast_to(bias, acc.shape),), (np.float32(0.75),))
+    y64 = 0.75 * acc.astype(np.float64) + bias
+    g64 = _gelu64(y64)
+    np.testing.assert_allclose(yv.max(axis=1), y64.max(axis=1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gv.astype(np.float64).sum(axis=0), g64.sum(axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(dv, gv)
+    assert gemm.abi_names(d, code) == ("t0", "t1", "t2", "t3", "t4", "t6")
+    t = {x.name: x for x in gemm.tensor_abi(d, code)}
+    assert (t["r0"].shape, t["r0"].stride, t["r0"].tma, t["r0"].ptr_index) == (("M", "L"), (1, ("M",)), False, 4)
+    assert (t["r1"].shape, t["r1"].stride, t["r1"].ptr_index) == (("N", "L"), (1, ("N",)), 5)
+    assert d.reduction_init() == (("t4", "neg_inf"), ("t6", "zero"))
+
+
+def _expected_reduction(op, axis, field, coords, bounds):
+    """float64 numpy: the reduction of field[m, n] over the (m, n) the threads hold, inside `bounds`."""
+    key = 0 if axis == "n" else 1
+    ident = -np.inf if op == "max" else 0.0
+    out = np.full(bounds[key], ident)
+    held = [c for t in coords for c in coords[t]]
+    assert len(set(held)) == len(held), "a coordinate is held twice"
+    for m, n in held:
+        if m < bounds[0] and n < bounds[1]:
+            i = (m, n)[key]
+            out[i] = max(out[i], field[m, n]) if op == "max" else out[i] + float(field[m, n])
+    return out
+
+
+def _check_plan_numerics(plan, axis, coords, bounds, seed=0):
+    from kspec.backends.cute import reduce as red
+    rng = np.random.default_rng(seed)
+    ext = (max(c[0] for t in coords for c in coords[t]) + 1, max(c[1] for t in coords for c in coords[t]) + 1)
+    field = (rng.standard_normal(ext) * 4).astype(np.float32)
+    values = {t: [field[c[0], c[1]] for c in coords[t]] for t in coords}
+    got = red.simulate(plan, values, coords, bounds)
+    want = _expected_reduction(plan.op, axis, field, coords, bounds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_dsl
+@pytest.mark.parametrize("op,axis,bits", [("max", "n", (1, 2)), ("sum", "m", (4, 8, 16)), ("sum", "n", (1, 2))])
+def test_reduction_plan_on_a_wgmma_like_layout(op, axis, bits):
+    """Register grouping, butterfly lane bits and representative lanes derived from coordinates
+    (a 128-thread WGMMA-style accumulator layout), checked against float64 numpy on a partial tile."""
+    from kspec.backends.cute import reduce as red
+    coords = {t: [(16 * (t // 32) + (t % 32) // 4 + 8 * ((v // 2) % 2), 2 * (t % 4) + v % 2 + 8 * (v // 4))
+                  for v in range(16)] for t in range(128)}
+    plan = red.make_plan(op, axis, {t: coords[t] for t in red.plan_threads(128)})
+    assert plan.lane_bits == bits
+    assert len(plan.groups) == (2 if axis == "n" else 8)
+    for bounds in ((64, 32), (50, 13), (3, 1)):
+        _check_plan_numerics(plan, axis, coords, bounds)
+
+
+@needs_dsl
+def test_reduction_plan_rejects_non_uniform_layouts():
+    from kspec.backends.cute import reduce as red
+    coords = {t: [(t, 0), (t, 1)] for t in range(32)}
+    coords[5] = [(5, 0), (6, 1)]                      # thread 5 holds two rows: grouped differently
+    with pytest.raises(KspecInternalError, match="thread 5"):
+        red.make_plan("max", "n", coords)
+    with pytest.raises(KspecInternalError, match="incomplete"):
+        red.make_plan("max", "n", {t: [(t, 0)] for t in range(20)})
 
 
 # ------------------------------------------------------------------ capabilities and configurations
@@ -104,8 +196,11 @@ def test_unsupported_epilogues_have_reasons():
     ("bf16", "bf16", "row", "row", "sm100a", True),
     ("f8e4m3", "f8e5m2", "row", "col", "sm90a", True),
     ("f8e4m3", "f8e4m3", "col", "col", "sm90a", False),     # WGMMA fp8 needs K-major operands
-    ("f8e4m3", "f8e5m2", "row", "col", "sm100a", False),
-    ("tf32", "tf32", "row", "col", "sm90a", False),
+    ("f8e4m3", "f8e5m2", "row", "col", "sm100a", True),      # tcgen05 kind::f8f6f4 mixes kinds
+    ("f8e5m2", "f8e4m3", "col", "row", "sm100a", True),
+    ("tf32", "tf32", "row", "col", "sm90a", True),
+    ("tf32", "tf32", "col", "col", "sm90a", False),         # tf32 WGMMA: K-major only (no 32-bit transpose)
+    ("tf32", "tf32", "row", "row", "sm90a", False),
     ("tf32", "tf32", "col", "row", "sm100a", True),
     ("f16", "bf16", "row", "col", "sm100a", False),
 ])
@@ -223,9 +318,11 @@ CUTE_SPECS = {   # spec -> tensor-core instruction per arch (by operand dtype)
     "gemm_bias_gelu_residual": ("HGMMA", "UTCHMMA"),
     "batched_gemm": ("HGMMA", "UTCHMMA"),
     "batched_gemm_shared_b": ("HGMMA", "UTCHMMA"),     # the batch folded into M: one GEMM
+    "masked_scores": ("HGMMA", "UTCHMMA"),             # a per-batch mask row in the epilogue
     "fp8_gemm_scaled": ("QGMMA", "UTCQMMA"),
     "gemm_int8": ("IGMMA", "UTCIMMA"),
-    "gemm_tf32": (None, "UTCHMMA"),          # sm90a: CUTLASS C++ (no tf32 WGMMA in the DSL wheel)
+    "gemm_rowmax": ("HGMMA", "UTCHMMA"),     # epilogue row max: shared + global atomics
+    "gemm_tf32": ("HGMMA", "UTCHMMA"),       # sm90a: kspec's tf32 WGMMA op (K-major A and B)
 }
 
 
@@ -361,6 +458,30 @@ def test_warm_compile_does_not_import_the_dsl(cute_artifacts, tmp_path):
 
 @needs_dsl
 @pytest.mark.cute
+def test_resource_counts_come_from_the_cubin_without_cuobjdump(cute_artifacts, tmp_path):
+    """kspec compile records registers and static shared memory from the cubin's ELF attributes
+    (no cuobjdump run, which took about a second per cubin on the cold path); they equal cuobjdump's."""
+    from kspec.compile import _resources
+    art = cute_artifacts("gemm_bias_gelu_residual")
+    m = json.loads((art / "manifest.json").read_text())
+    for arch in ARCHS:
+        b = m["kernels"][0]["plans"][0]["binaries"][arch]
+        regs, smem = _resources(art / b["cubin"], None, tmp_path, b["symbol"])
+        assert regs is not None and 24 <= regs <= 255 and smem is not None
+        assert (b["registers"], b["smem"]) == (regs, smem)
+        assert not (tmp_path / "resources").exists()          # nothing memoised: nothing was run
+        from kspec.backends.toolchain import find_toolchain
+        try:
+            tc = find_toolchain()
+        except Exception:
+            continue
+        from kspec.backends.inspect import sass_summary
+        k = sass_summary(art / b["cubin"], tc).kernel(b["symbol"])
+        assert (k.registers, k.shared_bytes) == (regs, smem)
+
+
+@needs_dsl
+@pytest.mark.cute
 def test_prepare_rejects_misaligned_leading_dimensions(cute_artifacts):
     from kspec.runtime.glue import HostGlue
     art = cute_artifacts("gemm")
@@ -382,6 +503,7 @@ LAYOUT_CASES = [  # (arch, A layout, B layout, D layout, dtype, config)
     ("sm100a", "row", "row", "col", "bf16", gemm.CuteConfig((64, 256), (1, 1))),
     ("sm100a", "col", "col", "row", "f16", gemm.CuteConfig((256, 128), (4, 1), use_2cta=True)),
     ("sm100a", "col", "row", "row", "tf32", gemm.CuteConfig((128, 64), (2, 1))),
+    ("sm90a", "row", "col", "row", "tf32", gemm.CuteConfig((128, 256), (1, 1))),     # two consumer warpgroups
 ]
 
 
@@ -405,8 +527,159 @@ def test_layouts_and_candidate_configurations_compile(arch, la, lb, ld, dt, cfg)
         pytest.skip("no cuobjdump for the SASS check")
     sass = _sass(Path(b.cubin), tc)
     assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+    if arch == "sm90a" and dt == "tf32":
+        assert "HGMMA.64x256x8.F32.TF32" in sass
     if cfg.use_2cta:
         assert "UTCHMMA.2CTA" in sass
+
+
+RED_CASES = [("sm90a", gemm.CuteConfig((128, 256), (1, 1))),               # two consumer warpgroups
+             ("sm100a", gemm.CuteConfig((256, 128), (2, 1), use_2cta=True)),  # a 2-CTA MMA tile
+             ("sm100a", gemm.CuteConfig((64, 128), (1, 1)))]                  # the M=64 TMEM layout
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch,cfg", RED_CASES)
+def test_epilogue_reductions_on_the_kernels_register_layouts(arch, cfg, tmp_path):
+    """A row max and a column sum in one kernel: built (traced here, fresh cache), the plans the
+    kernel derived from its own register layout combine the values its threads hold into the
+    float64 numpy reduction (partial tiles included); the SASS reduces with warp shuffles, shared-
+    memory atomics and global atomics (RED/ATOM)."""
+    import sys as _sys
+    d = _rowmax_colsum_desc(arch)
+    assert gemm.can_implement(d, arch) is None
+    b = cbuild.build(d, arch, tmp_path, cfg)
+    assert b.args == ("t0", "t1", "t2", "t3", "t4", "t6")
+    traced = _sys.modules[f"kspec_cute_entry_{b.key[:24]}"].GEMM.traced
+    coords = traced["red_coords"]
+    assert len(traced["red_plans"]) == 2
+    for plan, (op, axis) in zip(traced["red_plans"], (("max", "n"), ("sum", "m"))):
+        assert (plan.op, plan.key) == (op, 0 if axis == "n" else 1)
+        rows = max(c[0] for t in coords for c in coords[t]) + 1
+        cols = max(c[1] for t in coords for c in coords[t]) + 1
+        for bounds in ((rows, cols), (rows - 3, cols - 5), (1, 1)):
+            _check_plan_numerics(plan, axis, coords, bounds)
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    sass = _sass(Path(b.cubin), tc)
+    assert "ATOMS." in sass and "SHFL.BFLY" in sass
+    assert "REDG.E.ADD.F32" in sass or "ATOMG.E.ADD.F32" in sass          # column sums
+    assert "REDG.E.MAX.S32" in sass or "ATOMG.E.MAX.S32" in sass          # row max: the int-ordering trick
+    assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemm_rowmax_launch_abi_through_the_fake_driver(cute_artifacts, arch):
+    """specs/gemm_rowmax.kspec is one CuTe DSL kernel per arch; on the fake driver (every size set:
+    tile multiples, ragged, smaller than a tile) the launch matches the cubin and the tensors, and
+    the loader fills rowmax with -inf on the launch stream before the launch."""
+    import kspec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.selftest import SIZE_SETS
+    art = cute_artifacts("gemm_rowmax")
+    mod = kspec.load(art)
+    with FakeDriver((9, 0) if arch == "sm90a" else (10, 0), sm_count=132) as fake:
+        for sizes in SIZE_SETS.values():
+            fills = len(fake.fills)
+            call = fake_call(mod, "gemm_rowmax", sizes, fake)
+            assert check_call(call, arch, mod) == []
+            (rec,) = call.launches
+            args = {a.name: a for a in call.plan_args[0]}
+            assert fake.fills[fills:] == [(args["rowmax"].ptr, 0xFF800000, 4, sizes["M"])]
+            words = set(struct.unpack_from(f"<{len(rec.params) // 8}Q", rec.params[:len(rec.params) // 8 * 8]))
+            assert args["rowmax"].ptr in words and args["bias"].ptr in words
+
+
+def test_cache_key_covers_operand_dtypes_and_layouts():
+    """The entry source names tensors but not their dtypes/layouts (they reach the trace as fake
+    tensors), so the key must include the tensor ABI: kernels differing only there never share a build."""
+    base = dict(a="f8e4m3", b="f8e4m3", la="row", lb="col", out="f16")
+    keys = {cbuild.build_key(_desc(Accum(), **{**base, **kw}), "sm100a", gemm.CuteConfig((128, 128)))[0]
+            for kw in ({}, {"b": "f8e5m2"}, {"a": "f8e5m2"}, {"lb": "row"}, {"out": "bf16"})}
+    assert len(keys) == 5
+
+
+def _umma_formats(ptx: str, tile_m: int, tile_n: int) -> set[tuple[int, int]]:
+    """(A format, B format) fields of every tcgen05 instruction descriptor constant in the PTX that
+    describes an M x N UMMA with an f32 accumulator (PTX ISA: bits 4-5 D format, 7-9 A, 10-12 B,
+    17-22 N >> 3, 24-28 M >> 4)."""
+    import re
+    out = set()
+    for c in map(int, re.findall(r"\b(\d{6,})\b", ptx)):
+        if c < 2 ** 32 and (c >> 24) & 0x1F == tile_m >> 4 and (c >> 17) & 0x3F == tile_n >> 3 and (c >> 4) & 3 == 1:
+            out.add(((c >> 7) & 7, (c >> 10) & 7))
+    return out
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("a,b", [("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3")])
+def test_mixed_fp8_kinds_on_sm100a(a, b):
+    """e4m3 x e5m2 (either order) is one tcgen05 kind::f8f6f4 UMMA whose instruction descriptor
+    encodes each operand's own format (E4M3 = 0, E5M2 = 1), with per-row/per-column scales."""
+    v = Op("mul", (Op("mul", (Accum(), Load("t2", "col", "f32"))), Load("t4", "row", "f32")))
+    d = GemmDesc("k_0", "sm100a", Operand("t0", a, "row"), Operand("t1", b, "col"), "f32", Store("t3", v, "bf16"))
+    assert gemm.can_implement(d, "sm100a") is None
+    built = cbuild.build(d, "sm100a", test_cache_root(), gemm.CuteConfig((128, 128)))
+    ptx = (Path(built.dir) / "kernel.ptx").read_text()
+    assert "kind::f8f6f4" in ptx
+    fmt = {"f8e4m3": 0, "f8e5m2": 1}
+    assert _umma_formats(ptx, 128, 128) == {(fmt[a], fmt[b])}
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    assert "UTCQMMA" in _sass(Path(built.cubin), tc)
+
+
+BATCHED_REDUCTIONS = """
+kernel bgemm_red {
+  in  A  : f16[L, M, K]
+  in  B  : f16[L, K, N] col
+  out D  : f16[L, M, N]
+  out rs : f32[L, M]
+  out cm : f32[L, N]
+
+  acc[l, m, n] : f32 = sum(k) A[l, m, k] * B[l, k, n]
+  D[l, m, n] = acc[l, m, n]
+  rs[l, m] = sum(n) acc[l, m, n]
+  cm[l, n] = max(m) acc[l, m, n]
+}
+"""
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_batched_reductions_launch_abi(tmp_path):
+    """A batched GEMM with a row sum and a column max fused: one CuTe DSL kernel per arch whose
+    launches (every size set, L up to 3) match the cubin and tensors, with one vector per batch
+    filled by the loader (sum: 0 over L*M, max: -inf over L*N)."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.selftest import SIZE_SETS
+    spec = tmp_path / "bgemm_red.kspec"
+    spec.write_text(BATCHED_REDUCTIONS)
+    art = compile_spec(spec, ARCHS, tmp_path / "out", cache=CompileCache(test_cache_root()), backend="cute")
+    mod = kspec.load(art)
+    for arch in ARCHS:
+        with FakeDriver((9, 0) if arch == "sm90a" else (10, 0), sm_count=132) as fake:
+            for sz in SIZE_SETS.values():
+                n = len(fake.fills)
+                call = fake_call(mod, "bgemm_red", sz, fake)
+                assert check_call(call, arch, mod) == []
+                args = {a.name: a for a in call.plan_args[0]}
+                assert args["rs"].strides == (sz["M"], 1)
+                assert fake.fills[n:] == [(args["rs"].ptr, 0, 4, sz["L"] * sz["M"]),
+                                          (args["cm"].ptr, 0xFF800000, 4, sz["L"] * sz["N"])]
 
 
 @needs_dsl
@@ -434,3 +707,250 @@ def test_auxiliary_output_is_stored_by_tma_beside_d(arch):
         pytest.skip("no cuobjdump for the SASS check")
     sass = _sass(Path(b.cubin), tc)
     assert sass.count("UTMASTG") >= 2
+
+
+# ------------------------------------------------------------------ per-batch epilogue vectors
+
+def _batched_desc(arch="sm90a"):
+    v = Op("relu", (Op("add", (Op("mul", (Load("t4", "col_batched", "f32"), Accum())), Load("t2", "row_batched", "f16"))),))
+    return GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                    Store("t3", v, "f16"), batched=True)
+
+
+def test_per_batch_vectors_are_n_by_l_and_m_by_l_tensors_in_the_abi():
+    d = _batched_desc()
+    code = epilogue.generate(d)
+    assert code.input_kinds == ("col_batched", "row_batched")
+    abi = {t.name: t for t in gemm.tensor_abi(d, code)}
+    assert (abi["i0"].shape, abi["i0"].stride, abi["i0"].tma) == (("M", "L"), (1, ("M",)), False)
+    assert (abi["i1"].shape, abi["i1"].stride, abi["i1"].tma) == (("N", "L"), (1, ("N",)), False)
+    glue = cbuild.glue_source(list(abi.values()), 0, "ciface", "entry", (0,), (8,), 1, 0)
+    assert "ks_tensor_i1 t_i1 = {ptrs[3], {(int32_t)N, (int32_t)L}, {(int64_t)N}};" in glue
+    assert "ks_tensor_i0 t_i0 = {ptrs[2], {(int32_t)M, (int32_t)L}, {(int64_t)M}};" in glue
+    # a GEMM that is not batched has no per-batch vectors
+    flat = GemmDesc("k_0", "sm90a", d.a, d.b, "f32", d.output)
+    assert "not batched" in epilogue.unsupported(flat)
+
+
+def test_per_batch_vectors_staged_per_tile_match_float64_numpy():
+    """Emulates the kernels' staging of vector inputs (element i of the tile's slice at coordinate
+    (i, l) of the (N, L) / (M, L) tensor the ABI describes over the row-major [L, N] / [L, M] buffer)
+    and runs the generated epilogue per tile, against float64 numpy of the spec's semantics."""
+    d = _batched_desc()
+    code = epilogue.generate(d)
+    abi = {t.name: t for t in gemm.tensor_abi(d, code)}
+    rng = np.random.default_rng(7)
+    L, M, N, tm, tn = 3, 10, 12, 4, 8
+    dims = {"M": M, "N": N, "L": L}
+    acc = rng.standard_normal((L, M, N)).astype(np.float32)
+    cs = rng.standard_normal((L, M)).astype(np.float32)
+    bias = rng.standard_normal((L, N)).astype(np.float16)
+    flat = {"i0": cs.reshape(-1), "i1": bias.reshape(-1)}
+
+    def element(t, i, l):
+        strides = [1 if s == 1 else math.prod(dims[x] for x in s) for s in t.stride]
+        return flat[t.name][i * strides[0] + l * strides[1]]
+
+    got = np.zeros((L, M, N), np.float32)
+    for l in range(L):
+        for m0 in range(0, M, tm):
+            for n0 in range(0, N, tn):
+                rows = [min(m0 + i, M - 1) for i in range(tm)]         # clamped as the kernels do
+                cols = [min(n0 + i, N - 1) for i in range(tn)]
+                vm = np.array([element(abi["i0"], m, l) for m in rows], np.float32)
+                vn = np.array([element(abi["i1"], n, l) for n in cols], np.float32)
+                tile = acc[l][np.ix_(rows, cols)]
+                (out,) = epilogue.run_numpy(code, tile, (np.broadcast_to(vm[:, None], tile.shape),
+                                                         np.broadcast_to(vn[None, :], tile.shape)), ())
+                got[l, m0:m0 + tm, n0:n0 + tn] = out[:min(tm, M - m0), :min(tn, N - n0)]
+    want = np.maximum(cs.astype(np.float64)[:, :, None] * acc + bias.astype(np.float64)[:, None, :], 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+PER_BATCH_SPEC = """kernel bgemm_bias {
+  in  A    : f16[L, M, K]
+  in  B    : f16[L, K, N] col
+  in  bias : f16[L, N]
+  in  cs   : f32[L, M]
+  out D    : f16[L, M, N]
+  D[l, m, n] = relu(cs[l, m] * sum(k) A[l, m, k] * B[l, k, n] + bias[l, n])
+}
+"""
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_batch_vectors_build_offline_and_launch_through_the_fake_driver(tmp_path, monkeypatch, arch):
+    """bias[l, n] and cs[l, m] in one batched CuTe DSL GEMM: tensor-core SASS, and the launch passes
+    both vectors' addresses to the kernel."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime import driver
+    from test_runtime import FakeCAI
+    spec = tmp_path / "bgemm_bias.kspec"
+    spec.write_text(PER_BATCH_SPEC)
+    art = compile_spec(spec, (arch,), tmp_path / "out", cache=CompileCache(test_cache_root()), backend="cute")
+    m = json.loads((art / "manifest.json").read_text())
+    (plan,) = m["kernels"][0]["plans"]
+    b = plan["binaries"][arch]
+    assert b["config"]["backend"] == "cute"
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        tc = None
+    if tc is not None and tc.cuobjdump is not None:
+        sass = _sass(art / b["cubin"], tc)
+        assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    monkeypatch.setattr(driver, "_driver", rec)
+    mod = kspec.load(art)
+    base = 0x7F0000000000
+    L, M, N, K = 4, 300, 256, 128
+    A = FakeCAI(base, (L, M, K))
+    B = FakeCAI(base + 0x1000000, (L, K, N), strides=(K * N * 2, 2, K * 2))
+    bias = FakeCAI(base + 0x2000000, (L, N))
+    cs = FakeCAI(base + 0x3000000, (L, M), typestr="<f4")
+    D = FakeCAI(base + 0x4000000, (L, M, N))
+    mod.bgemm_bias(A, B, bias, cs, D=D)
+    (launch,) = [e for e in rec.log if e[0] == "launch"]
+    assert 0 < launch[5] <= 232448
+    blob = launch[-1]
+    words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+    for t in (A, B, D, bias, cs):
+        assert t.__cuda_array_interface__["data"][0] in words
+
+
+# ------------------------------------------------------------------ dual GEMM (SwiGLU gate + up)
+
+def _dual_desc(arch="sm90a", value=None):
+    v = value or Op("cast:f16", (Op("mul", (Op("silu", (Accum(),)), Accum(1))),))
+    return GemmDesc("k_0", arch, Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                    Store("t3", v, "f16"), b2=Operand("t2", "f16", "col"))
+
+
+def test_dual_epilogue_reads_both_accumulators_against_float64_numpy():
+    """silu(X Wg^T) * (X Wu^T): the generated epilogue takes the second accumulator as acc1; the
+    accumulators are the two products of one A tile (float64 here)."""
+    bias = Load("t4", "row", "f32")
+    d = _dual_desc(value=Op("mul", (Op("silu", (Accum(),)), Op("add", (Accum(1), bias)))))
+    code = epilogue.generate(d)
+    assert "acc1" in code.source and code.source.startswith("def kspec_epilogue(acc, ins, sc, acc1=None):")
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((12, 32)).astype(np.float16)
+    Wg, Wu = (rng.standard_normal((20, 32)).astype(np.float16) for _ in range(2))
+    b = rng.standard_normal(20).astype(np.float32)
+    x, g, u = (t.astype(np.float64) for t in (X, Wg, Wu))
+    acc, acc1 = (x @ g.T).astype(np.float32), (x @ u.T).astype(np.float32)
+    (got,) = epilogue.run_numpy(code, acc, (np.broadcast_to(b, acc.shape),), (), acc1)
+    gate = x @ g.T
+    want = gate / (1 + np.exp(-gate)) * (x @ u.T + b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a plain GEMM has no second accumulator
+    with pytest.raises(KspecInternalError, match="accumulator 1"):
+        epilogue.generate(_desc(Accum(1)))
+
+
+def test_dual_gemm_abi_and_configurations():
+    d = _dual_desc()
+    code = epilogue.generate(d)
+    assert gemm.abi_names(d, code) == ("t0", "t1", "t2", "t3")
+    abi = {t.name: t for t in gemm.tensor_abi(d, code)}
+    assert {n: t.ptr_index for n, t in abi.items()} == {"a": 0, "b": 1, "b2": 2, "d": 3}
+    assert abi["b2"].stride == abi["b"].stride and abi["b2"].tma
+    for arch in ARCHS:
+        cands = gemm.candidates(d, arch)
+        assert cands and all(c.tile[1] <= gemm.DUAL_MAX_TILE_N for c in cands)
+        assert "dual GEMM" in gemm.valid_config(gemm.CuteConfig((128, 256)), arch, dual=True)
+        big = gemm.default_config(d, arch, {"M": 8192, "N": 8192})
+        assert gemm.valid_config(big, arch, dual=True) is None and big.tile[1] == 128
+    assert gemm.default_config(d, "sm100a", {"M": 8192, "N": 8192}).use_2cta
+    src = gemm.entry_source(d, "sm90a", gemm.CuteConfig((128, 128)), code)
+    assert "dual=True)" in src and "max_clusters, stream, (b2, ))" in src
+    bad = GemmDesc("k_0", "sm90a", d.a, d.b, "f32", d.output, b2=Operand("t2", "bf16", "col"))
+    assert "dual GEMM B operands" in gemm.can_implement(bad, "sm90a")
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch,cfg", [("sm90a", gemm.CuteConfig((64, 128))), ("sm90a", gemm.CuteConfig((128, 128), (2, 1))),
+                                      ("sm100a", gemm.CuteConfig((128, 128))),
+                                      ("sm100a", gemm.CuteConfig((256, 128), (2, 1), True))])
+def test_dual_gemm_multiplies_each_a_tile_into_two_accumulators(arch, cfg):
+    """The dual kernel multiplies each A tile in shared memory by both B tiles: on sm90a it issues
+    twice the WGMMAs of the same GEMM with one B per k-tile, into two register accumulators; on
+    sm100a its UMMAs write two tensor-memory accumulators (the one-B kernel: one); B2 arrives by TMA
+    beside B; nothing spills."""
+    import re
+    from kspec.backends.toolchain import find_toolchain
+    dual = _dual_desc(arch)
+    one = GemmDesc("k_0", arch, dual.a, dual.b, "f32", Store("t3", Op("cast:f16", (Op("silu", (Accum(),)),)), "f16"))
+    ptx = {}
+    for name, d in (("one", one), ("dual", dual)):
+        b = cbuild.build(d, arch, test_cache_root(), cfg)
+        ptx[name] = (Path(b.cubin).parent / "kernel.ptx").read_text()
+        try:
+            tc = find_toolchain()
+            sass = _sass(Path(b.cubin), tc)
+            assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
+            assert " STL" not in sass, "the accumulators spill to local memory"
+        except KspecInternalError:
+            pass
+    if arch == "sm90a":
+        n = {k: len(re.findall(r"wgmma\.mma_async", v)) for k, v in ptx.items()}
+        # (with M = 128 the dual kernel splits the tile over two warpgroups, the one-B kernel does not)
+        assert n["one"] > 0 and (n["dual"] == 2 * n["one"] if cfg.tile[0] == 64 else n["dual"] > 0), n
+    else:
+        accs = {k: {m for m in re.findall(r"tcgen05\.mma\.[\w:.]+ \[(%r\d+)\]", v)} for k, v in ptx.items()}
+        assert len(accs["one"]) == 1 and len(accs["dual"]) >= 2, accs
+    # the TMA loads of the producer: one more tensor (B2) per stage
+    assert ptx["dual"].count("cp.async.bulk.tensor") > ptx["one"].count("cp.async.bulk.tensor")
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_swiglu_mlp_builds_two_kernels_and_launches_through_the_fake_driver(tmp_path, monkeypatch, arch):
+    """specs/swiglu_mlp.kspec: the dual gate/up GEMM then the down projection, both CuTe DSL on
+    tensor cores; the first launch reads X, Wg and Wu, the second Wd and writes Y."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime import driver
+    from test_runtime import FakeCAI
+    art = compile_spec(SPECS / "swiglu_mlp.kspec", (arch,), tmp_path, cache=CompileCache(test_cache_root()),
+                       backend="cute")
+    m = json.loads((art / "manifest.json").read_text())
+    plans = m["kernels"][0]["plans"]
+    assert len(plans) == 2 and all(p["binaries"][arch]["config"]["backend"] == "cute" for p in plans)
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        tc = None
+    if tc is not None and tc.cuobjdump is not None:
+        for p in plans:
+            assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in _sass(art / p["binaries"][arch]["cubin"], tc)
+    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    monkeypatch.setattr(driver, "_driver", rec)
+    mod = kspec.load(art)
+    base = 0x7F0000000000
+    M, K, F, N = 256, 512, 1024, 512
+    X = FakeCAI(base, (M, K))
+    Wg, Wu = FakeCAI(base + 0x1000000, (F, K)), FakeCAI(base + 0x2000000, (F, K))
+    Wd = FakeCAI(base + 0x3000000, (N, F))
+    Y = FakeCAI(base + 0x4000000, (M, N))
+    mod.swiglu_mlp(X, Wg, Wu, Wd, Y=Y)
+    launches = [e for e in rec.log if e[0] == "launch"]
+    assert len(launches) == 2
+    assert all(0 < l[5] <= 232448 for l in launches), [l[5] for l in launches]     # dynamic shared memory
+
+    def words(blob):
+        return set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+    first, second = (words(l[-1]) for l in launches)
+    for t in (X, Wg, Wu):
+        assert t.__cuda_array_interface__["data"][0] in first
+    for t in (Wd, Y):
+        assert t.__cuda_array_interface__["data"][0] in second

@@ -154,6 +154,22 @@ def test_batched(arch):
     assert "static_cast<int64_t>(M * N)" in src
 
 
+PER_BATCH = Op("relu", (Op("add", (Op("mul", (Load("t3", "col_batched", "f32"), Accum())),
+                                   Load("t2", "row_batched", "f16"))),))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_batch_vectors_are_broadcasts_with_a_batch_stride(arch):
+    """bias[l, n] / scale[l, m]: EVT row/column broadcasts whose L stride is N / M (a runtime int)."""
+    k = emit_gemm(gemm(arch, PER_BATCH, batched=True))
+    src = k.source
+    assert re.search(r"Sm90RowBroadcast<[^;]*cute::Stride<cute::Int<0>, cute::Int<1>, int>\s*>;", src)
+    assert re.search(r"Sm90ColBroadcast<[^;]*cute::Stride<cute::Int<1>, cute::Int<0>, int>\s*>;", src)
+    assert "cute::make_stride(cute::Int<0>{}, cute::Int<1>{}, static_cast<int>(N))" in src
+    assert "cute::make_stride(cute::Int<1>{}, cute::Int<0>{}, static_cast<int>(M))" in src
+    assert k.args == ("t0", "t1", "t3", "t2", "t9")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8_e4m3_with_two_scales(arch):
     sa, sb = Load("sa", "scalar", "f32"), Load("sb", "scalar", "f32")
@@ -327,3 +343,14 @@ def test_host_glue_exports_abi_without_libcuda(compiled, arch):
     assert re.search(r"\bT kspec_prepare\b", nm) and re.search(r"\bT kspec_workspace_size\b", nm)
     ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
     assert "libcuda.so" not in ldd and "libcudart.so" not in ldd
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,mma", [("sm90a", "HGMMA"), ("sm100a", "UTCHMMA")])
+def test_per_batch_vectors_compile(kernel_cache, arch, mma):
+    """The batch-strided row/column broadcasts pass CUTLASS's static checks and nvcc."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    from conftest import build_emitted
+    cubin, so, _ = build_emitted(emit_gemm(gemm(arch, PER_BATCH, batched=True)), kernel_cache)
+    assert mma in _sass(cubin)

@@ -441,6 +441,156 @@ def test_batched_epilogue_takes_row_vectors_but_not_per_batch_vectors():
     assert any("it broadcasts a value that is not a row or column vector input" in n for n in res.notes)
 
 
+BATCHED_BIAS = """kernel bgemm_bias {
+  in  A    : f16[L, M, K]
+  in  B    : f16[L, K, N]
+  in  bias : f16[L, N]
+  in  cs   : f32[L, M]
+  out D    : f16[L, M, N]
+  D[l, m, n] = relu(cs[l, m] * sum(k) A[l, m, k] * B[l, k, n] + bias[l, n])
+}"""
+
+KEY_PADDING = """kernel scores_masked {
+  in  Q    : f16[B, S, E]
+  in  K    : f16[B, T, E]
+  in  mask : f32[B, T]
+  out P    : f16[B, S, T]
+  P[b, i, j] = 0.125 * sum(e) Q[b, i, e] * K[b, j, e] + mask[b, j]
+}"""
+
+
+def test_per_batch_bias_and_column_scale_are_epilogue_vectors():
+    """bias[l, n] (a bias per batch entry) and cs[l, m] load one vector per batch entry in the
+    GEMM's epilogue (was: a second kernel with an f32 [L, M, N] round trip)."""
+    from kspec.compiler.kir import format_epi
+    sched = plan_of(BATCHED_BIAS)
+    (p,) = sched.plans
+    assert p.kind == "gemm" and sched.fusion.notes == []
+    (d,) = p.ir.epilogue.stores
+    assert format_epi(d.value) == "cast:f16(relu(add(mul(cs[l, m], acc), bias[l, n])))"
+    kinds = {ld.name: ld.kind for ld in epi_loads_of(p.ir)}
+    assert kinds == {"bias": "row_batched", "cs": "col_batched"}
+    for (_, arch), lp in lower_all(sched).items():
+        assert lp.desc.batched and lp.backend == "cutlass"
+
+
+def epi_loads_of(ir):
+    from kspec.compiler.kir import epi_loads
+    return [ld for st in ir.epilogue.stores for ld in epi_loads(st.value)]
+
+
+def test_key_padding_mask_on_batched_scores_is_one_gemm():
+    sched = plan_kernel(kernel_of(KEY_PADDING), ARCHS, Planner())
+    (p,) = sched.plans
+    assert p.kind == "gemm" and [(ld.name, ld.kind) for ld in epi_loads_of(p.ir)] == [("mask", "row_batched")]
+    assert {c.backend for c in p.choices.values()} == {"cute"}
+
+
+def test_per_batch_vector_over_some_batch_axes_or_column_major_is_not_fused():
+    # scores batched over [b, h]; the mask varies with b only: not one vector per batch entry
+    g, res = fused("""kernel c {
+  in  Q    : f16[B, H, S, E]
+  in  K    : f16[B, H, T, E]
+  in  mask : f32[B, T]
+  out P    : f32[B, H, S, T]
+  P[b, h, i, j] = sum(e) Q[b, h, i, e] * K[b, h, j, e] + mask[b, j]
+}""")
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("a per-batch epilogue vector is indexed by every batch axis of the GEMM, [b, h]" in n
+               for n in res.notes), res.notes
+    g, res = fused(BATCHED_BIAS.replace("bias : f16[L, N]", "bias : f16[L, N] col"))
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("the per-batch vector bias is column-major" in n for n in res.notes), res.notes
+
+
+class NoBatchedVectors(Planner):
+    """An oracle whose GEMM backends read no per-batch epilogue vectors."""
+
+    def epilogue_loads(self, archs):
+        return super().epilogue_loads(archs) - {"row_batched", "col_batched"}
+
+
+def test_per_batch_vector_not_offered_by_any_backend_stays_out_of_the_epilogue():
+    g, res = fused(KEY_PADDING, NoBatchedVectors())
+    assert [k for k, _ in groups(g, res)] == ["gemm", "elementwise"]
+    assert any("no GEMM backend reads 'row_batched' epilogue vectors" in n for n in res.notes), res.notes
+
+
+def test_per_batch_vectors_fused_match_the_unfused_reference():
+    import numpy as np
+    from kspec.backends.reference import reference
+    rng = np.random.default_rng(3)
+    L, M, N, K = 3, 5, 7, 4
+    args = dict(A=rng.standard_normal((L, M, K)).astype(np.float16), B=rng.standard_normal((L, K, N)).astype(np.float16),
+                bias=rng.standard_normal((L, N)).astype(np.float16), cs=rng.standard_normal((L, M)).astype(np.float32))
+    out = reference(BATCHED_BIAS)(**args)["D"]
+    assert out.tobytes() == reference(BATCHED_BIAS, fused=False)(**args)["D"].tobytes()
+    f = {k: v.astype(np.float64) for k, v in args.items()}
+    want = np.maximum(f["cs"][:, :, None] * np.einsum("lmk,lkn->lmn", f["A"], f["B"]) + f["bias"][:, None, :], 0)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
+F32_ROWMAX = """kernel f32_rowmax {
+  in  A    : f32[M, K]
+  in  B    : f32[K, N]
+  in  bias : f32[N]
+  out D    : f32[M, N]
+  out rmax : f32[M]
+  y[m, n] = sum(k) A[m, k] * B[k, n] + bias[n]
+  D[m, n] = y[m, n]
+  rmax[m] = max(n) y[m, n]
+}"""
+
+
+def test_epilogue_reduction_of_a_loop_kernel_gemm_is_split_into_a_reduction_kernel():
+    """f32 x f32 has no tensor-core backend: the GEMM runs as a loop kernel, which fuses no
+    reductions, so the row max reduces the stored result in a row kernel (was: a located error
+    'no backend can build kernel ...')."""
+    sched = plan_kernel(kernel_of(F32_ROWMAX), ARCHS, Planner())
+    check_partition(sched.graph, sched.fusion)
+    assert [p.kind for p in sched.plans] == ["gemm", "rowwise"]
+    gemm_plan, row = sched.plans
+    assert gemm_plan.ir.epilogue.reductions == () and all(c.backend == "generic" for c in gemm_plan.choices.values())
+    assert tuple(row.reads) == ("D",) and tuple(row.writes) == ("rmax",)
+    assert {c.backend for c in row.choices.values()} == {"rowwise"}
+    assert any(n.startswith("reduction max(n)[m] : f32 not fused into the GEMM") and
+               "no GEMM backend builds it with an epilogue reduction (sm90a: cute: operand dtype f32" in n
+               for n in sched.fusion.notes), sched.fusion.notes
+
+
+def test_split_reduction_matches_float64_numpy_and_the_unfused_reference():
+    import numpy as np
+    from kspec.backends.reference import reference
+    rng = np.random.default_rng(5)
+    A, B, bias = rng.standard_normal((6, 5)), rng.standard_normal((5, 9)), rng.standard_normal(9)
+    args = dict(A=A.astype(np.float32), B=B.astype(np.float32), bias=bias.astype(np.float32))
+    out = reference(F32_ROWMAX)(**args)
+    unfused = reference(F32_ROWMAX, fused=False)(**args)
+    assert all(out[k].tobytes() == unfused[k].tobytes() for k in ("D", "rmax"))
+    f = {k: v.astype(np.float64) for k, v in args.items()}
+    want = f["A"] @ f["B"] + f["bias"]
+    np.testing.assert_allclose(out["D"], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["rmax"], want.max(axis=1), rtol=1e-5, atol=1e-5)
+
+
+class NoEpilogueReductionBackend(Planner):
+    """An oracle under which no backend builds a GEMM with epilogue reductions."""
+
+    def can_fuse(self, ir, archs):
+        if ir.kind == "gemm" and ir.epilogue.reductions:
+            return "no epilogue reductions here"
+        return super().can_fuse(ir, archs)
+
+
+def test_epilogue_reduction_no_backend_fuses_is_split_for_every_shipped_form():
+    g, res = fused((SPECS / "gemm_rowmax.kspec").read_text(), NoEpilogueReductionBackend())
+    check_partition(g, res)
+    assert [k for k, _ in groups(g, res)] == ["gemm", "rowwise"]
+    assert any("(no epilogue reductions here); it reduces the stored GEMM result" in n for n in res.notes)
+    g, res = fused((SPECS / "gemm_rowmax.kspec").read_text())
+    assert [k for k, _ in groups(g, res)] == ["gemm"]
+
+
 def test_statements_with_other_index_names_still_fuse_into_the_epilogue():
     # each statement names its indices freely; values read under new names are unified with the
     # names of the statement that defined them, so the chain is one epilogue
@@ -754,14 +904,106 @@ def test_shared_weight_linear_limits(body, why):
         assert any("not a GEMM" in n for n in res.notes)
 
 
-def test_swiglu_plans_three_gemms_with_the_gating_in_an_epilogue():
-    sched = plan_of((SPECS / "swiglu_mlp.kspec").read_text())
+SWIGLU = (SPECS / "swiglu_mlp.kspec").read_text()
+SWIGLU_SIZES = {"M": 4096, "K": 4096, "F": 11008, "N": 4096}
+
+
+class NoDualGemm(Planner):
+    """An oracle whose GEMM backends build no dual GEMMs (records the candidates fusion asked about)."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def can_fuse(self, ir, archs):
+        if ir.kind == "gemm" and ir.gemm.dual:
+            self.asked.append(ir)
+            return "no dual GEMM kernel here"
+        return super().can_fuse(ir, archs)
+
+
+def test_swiglu_gate_and_up_projections_are_one_dual_gemm():
+    """h = silu(X Wg^T) * (X Wu^T): one kernel reads each X tile once for both products (two
+    accumulators, Accum(0) and Accum(1)), then Y = h Wd^T: two GEMMs, no f32 [M, F] round trip."""
+    from kspec.compiler import cost
+    from kspec.compiler.kir import format_epi
+    sched = plan_kernel(kernel_of(SWIGLU), ARCHS, Planner())
+    g = sched.graph
+    check_partition(g, sched.fusion)
+    assert [p.kind for p in sched.plans] == ["gemm", "gemm"]
+    dual, down = sched.plans
+    s = dual.ir.gemm
+    assert s.dual and (s.a_buffer, {s.b_buffer, s.b2_buffer}) == ("X", {"Wg", "Wu"})
+    assert down.ir.gemm.a_buffer.startswith("h") and not down.ir.gemm.dual
+    (h,) = dual.ir.epilogue.stores
+    gate_acc = "acc" if s.b_buffer == "Wg" else "acc1"
+    up_acc = "acc1" if gate_acc == "acc" else "acc"
+    assert format_epi(h.value) == f"cast:f16(mul(silu({gate_acc}), {up_acc}))"
+    assert [b.dtype for b in sched.intermediates] == ["f16"]
+    assert all(c.backend == "cute" for p in sched.plans for c in p.choices.values())
+    assert any("one dual GEMM" in n for n in sched.fusion.notes)
+    # DRAM bytes at LLaMA-7B sizes: 912 MB as three GEMMs, 518 MB with the dual GEMM
+    three = plan_kernel(kernel_of(SWIGLU), ARCHS, NoDualGemm())
+    fused_bytes, three_bytes = cost(sched, SWIGLU_SIZES).fused_bytes, cost(three, SWIGLU_SIZES).fused_bytes
+    assert fused_bytes < 0.6 * three_bytes
+    X, W, H, Y = 4096 * 4096 * 2, 11008 * 4096 * 2, 4096 * 11008 * 2, 4096 * 4096 * 2
+    assert fused_bytes == (X + 2 * W + H) + (H + 4096 * 11008 * 2 + Y)
+
+
+def test_swiglu_without_a_dual_gemm_backend_plans_three_gemms_with_a_note():
+    oracle = NoDualGemm()
+    sched = plan_kernel(kernel_of(SWIGLU), ARCHS, oracle)
     g = sched.graph
     assert [p.kind for p in sched.plans] == ["gemm", "gemm", "gemm"]
+    assert len(oracle.asked) == 1 and oracle.asked[0].gemm.dual
     gate = sched.plans[1]
     assert sorted(op(g, n).fn for n in gate.group.nodes if op(g, n).kind == "elementwise") == ["mul", "silu"]
     assert [b.dtype for b in sched.intermediates] == ["f32", "f16"]
+    assert any("share their A operand X but stay separate GEMMs: no GEMM backend builds the dual GEMM "
+               "(no dual GEMM kernel here)" in n for n in sched.fusion.notes), sched.fusion.notes
     lower_all(sched)
+
+
+def test_cutlass_declines_the_dual_gemm_by_capability():
+    from kspec.backends import registry
+    sched = plan_kernel(kernel_of(SWIGLU), ARCHS, Planner())
+    why = registry.get("cutlass").can_implement(sched.plans[0].ir, "sm90a")
+    assert "dual GEMMs" in why
+
+
+@pytest.mark.parametrize("body,dual", [
+    # two products of X merely read side by side (Q/K/V-style projections): separate GEMMs, no note
+    ("  out G : f16[M, F]\n  out U : f16[M, F]\n  G[m, f] = sum(k) X[m, k] * Wg[f, k]\n"
+     "  U[m, f] = sum(k) X[m, k] * Wu[f, k]\n}", False),
+    # the up projection is also an output: its value leaves the epilogue
+    ("  out U : f32[M, F]\n  out H : f16[M, F]\n  U[m, f] = sum(k) X[m, k] * Wu[f, k]\n"
+     "  H[m, f] = silu(sum(k) X[m, k] * Wg[f, k]) * U[m, f]\n}", False),
+    # combined with a bias and a gelu: still one dual GEMM
+    ("  in  bu : f32[F]\n  out H : f16[M, F]\n"
+     "  H[m, f] = gelu(sum(k) X[m, k] * Wg[f, k]) * (sum(k) X[m, k] * Wu[f, k] + bu[f])\n}", True),
+])
+def test_dual_gemm_recognition_limits(body, dual):
+    head = "kernel d {\n  in X : f16[M, K]\n  in Wg : f16[F, K]\n  in Wu : f16[F, K]\n"
+    sched = plan_kernel(kernel_of(head + body), ARCHS, Planner())
+    check_partition(sched.graph, sched.fusion)
+    assert [p.ir.gemm.dual for p in sched.plans if p.kind == "gemm"] == ([True] if dual else [False, False])
+    if not dual:
+        assert not any("one dual GEMM" in n for n in sched.fusion.notes)
+
+
+def test_dual_gemm_fused_reference_matches_float64_numpy():
+    import numpy as np
+    from kspec.backends.reference import reference
+    rng = np.random.default_rng(11)
+    M, K, F, N = 6, 16, 10, 8
+    args = {k: (rng.standard_normal(s) / 2).astype(np.float16)
+            for k, s in (("X", (M, K)), ("Wg", (F, K)), ("Wu", (F, K)), ("Wd", (N, F)))}
+    out = reference(SWIGLU)(**args)["Y"]
+    assert out.tobytes() == reference(SWIGLU, fused=False)(**args)["Y"].tobytes()
+    f = {k: v.astype(np.float64) for k, v in args.items()}
+    gate, up = f["X"] @ f["Wg"].T, f["X"] @ f["Wu"].T
+    h = (gate / (1 + np.exp(-gate)) * up).astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(out.astype(np.float64), h @ f["Wd"].T, rtol=5e-3, atol=5e-3)
 
 
 def test_attention_output_projection_folds_heads_into_k():

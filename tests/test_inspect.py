@@ -78,12 +78,21 @@ Resource usage:
 
 def test_family_of_opcodes():
     assert family_of("HGMMA.64x8x16.F32") == "HGMMA"
+    assert family_of("QGMMA.64x128x32.F32.E4M3.E4M3") == "QGMMA" and family_of("IGMMA.64x64x32.S8.S8") == "IGMMA"
     assert family_of("UTCHMMA") == "UTCHMMA" and family_of("UTCQMMA.2CTA") == "UTCQMMA"
     assert family_of("MUFU.EX2") == "MUFU.EX2" and family_of("MUFU.RCP") is None
     assert family_of("UTMALDG.2D") == "UTMALDG" and family_of("UTCATOMSWS.AND") is None
     assert family_of("LDTM.x16") == "LDTM" and family_of("LDS") is None
     assert set(FAMILIES) >= {"HGMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCBAR", "UTMALDG",
                              "UTMASTG", "UTMAPF", "LDTM", "STTM", "MUFU.EX2"}
+
+
+def test_fp8_and_int8_warpgroup_mma_count_as_tensor_core():
+    text = SASS_SM90A.replace("HGMMA.64x8x16.F32", "QGMMA.64x8x32.F32.E4M3.E4M3")
+    [k] = parse_sass(text)
+    assert k.count("QGMMA") == 1 and k.tensor_core == "QGMMA" and k.mma_families == ("QGMMA",)
+    [k] = parse_sass(SASS_SM90A.replace("HGMMA.64x8x16.F32", "IGMMA.64x8x32.S32.S8.S8"))
+    assert k.tensor_core == "IGMMA"
 
 
 def test_parse_sm90a_sass():

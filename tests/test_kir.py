@@ -148,3 +148,22 @@ def test_verifier_rejects_broken_attention_mods(which, message):
             "accum": dict(score_mod=Op("add", (Score(), Accum())))}[which]
     with pytest.raises(KspecInternalError, match=message):
         verify(_with_mods(**mods))
+
+
+def test_per_batch_epilogue_vectors_print_verify_and_round_trip():
+    from kspec.compiler.kir import Epilogue, Load, Op, Store
+    from test_fusion import BATCHED_BIAS
+    (p,) = plan_kernel(load_spec(BATCHED_BIAS, is_text=True).kernels[0], ("sm90a", "sm100a"), Planner()).plans
+    ir = verify(p.ir)
+    text = format_ir(ir)
+    assert "D : f16 (row) = cast:f16(relu(add(mul(cs[l, m], acc), bias[l, n])))" in text
+    back = ir_from_json(json.loads(json.dumps(ir_to_json(ir))))
+    assert back == ir and format_ir(back) == text
+    # a per-batch vector needs a batched GEMM and a row-major [batch.., n|m] buffer; kinds are known
+    flat = dataclasses.replace(ir, gemm=dataclasses.replace(ir.gemm, batch=()))
+    with pytest.raises(KspecInternalError, match="per-batch vector needs a batched GEMM"):
+        verify(flat)
+    bad = dataclasses.replace(ir, epilogue=Epilogue((Store("D", Op("add", (ir.epilogue.output.value,
+                                                                        Load("bias", "diagonal", "f16"))), "f16"),)))
+    with pytest.raises(KspecInternalError, match="unknown kind 'diagonal'"):
+        verify(bad)

@@ -156,6 +156,15 @@ def test_batched_gemm_shared_b():
     assert_close(out["C"], want, BF16)
 
 
+def test_masked_scores():
+    rng = np.random.default_rng(29)
+    Q, K = rand(rng, (3, 20, 64), F16), rand(rng, (3, 12, 64), F16)
+    mask = np.where(rng.random((3, 12)) < 0.3, -1e4, 0.0).astype(np.float32)     # padded keys
+    out = run_both(SPECS / "masked_scores.kspec", Q=Q, K=K, mask=mask)
+    want = np.stack([0.125 * (f64(Q[b]) @ f64(K[b]).T) + f64(mask[b])[None, :] for b in range(3)])
+    assert_close(out["P"], want, F16)
+
+
 def naive_attention(Q, K, V, scale, causal):
     Q, K, V = f64(Q), f64(K), f64(V)
     Bn, H, S, _ = Q.shape
@@ -221,7 +230,7 @@ def test_gemm_tf32_rounds_operands_to_tf32():
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
-              "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b",
+              "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b", "masked_scores",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested

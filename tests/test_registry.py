@@ -178,7 +178,7 @@ def test_kspec_lower_prints_ir_backend_and_cost(capsys):
     assert rc == 0, err
     assert "kernel gemm_rowmax_0 : gemm   (spec kernel gemm_rowmax)" in out
     assert "rowmax : f32 = max over n of add(acc, bias[n])" in out
-    assert "sm100a: cutlass gemm (tile=256x128x64 cluster=2x1x1 source=heuristic)" in out
+    assert "sm100a: cute gemm (tile=128x128 cluster=1x1 2cta=false stages=auto source=heuristic)" in out
     assert "cost at M=4096, N=4096, K=4096:" in out
     rc, out, _ = run_cli(capsys, "lower", SPECS / "attention.kspec", "--format", "json")
     (doc,) = json.loads(out)

@@ -280,7 +280,7 @@ def test_shipped_gemm_and_attention_specs_are_within_1_1_of_ideal(spec):
     assert c.minimum_bytes == sum(
         math.prod(REALISTIC.get(d, d) if isinstance(d, str) else d for d in b.shape) * DTYPE_BYTES[b.dtype]
         for b in sched.buffers.values() if b.kind in ("input", "output"))
-    single = {"mlp2": 1.5, "swiglu_mlp": 2.4}      # their [M, F] intermediates (f16 h; f32 up-projection)
+    single = {"mlp2": 1.5, "swiglu_mlp": 1.4}      # their f16 [M, F] intermediate h (written, read back)
     assert c.fused_bytes == pytest.approx(single.get(spec, 1.0) * c.minimum_bytes, rel=1e-3)
 
 

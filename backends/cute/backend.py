@@ -36,7 +36,8 @@ class CuteBackend:
                        ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
         epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
                                 "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs", "clamp")),
-        epilogue_loads=frozenset(("row", "col", "full", "scalar")))
+        epilogue_reductions=frozenset(cute_epi.REDUCTION_OPS),
+        epilogue_loads=frozenset(("row", "col", "row_batched", "col_batched", "full", "scalar")))
 
     def available(self) -> str | None:
         from . import compat
@@ -62,7 +63,7 @@ class CuteBackend:
         if why:
             return why
         if self._hinted(ir, arch):
-            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch)
+            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch, desc.b2 is not None)
             if bad is not None:
                 return f"the schedule hint is not a CuTe DSL configuration: {bad}"
         return None
@@ -122,7 +123,7 @@ class CuteBackend:
         return EmittedKernel(
             name=desc.name, arch=lowered.arch, source=cute_gemm.entry_source(desc, lowered.arch, cfg, code),
             include_dirs=(), flags=(), dims=("M", "N", "K", "L"), args=names,
-            scalars=tuple(l.name for l in code.scalars),
+            scalars=tuple(l.name for l in code.scalars), init=desc.reduction_init(),
             alignment=tuple((names[t.ptr_index], 16 if t.tma else dtype_bytes(t.dtype)) for t in tensors),
             config=tuple(cfg.as_dict().items()))
 

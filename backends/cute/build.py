@@ -72,8 +72,11 @@ def build_key(desc: GemmDesc, arch: str, cfg: gemm.CuteConfig) -> tuple[str, str
     src = gemm.entry_source(desc, arch, cfg, code)
     # The C compiler is not part of the key: the host glue is plain C11 whose behaviour does not
     # depend on its version (and a key never holds machine paths).
+    # The entry source names the tensors but not their dtypes and layouts, which reach the trace as
+    # fake tensors: the tensor ABI is part of the key.
     material = {"src": src, "arch": arch, "dsl": compat.dsl_version(), "flavour": compat.cuda_flavour(),
-                "backend": _source_identity(), "names": gemm.abi_names(desc, code)}
+                "backend": _source_identity(), "names": gemm.abi_names(desc, code),
+                "tensors": [asdict(t) for t in gemm.tensor_abi(desc, code)]}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest(), src, code
 
 

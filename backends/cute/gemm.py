@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kspec.backends.desc import GemmDesc
+from kspec.compiler.kir import VECTOR_AXIS
 from kspec.core import FP8_DTYPES
 
 from . import epilogue
@@ -58,14 +59,14 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     if why:
         return why
     a, b = desc.a.dtype, desc.b.dtype
+    if desc.b2 is not None and (desc.b2.dtype, desc.b2.layout) != (b, desc.b.layout):
+        return f"dual GEMM B operands of different dtypes or layouts ({b} {desc.b.layout}, {desc.b2.dtype} {desc.b2.layout})"
     if a in _FLOAT16 or a == "tf32":
         if a != b:
             return f"mixed operand dtypes {a} x {b}"
     elif a in FP8_DTYPES:
         if b not in FP8_DTYPES:
             return f"mixed operand dtypes {a} x {b}"
-        if arch == "sm100a" and a != b:
-            return f"mixed fp8 operands {a} x {b} on {arch}"
     elif a == "i8":
         if b != "i8":
             return f"mixed operand dtypes {a} x {b}"
@@ -74,16 +75,15 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     if (a == "i8") != (desc.acc_dtype == "i32"):
         return f"accumulator {desc.acc_dtype} with {a} operands"
     if arch == "sm90a":
-        if a == "tf32":
-            return "tf32 GEMMs on sm90a are not implemented by the CuTe DSL backend"
-        if (a in FP8_DTYPES or a == "i8") and (desc.a.layout != "row" or desc.b.layout != "col"):
+        if (a in FP8_DTYPES or a in ("i8", "tf32")) and (desc.a.layout != "row" or desc.b.layout != "col"):
+            # PTX wgmma transposes (MN-major operands) only 16-bit types
             return (f"{a} WGMMA on sm90a needs K-major operands (A row-major, B column-major); "
                     f"got A {desc.a.layout} / B {desc.b.layout}")
     if desc.output.dtype not in _D_DTYPES:
         return f"output dtype {desc.output.dtype} is not supported by the CuTe DSL backend"
     if (desc.output.dtype == "i32") != (desc.acc_dtype == "i32"):
         return f"output dtype {desc.output.dtype} with accumulator {desc.acc_dtype}"
-    for e in (x for st in (desc.output, *desc.aux_stores) for x in epilogue._walk(st.value)):
+    for e in (x for st in (desc.output, *desc.aux_stores, *desc.reductions) for x in epilogue._walk(st.value)):
         if isinstance(e, epilogue.Load) and e.kind != "scalar" and e.dtype not in ("f16", "bf16", "f32", "i32", "i8"):
             return f"epilogue input dtype {e.dtype}"
     why = epilogue.unsupported(desc)
@@ -94,6 +94,10 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
 
 def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     """The configurations worth trying for autotuning (all compile; which is fastest needs a GPU)."""
+    return [c for c in _candidates(arch) if valid_config(c, arch, desc.b2 is not None) is None]
+
+
+def _candidates(arch: str) -> list[CuteConfig]:
     out: list[CuteConfig] = []
     if arch == "sm90a":
         for tm in (64, 128):
@@ -113,9 +117,16 @@ def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     return out
 
 
-def valid_config(cfg: CuteConfig, arch: str) -> str | None:
-    """None when the kernels accept `cfg` on `arch`, else why not."""
+# A dual GEMM keeps two accumulators: on sm90a both in registers (at most 128 per thread for the
+# pair), on sm100a both double-buffered in tensor memory (2 stages x 2 x N columns <= 512): N <= 128.
+DUAL_MAX_TILE_N = 128
+
+
+def valid_config(cfg: CuteConfig, arch: str, dual: bool = False) -> str | None:
+    """None when the kernels accept `cfg` on `arch` (for a dual GEMM: `dual`), else why not."""
     (tm, tn), (cm, cn) = cfg.tile, cfg.cluster
+    if dual and tn > DUAL_MAX_TILE_N:
+        return f"tile N {tn} (a dual GEMM's two accumulators need tile N <= {DUAL_MAX_TILE_N})"
     pow2 = lambda x: x > 0 and x & (x - 1) == 0          # noqa: E731
     if not (pow2(cm) and pow2(cn)) or cm * cn > (8 if arch == "sm90a" else 16):
         return f"cluster {cm}x{cn} (powers of two, at most {8 if arch == 'sm90a' else 16} CTAs)"
@@ -150,12 +161,19 @@ def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None
     on sm100a) for big problems, 128x128 otherwise, 64-row tiles for skinny M."""
     dims = dims or {}
     m, n = dims.get("M"), dims.get("N")
+    dual = desc.b2 is not None
     if desc.tile is not None:
         cfg = hint_config(desc, arch)
-        if valid_config(cfg, arch) is None:
+        if valid_config(cfg, arch, dual) is None:
             return cfg
     small_m = isinstance(m, int) and m <= 64
     big = isinstance(m, int) and isinstance(n, int) and m >= 4096 and n >= 4096
+    if dual:
+        if small_m:
+            return CuteConfig((64, 128))
+        if arch == "sm90a":
+            return CuteConfig((128, 128), (2, 1)) if big else CuteConfig((128, 128))
+        return CuteConfig((256, 128), (2, 1), True) if big else CuteConfig((128, 128))
     if arch == "sm90a":
         if small_m:
             return CuteConfig((64, 128))
@@ -201,34 +219,45 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
     b_row = desc.b.layout == "row"
     d_row = desc.output.layout == "row"
     n_in = len(code.inputs)
+    nb = 2 if desc.b2 is None else 3            # pointers before the epilogue inputs: A, B (, B2)
     d_stride = (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N"))
+    b_stride = (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N"))
     out = [
         TensorABI("a", desc.a.dtype, ("M", "K", "L"), (("K",), 1, ("M", "K")) if a_row else (1, ("M",), ("M", "K")),
                   True, 0),
-        TensorABI("b", desc.b.dtype, ("N", "K", "L"), (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N")),
-                  True, 1),
+        TensorABI("b", desc.b.dtype, ("N", "K", "L"), b_stride, True, 1),
         TensorABI("d", desc.output.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N")),
-                  True, 2 + n_in),
+                  True, nb + n_in),
     ]
+    if desc.b2 is not None:
+        out.insert(2, TensorABI("b2", desc.b2.dtype, ("N", "K", "L"), b_stride, True, 2))
     for j, ld in enumerate(code.inputs):
-        if ld.kind == "row":
-            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, 2 + j))
-        elif ld.kind == "col":
-            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, 2 + j))
+        if ld.kind in ("row", "col"):
+            out.append(TensorABI(f"i{j}", ld.dtype, (VECTOR_AXIS[ld.kind].upper(),), (1,), False, nb + j))
+        elif ld.kind in ("row_batched", "col_batched"):
+            # one vector per batch entry, row-major [L, N] / [L, M]: seen as (N, L) / (M, L)
+            dim = VECTOR_AXIS[ld.kind].upper()
+            out.append(TensorABI(f"i{j}", ld.dtype, (dim, "L"), (1, (dim,)), False, nb + j))
         else:
             # full inputs are read by TMA, a sub-tile at a time
-            out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, 2 + j))
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, nb + j))
     for k, st in enumerate(desc.aux_stores):
-        out.append(TensorABI(f"x{k}", st.dtype, ("M", "N", "L"), d_stride, True, 3 + n_in + k))
+        out.append(TensorABI(f"x{k}", st.dtype, ("M", "N", "L"), d_stride, True, nb + 1 + n_in + k))
+    # reduction outputs: one contiguous vector per batch, (M, L) for a reduction along n, (N, L) along m
+    for k, r in enumerate(desc.reductions):
+        ext = "M" if r.axis == "n" else "N"
+        out.append(TensorABI(f"r{k}", r.dtype, (ext, "L"), (1, (ext,)), False,
+                             nb + 1 + n_in + len(desc.aux_stores) + k))
     return out
 
 
 def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
     """Descriptor names of the tensor arguments in ABI order: A, B, the epilogue's tensor inputs in
-    first-use order, D, the auxiliary outputs -- the same order as the CUTLASS C++ backend, so one
-    plan may use either backend per arch under one manifest signature."""
-    return (desc.a.name, desc.b.name, *(l.name for l in code.inputs), desc.output.name,
-            *(st.name for st in desc.aux_stores))
+    first-use order, D, the auxiliary outputs, the reduction outputs -- the same order as the
+    CUTLASS C++ backend, so one plan may use either backend per arch under one manifest signature."""
+    b2 = (desc.b2.name,) if desc.b2 is not None else ()
+    return (desc.a.name, desc.b.name, *b2, *(l.name for l in code.inputs), desc.output.name,
+            *(st.name for st in desc.aux_stores), *(r.name for r in desc.reductions))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,20 +271,24 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     acc = _DSL_TYPES[desc.acc_dtype]
     kinds = repr(code.input_kinds)
     ns = len(code.scalars)
+    dual = ", dual=True" if desc.b2 is not None else ""
+    reds = repr(code.reductions)
     if arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
-                f"{cfg.stages!r})")
+                f"{cfg.stages!r}, {reds}{dual})")
         imp = "from kspec.backends.cute.sm90 import Sm90Gemm"
     else:
         ctor = (f"Sm100Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, {cfg.use_2cta!r}, kspec_epilogue, "
-                f"{kinds}, {ns}, {cfg.stages!r})")
+                f"{kinds}, {ns}, {cfg.stages!r}, {reds}{dual})")
         imp = "from kspec.backends.cute.sm100 import Sm100Gemm"
     tensors = [f"{t.name}: cute.Tensor" for t in tensor_abi(desc, code)]
     scalars = [f"s{k}: cutlass.Float32" for k in range(ns)]
     params = ", ".join(tensors + scalars + ["max_clusters: cutlass.Int32", "stream: cuda.CUstream"])
     ins = "".join(f"i{j}, " for j in range(len(code.inputs)))
     auxes = "".join(f"x{k}, " for k in range(len(desc.aux_stores)))
+    auxes += "".join(f"r{k}, " for k in range(len(desc.reductions)))       # reduction outputs follow
     scs = "".join(f"s{k}, " for k in range(ns))
+    b2 = "b2, " if desc.b2 is not None else ""
     return (f'"""Generated by kspec (CuTe DSL backend) for GEMM {desc.name} on {arch}; do not edit."""\n'
             "import cuda.bindings.driver as cuda\n"
             "import cutlass\n"
@@ -266,4 +299,4 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
             f"GEMM = {ctor}\n\n\n"
             "@cute.jit\n"
             f"def kspec_entry({params}):\n"
-            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream)\n")
+            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream, ({b2}))\n")

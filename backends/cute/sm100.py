@@ -3,7 +3,8 @@ tensor memory, TMA loads (multicast across the cluster, 2-CTA UMMA when the MMA 
 a static persistent tile scheduler, warp specialization (one TMA warp, one MMA warp, four epilogue
 warps, double-buffered accumulators in TMEM) and a fused epilogue: TMEM -> registers -> the
 generated math -> shared memory -> TMA store (D and auxiliary outputs); epilogue inputs staged in
-shared memory (row/column vectors per MMA tile, residual sub-tiles by double-buffered TMA loads).
+shared memory (row/column vectors per MMA tile, residual sub-tiles by double-buffered TMA loads);
+row/column reductions of epilogue values combined per tile and written with atomics (reduce.py).
 
 Built only from the DSL wheel's building blocks (`cutlass.utils.sm100`, `cutlass.utils.gemm.sm100`
 partition helpers, pipelines, TMEM allocator).  Same tensor and epilogue conventions as `sm90.py`.
@@ -17,8 +18,12 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
                                       transform_partitioned_tensor_layout)
+
+from . import reduce as red
 
 
 class Sm100Gemm:
@@ -26,7 +31,7 @@ class Sm100Gemm:
     shape (M must be even with 2-CTA UMMA)."""
 
     def __init__(self, acc_dtype, mma_tiler_mn, cluster_mn, use_2cta, epi_fn, input_kinds, num_scalars,
-                 stages=None):
+                 stages=None, reductions=(), dual=False):
         self.acc_dtype = acc_dtype
         self.mma_tiler = (*mma_tiler_mn, 1)
         self.cluster_shape_mn = tuple(cluster_mn)
@@ -36,6 +41,11 @@ class Sm100Gemm:
         self.input_kinds = tuple(input_kinds)
         self.num_scalars = num_scalars
         self.stages_override = stages
+        self.reductions = tuple(reductions)          # (op, axis) per reduced value (reduce.py)
+        self.traced = {}                             # trace-time facts (tests)
+        # a dual GEMM: a second B operand sharing the A tiles, and a second TMEM accumulator per
+        # stage (stage s of the second at buffer s + num_acc_stage)
+        self.dual = dual
         self.epilogue_warp_id = (0, 1, 2, 3)
         self.mma_warp_id = 4
         self.tma_warp_id = 5
@@ -44,14 +54,20 @@ class Sm100Gemm:
         self.tmem_alloc_sync_bar_id = 2
         self.arch = "sm_100"
 
+    def _vector_coord(self, j, i, batch):
+        """The coordinate of element i of epilogue vector input j in the tile's batch entry: vectors
+        shared by the batch are (N,)/(M,), per-batch vectors (N, L)/(M, L)."""
+        return (i, batch) if self.input_kinds[j].endswith("_batched") else i
+
     def _in_layout(self):
         """Shared-memory layout of one full-input sub-tile: (EPI_M, EPI_N), n contiguous."""
         em, en = self.epi_mn
         return cute.make_layout((em, en), stride=(en, 1))
 
     def _tiled_mma(self):
-        return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.a_major, self.b_major, self.acc_dtype,
-                                                  self.cta_group, self.mma_tiler[:2])
+        # separate A and B dtypes: tcgen05 kind::f8f6f4 multiplies e4m3 x e5m2 directly
+        return sm100_utils.make_trivial_tiled_mma(self.a_dtype, self.b_dtype, self.a_major, self.b_major,
+                                                  self.acc_dtype, self.cta_group, self.mma_tiler[:2])
 
     def _setup(self):
         tiled_mma = self._tiled_mma()
@@ -70,7 +86,7 @@ class Sm100Gemm:
         self.num_acc_stage = 2
         a1 = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, 1)
         b1 = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, 1)
-        ab_bytes = cute.size_in_bytes(self.a_dtype, a1) + cute.size_in_bytes(self.b_dtype, b1)
+        ab_bytes = cute.size_in_bytes(self.a_dtype, a1) + cute.size_in_bytes(self.b_dtype, b1) * (1 + int(self.dual))
         c1 = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
         c_bytes = cute.size_in_bytes(self.c_dtype, c1)
         self.num_c_stage = 2
@@ -78,12 +94,14 @@ class Sm100Gemm:
         # sub-tiles (their dtype, loaded by TMA)
         in_bytes = 0
         for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind == "row":
+            if kind in ROW_KINDS:
                 in_bytes += self.mma_tiler[1] * 4 + 128
-            elif kind == "col":
+            elif kind in COL_KINDS:
                 in_bytes += self.mma_tiler[0] * 4 + 128
             else:
                 in_bytes += 2 * self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128   # double-buffered
+        for _op, axis in self.reductions:          # one f32 per MMA-tile row (column) per reduction
+            in_bytes += self.mma_tiler[0 if axis == "n" else 1] * 4 + 128
         # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
         stages = (smem_cap - 1024 - c_bytes * self.num_c_stage * (1 + self.num_aux) - in_bytes) // ab_bytes
         if self.stages_override is not None:
@@ -95,11 +113,12 @@ class Sm100Gemm:
                                                               self.num_c_stage)
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         self.num_tmem_cols = utils.get_num_tmem_alloc_cols(
-            tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage)), arch=self.arch)
+            tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage * (1 + int(self.dual)))),
+            arch=self.arch)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream):
+                 max_active_clusters: cutlass.Int32, stream, b2s=()):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = c.element_type
@@ -107,7 +126,10 @@ class Sm100Gemm:
         self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
         self.c_layout = utils.LayoutEnum.from_tensor(c)
         self.input_widths = tuple(t.element_type.width for t in inputs)
-        self.num_aux = len(auxes)
+        # `auxes`: the auxiliary outputs, then the reduction outputs
+        self.num_aux = len(auxes) - len(self.reductions)
+        reds = tuple(auxes[self.num_aux:])
+        auxes = tuple(auxes[:self.num_aux])
         tiled_mma = self._tiled_mma()
         self._setup()
         # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
@@ -128,8 +150,12 @@ class Sm100Gemm:
         tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
             sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id), b, b_smem,
             self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32)
+        # a dual GEMM's second B operand: the same tiles, loaded beside B into its own stage ring
+        b2_loads = [cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id), x, b_smem,
+            self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32) for x in b2s]
         self.num_tma_load_bytes = (cute.size_in_bytes(self.a_dtype, a_smem)
-                                   + cute.size_in_bytes(self.b_dtype, b_smem)) * v
+                                   + cute.size_in_bytes(self.b_dtype, b_smem) * (1 + len(b2s))) * v
         aux_atoms, aux_tmas = [], []
         for x in auxes:
             atom, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), x,
@@ -142,17 +168,17 @@ class Sm100Gemm:
             0, (None, None, None)].shape
         sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
-        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, tuple(aux_atoms), tuple(aux_tmas), inputs,
+        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, tuple(aux_atoms), tuple(aux_tmas), reds, inputs,
                     tuple(full_atoms), tuple(full_tmas),
-                    scalars, self.cluster_layout_vmnk,
+                    scalars, tuple(x[0] for x in b2_loads), tuple(x[1] for x in b2_loads), self.cluster_layout_vmnk,
                     self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, aux_atoms, aux_tmas,
-               inputs, full_atoms,
-               full_tmas, scalars,
+               reds, inputs, full_atoms,
+               full_tmas, scalars, b2_atoms, b2_tmas,
                cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -202,6 +228,8 @@ class Sm100Gemm:
                                   swizzle=a_smem_staged.inner)
         sB = smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
                                   swizzle=b_smem_staged.inner)
+        sB2 = [smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
+                                    swizzle=b_smem_staged.inner) for _ in b2_atoms]
         a_mask = None
         b_mask = None
         if cutlass.const_expr(self.num_mcast_a > 1 or self.num_mcast_b > 1 or self.use_2cta_instrs):
@@ -224,10 +252,17 @@ class Sm100Gemm:
         tBsB, tBgB = cpasync.tma_partition(
             tma_b, crd_vmnk[1], cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape),
             cute.group_modes(sB, 0, 3), cute.group_modes(tCgB, 0, 3))
+        b2_part = [cpasync.tma_partition(
+            b2_atoms[x], crd_vmnk[1], cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape),
+            cute.group_modes(sB2[x], 0, 3),
+            cute.group_modes(thr_mma.partition_B(cute.local_tile(
+                b2_tmas[x], cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))), 0, 3))
+            for x in range(len(b2_atoms))]
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
+        tCrB2 = [tiled_mma.make_fragment_B(x) for x in sB2]
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage * (1 + len(b2_atoms))))
         pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
@@ -247,6 +282,9 @@ class Sm100Gemm:
                               mcast_mask=a_mask)
                     cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier,
                               mcast_mask=b_mask)
+                    for x in cutlass.range_constexpr(len(b2_atoms)):
+                        cute.copy(b2_atoms[x], b2_part[x][1][None, mt[1], None, mt[2]][None, h.count],
+                                  b2_part[x][0][None, h.index], tma_bar_ptr=h.barrier, mcast_mask=b_mask)
                     peek = cutlass.Boolean(1)
                     if h.count + 1 < k_tiles:
                         peek = ab_producer.try_acquire()
@@ -260,6 +298,7 @@ class Sm100Gemm:
             acc_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
             while work.is_valid_tile:
                 tCtAcc = tCtAcc_base[None, None, None, acc_prod.index]
+                tCtAcc2 = [tCtAcc_base[None, None, None, acc_prod.index + self.num_acc_stage] for _ in b2_atoms]
                 ab_consumer.reset()
                 peek = cutlass.Boolean(1)
                 if is_leader:
@@ -272,6 +311,8 @@ class Sm100Gemm:
                         for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
                             crd = (None, None, kb, h.index)
                             cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                            for x in cutlass.range_constexpr(len(b2_atoms)):
+                                cute.gemm(tiled_mma, tCtAcc2[x], tCrA[crd], tCrB2[x][crd], tCtAcc2[x])
                             tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
                         h.release()
                         peek = cutlass.Boolean(1)
@@ -294,15 +335,18 @@ class Sm100Gemm:
         full_bytes = 0
         em, en = self.epi_mn
         for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind == "row"):
+            if cutlass.const_expr(kind in ROW_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
-            elif cutlass.const_expr(kind == "col"):
+            elif cutlass.const_expr(kind in COL_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
             else:
                 sIn.append(smem.allocate_tensor(inputs[j].element_type,
                                                 cute.make_layout((em, en, 2), stride=(en, 1, em * en)), 128))
                 n_full += 1
                 full_bytes += em * en * inputs[j].element_type.width // 8
+        # reductions: one f32 per MMA-tile row (column), combined into global memory once per tile
+        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.mma_tiler[0 if axis == "n" else 1],)), 128)
+                for _op, axis in self.reductions]
         in_bar = smem.allocate_array(cutlass.Int64, 2)
         if warp_idx < self.mma_warp_id:
             if cutlass.const_expr(n_full > 0):
@@ -339,6 +383,7 @@ class Sm100Gemm:
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
             rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in self.input_kinds]
+            tTR_rAcc2 = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in b2_atoms]
             # the sub-tile boxes of the output, as coordinates, and the matching TMA sources of full inputs
             cEpi_all = cute.flat_divide(tCcC_t, epi_tile)
             full_src = []
@@ -353,6 +398,21 @@ class Sm100Gemm:
                     k += 1
             n_v = cute.size(tTR_rAcc)
             M, N, L = mC.shape
+            plans = []
+            if cutlass.const_expr(len(self.reductions) > 0):
+                # the static coordinates of each thread's values in one sub-tile (the same partition
+                # of an identity tensor over one MMA tile, as the first CTA of an MMA pair: the peer's
+                # coordinates differ by a constant)
+                cS = cute.flat_divide(transform_partitioned_tensor_layout(
+                    tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))), epi_tile)
+                coords = red.static_coords(
+                    lambda t: copy_t2r.get_slice(t).partition_D(cS)[(None, None, None, 0, 0)], red.plan_threads(128))
+                plans = [red.make_plan(op, axis, coords) for op, axis in self.reductions]
+                self.traced.update(red_plans=plans, red_coords=coords)      # for tests
+                rRed = cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype)
+                for r in cutlass.range_constexpr(len(self.reductions)):
+                    red.fill(sRed[r], cute.size(sRed[r]), tidx, 128, plans[r])
+                epi_bar.arrive_and_wait()
             while work.is_valid_tile:
                 tc = work.tile_idx
                 mt = (tc[0] // v, tc[1], tc[2])
@@ -363,6 +423,9 @@ class Sm100Gemm:
                 tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cons.index)]
                 acc_pipe.consumer_wait(acc_cons)
                 tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                tTR_tAcc2 = [tTR_tAcc_base[(None, None, None, None, None, acc_cons.index + self.num_acc_stage)]
+                             for _ in b2_atoms]
+                tTR_tAcc2 = [cute.group_modes(x, 3, cute.rank(x)) for x in tTR_tAcc2]
                 tTR_cC = cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))
                 bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
                 aux_dst = []
@@ -381,12 +444,14 @@ class Sm100Gemm:
                 n0 = mt[1] * self.mma_tiler[1]
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
                     for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(tidx, self.mma_tiler[1], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), mt[2])].to(
+                                    self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(tidx, self.mma_tiler[0], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), mt[2])].to(
+                                    self.acc_dtype)
                     epi_bar.arrive_and_wait()
                 # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
                 # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
@@ -408,6 +473,8 @@ class Sm100Gemm:
                                     cute.copy(full_atoms[f], bIn[f][1][(None, s + 1)], bIn[f][0][(None, (g + 1) % 2)],
                                               tma_bar_ptr=in_bar + (g + 1) % 2)
                     cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
+                    for x in cutlass.range_constexpr(len(b2_atoms)):
+                        cute.copy(copy_t2r, tTR_tAcc2[x][(None, None, None, s)], tTR_rAcc2[x])
                     if cutlass.const_expr(len(self.input_kinds) > 0):
                         tTR_cC_s = tTR_cC[(None, None, None, s)]
                         sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
@@ -417,14 +484,19 @@ class Sm100Gemm:
                             m, n, l = tTR_cC_s[e]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind == "row"):
+                                if cutlass.const_expr(kind in ROW_KINDS):
                                     rIn[j][e] = sIn[j][n - n0]
-                                elif cutlass.const_expr(kind == "col"):
+                                elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][e] = sIn[j][m - m0]
                                 else:
                                     rIn[j][e] = sIn[j][m - sm0, n - sn0, g % 2].to(self.acc_dtype)
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
-                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
+                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars,
+                                         *(copy_r2s.retile(r).load() for r in tTR_rAcc2))
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        copy_r2s.retile(rRed).store(values[1 + self.num_aux + r])
+                        red.reduce_subtile(rRed, tTR_cC[(None, None, None, s)], 0, 0, M, N,
+                                           m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
                     tRS_rC.store(values[0].to(self.c_dtype))
                     buf = (prev + s) % self.num_c_stage
                     cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
@@ -444,6 +516,13 @@ class Sm100Gemm:
                 with cute.arch.elect_one():
                     acc_pipe.consumer_release(acc_cons)
                 acc_cons.advance()
+                if cutlass.const_expr(len(self.reductions) > 0):
+                    # the accumulator is released first: the MMA warp need not wait for the flush
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        along_n = self.reductions[r][1] == "n"
+                        red.flush(sRed[r], cute.size(sRed[r]), tidx, 128, m0 if along_n else n0,
+                                  M if along_n else N, reds[r], mt[2], plans[r])
+                    epi_bar.arrive_and_wait()
             c_pipe.producer_tail()
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)

@@ -7,7 +7,8 @@ Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/
 `epi(acc, inputs, scalars) -> value` on register vectors (TensorSSA) in f32/i32.
 
 Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
-epilogue inputs: kind "row" (N,), "col" (M,), "full" (M, N, L).
+epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L);
+outputs after D: the auxiliary outputs (like D), then the reduction outputs ((M, L) or (N, L), see reduce.py).
 """
 from __future__ import annotations
 
@@ -18,16 +19,49 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir
+from cutlass.cute.atom import make_atom
+from cutlass.cute.core import _pack_shape
+from cutlass.cute.nvgpu.warpgroup import OperandSource
+from cutlass.cute.nvgpu.warpgroup.mma import MmaF16BF16Trait, MmaOp
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
+from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
+from kspec.core import KspecInternalError
+
+from . import reduce as red
+
 SMEM_CAPACITY = 232448 - 1024          # sm_90 opt-in shared memory per CTA, less a margin
+
+
+class _Tf32WgmmaOp(MmaOp):
+    """WGMMA with tf32 operands (`wgmma.mma_async...f32.tf32.tf32`, K = 8 per instruction), which the
+    DSL wheel's warpgroup module does not wrap (it has f16/bf16, fp8 and int8 ops).  PTX allows
+    tf32 operands only K-major (no transpose for 32-bit types), both from shared memory here."""
+
+    descriptive_name = "warpgroup TF32 MMA Operation (kspec)"
+
+    def __init__(self, shape_mn, a_major_mode, b_major_mode):
+        super().__init__(cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (*shape_mn, 8),
+                         OperandSource.SMEM, a_major_mode, b_major_mode)
+        K = cute.nvgpu.OperandMajorMode.K
+        if a_major_mode != K or b_major_mode != K:
+            raise KspecInternalError("tf32 WGMMA needs K-major A and B (gemm.can_implement checks this)")
+
+    def _make_trait(self, *, loc=None, ip=None, **kwargs):
+        ty = _cute_nvgpu_ir.MmaAtomSM90Type.get(
+            _pack_shape(self.shape_mnk, loc=loc, ip=ip).type.attribute, self.a_major_mode._to_ir(),
+            self.b_major_mode._to_ir(), self.a_dtype.mlir_type, self.b_dtype.mlir_type, self.acc_dtype.mlir_type,
+            self.a_src._to_ir())
+        return MmaF16BF16Trait(make_atom(ty, [cutlass.Boolean(False).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip))
 
 
 class Sm90Gemm:
     """One configuration of the kernel.  tile_mn: CTA tile (M in 64/128, N in 64..256);
     cluster_mn: cluster shape (TMA multicast of A along N, of B along M)."""
 
-    def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None):
+    def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None,
+                 reductions=(), dual=False):
         self.acc_dtype = acc_dtype
         self.tile_shape_mnk = (tile_mn[0], tile_mn[1], 1)
         self.cluster_shape_mn = tuple(cluster_mn)
@@ -35,8 +69,13 @@ class Sm90Gemm:
         self.input_kinds = tuple(input_kinds)
         self.num_scalars = num_scalars
         self.stages_override = stages
-        # two consumer warpgroups share an M=128 tile when N is wide ("cooperative")
-        self.atom_layout_mnk = (2, 1, 1) if tile_mn[0] > 64 and tile_mn[1] > 128 else (1, 1, 1)
+        self.reductions = tuple(reductions)          # (op, axis) per reduced value (reduce.py)
+        self.traced = {}                             # trace-time facts (tests)
+        # a dual GEMM (a second B operand sharing the A tiles, a second register accumulator)
+        self.dual = dual
+        # two consumer warpgroups share an M=128 tile when N is wide ("cooperative"), and in a dual
+        # GEMM (each holds half of both accumulators)
+        self.atom_layout_mnk = (2, 1, 1) if tile_mn[0] > 64 and (tile_mn[1] > 128 or dual) else (1, 1, 1)
         self.num_mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_wg
@@ -47,11 +86,21 @@ class Sm90Gemm:
         self.mma_regs = 232
         self.buffer_align_bytes = 1024
 
+    def _vector_coord(self, j, i, batch):
+        """The coordinate of element i of epilogue vector input j in the tile's batch entry: vectors
+        shared by the batch are (N,)/(M,), per-batch vectors (N, L)/(M, L)."""
+        return (i, batch) if self.input_kinds[j].endswith("_batched") else i
+
     # ------------------------------------------------------------------ host-side planning
     def _setup(self):
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
+        if self.a_dtype is cutlass.TFloat32:
+            self.tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(_Tf32WgmmaOp(
+                (64, self.tile_shape_mnk[1]), self.a_layout.sm90_mma_major_mode(),
+                self.b_layout.sm90_mma_major_mode())), self.atom_layout_mnk)
+        else:
+            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]))
         k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         self.tile_shape_mnk = (self.tile_shape_mnk[0], self.tile_shape_mnk[1], k_inst * 4)
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
@@ -62,7 +111,7 @@ class Sm90Gemm:
             self.epi_tile = (min(128, tm), min(32, tn))
         else:
             self.epi_tile = (min(64, tm), min(64 if self.d_dtype.width == 8 else 32, tn))
-        ab_bytes = (tm * tk * self.a_dtype.width + tn * tk * self.b_dtype.width) // 8
+        ab_bytes = (tm * tk * self.a_dtype.width + (1 + int(self.dual)) * tn * tk * self.b_dtype.width) // 8
         self.epi_stage = 4
         # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8 * self.epi_stage * (1 + self.num_aux)
@@ -70,12 +119,14 @@ class Sm90Gemm:
         # sub-tiles (their dtype, loaded by TMA)
         in_bytes = 0
         for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind == "row":
+            if kind in ROW_KINDS:
                 in_bytes += tn * 4 + 128
-            elif kind == "col":
+            elif kind in COL_KINDS:
                 in_bytes += tm * 4 + 128
             else:
                 in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
+        for _op, axis in self.reductions:          # one f32 per tile row (column) per reduction
+            in_bytes += (tm if axis == "n" else tn) * 4 + 128
         stages = (SMEM_CAPACITY - 1024 - epi_bytes - in_bytes) // ab_bytes
         if self.stages_override is not None:
             stages = min(stages, self.stages_override)
@@ -96,24 +147,29 @@ class Sm90Gemm:
         self.d_smem_staged = cute.tile_to_shape(d_atom, (*self.epi_tile, self.epi_stage),
                                                 order=(1, 0, 2) if self.d_layout.is_m_major_c() else (0, 1, 2))
 
-    @staticmethod
-    def _tma_load(tensor, smem_staged, tile, mcast):
+    def _tma_load(self, tensor, smem_staged, tile, mcast):
         op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1
               else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        # f32 data multiplied at tf32 precision: shared memory holds it as tf32 (the same bits)
+        internal = cutlass.TFloat32 if self.a_dtype is cutlass.TFloat32 else None
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile,
-                                                      num_multicast=mcast)
+                                                      num_multicast=mcast, internal_type=internal)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
+                 max_active_clusters: cutlass.Int32, stream, b2s=()):
+        # kspec's tf32 operands are f32 in memory, multiplied as tf32
+        self.a_dtype = cutlass.TFloat32 if a.element_type is cutlass.Float32 else a.element_type
+        self.b_dtype = cutlass.TFloat32 if b.element_type is cutlass.Float32 else b.element_type
         self.d_dtype = d.element_type
         self.a_layout = utils.LayoutEnum.from_tensor(a)
         self.b_layout = utils.LayoutEnum.from_tensor(b)
         self.d_layout = utils.LayoutEnum.from_tensor(d)
         self.input_widths = tuple(t.element_type.width for t in inputs)
-        self.num_aux = len(auxes)
+        # `auxes`: the auxiliary outputs, then the reduction outputs
+        self.num_aux = len(auxes) - len(self.reductions)
+        reds = tuple(auxes[self.num_aux:])
+        auxes = tuple(auxes[:self.num_aux])
         self._setup()
         tm, tn, tk = self.tile_shape_mnk
         # full-tensor epilogue inputs (residuals) are loaded per epilogue sub-tile by TMA
@@ -127,6 +183,8 @@ class Sm90Gemm:
                 full_tmas.append(t)
         tma_a, gA = self._tma_load(a, self.a_smem_staged, (tm, tk), self.cluster_shape_mn[1])
         tma_b, gB = self._tma_load(b, self.b_smem_staged, (tn, tk), self.cluster_shape_mn[0])
+        # a dual GEMM's second B operand: the same tiles, loaded beside B into its own stage ring
+        b2_loads = [self._tma_load(x, self.b_smem_staged, (tn, tk), self.cluster_shape_mn[0]) for x in b2s]
         tma_d, gD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d, cute.slice_(self.d_smem_staged, (None, None, 0)),
             self.epi_tile)
@@ -151,8 +209,9 @@ class Sm90Gemm:
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
                                   self.buffer_align_bytes]
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), inputs,
-                    tuple(full_atoms), tuple(full_tmas), scalars,
+        self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), reds, inputs,
+                    tuple(full_atoms), tuple(full_tmas), scalars, tuple(x[0] for x in b2_loads),
+                    tuple(x[1] for x in b2_loads),
                     self.tiled_mma, self.cta_layout_mnk,
                     self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
@@ -161,8 +220,8 @@ class Sm90Gemm:
     # ------------------------------------------------------------------ device code
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, aux_atoms, aux_tmas, inputs,
-               full_atoms, full_tmas, scalars,
+               tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, aux_atoms, aux_tmas, reds, inputs,
+               full_atoms, full_tmas, scalars, b2_atoms, b2_tmas,
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
                sched_params: utils.PersistentTileSchedulerParams):
@@ -179,7 +238,8 @@ class Sm90Gemm:
         a_mask = a_mask if self.num_mcast_a > 1 else 0
         b_mask = b_mask if self.num_mcast_b > 1 else 0
         tx_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-                    + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0))))
+                    + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+                    * (1 + len(b2_atoms)))
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -189,9 +249,9 @@ class Sm90Gemm:
         n_full = 0
         full_bytes = 0
         for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind == "row"):
+            if cutlass.const_expr(kind in ROW_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tn,)), 128))
-            elif cutlass.const_expr(kind == "col"):
+            elif cutlass.const_expr(kind in COL_KINDS):
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
             else:
                 # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
@@ -199,6 +259,9 @@ class Sm90Gemm:
                     (*self.epi_tile, 2), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
                 n_full += 1
                 full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
+        # reductions: one f32 per tile row (column), combined into global memory once per tile
+        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((tm if axis == "n" else tn,)), 128)
+                for _op, axis in self.reductions]
         in_bar = smem.allocate_array(cutlass.Int64, 2)
         if cutlass.const_expr(n_full > 0):
             if tidx == 0:
@@ -218,17 +281,23 @@ class Sm90Gemm:
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
         sAux = [smem.allocate_tensor(self.d_dtype, d_smem_staged.outer, self.buffer_align_bytes,
                                      d_smem_staged.inner) for _ in range(self.num_aux)]
+        sB2 = [smem.allocate_tensor(self.b_dtype, b_smem_staged.outer, self.buffer_align_bytes,
+                                    b_smem_staged.inner) for _ in b2_atoms]
         tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
         gD = cute.local_tile(mD_tma, tile_mn, (None, None, None))
-        cD = cute.local_tile(cute.make_identity_tensor(mD.shape), tile_mn, (None, None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
             cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
             cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        b2_part = [cute.nvgpu.cpasync.tma_partition(
+            b2_atoms[x], cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB2[x], 0, 2),
+            cute.group_modes(cute.local_tile(b2_tmas[x], cute.slice_(self.tile_shape_mnk, (0, None, None)),
+                                             (None, None, None)), 0, 2)) for x in range(len(b2_atoms))]
 
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         thr_mma = tiled_mma.get_slice(
@@ -236,6 +305,8 @@ class Sm90Gemm:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype)
+        tCrB2 = [tiled_mma.make_fragment_B(thr_mma.partition_B(x)) for x in sB2]
+        acc2 = [cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype) for _ in sB2]
         k_tiles = cute.size(gA, mode=[3])
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
@@ -259,6 +330,9 @@ class Sm90Gemm:
                               mcast_mask=a_mask)
                     cute.copy(tma_b, tBgB_t[None, prod.count], tBsB[None, prod.index], tma_bar_ptr=bar,
                               mcast_mask=b_mask)
+                    for x in cutlass.range_constexpr(len(b2_atoms)):
+                        cute.copy(b2_atoms[x], b2_part[x][1][None, tc[1], None, tc[2]][None, prod.count],
+                                  b2_part[x][0][None, prod.index], tma_bar_ptr=bar, mcast_mask=b_mask)
                     ab_pipe.producer_commit(prod)
                     prod.advance()
                 sched.advance_to_next_work()
@@ -283,8 +357,10 @@ class Sm90Gemm:
             tRS_sD = thr_r2s.partition_D(sD)
             tRS_sAux = [thr_r2s.partition_D(x) for x in sAux]
             tRS_rAcc = copy_r2s.retile(acc)
+            tRS_rAcc2 = [copy_r2s.retile(x) for x in acc2]
             rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+            tRS_rD2 = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in acc2]
             tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
             rIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in self.input_kinds]
             tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
@@ -294,11 +370,23 @@ class Sm90Gemm:
                 num_stages=self.epi_stage,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
             M, N, L = mD.shape
+            plans = []
+            if cutlass.const_expr(len(self.reductions) > 0):
+                coords = red.static_coords(lambda t: copy_r2s.get_slice(t).partition_S(
+                    cute.make_identity_tensor(self.epi_tile)), red.plan_threads(self.num_mma_threads))
+                plans = [red.make_plan(op, axis, coords) for op, axis in self.reductions]
+                self.traced.update(red_plans=plans, red_coords=coords)      # for tests
+                rRed = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+                for r in cutlass.range_constexpr(len(self.reductions)):
+                    red.fill(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads, plans[r])
+                epi_bar.arrive_and_wait()
             while work.is_valid_tile:
                 tc = work.tile_idx
                 read.reset_count()
                 release.reset_count()
                 acc.fill(0)
+                for x in cutlass.range_constexpr(len(acc2)):
+                    acc2[x].fill(0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 # keep one WGMMA batch in flight: release a stage only after the next one issued
@@ -307,6 +395,8 @@ class Sm90Gemm:
                     for kb in cutlass.range_constexpr(k_blocks):
                         crd = (None, None, kb, read.index)
                         cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                        for x in cutlass.range_constexpr(len(acc2)):
+                            cute.gemm(tiled_mma, acc2[x], tCrA[crd], tCrB2[x][crd], acc2[x])
                     cute.nvgpu.warpgroup.commit_group()
                     read.advance()
                     if k > 0:
@@ -337,12 +427,14 @@ class Sm90Gemm:
                 n0 = tc[1] * tn
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
                     for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] == "row"):
+                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(epi_tidx, tn, self.num_mma_threads):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.acc_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] == "col"):
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), tc[2])].to(
+                                    self.acc_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(epi_tidx, tm, self.num_mma_threads):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.acc_dtype)
+                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), tc[2])].to(
+                                    self.acc_dtype)
                     epi_bar.arrive_and_wait()
                 full_src = []
                 k = 0
@@ -376,17 +468,24 @@ class Sm90Gemm:
                         cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
                     for v in cutlass.range_constexpr(n_v):
                         tRS_rD[v] = tRS_rAcc[e * n_v + v]
+                        for x in cutlass.range_constexpr(len(acc2)):
+                            tRS_rD2[x][v] = tRS_rAcc2[x][e * n_v + v]
                         if cutlass.const_expr(len(self.input_kinds) > 0):
                             lm, ln = tRS_cL[v]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
                                 kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind == "row"):
+                                if cutlass.const_expr(kind in ROW_KINDS):
                                     rIn[j][v] = sIn[j][ec[1] * self.epi_tile[1] + ln]
-                                elif cutlass.const_expr(kind == "col"):
+                                elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
                                     rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)
-                    values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
+                    values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars,
+                                         *(r.load() for r in tRS_rD2))
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        rRed.store(values[1 + self.num_aux + r])
+                        red.reduce_subtile(rRed, tRS_cL, m0 + ec[0] * self.epi_tile[0], n0 + ec[1] * self.epi_tile[1],
+                                           M, N, m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
                     tRS_rOut.store(values[0].to(self.d_dtype))
                     buf = (prev + e) % self.epi_stage
                     cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
@@ -401,6 +500,13 @@ class Sm90Gemm:
                             cute.copy(aux_atoms[x], aux_dst[x][0][None, buf], aux_dst[x][1][None, ec])
                         store_pipe.producer_commit()
                         store_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                if cutlass.const_expr(len(self.reductions) > 0):
+                    # every sub-tile's shared-memory atomics are done (the barrier above)
+                    for r in cutlass.range_constexpr(len(self.reductions)):
+                        along_n = self.reductions[r][1] == "n"
+                        red.flush(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads,
+                                  m0 if along_n else n0, M if along_n else N, reds[r], tc[2], plans[r])
                     epi_bar.arrive_and_wait()
                 sched.advance_to_next_work()
                 work = sched.get_current_work()

@@ -63,7 +63,7 @@ class CutlassBackend(NvccBuilt):
     capabilities = Capabilities(
         archs=ARCHS, kinds=("gemm", "attention"), gemm_operands=GEMM_OPERANDS,
         epilogue_fns=EPILOGUE_FNS, epilogue_reductions=EPILOGUE_REDUCTIONS,
-        epilogue_loads=frozenset(("row", "col", "full", "scalar")),
+        epilogue_loads=frozenset(("row", "col", "row_batched", "col_batched", "full", "scalar")),
         attention=tuple((a, "f16/bf16, head dims " + ",".join(map(str, sorted(t))) + "; causal top-left or none")
                         for a, t in _FMHA_TILES.items()))
 
@@ -95,6 +95,8 @@ class CutlassBackend(NvccBuilt):
     def _gemm_reason(self, ir: KernelIR, arch: str) -> str | None:
         s = ir.gemm
         a, b = s.a_dtype, s.b_dtype
+        if s.dual:
+            return "dual GEMMs (two B operands sharing the A tiles) are not implemented by the CUTLASS backend"
         if (a, b) not in GEMM_OPERANDS:
             if a == "f32" or b == "f32":
                 return f"operands {a} x {b}: CUTLASS tensor cores multiply f32 data as tf32 (declare it tf32)"
@@ -225,6 +227,7 @@ def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = No
     scalars: dict[str, object] = {}
     a = Operand(names(s.a_buffer), s.a_dtype, s.a_layout)
     b = Operand(names(s.b_buffer), s.b_dtype, s.b_layout)
+    b2 = Operand(names(s.b2_buffer), s.b_dtype, s.b_layout) if s.dual else None
 
     def rename(e):
         if isinstance(e, Load):
@@ -247,6 +250,6 @@ def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = No
         hinted = cfg.get("source") == "hint"
     desc = GemmDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, a=a, b=b, acc_dtype=s.acc_dtype,
                     output=stores[-1], aux_stores=tuple(stores[:-1]), reductions=tuple(reds),
-                    batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None)
+                    batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None, b2=b2)
     return LoweredPlan(ir, arch, backend, desc, names.back(), s.dims, scalars)
 

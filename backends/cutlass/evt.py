@@ -102,6 +102,8 @@ class _Builder:
 
     def _value(self, e: EpiExpr) -> str:
         if isinstance(e, Accum):
+            if e.index:
+                raise KspecInternalError(f"EVT epilogue of '{self.desc.name}' reads a second accumulator")
             return "accum"
         if isinstance(e, Const):
             return self._imm(e.value)
@@ -128,8 +130,10 @@ class _Builder:
             if ld.dtype not in _LOAD_DTYPES:
                 raise KspecError(f"epilogue input '{ld.name}' has dtype {ld.dtype}; fused GEMM epilogues "
                                  f"on {self.arch} read {', '.join(_LOAD_DTYPES)}")
-            shape = {"row": (1, 1, _EX_N), "col": (1, _EX_M, 1),
-                     "full": (self.L, _EX_M, _EX_N)}.get(ld.kind)
+            # per-batch vectors are broadcasts with a batch stride (Sm90RowBroadcast/ColBroadcast
+            # with StrideMNL <_0, _1, int> / <_1, _0, int>)
+            shape = {"row": (1, 1, _EX_N), "col": (1, _EX_M, 1), "row_batched": (self.L, 1, _EX_N),
+                     "col_batched": (self.L, _EX_M, 1), "full": (self.L, _EX_M, _EX_N)}.get(ld.kind)
             if shape is None:
                 raise KspecError(f"epilogue input '{ld.name}' has unknown kind '{ld.kind}'")
             self.fe.add_load_node(node, self._tensor(ld.dtype, shape))

@@ -584,7 +584,7 @@ def emit_gemm(desc: GemmDesc) -> EmittedKernel:
         f"{host}"
         "#endif  // KSPEC_HOST\n")
 
-    init = tuple((r.name, "neg_inf" if r.op == "max" else "zero") for r in desc.reductions)
+    init = desc.reduction_init()
     alignment = _arg_alignment(desc, args)
     mma = ("2sm" if cfg.is_2sm else "1sm") if cc == 100 else "wgmma"
     config = (

@@ -16,7 +16,7 @@ import networkx as nx
 from kspec.backends.api import Capabilities, LoweredPlan
 from kspec.backends.build import NvccBuilt
 from kspec.backends.desc import EmittedKernel
-from kspec.backends.names import Names
+from kspec.backends.names import Names, number_placeholders
 from kspec.compiler.graph import op, operands
 from kspec.compiler.kir import KINDS, KernelIR
 from kspec.core import ABI_VERSION, ARCHS, INT_DTYPES, KspecError, KspecInternalError, check_ident
@@ -242,13 +242,7 @@ def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
         for n in leaving:
             _stores(gen, n, local[n], body)
     names = gen.names
-    args = tuple(sorted({c for c in names.to_c.values() if c not in gen.scalars}, key=lambda c: int(c[1:])))
-    scalars = tuple(sorted(gen.scalars, key=lambda c: int(c[1:])))
-    text = "\n".join("    " + line for line in body)
-    for i, c in enumerate(args):
-        text = text.replace(f"{{{c}}}", str(i))
-    for i, c in enumerate(scalars):
-        text = text.replace(f"{{{c}}}", str(i))
+    text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
     desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dim_values), threads=threads)
     return LoweredPlan(ir, arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))

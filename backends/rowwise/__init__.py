@@ -46,6 +46,7 @@ from kspec.backends.desc import EmittedKernel
 from kspec.backends.generic import _CTYPE, _FN, GLUE_ABI, GLUE_PREPARE_OPEN, KspecLoweringError, _round
 from kspec.backends.irview import ScheduleView, plan_view
 from kspec.backends.names import Names as _Names
+from kspec.backends.names import number_placeholders
 from kspec.compiler.graph import op, operands
 from kspec.compiler.kir import KernelIR
 from kspec.core import ABI_VERSION, ARCHS, DTYPE_TABLE, FLOAT_DTYPES, check_ident
@@ -485,13 +486,7 @@ def lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
     emit("if (cs > 1) cg::this_cluster().sync();   // no CTA leaves while others read its shared memory")
 
     names = gen.names
-    args = tuple(sorted({c for c in names.to_c.values() if c not in gen.scalars}, key=lambda c: int(c[1:])))
-    scalars = tuple(sorted(gen.scalars, key=lambda c: int(c[1:])))
-    text = "\n".join("  " + line for line in body)
-    for i, c in enumerate(args):
-        text = text.replace(f"{{{c}}}", str(i))
-    for i, c in enumerate(scalars):
-        text = text.replace(f"{{{c}}}", str(i))
+    text, args, scalars = number_placeholders("\n".join("  " + line for line in body), names, gen.scalars)
     # the host glue's alignment checks: every buffer read or written per element
     vec_checks = []
     for key in {**{(b, l): 1 for p in range(n_passes) for b, l in plan_pass[p][1]},

@@ -256,6 +256,17 @@ class Driver:
         self.call(fn, cu.CUdeviceptr(ptr), int(pattern), int(count), cu.CUstream(stream),
                   what=f"initialising {what}")
 
+    def copy_to_host(self, ptr: int, nbytes: int, stream: int, what: str) -> bytes:
+        """`nbytes` of device memory at `ptr`, copied after the work queued on `stream` so far and
+        waited for (a host synchronisation with that stream)."""
+        import numpy as np
+        cu = _cu()
+        host = np.empty(int(nbytes), dtype=np.uint8)
+        self.call("cuMemcpyDtoHAsync", host, cu.CUdeviceptr(ptr), int(nbytes), cu.CUstream(stream),
+                  what=f"reading {what}")
+        self.call("cuStreamSynchronize", cu.CUstream(stream), what=f"reading {what}")
+        return host.tobytes()
+
     def is_capturing(self, stream: int) -> bool:
         cu = _cu()
         status = self.call("cuStreamIsCapturing", cu.CUstream(stream), what="the stream argument")

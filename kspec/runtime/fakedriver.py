@@ -310,6 +310,7 @@ class FakeDriver:
         self.rejected_tensor_maps: list[tuple[TensorMapRecord, list[str]]] = []
         self.launches: list[LaunchRecord] = []
         self.fills: list[tuple[int, int, int, int]] = []
+        self.reads: list[tuple[int, int, int]] = []   # device-to-host copies: (ptr, bytes, stream)
         self.memory: dict[int, _Allocation] = {}
         self._smem: dict[int, int] = {}
         self._functions: dict[tuple, _FakeFunction] = {}
@@ -478,6 +479,11 @@ class FakeDriver:
     def download(self, ptr: int, nbytes: int) -> bytes:
         self._check_range(int(ptr), nbytes, "download")
         return ctypes.string_at(int(ptr), nbytes)
+
+    def copy_to_host(self, ptr: int, nbytes: int, stream: int, what: str) -> bytes:
+        self.reads.append((int(ptr), int(nbytes), int(stream)))
+        self._check_range(int(ptr), int(nbytes), f"reading {what}")
+        return ctypes.string_at(int(ptr), int(nbytes))
 
     def call(self, fn_name: str, *args, what: str = "") -> Any:
         """The few raw driver calls `DeviceArray` and `kspec selftest` make."""

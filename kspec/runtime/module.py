@@ -4,9 +4,11 @@ Calling a kernel, `mod.gemm(A, B, bias, D=None, alpha=1.0, stream=None) -> dict[
 1. the driver must initialise and report a device, else `KspecRuntimeError("no CUDA device: ...")`;
 2. `Kernel.check(...)` validates every argument without touching the GPU (also callable on its
    own, e.g. to test argument handling on a machine without a GPU) and returns a `Binding`;
-3. the binary for the device's compute capability is chosen (9.0 -> sm90a, 10.0 -> sm100a), the
-   cubin is loaded once per context, missing outputs are allocated, and the plans are launched in
-   order on the caller's stream.
+3. the binary for the device's compute capability is chosen (9.0 -> sm90a, 10.0 -> sm100a);
+4. the index tensors (integer inputs used as subscripts, `KernelEntry.index_ranges`) are read and
+   range-checked unless `check_indices` is off or the stream is capturing (kspec.runtime.indexcheck);
+5. the cubin is loaded once per context, missing outputs are allocated, and the plans are launched
+   in order on the caller's stream.
 
 Host numpy arrays: `mod.gemm.to_device(A=a, B=b)` uploads each in its spec's layout (see
 kspec.runtime.transfer).  PyTorch: `mod.gemm.as_torch_op()` (see kspec.runtime.torch_ops).
@@ -41,20 +43,24 @@ from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
 from kspec.runtime.glue import HostGlue, Prepared
+from kspec.runtime.indexcheck import check_before_launch
 from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
 
 _SCRATCH_ALIGN = 256
 
 
-def load(path: str | Path, verify: bool = True) -> "Module":
-    """Load a compiled artifact directory (or its manifest.json).  Works without a GPU."""
+def load(path: str | Path, verify: bool = True, check_indices: bool = True) -> "Module":
+    """Load a compiled artifact directory (or its manifest.json).  Works without a GPU.
+    check_indices: read the index tensors (integer inputs used as subscripts) before each launch and
+    raise for a value out of range (one small device-to-host copy and a stream sync per call; see
+    kspec.runtime.indexcheck).  Each kernel's `check_indices` attribute can change it later."""
     p = Path(path)
     manifest = read_manifest(p, verify=verify)
     root = p if p.is_dir() else p.parent
     # a class per artifact so that help(mod) lists its kernels
     doc = "\n\n".join(describe_kernel(k, tuple(manifest.archs)) for k in manifest.kernels)
     cls = type("Module", (Module,), {"__doc__": f"kspec artifact {root}\n\n{doc}", "__module__": "kspec.runtime"})
-    return cls(root, manifest)
+    return cls(root, manifest, check_indices)
 
 
 def _stream_handle(stream: Any) -> int:
@@ -110,10 +116,12 @@ class Binding:
 class Kernel:
     """One spec kernel of a loaded artifact; call it like a function (see the module docstring)."""
 
-    def __init__(self, module: "Module", entry: KernelEntry):
+    def __init__(self, module: "Module", entry: KernelEntry, check_indices: bool = True):
         self._module = module
         self.entry = entry
         self.name = entry.name
+        # read and range-check the index tensors before each launch (kspec.runtime.indexcheck)
+        self.check_indices = check_indices
         self.__doc__ = describe_kernel(entry, module.archs)
         sig = _signature(entry)
         if sig is not None:
@@ -353,21 +361,21 @@ class Kernel:
         drv = _driver.get()
         drv.require_device()
         b = self.check(*args, stream=stream, **kwargs)
-        return self._module._launch(drv, b)
+        return self._module._launch(drv, b, check_indices=self.check_indices)
 
 
 class Module:
     """A loaded artifact: `.kernels` (names), `.archs`, and one `Kernel` attribute per spec kernel
     (also reachable as `module["name"]`)."""
 
-    def __init__(self, root: Path, manifest: Manifest):
+    def __init__(self, root: Path, manifest: Manifest, check_indices: bool = True):
         self.path = Path(root)
         self.manifest = manifest
         self.archs: tuple[str, ...] = tuple(manifest.archs)
         self.kernels: tuple[str, ...] = tuple(k.name for k in manifest.kernels)
         # a class per kernel so that help(mod.name) shows that kernel's signature and arguments
         self._kernels = {k.name: type(k.name, (Kernel,), {"__doc__": describe_kernel(k, self.archs),
-                                                          "__module__": "kspec.runtime"})(self, k)
+                                                          "__module__": "kspec.runtime"})(self, k, check_indices)
                          for k in manifest.kernels}
         self._glue: dict[tuple[str, str], HostGlue] = {}
         self._images: dict[tuple[str, str], bytes] = {}
@@ -453,7 +461,7 @@ class Module:
         return arch
 
     # ------------------------------------------------------------------ one call
-    def _launch(self, drv, b: Binding) -> dict[str, Any]:
+    def _launch(self, drv, b: Binding, check_indices: bool = True) -> dict[str, Any]:
         k = b.kernel
         stream = b.stream
         device, ctx = self._place(drv, b)
@@ -471,6 +479,8 @@ class Module:
                 for v in b.views.values():
                     if v.stream is not None and _same_stream(v.stream, stream) is False:
                         drv.order_after(int(v.stream), stream)
+                if check_indices and k.index_ranges:
+                    check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
             variants = [self.variant(p, arch, b.dims(p), sms) for p in k.plans]
             glues = [self.glue(p, arch, v) for p, v in zip(k.plans, variants)]
@@ -664,6 +674,9 @@ def describe_kernel(k: KernelEntry, archs: tuple[str, ...]) -> str:
     if symbols:
         lines.append(f"Sizes {', '.join(symbols)} are bound from the arguments' shapes.")
     lines.append("Layouts: row = C-contiguous; col = last two axes swapped (column-major matrices).")
+    if k.index_ranges:
+        lines.append("Index tensors, checked before each launch unless check_indices is off: "
+                     + "; ".join(r.describe() for r in k.index_ranges) + ".")
     lines.append(f"Plans: {', '.join(f'{p.id} ({p.kind})' for p in k.plans)}; archs: {', '.join(archs)}.")
     lines.append("stream: int handle, CUstream, torch/cupy stream; default: torch's current stream "
                  "for torch tensors, else the NULL stream.")

@@ -75,6 +75,23 @@ def from_device(x: Any):
     raise KspecRuntimeError(f"from_device: expected a DeviceArray or a torch tensor, got {type(x).__name__}")
 
 
+def read_view(view, stream: int = 0, what: str = "a tensor"):
+    """A host numpy copy of a tensor argument (`kspec.runtime.tensors.TensorView`), indexed like
+    the tensor: one device-to-host copy of the bytes it spans, ordered after the work queued on
+    `stream` and waited for.  Through the runtime's driver object (the fake driver on a CPU)."""
+    import numpy as np
+    from kspec.runtime import driver as _driver
+    np_dtype = numpy_dtype(view.dtype)
+    span = view.byte_range()
+    if span is None:
+        return np.empty(view.shape, dtype=np_dtype)
+    lo, hi = span
+    raw = np.frombuffer(_driver.get().copy_to_host(lo, hi - lo, stream, what), dtype=np_dtype)
+    item = np_dtype.itemsize
+    first = raw[(view.ptr - lo) // item:]
+    return np.lib.stride_tricks.as_strided(first, view.shape, tuple(s * item for s in view.strides)).copy()
+
+
 def from_numpy(array, dtype: str | None = None, *, layout: str = "row", device: int = 0):
     """A new DeviceArray holding a copy of a host numpy array in `layout` ("row" or "col"; see
     `to_device`, which also takes a TensorSpec).  Blocking; for tests and scripts."""

@@ -1,0 +1,86 @@
+"""Index ranges: which integer input tensors a kernel uses as subscripts, and the range their values
+must lie in (kspec.core.IndexRange).  The compile step records them in the artifact manifest and
+the runtime checks them before a launch, so an out-of-range label or block-table entry is an error
+that names the tensor, the position and the value instead of a NaN (or a wrong row) on the GPU.
+
+Computed from the kernel IR only, in one walk over what selects an element by a tensor's value:
+- a gather op's subscripts (`IROp.subscripts`): "@<pos>" is the value of operand <pos>, which
+  selects along that axis of operand 0 (a label or "#<int>" selects by position, not by value);
+- an attention mod's `AuxLoad` whose subscript is itself an `AuxLoad` (`K[table[b, i], ...]`: a
+  block table, a per-batch offset).
+Only tensors the kernel loads from its own inputs can be checked before the launch; an index
+computed inside the kernel, or by an earlier plan, is left to the kernel's own guard.  Every
+element of an index tensor is checked, so a block table's unused entries must hold valid values
+too (or the range must allow negatives as a "no block" sentinel: `negative`).  Offsets that mark
+an end (cumulative sequence lengths) are ranges with `inclusive` and `monotonic` set, added here
+where the IR names them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kspec.core import IndexRange
+
+from .kir import AuxLoad, IROp, KernelIR, epi_nodes
+
+
+def index_ranges(ir: KernelIR) -> tuple[IndexRange, ...]:
+    """Every (index tensor, indexed tensor, axis) of one kernel, with its valid range."""
+    found: list[IndexRange] = []
+
+    def add(tensor: str | None, target: str, axis: int, extent) -> None:
+        if tensor is None:
+            return
+        r = IndexRange(tensor, target, axis, extent, negative=False, plans=(ir.id,))
+        if r not in found:
+            found.append(r)
+
+    for o in ir.ops:
+        if o.kind != "gather":
+            continue
+        src = ir.op(o.args[0][0])
+        for axis, sub in enumerate(o.subscripts):
+            if sub.startswith("@"):
+                idx = ir.op(o.args[int(sub[1:])][0])
+                add(_input_buffer(ir, idx), _name(src), axis, _extent(ir, src, axis))
+    a = ir.attention
+    for e in (() if a is None else (a.score_mod, a.mask)):
+        for x in (epi_nodes(e) if e is not None else ()):
+            if isinstance(x, AuxLoad):
+                for axis, sub in enumerate(x.index):
+                    if isinstance(sub, AuxLoad) and _is_input(ir, sub.buffer):
+                        add(sub.buffer, x.buffer, axis, ir.buffer(x.buffer).shape[axis])
+    return tuple(found)
+
+
+def merge_index_ranges(ranges) -> tuple[IndexRange, ...]:
+    """The ranges of a spec kernel's plans as one list: a range read by several plans once, with
+    every plan that reads it."""
+    out: dict[IndexRange, IndexRange] = {}
+    for r in ranges:
+        key = replace(r, plans=())
+        old = out.get(key)
+        plans = r.plans if old is None else old.plans + tuple(p for p in r.plans if p not in old.plans)
+        out[key] = replace(r, plans=plans)
+    return tuple(out.values())
+
+
+def _is_input(ir: KernelIR, name: str) -> bool:
+    return any(b.name == name and b.role == "input" for b in ir.buffers)
+
+
+def _input_buffer(ir: KernelIR, o: IROp) -> str | None:
+    """The kernel input an index operand loads, None when its value is computed."""
+    if o.kind == "input" and o.buffer is not None and _is_input(ir, o.buffer):
+        return o.buffer
+    return None
+
+
+def _name(o: IROp) -> str:
+    return o.buffer if o.kind in ("input", "param") and o.buffer else (o.name or o.id)
+
+
+def _extent(ir: KernelIR, src: IROp, axis: int):
+    if src.kind == "input" and src.buffer is not None:
+        return ir.buffer(src.buffer).shape[axis]
+    return src.shape[axis]
