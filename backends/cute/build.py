@@ -255,8 +255,9 @@ def capture_glue(tensors, checks: list[str], values: list[str], value_args: list
         *checks,
     ]
     for t in tensors:
-        shapes = ", ".join(f"(int32_t)({s})" for s in t.dynamic_shapes)
-        strides = ", ".join("(int64_t)" + "*".join(f"({f})" for f in s) for s in t.dynamic_strides)
+        # shapes and stride factors are C identifiers (dims roles) or integer literals
+        shapes = ", ".join(f"(int32_t){s}" for s in t.dynamic_shapes)
+        strides = ", ".join("(int64_t)" + "*".join(s) for s in t.dynamic_strides)
         init = [f"ptrs[{t.ptr_index}]"]
         if t.dynamic_shapes:
             init.append(f"{{{shapes}}}")
