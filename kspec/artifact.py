@@ -40,7 +40,8 @@ Layout of an artifact directory::
               "symbol": "kspec_kernel",
               "config": {"tile": "128x128x64"},  # informational (kspec inspect)
               "backend": "cutlass", "kind": "gemm",   # who built it, and as what
-              "registers": 168, "smem": 0}}     # informational; may be null
+              "registers": 168, "smem": 0,      # informational; may be null
+              "variants": [...]}}               # optional: size-bucketed builds of the plan, below
         }]
       }]
     }
@@ -84,6 +85,13 @@ Meaning of the fields
   (kspec.runtime.indexcheck).  `[]`: the kernel uses no index tensor.  Absent (artifacts written
   before kspec recorded them): nothing is known, so nothing is checked before the launch; the
   kernels' own guards still keep every read in bounds.
+- binaries[*].variants (optional; FlashAttention-4 attention kernels): builds of the same plan for
+  different size buckets, each {"cubin", "host", "sha256", "symbol", "config", "select"}, where
+  select is a list of boxes {dims role: [lo, hi]} (inclusive, hi null = unbounded); the loader
+  launches the first variant one of whose boxes holds the call's dims values.  Every variant
+  computes the same function (buckets choose speed); config records what each was built for
+  (e.g. "sm_count", the SKU whose SM count its launcher was built with).  The binary's own
+  cubin/host are its first variant's.
 - binaries: file names are relative to the artifact directory and stay inside it; sha256 is the
   hex digest of each file, checked by `read_manifest`.
 """
@@ -153,6 +161,21 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One size bucket of a binary (see "variants" above); the same fields as Binary plus select."""
+    cubin: str
+    host: str
+    sha256: dict[str, str]
+    symbol: str = "kspec_kernel"
+    config: dict[str, str] = field(default_factory=dict)
+    select: tuple[dict[str, tuple[int, int | None]], ...] = ()
+
+    def holds(self, values: dict[str, int]) -> bool:
+        return any(all(r in values and lo <= values[r] and (hi is None or values[r] <= hi)
+                       for r, (lo, hi) in box.items()) for box in self.select)
+
+
+@dataclass(frozen=True)
 class Binary:
     cubin: str
     host: str
@@ -163,6 +186,7 @@ class Binary:
     smem: int | None = None
     backend: str = ""                          # the backend that built it (e.g. "cutlass", "generic")
     kind: str = ""                             # the kernel kind that backend built (gemm, attention, ...)
+    variants: tuple[Variant, ...] = ()         # size-bucketed builds (the first is cubin/host above)
 
 
 @dataclass(frozen=True)
@@ -250,9 +274,15 @@ def _tensor_json(t: TensorSpec) -> dict[str, Any]:
 
 
 def _binary_json(b: Binary) -> dict[str, Any]:
-    return {"cubin": b.cubin, "host": b.host, "sha256": dict(b.sha256), "symbol": b.symbol,
-            "config": dict(b.config), "registers": b.registers, "smem": b.smem,
-            "backend": b.backend, "kind": b.kind}
+    out = {"cubin": b.cubin, "host": b.host, "sha256": dict(b.sha256), "symbol": b.symbol,
+           "config": dict(b.config), "registers": b.registers, "smem": b.smem,
+           "backend": b.backend, "kind": b.kind}
+    if b.variants:
+        out["variants"] = [{"cubin": v.cubin, "host": v.host, "sha256": dict(v.sha256), "symbol": v.symbol,
+                            "config": dict(v.config),
+                            "select": [{r: [lo, hi] for r, (lo, hi) in box.items()} for box in v.select]}
+                           for v in b.variants]
+    return out
 
 
 def _range_json(r: IndexRange) -> dict[str, Any]:
@@ -351,7 +381,8 @@ class _Reader:
             raise self.fail(where, "integer param with a non-finite default")
         return ParamSpec(name, dtype, default)
 
-    def binary(self, obj: Any, where: str) -> Binary:
+    def files(self, obj: Any, where: str) -> tuple[dict[str, str], dict[str, str]]:
+        """The cubin/host file names and their digests of a binary or variant."""
         files = {}
         for key in ("cubin", "host"):
             files[key] = _check_relpath(self, self.get(obj, key, where, str), f"{where}.{key}")
@@ -362,6 +393,10 @@ class _Reader:
             if not _HEX64.match(d):
                 raise self.fail(f"{where}.sha256.{key}", "expected a lowercase hex sha256 digest")
             sha[key] = d
+        return files, sha
+
+    def binary(self, obj: Any, where: str) -> Binary:
+        files, sha = self.files(obj, where)
         symbol = self.ident(self.get(obj, "symbol", where, str, optional=True, default="kspec_kernel"),
                             f"{where}.symbol")
         config = self.get(obj, "config", where, dict, optional=True, default={})
@@ -369,8 +404,28 @@ class _Reader:
         smem = self.get(obj, "smem", where, int, optional=True)
         backend = self.get(obj, "backend", where, str, optional=True, default="")
         kind = self.get(obj, "kind", where, str, optional=True, default="")
+        variants = tuple(self.variant(v, f"{where}.variants[{i}]")
+                         for i, v in enumerate(self.get(obj, "variants", where, list, optional=True, default=[])))
         return Binary(files["cubin"], files["host"], sha, symbol,
-                      {str(k): str(v) for k, v in config.items()}, registers, smem, backend, kind)
+                      {str(k): str(v) for k, v in config.items()}, registers, smem, backend, kind, variants)
+
+    def variant(self, obj: Any, where: str) -> Variant:
+        files, sha = self.files(obj, where)
+        symbol = self.ident(self.get(obj, "symbol", where, str), f"{where}.symbol")
+        config = self.get(obj, "config", where, dict, optional=True, default={})
+        boxes = []
+        for i, box in enumerate(self.get(obj, "select", where, list)):
+            if not isinstance(box, dict) or not box:
+                raise self.fail(f"{where}.select[{i}]", "expected a non-empty object {role: [lo, hi]}")
+            rng = {}
+            for role, r in box.items():
+                if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and not isinstance(r[0], bool)
+                        and (r[1] is None or (isinstance(r[1], int) and not isinstance(r[1], bool) and r[1] >= r[0]))):
+                    raise self.fail(f"{where}.select[{i}].{role}", "expected [lo, hi] integers (hi null: unbounded)")
+                rng[str(role)] = (r[0], r[1])
+            boxes.append(rng)
+        return Variant(files["cubin"], files["host"], sha, symbol, {str(k): str(v) for k, v in config.items()},
+                       tuple(boxes))
 
     def plan(self, obj: Any, where: str, kernel: "_KernelScope", archs: tuple[str, ...]) -> Plan:
         pid = self.ident(self.get(obj, "id", where, str), f"{where}.id")
@@ -617,7 +672,8 @@ def verify_binaries(directory: str | os.PathLike, manifest: Manifest) -> None:
     checked: dict[str, str] = {}
     for k in manifest.kernels:
         for plan in k.plans:
-            for arch, b in plan.binaries.items():
+            files = [(arch, b) for arch, b0 in plan.binaries.items() for b in (b0, *b0.variants)]
+            for arch, b in files:
                 for key, name in (("cubin", b.cubin), ("host", b.host)):
                     f = d / name
                     what = f"binary of plan '{plan.id}' for {arch}"

@@ -291,7 +291,9 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                     arch = ep.lowered.arch
                     cubin, host = f"{p.id}.{arch}.cubin", f"{p.id}.{arch}.so"
                     prebuilt = built.get(ep.label)
-                    if prebuilt is not None:          # a backend that builds its own binaries (CuTe DSL)
+                    if prebuilt is not None and getattr(prebuilt, "variants", None):
+                        binaries[arch] = _variant_binary(staging, p, arch, prebuilt, ep, toolchain, cache.root)
+                    elif prebuilt is not None:          # a backend that builds its own binaries (CuTe DSL)
                         shutil.copyfile(prebuilt.cubin, staging / cubin)
                         shutil.copyfile(prebuilt.host, staging / host)
                         regs, smem = _resources(staging / cubin, toolchain, cache.root, prebuilt.symbol)
@@ -335,6 +337,29 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _variant_binary(staging: Path, p, arch: str, built, ep, toolchain, cache_root):
+    """A Binary with size-bucketed variants (FlashAttention-4 kernels: artifact.Variant), the first
+    variant's files as the binary's own."""
+    from kspec.artifact import Variant, make_binary, sha256_file
+    variants = []
+    for k, v in enumerate(built.variants):
+        cubin, host = f"{p.id}.{arch}.v{k}.cubin", f"{p.id}.{arch}.v{k}.so"
+        shutil.copyfile(v.cubin, staging / cubin)
+        shutil.copyfile(v.host, staging / host)
+        config = {**dict(v.config), "param_offsets": ",".join(map(str, v.param_offsets))}
+        select = tuple({r: (lo, hi) for r, (lo, hi) in box.items()} for box in v.select)
+        variants.append(Variant(cubin, host, {"cubin": sha256_file(staging / cubin), "host": sha256_file(staging / host)},
+                                v.symbol, config, select))
+    first = variants[0]
+    regs, smem = _resources(staging / first.cubin, toolchain, cache_root, first.symbol)
+    if built.args != ep.emitted.args or built.scalars != ep.emitted.scalars:
+        raise KspecInternalError(f"plan {p.id}: the {ep.lowered.backend} build's ABI differs from its emission")
+    b = make_binary(staging, first.cubin, first.host, symbol=first.symbol, config={**dict(built.config), **first.config},
+                    registers=regs, smem=smem, backend=ep.lowered.backend, kind=p.choices[arch].kind)
+    from dataclasses import replace
+    return replace(b, variants=tuple(variants))
 
 
 class _LazyToolchain:

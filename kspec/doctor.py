@@ -78,9 +78,16 @@ def _packages() -> Section:
             ("ml_dtypes", ("ml_dtypes",), "bf16/fp8 host arrays, reference backend"),
             ("lark", ("lark",), "compiler: spec parser"),
             ("networkx", ("networkx",), "compiler: dataflow graph"),
-            ("nvidia-cutlass", ("nvidia-cutlass",), "compiler: CUTLASS backend")):
+            ("nvidia-cutlass", ("nvidia-cutlass",), "compiler: CUTLASS backend"),
+            ("flash-attn-4", ("flash-attn-4",), "compiler, optional: fused attention (CuTe DSL backend); "
+                                                "artifacts do not need it"),
+            ("quack-kernels", ("quack-kernels",), "compiler, optional: imported by flash-attn-4")):
         version = next((v for v in map(_dist_version, dists) if v), None)
         s.add(label, f"{version}  ({role})" if version else f"not installed  ({role})")
+    from kspec.backends.cute import compat
+    fa4 = compat.fa4_available()
+    s.add("attention", f"FlashAttention-4 {compat.FA4_VERSION} through the CuTe DSL backend (artifacts need no FA4, "
+          "DSL or TVM-FFI at run time)" if fa4 is None else f"CUTLASS FMHA only: {fa4}")
     return s
 
 

@@ -36,9 +36,22 @@ def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = No
                     continue
                 cfg = " ".join(f"{key}={v}" for key, v in b.config.items() if key != "cutlass")
                 lines.append(f"    {a}: {cfg}")
-                s = sass_summary(d / b.cubin, toolchain)
-                for line in format_summary(s).splitlines()[1:]:
-                    lines.append("    " + line)
-                if sass:
-                    lines.append(dump_sass(d / b.cubin, toolchain))
+                # a size-bucketed binary (FlashAttention-4): every variant with the sizes it serves
+                for label, binary in ([("", b)] if not b.variants else
+                                      [(f"variant {i} for {_select(v.select)}: ", v) for i, v in enumerate(b.variants)]):
+                    if label:
+                        own = " ".join(f"{key}={v}" for key, v in binary.config.items()
+                                       if b.config.get(key) != v and key != "param_offsets")
+                        lines.append(f"    {label}{own}".rstrip())
+                    s = sass_summary(d / binary.cubin, toolchain)
+                    for line in format_summary(s).splitlines()[1:]:
+                        lines.append("    " + line)
+                    if sass:
+                        lines.append(dump_sass(d / binary.cubin, toolchain))
     return "\n".join(lines)
+
+
+def _select(boxes) -> str:
+    def rng(lo, hi):
+        return f"{lo}..{hi}" if hi is not None else f">= {lo}"
+    return " or ".join(", ".join(f"{r} {rng(lo, hi)}" for r, (lo, hi) in box.items()) for box in boxes)

@@ -105,16 +105,28 @@ def test_slow_paths_are_reported_as_fallbacks(src, kind, reason):
         assert reason in ch.fallback
 
 
+# head dim 512: neither FlashAttention-4 (sm90a: 8..256) nor the CUTLASS FMHA templates take it
+HEAD512 = HEAD96.replace("96", "512").replace("att512", "att96")
+
+
+def test_head_dim_96_is_one_fused_kernel_where_flashattention4_is_installed():
+    from kspec.backends.cute import compat
+    if compat.fa4_available() is not None:
+        pytest.skip(f"FlashAttention-4 unavailable: {compat.fa4_available()}")
+    (p,) = plans(HEAD96)
+    assert p.kind == "attention" and p.choices["sm90a"].backend == "cute" and p.choices["sm90a"].fallback is None
+
+
 def test_unsupported_attention_head_dim_is_visible_and_strict_refuses_it(tmp_path, capsys):
-    ps = plans(HEAD96)
+    ps = plans(HEAD512)
     assert [(p.kind, p.choices["sm90a"].backend) for p in ps][1:] == [("rowwise", "rowwise"), ("gemm", "generic")]
     assert ps[0].choices["sm90a"].backend in ("cute", "cutlass")
     assert ps[1].choices["sm90a"].fallback is None                        # the softmax is a row kernel
     assert "operands f32 x f16" in ps[2].choices["sm90a"].fallback        # P (f32) x V (f16)
-    f = write(tmp_path, "att96", HEAD96)
+    f = write(tmp_path, "att96", HEAD512)
     rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a")
     assert rc == 0
-    assert "attention at" in out and "head dims 32, 64, 128, 256, not 96" in out
+    assert "attention at" in out and "head dims 32, 64, 128, 256, not 512" in out
     assert "FALLBACK att96_2 on sm90a: a naive loop GEMM" in out
     rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a", "--strict")
     assert rc == 1 and "att96.kspec:" in err
@@ -171,7 +183,10 @@ def test_kspec_lower_prints_ir_backend_and_cost(capsys):
     assert "cost at M=4096, N=4096, K=4096:" in out
     rc, out, _ = run_cli(capsys, "lower", SPECS / "attention.kspec", "--format", "json")
     (doc,) = json.loads(out)
-    assert doc["ir"]["kind"] == "attention" and doc["backends"]["sm90a"]["backend"] == "cutlass"
+    # FlashAttention-4 through the CuTe DSL backend where it is installed, else the CUTLASS FMHA templates
+    from kspec.backends.cute import compat
+    want = "cute" if compat.fa4_available() is None else "cutlass"
+    assert doc["ir"]["kind"] == "attention" and doc["backends"]["sm90a"]["backend"] == want
 
 
 def test_compile_manifest_records_backend_and_kind(tmp_path, capsys):

@@ -27,7 +27,11 @@ class CuteDesc:
 class CuteBackend:
     name = "cute"
     capabilities = Capabilities(
-        archs=ARCHS, kinds=("gemm",),
+        archs=ARCHS, kinds=("gemm", "attention"),
+        attention=(("sm90a", "FlashAttention-4: f16/bf16, head dims 8..256; causal (either alignment), sliding "
+                    "window, score_mod/mask_mod, GQA/MQA, LSE"),
+                   ("sm100a", "FlashAttention-4: f16/bf16, head dims 8..128, (192,128), (256,256); causal, "
+                    "sliding window, score_mod/mask_mod, GQA/MQA, LSE")),
         gemm_operands=(("f16", "f16"), ("bf16", "bf16"), ("f8e4m3", "f8e4m3"), ("f8e5m2", "f8e5m2"),
                        ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
         epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
@@ -49,8 +53,11 @@ class CuteBackend:
         return lower_gemm_desc(ir, arch, self.name)
 
     def can_implement(self, ir: KernelIR, arch: str) -> str | None:
+        if ir.kind == "attention":
+            from . import attention, compat
+            return compat.fa4_available() or attention.unsupported(ir, arch)
         if ir.kind != "gemm":
-            return f"the CuTe DSL backend implements GEMMs, not {ir.kind} kernels"
+            return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
         desc = self._gemm_desc(ir, arch).desc
         why = cute_gemm.can_implement(desc, arch)
         if why:
@@ -76,24 +83,39 @@ class CuteBackend:
         return cute_gemm.default_config(desc, arch, dims)
 
     def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
+        if ir.kind == "attention":
+            from . import attention
+            return attention.config_items(attention.lower(ir, arch)[0])
         desc = self._gemm_desc(ir, arch).desc
         cfg = self._config(desc, ir, arch)
         items = tuple((k, v) for k, v in cfg.as_dict().items() if k != "backend")
         return items + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
+        if ir.kind == "attention":
+            return [self.default_config(ir, arch)]       # FA4's heuristics choose per size bucket
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 
     # ---- lowering, emission, build ---------------------------------------------------------------
     def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
         """config: one of `candidates(ir, arch)` (a tuning winner); default: the heuristic's."""
+        if ir.kind == "attention":
+            from . import attention
+            desc, names, dims, scalars = attention.lower(ir, arch)
+            return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention.config_items(desc))
         lp = self._gemm_desc(ir, arch)
         cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)
         return LoweredPlan(ir, arch, self.name, CuteDesc(lp.desc, cfg), lp.names, lp.dims, lp.scalars,
                            tuple(cfg.as_dict().items()))
 
     def emit(self, lowered: LoweredPlan) -> EmittedKernel:
+        if not isinstance(lowered.desc, CuteDesc):
+            from . import attention
+            d = lowered.desc
+            return EmittedKernel(name=d.name, arch=lowered.arch, source=attention.entry_source(d), include_dirs=(),
+                                 flags=(), dims=d.dims, args=d.args, scalars=d.scalars, alignment=d.alignment(),
+                                 config=attention.config_items(d))
         desc, cfg = lowered.desc.gemm, lowered.desc.config
         code = cute_epi.generate(desc)
         tensors = cute_gemm.tensor_abi(desc, code)
@@ -110,11 +132,14 @@ class CuteBackend:
 
     def build_binaries(self, items, cache_root, jobs=None, progress=None) -> dict:
         """Build (cache lookups first, misses in parallel processes) every (label, LoweredPlan) of
-        this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets)."""
+        this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets) or
+        attention.AttnBuild (every size variant of a FlashAttention-4 kernel)."""
         from pathlib import Path
 
         from .parallel import CuteJob, build_many
-        cjobs = [CuteJob(label, lp.desc.gemm, lp.arch, lp.desc.config) for label, lp in items]
+        # GEMMs and FlashAttention-4 attention kernels alike, in parallel worker processes
+        cjobs = [CuteJob(label, lp.desc.gemm, lp.arch, lp.desc.config) if isinstance(lp.desc, CuteDesc)
+                 else CuteJob(label, lp.desc, lp.arch, None, kind="cute-fa4") for label, lp in items]
         if not cjobs:
             return {}
         built = build_many(cjobs, Path(cache_root), max_parallel=jobs, progress=progress)

@@ -114,14 +114,41 @@ def ptx_params(ptx: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     return name, tuple(offs), tuple(sizes)
 
 
+def param_layout(cubin: Path, ptx: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(entry, offsets, sizes) of the kernel's parameters as the cubin declares them
+    (EIATTR_KPARAM_INFO, what the driver copies by), relative to the first: ptxas aligns parameters
+    in the constant bank, not in the parameter list (a 64-byte-aligned TMA descriptor after 96 bytes
+    of parameters lands at 112, not 128), so the PTX alone is not the layout.  The PTX's count and
+    sizes must agree."""
+    from kspec.runtime.cubin import read_cubin
+    entry, _offs, sizes = ptx_params(ptx)
+    try:
+        k = read_cubin(cubin).kernel(entry)
+    except Exception as e:                          # noqa: BLE001  (reported with the cause)
+        raise KspecInternalError(f"cannot read the parameter layout of {entry} from {cubin}: {e}") from e
+    # relative to the first parameter: the blob holds the parameters, not the bank's leading padding
+    # (a cubin may start its parameter area at a non-zero offset to align a TMA descriptor)
+    base = k.params[0].offset if k.params else 0
+    offs = tuple(p.offset - base for p in k.params)
+    csizes = tuple(p.size for p in k.params)
+    if csizes != sizes:
+        raise KspecInternalError(f"{entry}: the cubin declares parameter sizes {csizes}, the PTX {sizes}")
+    return entry, offs, csizes
+
+
 _STRUCT_RE = re.compile(r"typedef struct \{\s*void \*data;\s*(?:int32_t dynamic_shapes\[(\d+)\];\s*)?"
                         r"(?:int64_t dynamic_strides\[(\d+)\];\s*)?\}\s*(\w+);")
 _WRAPPER_RE = re.compile(r"int32_t cute_dsl_\w+_wrapper\(([^)]*)\)")
 _CIFACE_RE = re.compile(r"(_mlir_\w+__mlir_ciface_\w+)\(args,\s*(\d+)\)")
 
 
-def check_header(header: str, tensors: list[gemm.TensorABI], num_scalars: int) -> str:
-    """Check the exported header against what the glue assumes; returns the C-interface symbol."""
+def check_header(header: str, tensors, scalar_params: list[str] | int, trailing: list[str] | None = None) -> str:
+    """Check the exported header against what the glue assumes; returns the C-interface symbol.
+    scalar_params: the wrapper's scalar parameters after the tensors (e.g. "float s0"); trailing:
+    the parameters before the stream (default: the GEMM's "int32_t max_clusters")."""
+    trailing = ["int32_t max_clusters"] if trailing is None else trailing
+    if isinstance(scalar_params, int):
+        scalar_params = [f"float s{k}" for k in range(scalar_params)]
     structs = {name: (int(s or 0), int(t or 0)) for s, t, name in _STRUCT_RE.findall(header)}
     for t in tensors:
         want = (len(t.dynamic_shapes), len(t.dynamic_strides))
@@ -134,11 +161,11 @@ def check_header(header: str, tensors: list[gemm.TensorABI], num_scalars: int) -
         raise KspecInternalError("CuTe DSL header: no wrapper function found")
     params = [p.strip() for p in w.group(1).split(",")]
     expect = ([f"{_PREFIX}_Kernel_Module_t *module"] + [f"{_PREFIX}_Tensor_{t.name}_t *{t.name}" for t in tensors]
-              + [f"float s{k}" for k in range(num_scalars)] + ["int32_t max_clusters", "cudaStream_t stream"])
+              + list(scalar_params) + list(trailing) + ["cudaStream_t stream"])
     if params != expect:
         raise KspecInternalError(f"CuTe DSL wrapper signature changed: {params} (kspec expects {expect})")
     c = _CIFACE_RE.search(header)
-    if not c or int(c.group(2)) != len(tensors) + num_scalars + 3:
+    if not c or int(c.group(2)) != len(expect):
         raise KspecInternalError("CuTe DSL header: C-interface call not found or with an unexpected arity")
     return c.group(1)
 
@@ -152,10 +179,37 @@ _DIM_INDEX = {"M": 0, "N": 1, "K": 2, "L": 3}
 
 def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, entry: str,
                 offsets: tuple[int, ...], sizes: tuple[int, ...], cluster_size: int, smem_optin: int) -> str:
-    """kspec_workspace_size / kspec_prepare (backends/ABI.md) for one exported CuTe DSL kernel."""
-    from kspec.core import ABI_VERSION, dtype_bytes
+    """kspec_workspace_size / kspec_prepare (backends/ABI.md) for one exported CuTe DSL GEMM."""
+    from kspec.core import dtype_bytes
+    checks = [
+        "    const int64_t M = dims[0], N = dims[1], K = dims[2], L = dims[3];",
+        "    if (M < 0 || N < 0 || K < 0 || L < 0) KS_FAIL(\"negative size (M=%lld N=%lld K=%lld L=%lld)\", (long long)M, (long long)N, (long long)K, (long long)L);",
+        "    if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || L > INT32_MAX)",
+        "        KS_FAIL(\"sizes must fit in 32 bits (M=%lld N=%lld K=%lld L=%lld)\", (long long)M, (long long)N, (long long)K, (long long)L);",
+        "    if (M == 0 || N == 0 || L == 0) KS_EMPTY();   /* empty output: nothing to launch */",
+    ]
+    for t in tensors:
+        if t.tma:
+            lead = t.leading()
+            el = 16 // dtype_bytes(t.dtype)
+            checks.append(f"    if ({lead} % {el} != 0) KS_FAIL(\"{lead} = %lld: the CuTe DSL kernel needs it to be a "
+                          f"multiple of {el} ({t.dtype}, 16-byte TMA rows)\", (long long){lead});")
+    values = [f"    float s{k} = (float)scalars[{k}];" for k in range(num_scalars)]
+    values += [f"    int32_t max_clusters = sm_count / {cluster_size};", "    if (max_clusters < 1) max_clusters = 1;"]
+    return capture_glue(tensors, checks, values, [f"&s{k}" for k in range(num_scalars)] + ["&max_clusters"],
+                        ciface, entry, offsets, sizes, smem_optin)
+
+
+def capture_glue(tensors, checks: list[str], values: list[str], value_args: list[str], ciface: str, entry: str,
+                 offsets: tuple[int, ...], sizes: tuple[int, ...], smem_optin: int, what: str = "CuTe DSL") -> str:
+    """The host glue of one exported CuTe DSL kernel (backends/ABI.md): kspec_prepare runs the DSL's
+    launcher under kspec's capture shim.  tensors: objects with name, ptr_index, dynamic_shapes (C
+    expressions) and dynamic_strides (tuples of C factors); checks: C lines validating `dims`
+    (KS_FAIL on a bad input, KS_EMPTY for nothing to launch); values: C lines declaring the
+    launcher's non-tensor arguments, passed by address in the order of value_args."""
+    from kspec.core import ABI_VERSION
     lines = [
-        "/* Generated by kspec (CuTe DSL backend): host glue; see backends/ABI.md. */",
+        f"/* Generated by kspec ({what}): host glue; see backends/ABI.md. */",
         "#include <stdint.h>", "#include <stdio.h>", "#include <string.h>", "",
         f"void _mlir_{_PREFIX}_cuda_init(void **);",
         f"void _mlir_{_PREFIX}_cuda_load_to_device(void **);",
@@ -178,6 +232,8 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
     lines += [
         "",
         "#define KS_FAIL(...) do { if (err && err_cap) snprintf(err, (size_t)err_cap, __VA_ARGS__); return 1; } while (0)",
+        "#define KS_EMPTY() do { *params_size = 0; grid[0] = grid[1] = grid[2] = 0; block[0] = block[1] = block[2] = 0; \\",
+        "    cluster[0] = cluster[1] = cluster[2] = 1; *smem_bytes = 0; return 0; } while (0)",
         "",
         "__attribute__((visibility(\"default\")))",
         f"int kspec_abi_version(void) {{ return {ABI_VERSION}; }}",
@@ -196,22 +252,10 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
         "                  uint64_t *params_size, uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],",
         "                  uint32_t *smem_bytes, char *err, uint64_t err_cap) {",
         "    (void)workspace; (void)scalars;",
-        "    const int64_t M = dims[0], N = dims[1], K = dims[2], L = dims[3];",
-        "    if (M < 0 || N < 0 || K < 0 || L < 0) KS_FAIL(\"negative size (M=%lld N=%lld K=%lld L=%lld)\", (long long)M, (long long)N, (long long)K, (long long)L);",
-        "    if (M > INT32_MAX || N > INT32_MAX || K > INT32_MAX || L > INT32_MAX)",
-        "        KS_FAIL(\"sizes must fit in 32 bits (M=%lld N=%lld K=%lld L=%lld)\", (long long)M, (long long)N, (long long)K, (long long)L);",
-        "    if (M == 0 || N == 0 || L == 0) {   /* empty output: nothing to launch */",
-        "        *params_size = 0; grid[0] = grid[1] = grid[2] = 0; block[0] = block[1] = block[2] = 0;",
-        "        cluster[0] = cluster[1] = cluster[2] = 1; *smem_bytes = 0; return 0;",
-        "    }",
+        *checks,
     ]
     for t in tensors:
-        if t.tma:
-            lead = t.leading()
-            el = 16 // dtype_bytes(t.dtype)
-            lines.append(f"    if ({lead} % {el} != 0) KS_FAIL(\"{lead} = %lld: the CuTe DSL kernel needs it to be a "
-                         f"multiple of {el} ({t.dtype}, 16-byte TMA rows)\", (long long){lead});")
-    for t in tensors:
+        # shapes and stride factors are C identifiers (dims roles) or integer literals
         shapes = ", ".join(f"(int32_t){s}" for s in t.dynamic_shapes)
         strides = ", ".join("(int64_t)" + "*".join(s) for s in t.dynamic_strides)
         init = [f"ptrs[{t.ptr_index}]"]
@@ -220,11 +264,8 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
         if t.dynamic_strides:
             init.append(f"{{{strides}}}")
         lines.append(f"    ks_tensor_{t.name} t_{t.name} = {{{', '.join(init)}}};")
-    for k in range(num_scalars):
-        lines.append(f"    float s{k} = (float)scalars[{k}];")
     lines += [
-        f"    int32_t max_clusters = sm_count / {cluster_size};",
-        "    if (max_clusters < 1) max_clusters = 1;",
+        *values,
         "    void *stream = NULL;",
         "    int32_t ret = 0, cerr = 0, dev = device;",
         "    void *library = NULL, *library_ptr = &library;",
@@ -235,14 +276,14 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
         "    if (cerr == 0)",
         f"        _mlir_{_PREFIX}_cuda_load_to_device((void **)&load_args);",
     ]
-    args = [f"&t_{t.name}" for t in tensors] + [f"&s{k}" for k in range(num_scalars)] + ["&max_clusters", "&stream", "&ret"]
+    args = [f"&t_{t.name}" for t in tensors] + list(value_args) + ["&stream", "&ret"]
     lines += [
         f"    void *args[{len(args)}] = {{{', '.join(args)}}};",
         "    if (cerr == 0)",
         f"        {ciface}(args, {len(args)});",
         "    int rc = kspec_capture_end(params_size, grid, block, cluster, smem_bytes, err, err_cap);",
         "    if (rc != 0) return rc;",
-        "    if (cerr != 0 || ret != 0) KS_FAIL(\"the CuTe DSL launcher failed (library %d, launch %d)\", (int)cerr, (int)ret);",
+        f"    if (cerr != 0 || ret != 0) KS_FAIL(\"the {what} launcher failed (library %d, launch %d)\", (int)cerr, (int)ret);",
         "    return 0;",
         "}",
         "",
@@ -325,10 +366,11 @@ def _compile_into(work: Path, desc: GemmDesc, arch: str, cfg: gemm.CuteConfig, k
     ptx = ptxs[0].read_text()
     (work / "kernel.ptx").write_text(ptx)
     shutil.rmtree(dump)
-    entry, offs, sizes = ptx_params(ptx)
+    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
     if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
         raise KspecInternalError(f"CuTe DSL kernel parameters take {offs[-1] + sizes[-1]} bytes (> {PARAMS_CAP})")
-    ciface = check_header((work / "kernel.h").read_text(), tensors, len(code.scalars))
+    ciface = check_header((work / "kernel.h").read_text(), tensors,
+                          [f"float s{k}" for k in range(len(code.scalars))])
     cluster = cfg.cluster[0] * cfg.cluster[1]
     (work / "glue.c").write_text(glue_source(tensors, len(code.scalars), ciface, entry, offs, sizes, cluster,
                                                   compat.SMEM_OPTIN[arch]))

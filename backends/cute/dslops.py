@@ -106,6 +106,98 @@ def gelu_tanh(x):
     return mul(mul(x, 0.5), add(1.0, tanh(inner)))
 
 
+# ---- attention score_mod / mask_mod vocabulary (backends/cute/attnmods.py) ------------------
+# Values are length-1 register vectors (FA4 calls a generated mod with `__vec_size__ = 1`): f32
+# scores, i32 indices, booleans; or scalars (seqlen_info fields, Python constants).
+
+def log(x):
+    return _cute().math.log(x)
+
+
+def sqrt(x):
+    return _cute().math.sqrt(x)
+
+
+def rsqrt(x):
+    return _cute().math.rsqrt(x)
+
+
+def floordiv(a, b):
+    return _binary(a, b, lambda x, y: x // y)
+
+
+def mod(a, b):
+    return _binary(a, b, lambda x, y: x % y)
+
+
+def lt(a, b):
+    return _binary(a, b, lambda x, y: x < y)
+
+
+def le(a, b):
+    return _binary(a, b, lambda x, y: x <= y)
+
+
+def gt(a, b):
+    return _binary(a, b, lambda x, y: x > y)
+
+
+def ge(a, b):
+    return _binary(a, b, lambda x, y: x >= y)
+
+
+def eq(a, b):
+    return _binary(a, b, lambda x, y: x == y)
+
+
+def ne(a, b):
+    return _binary(a, b, lambda x, y: x != y)
+
+
+def where(c, a, b):
+    ref = next((x for x in (a, b) if _is_vec(x)), None)
+    if ref is None:
+        return a if c else b
+    return _cute().where(c, _vec(a, ref), _vec(b, ref))
+
+
+def land(a, b):
+    return where(a, b, False)
+
+
+def lor(a, b):
+    return where(a, True, b)
+
+
+def lnot(a):
+    return where(a, False, True)
+
+
+def to_f32(x):
+    import cutlass
+    return x.to(cutlass.Float32) if _is_vec(x) else float(x) if isinstance(x, int) else x
+
+
+def to_i32(x):
+    """A scalar (seqlen_info field, Python int) as a length-1 i32 vector, so integer arithmetic stays
+    in registers."""
+    import cutlass
+    if _is_vec(x):
+        return x
+    t = _cute().make_rmem_tensor(1, cutlass.Int32)
+    t[0] = x
+    return t.load()
+
+
+def gather(tensor, *index):
+    """tensor[index...] as a length-1 f32 vector; each index a length-1 i32 vector or an int."""
+    import cutlass
+    idx = tuple(i[0] if _is_vec(i) else i for i in index)
+    t = _cute().make_rmem_tensor(1, tensor.element_type)
+    t[0] = tensor[idx]
+    return t.load().to(cutlass.Float32)
+
+
 _DSL_TYPES = {"f16": "Float16", "bf16": "BFloat16", "f32": "Float32", "tf32": "Float32",
               "f8e4m3": "Float8E4M3FN", "f8e5m2": "Float8E5M2", "i8": "Int8", "i32": "Int32"}
 
@@ -158,4 +250,17 @@ def numpy_ops():
             return np.asarray(x, f32)
         return np.asarray(x, f32).astype(to).astype(f32)
     ns.cast = _cast
+    # attention mods: integer indices are int64 arrays, booleans bool arrays
+    ns.log = lambda x: np.log(np.asarray(x, f32))
+    ns.sqrt = lambda x: np.sqrt(np.asarray(x, f32))
+    ns.rsqrt = lambda x: (1.0 / np.sqrt(np.asarray(x, f32))).astype(f32)
+    ns.floordiv = lambda a, b: np.floor_divide(a, b)
+    ns.mod = lambda a, b: np.mod(a, b)
+    ns.lt, ns.le, ns.gt, ns.ge = np.less, np.less_equal, np.greater, np.greater_equal
+    ns.eq, ns.ne = np.equal, np.not_equal
+    ns.where = np.where
+    ns.land, ns.lor, ns.lnot = np.logical_and, np.logical_or, np.logical_not
+    ns.to_f32 = lambda x: np.asarray(x, f32)
+    ns.to_i32 = lambda x: np.asarray(x, np.int64)
+    ns.gather = lambda t, *idx: np.asarray(t[tuple(np.asarray(i, np.int64) for i in idx)], f32)
     return ns

@@ -403,27 +403,49 @@ class Module:
         return "\n".join(lines) + ">"
 
     # ------------------------------------------------------------------ binaries
-    def glue(self, plan: Plan, arch: str) -> HostGlue:
-        key = (plan.id, arch)
+    def binary(self, plan: Plan, arch: str, variant: int = -1):
+        """The plan's binary on `arch`, or its variant number `variant` (artifact.Variant)."""
+        b = plan.binaries[arch]
+        return b if variant < 0 else b.variants[variant]
+
+    def variant(self, plan: Plan, arch: str, dims: list[int], sm_count: int | None = None) -> int:
+        """The variant of a size-bucketed binary that serves these dims (-1: the binary has none);
+        among those, one built for the device's SM count (config "sm_count") when there is one."""
+        b = plan.binaries[arch]
+        if not b.variants:
+            return -1
+        values = {role: v for (role, _), v in zip(plan.dims, dims)}
+        serving = [i for i, v in enumerate(b.variants) if v.holds(values)]
+        for i in serving:
+            if sm_count is not None and b.variants[i].config.get("sm_count") == str(sm_count):
+                return i
+        if serving:
+            return serving[0]
+        sizes = ", ".join(f"{r}={v}" for r, v in values.items())
+        raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): no kernel variant in the artifact serves {sizes}",
+                                hint="recompile the artifact without restricting its size buckets")
+
+    def glue(self, plan: Plan, arch: str, variant: int = -1) -> HostGlue:
+        key = (plan.id, arch, variant)
         if key not in self._glue:
-            self._glue[key] = HostGlue(self.path / plan.binaries[arch].host,
+            self._glue[key] = HostGlue(self.path / self.binary(plan, arch, variant).host,
                                        f"kernel '{self._kernel_of(plan)}', plan '{plan.id}' ({arch})", plan.args)
         return self._glue[key]
 
     def _kernel_of(self, plan: Plan) -> str:
         return next((k.name for k in self.manifest.kernels if plan in k.plans), "?")
 
-    def image(self, plan: Plan, arch: str) -> bytes:
-        key = (plan.id, arch)
+    def image(self, plan: Plan, arch: str, variant: int = -1) -> bytes:
+        key = (plan.id, arch, variant)
         if key not in self._images:
-            self._images[key] = (self.path / plan.binaries[arch].cubin).read_bytes()
+            self._images[key] = (self.path / self.binary(plan, arch, variant).cubin).read_bytes()
         return self._images[key]
 
-    def image_digest(self, plan: Plan, arch: str) -> str:
+    def image_digest(self, plan: Plan, arch: str, variant: int = -1) -> str:
         """sha256 of the cubin as loaded (what the driver's function cache is keyed by)."""
-        key = (plan.id, arch)
+        key = (plan.id, arch, variant)
         if key not in self._digests:
-            self._digests[key] = hashlib.sha256(self.image(plan, arch)).hexdigest()
+            self._digests[key] = hashlib.sha256(self.image(plan, arch, variant)).hexdigest()
         return self._digests[key]
 
     def arch_for(self, cc: tuple[int, int], name: str, ordinal: int) -> str:
@@ -460,7 +482,8 @@ class Module:
                 if check_indices and k.index_ranges:
                     check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
-            glues = [self.glue(p, arch) for p in k.plans]
+            variants = [self.variant(p, arch, b.dims(p), sms) for p in k.plans]
+            glues = [self.glue(p, arch, v) for p, v in zip(k.plans, variants)]
             ws_sizes = [g.workspace_size(b.dims(p), device, sms) for g, p in zip(glues, k.plans)]
             # one scratch block: every intermediate, then one workspace reused by the plans in turn
             offsets, total = {}, 0
@@ -473,9 +496,9 @@ class Module:
             try:
                 for name, off in offsets.items():
                     ptrs[name] = scratch + off
-                for plan, glue, ws in zip(k.plans, glues, ws_sizes):
+                for plan, glue, ws, v in zip(k.plans, glues, ws_sizes, variants):
                     self._run_plan(drv, b, plan, arch, glue, ctx, ptrs,
-                                   scratch + ws_offset if ws else 0, ws, device, sms)
+                                   scratch + ws_offset if ws else 0, ws, device, sms, v)
             finally:
                 if scratch:
                     drv.free_async(scratch, stream)
@@ -520,7 +543,7 @@ class Module:
         return results, ptrs
 
     def _run_plan(self, drv, b: Binding, plan: Plan, arch: str, glue: HostGlue, ctx, ptrs: dict[str, int],
-                  workspace: int, ws_bytes: int, device: int, sms: int) -> None:
+                  workspace: int, ws_bytes: int, device: int, sms: int, variant: int = -1) -> None:
         k = b.kernel
         what = f"plan '{plan.id}' ({arch})"
         for name, how in plan.init.items():
@@ -537,11 +560,13 @@ class Module:
                                           workspace, device, sms)
         if 0 in prepared.grid:
             return                                   # empty problem: nothing to launch
-        binary = plan.binaries[arch]
+        binary = self.binary(plan, arch, variant)
+        if variant >= 0:
+            what = f"plan '{plan.id}' ({arch}, variant {variant})"
         # keyed by the cubin's content, not id(self): ids are reused once a module is collected,
         # and a new module at an old id must not get the old module's function
-        func = drv.function(ctx, (self.image_digest(plan, arch), plan.id, arch), self.image(plan, arch),
-                            binary.symbol, what)
+        func = drv.function(ctx, (self.image_digest(plan, arch, variant), plan.id, arch),
+                            self.image(plan, arch, variant), binary.symbol, what)
         offsets = _param_offsets(binary, what)
         want = drv.param_size(func) if offsets is None else None
         if want is not None and want != prepared.params_size:

@@ -1,0 +1,696 @@
+"""Fused attention in the CuTe DSL backend: FlashAttention-4's forward kernel classes
+(`FlashAttentionForwardSm90`, `FlashAttentionForwardSm100`, pip flash-attn-4, BSD-3) compiled ahead of
+time through kspec's own export path, with no TVM-FFI and no NVIDIA runtime library in the artifact.
+
+    lower(ir, arch) -> AttnDesc          what the kernel is (no DSL import)
+    entry_source(desc) -> str            the traced module: generated mods + a @cute.jit entry
+    build(desc, cache_root) -> AttnBuild every size variant of the kernel on desc.arch (cached)
+
+**How a kernel is built.**  FA4 chooses its kernel configuration (tile, q_stage, pack-GQA, 2-CTA,
+persistent scheduler, S ping-pong, ...) in `flash_attn.cute.interface._flash_attn_fwd` from the
+shapes, the arch and the SM count.  kspec runs that function on torch FakeTensors (no device) for a
+sweep of representative query lengths, with `cute.compile` intercepted: each distinct kernel object
+FA4 constructs is one *variant*.  kspec then traces its own `kspec_entry` (entry_source), which calls
+the FA4 kernel object with plain `make_fake_tensor` arguments, compiles it with `cute.compile` WITHOUT
+`--enable-tvm-ffi`, exports it with `export_to_c` and links it with kspec's capture shim and host
+glue (build.capture_glue) into a `.so` that needs libc only; the runtime launches the cubin itself.
+
+**Variants.**  Each variant records the query-length range it serves (its `select` box over the
+ABI's dims) and the SKU SM count FA4 baked into its launcher (the persistent grid); the runtime picks
+the variant whose box holds the call's sizes.  Every variant computes the same function for every
+shape (the heuristics choose speed, not semantics).
+
+**Layouts.**  kspec's tensors are row-major [B, H, S, D]; FA4 takes (b, s, h, d) with any strides, so
+Q/K/V/O are passed as strided views and nothing is copied.  LSE is [B, H, S] f32, FA4's layout.
+
+**Masks and score modifications**: backends/cute/attnmods.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kspec.backends.desc import Const, Load
+from kspec.core import KspecError, KspecInternalError, dtype_bytes
+
+from . import attnmods, compat
+
+BUILD_FORMAT = 1
+DTYPES = ("f16", "bf16")
+ROLES = ("B", "H", "S", "T", "HK")          # ABI dims, in order; then G (a literal group) and extra symbols
+
+
+def head_dims_reason(arch: str, d: int, dv: int) -> str | None:
+    """FA4 b36's head-dim rule (interface._validate_head_dims; tests/test_fa4_attention.py checks this
+    copy against it): sm90a 8..256, sm100a 8..128 or (192, 128) or (256, 256); multiples of 8."""
+    if d % 8 or dv % 8:
+        return f"head dims ({d}, {dv}) must be multiples of 8 (16-byte rows)"
+    if arch == "sm90a":
+        ok = 8 <= d <= 256 and 8 <= dv <= 256
+        allowed = "8..256"
+    else:
+        ok = (8 <= d <= 128 and 8 <= dv <= 128) or (d, dv) in ((192, 128), (256, 256))
+        allowed = "8..128, (192, 128) or (256, 256)"
+    return None if ok else f"FlashAttention-4 on {arch} supports QK/V head dims {allowed}, not ({d}, {dv})"
+
+
+@dataclass(frozen=True)
+class AuxArg:
+    name: str                          # C identifier
+    dtype: str
+    shape: tuple[str, ...]             # C expressions (dims roles or int literals)
+
+
+@dataclass(frozen=True)
+class AttnDesc:
+    name: str
+    arch: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    q: str
+    k: str
+    v: str
+    o: str
+    lse: str | None
+    aux: tuple[AuxArg, ...]
+    group: int                         # query heads per K/V head (FA4 compiles it in)
+    kv_shared: bool                    # MQA written with K/V lacking the head axis
+    scale: Load | Const
+    mods: attnmods.Mods
+    mod_scalars: tuple[tuple[str, str], ...]     # aux_scalars: ("scalar", ABI scalar) | ("dim", role)
+    dims: tuple[str, ...]              # ABI dims roles
+    scalars: tuple[str, ...]           # ABI scalars (C identifiers)
+    sm_count: int                      # the SKU the launcher is built for
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return (self.q, self.k, self.v, self.o, *((self.lse,) if self.lse else ()), *(a.name for a in self.aux))
+
+    def alignment(self) -> tuple[tuple[str, int], ...]:
+        out = [(n, 16) for n in (self.q, self.k, self.v, self.o)]
+        if self.lse:
+            out.append((self.lse, 4))
+        out += [(a.name, dtype_bytes(a.dtype)) for a in self.aux]
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# IR -> descriptor
+# ---------------------------------------------------------------------------------------------
+
+def unsupported(ir, arch: str) -> str | None:
+    """Why FA4 (through this backend) cannot build this attention kernel IR (None when it can)."""
+    a = ir.attention
+    if a is None:
+        return "not an attention kernel"
+    if len(set(a.dtypes)) != 1 or a.dtypes[0] not in DTYPES:
+        return f"FlashAttention-4 takes f16 or bf16 Q, K and V of one dtype, not {', '.join(a.dtypes)}"
+    if len(a.out_buffers) != 1:
+        return "fused attention stores exactly one output O"
+    out = ir.buffer(a.out_buffers[0])
+    if out.dtype != a.dtypes[0]:
+        return f"FlashAttention-4 writes O in the input dtype ({a.dtypes[0]}), not {out.dtype}"
+    d, _dk, dv = a.head_dims
+    if not (isinstance(d, int) and isinstance(dv, int) and a.head_dims[1] == d):
+        return "the head dims of Q, K and V must be integer literals (Q's and K's equal)"
+    why = head_dims_reason(arch, d, dv)
+    if why:
+        return why
+    if not 1 <= len(a.batch) <= 2:
+        return f"{len(a.batch)} batch axes (FlashAttention-4 takes [batch, heads])"
+    if a.scale is None:
+        return "the score scale must be one param or constant factor"
+    if not a.inputs_row_major:
+        return "Q, K and V must be row-major kernel inputs"
+    for dt in a.p_dtypes:
+        if dt not in (a.dtypes[0], "f32"):
+            return f"the probabilities are rounded to {dt}; FlashAttention-4 multiplies them with V in {a.dtypes[0]}"
+    if a.kv_shared and (len(a.batch) == 1 or a.kv_shared != (a.batch[-1],)):
+        return "K and V may be shared across the heads only (multi-query attention), not across the batch"
+    if _group(a) is None:
+        return ("the GQA group (query heads per K/V head) must be an integer literal: FlashAttention-4 "
+                "compiles it into the kernel")
+    for e in (a.score_mod, a.mask):
+        why = e is not None and attnmods.unsupported(e)
+        if why:
+            return why
+    for name in a.aux:
+        if ir.buffer(name).dtype not in ("f32", "f16", "bf16", "i32", "i8"):
+            return f"aux tensor {name} of dtype {ir.buffer(name).dtype}"
+    if a.lse is not None and ir.buffer(a.lse).dtype != "f32":
+        return "the log-sum-exp output must be f32"
+    return None
+
+
+def _group(a) -> int | None:
+    if a.kv_shared:
+        h = dict(a.dims).get("H")
+        return h if isinstance(h, int) else None
+    if a.kv_group is None:
+        return 1
+    return a.kv_group if isinstance(a.kv_group, int) else None
+
+
+def lower(ir, arch: str, sm_count: int | None = None):
+    """The kernel IR as an AttnDesc plus the ABI facts (names, dims, scalars) for a LoweredPlan."""
+    from kspec.backends.names import Names
+    why = unsupported(ir, arch)
+    if why:
+        raise KspecInternalError(f"attention lowering called for an unsupported kernel {ir.id}: {why}")
+    a = ir.attention
+    names = Names()
+    dims_map = dict(a.dims)
+    roles: dict[str, object] = {"B": dims_map.get("B", 1),
+                                "H": dims_map["H"], "S": dims_map["S"], "T": dims_map["T"]}
+    group = _group(a)
+    if a.kv_shared:
+        roles["HK"] = 1
+    elif a.kv_head is not None:
+        roles["HK"] = a.kv_head
+    else:
+        roles["HK"] = roles["H"]
+    dim_roles = list(ROLES)
+    if a.kv_group is not None and not a.kv_shared:
+        roles["G"] = a.kv_group
+        dim_roles.append("G")
+    sym_role = {v: r for r, v in roles.items() if isinstance(v, str)}
+
+    def role_of(ext) -> str:
+        if isinstance(ext, int):
+            return str(ext)
+        if ext not in sym_role:
+            r = f"X{len([x for x in dim_roles if x.startswith('X')])}"
+            roles[r] = ext
+            sym_role[ext] = r
+            dim_roles.append(r)
+        return sym_role[ext]
+
+    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in a.aux)
+    scalars: dict[str, object] = {}
+    if isinstance(a.scale, str):
+        scale: Load | Const = Load(names(a.scale), "scalar", "f32")
+        scalars[scale.name] = a.scale
+    else:
+        scale = Const(float(a.scale))
+    mods = attnmods.analyse(a, {r: v for r, v in roles.items() if r in ("S", "T")})
+    mod_scalars = []
+    for kind, ref in mods.scalars:
+        if kind == "param":
+            c = names(ref)
+            scalars[c] = ref
+            mod_scalars.append(("scalar", c))
+        else:
+            mod_scalars.append(("dim", role_of(ref)))
+    o = ir.buffer(a.out_buffers[0])
+    desc = AttnDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, dtype=a.dtypes[0], head_dim=a.head_dims[0],
+                    head_dim_v=a.head_dims[2], q=names(a.q_buffer), k=names(a.k_buffer), v=names(a.v_buffer),
+                    o=names(o.name), lse=names(a.lse) if a.lse else None, aux=aux, group=group,
+                    kv_shared=bool(a.kv_shared), scale=scale, mods=mods, mod_scalars=tuple(mod_scalars),
+                    dims=tuple(dim_roles), scalars=tuple(scalars),
+                    sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]))
+    dims = tuple((r, roles[r]) for r in dim_roles)
+    return desc, names.back(), dims, scalars
+
+
+def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
+    m = desc.mods
+    mask = ("causal (bottom-right)" if m.causal else "window" if m.window else "mask_mod" if m.mask_mod else "none")
+    return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} " + ("FlashAttentionForwardSm90" if desc.arch == "sm90a"
+                                               else "FlashAttentionForwardSm100")),
+            ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
+            ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
+            ("lse", "yes" if desc.lse else "no"), ("sm_count", str(desc.sm_count)),
+            ("source", "FlashAttention-4 heuristics"))
+
+
+# ---------------------------------------------------------------------------------------------
+# generated entry module
+# ---------------------------------------------------------------------------------------------
+
+def _tensors(desc: AttnDesc):
+    """(name in the entry, ptr index, dtype, shape roles, stride factors, static last stride, align)."""
+    d, dv = desc.head_dim, desc.head_dim_v
+    kvb = ("T", str(d)) if desc.kv_shared else ("HK", "T", str(d))
+    kvbv = ("T", str(dv)) if desc.kv_shared else ("HK", "T", str(dv))
+    out = [("mQ", 0, desc.dtype, ("B", "S", "H"), (("H", "S", str(d)), (str(d),), ("S", str(d)))),
+           ("mK", 1, desc.dtype, ("B", "T", "HK"), (kvb, (str(d),), ("T", str(d)))),
+           ("mV", 2, desc.dtype, ("B", "T", "HK"), (kvbv, (str(dv),), ("T", str(dv)))),
+           ("mO", 3, desc.dtype, ("B", "S", "H"), (("H", "S", str(dv)), (str(dv),), ("S", str(dv))))]
+    i = 4
+    if desc.lse:
+        out.append(("mLSE", i, "f32", ("B", "H", "S"), (("H", "S"), ("S",))))
+        i += 1
+    for k, a in enumerate(desc.aux):
+        strides = tuple(tuple(a.shape[j + 1:]) for j in range(len(a.shape) - 1))
+        out.append((f"mA{k}", i, a.dtype, a.shape, strides))
+        i += 1
+    return out
+
+
+@dataclass(frozen=True)
+class _GlueTensor:          # what build.capture_glue reads
+    name: str
+    ptr_index: int
+    dynamic_shapes: tuple[str, ...]
+    dynamic_strides: tuple[tuple[str, ...], ...]
+
+
+def _values(desc: AttnDesc) -> list[tuple[str, str]]:
+    """The entry's non-tensor parameters: (name, DSL type)."""
+    out = [("softmax_scale", "Float32")]
+    w = desc.mods.window
+    if w is not None and w.left is not None:
+        out.append(("window_left", "Int32"))
+    if w is not None and w.right is not None:
+        out.append(("window_right", "Int32"))
+    for k, (kind, _ref) in enumerate(desc.mod_scalars):
+        out.append((f"c{k}", "Float32" if kind == "scalar" else "Int32"))
+    return out
+
+
+def entry_source(desc: AttnDesc) -> str:
+    tensors = _tensors(desc)
+    params = [f"{n}: cute.Tensor" for n, *_ in tensors] + [f"{n}: cutlass.{t}" for n, t in _values(desc)]
+    names = {n for n, *_ in tensors}
+    kw = []
+    w = desc.mods.window
+    if w is not None and w.left is not None:
+        kw.append("window_size_left=window_left")
+    if w is not None and w.right is not None:
+        kw.append("window_size_right=window_right")
+    aux_t = "[" + ", ".join(f"mA{k}" for k in range(len(desc.aux))) + "]" if desc.aux else "None"
+    aux_s = "(" + "".join(f"c{k}, " for k in range(len(desc.mod_scalars))) + ")" if desc.mod_scalars else "None"
+    kw.append(f"aux_data=AuxData({aux_t}, {aux_s})")
+    call = (f"    FA(mQ, mK, mV, mO, {'mLSE' if 'mLSE' in names else 'None'}, softmax_scale, "
+            + ", ".join(kw) + ", stream=stream)")
+    lines = [
+        f'"""Generated by kspec (CuTe DSL backend, FlashAttention-4 {compat.FA4_VERSION}): attention kernel '
+        f'{desc.name} for {desc.arch}."""',
+        "import cuda.bindings.driver as cuda",
+        "import cutlass",
+        "import cutlass.cute as cute",
+        "from flash_attn.cute.utils import AuxData",
+        "",
+        "from kspec.backends.cute import dslops as F",
+        "",
+        "FA = None   # the FlashAttention-4 kernel object of the variant being built (set by kspec)",
+        "",
+    ]
+    if desc.mods.score_mod:
+        lines += [desc.mods.score_mod]
+    if desc.mods.mask_mod:
+        lines += [desc.mods.mask_mod]
+    lines += [
+        "",
+        "@cute.jit",
+        f"def kspec_entry({', '.join(params + ['stream: cuda.CUstream'])}):",
+        call,
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# variants: FA4's own choice, over a sweep of query lengths
+# ---------------------------------------------------------------------------------------------
+
+def sweep_lengths(group: int) -> list[int]:
+    """Query lengths at which FA4's choice may change (its thresholds are multiples of 64 rows of
+    packed queries, S * group), plus powers of two."""
+    pts = {1}
+    for m in range(64, 2049, 64):
+        for g in {1, group}:
+            pts.update((m // g, m // g + 1))
+    pts.update(2 ** k for k in range(21))
+    return sorted(p for p in pts if p >= 1)
+
+
+class _Captured(Exception):
+    pass
+
+
+def _signature(obj) -> str:
+    """A stable description of one FA4 constructor call."""
+    def norm(v):
+        if callable(v) and not isinstance(v, type):
+            return f"<fn {getattr(v, '__cute_hash__', getattr(v, '__qualname__', '?'))}>"
+        return repr(v)
+    args, kwargs = obj
+    return repr(([norm(a) for a in args], sorted((k, norm(v)) for k, v in kwargs.items())))
+
+
+def choose_variants(desc: AttnDesc, mod) -> list[tuple[str, object, list[int]]]:
+    """[(signature, FA4 kernel object, query lengths it serves)] in order of first use, from FA4's
+    heuristics; `mod` is the imported entry module (its generated mods)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import cutlass.cute as cute
+    interface = compat.fa4_interface()
+    cls_name = "FlashAttentionForwardSm90" if desc.arch == "sm90a" else "FlashAttentionForwardSm100"
+    original_cls = getattr(interface, cls_name)
+    calls: list = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original_cls(*args, **kwargs)
+
+    def stop(fa, *args, **kwargs):
+        raise _Captured(fa)
+
+    tdt = torch.float16 if desc.dtype == "f16" else torch.bfloat16
+    hk = 2
+    h = hk * desc.group if not desc.kv_shared else desc.group
+    hk = 1 if desc.kv_shared else hk
+    batch = 2
+    w = desc.mods.window
+    found: dict[str, tuple[object, list[int]]] = {}
+    real_compile = cute.compile
+    cache = interface._flash_attn_fwd.compile_cache
+    with compat.fa4_target(desc.arch, desc.sm_count) as cc:
+        setattr(interface, cls_name, record)
+        cute.compile = stop
+        interface._flash_attn_fwd.compile_cache = {}
+        try:
+            for s in sweep_lengths(desc.group):
+                calls.clear()
+                with FakeTensorMode():
+                    q = torch.empty(batch, s, h, desc.head_dim, dtype=tdt, device="cuda")
+                    k = torch.empty(batch, max(s, 1), hk, desc.head_dim, dtype=tdt, device="cuda")
+                    v = torch.empty(batch, max(s, 1), hk, desc.head_dim_v, dtype=tdt, device="cuda")
+                    aux = [torch.empty(*(2 for _ in a.shape), dtype=torch.float32, device="cuda") for a in desc.aux]
+                    try:
+                        interface._flash_attn_fwd(
+                            q, k, v, causal=desc.mods.causal,
+                            window_size_left=None if w is None or w.left is None else 64,
+                            window_size_right=None if w is None or w.right is None else 0,
+                            score_mod=getattr(mod, "kspec_score_mod", None),
+                            mask_mod=getattr(mod, "kspec_mask_mod", None),
+                            aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc)
+                    except _Captured as e:
+                        fa = e.args[0]
+                    else:
+                        raise KspecInternalError(f"FlashAttention-4 compiled nothing for S={s}")
+                if len(calls) != 1:
+                    raise KspecInternalError(f"FlashAttention-4 built {len(calls)} kernel objects for S={s}")
+                sig = _signature(calls[0])
+                found.setdefault(sig, (fa, []))[1].append(s)
+        finally:
+            setattr(interface, cls_name, original_cls)
+            cute.compile = real_compile
+            interface._flash_attn_fwd.compile_cache = cache
+    return [(sig, fa, lengths) for sig, (fa, lengths) in found.items()]
+
+
+def boxes(lengths_by_variant: list[list[int]]) -> list[list[dict]]:
+    """Per variant, the query-length ranges it serves ({"S": [lo, hi]}; hi None = unbounded): each
+    sweep point covers the lengths up to the next point."""
+    points = sorted((s, k) for k, ls in enumerate(lengths_by_variant) for s in ls)
+    out: list[list[dict]] = [[] for _ in lengths_by_variant]
+    for n, (s, k) in enumerate(points):
+        hi = points[n + 1][0] - 1 if n + 1 < len(points) else None
+        lo = 0 if n == 0 else s
+        if out[k] and out[k][-1]["S"][1] is not None and out[k][-1]["S"][1] + 1 == lo:
+            out[k][-1]["S"][1] = hi
+        else:
+            out[k].append({"S": [lo, hi]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Variant:
+    cubin: str
+    host: str
+    symbol: str
+    param_offsets: tuple[int, ...]
+    select: tuple[dict, ...]
+    config: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class AttnBuild:
+    """Like build.CuteBuild (cubin/host/symbol/param_offsets/config/args/scalars of the first
+    variant, which kspec.compile copies) plus every variant."""
+    key: str
+    dir: str
+    variants: tuple[Variant, ...]
+    args: tuple[str, ...]
+    scalars: tuple[str, ...]
+    seconds: float = 0.0
+    cached: bool = False
+    config: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def cubin(self) -> str:
+        return self.variants[0].cubin
+
+    @property
+    def host(self) -> str:
+        return self.variants[0].host
+
+    @property
+    def symbol(self) -> str:
+        return self.variants[0].symbol
+
+    @property
+    def param_offsets(self) -> tuple[int, ...]:
+        return self.variants[0].param_offsets
+
+
+def build_key(desc: AttnDesc) -> str:
+    from .build import _source_identity
+    material = {"desc": repr(desc), "src": entry_source(desc), "fa4": compat.FA4_VERSION,
+                "quack": compat.QUACK_VERSION, "dsl": compat.dsl_version(), "flavour": compat.cuda_flavour(),
+                "backend": _source_identity(), "format": BUILD_FORMAT}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _fake_args(desc: AttnDesc):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from .dslops import dsl_type
+    syms = {r: cute.sym_int32() for r in ("B", "S", "H", "T", "HK")}
+    out = []
+    for name, _i, dt, shape, strides in _tensors(desc):
+        el = dtype_bytes(dt)
+        div = max(16 // el, 1) if name in ("mQ", "mK", "mV", "mO") else 1
+        shp = []
+        for r in shape:
+            if r not in syms:
+                syms[r] = int(r) if r.isdigit() else cute.sym_int32()
+            shp.append(syms[r])
+        if name in ("mQ", "mK", "mV", "mO"):
+            shp.append(desc.head_dim_v if name in ("mV", "mO") else desc.head_dim)
+        stride = tuple(cute.sym_int64(divisibility=div) for _ in strides) + (1,)
+        out.append(make_fake_tensor(dsl_type(dt), tuple(shp), stride=stride,
+                                    assumed_align=16 if div > 1 else el))
+    for _n, t in _values(desc):
+        out.append(getattr(cutlass, t)(0))
+    return out
+
+
+def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
+    from .build import capture_glue
+    tensors = []
+    for name, i, _dt, shape, strides in _tensors(desc):
+        tensors.append(_GlueTensor(name, i, tuple(shape), tuple(tuple(s) for s in strides)))
+    checks = [f"    const int64_t {r} = dims[{k}];" for k, r in enumerate(desc.dims)]
+    checks += [f"    (void){r};" for r in desc.dims]
+    checks += [
+        "    if (B < 0 || H < 0 || S < 0 || T < 0 || HK < 1)",
+        "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld, K/V heads %lld)\", (long long)B, "
+        "(long long)H, (long long)S, (long long)T, (long long)HK);",
+        "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
+        "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
+        f"    if (H != HK * {desc.group})",
+        (f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
+         f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);" if desc.group > 1 else
+         "        KS_FAIL(\"%lld query heads with %lld K/V heads: they must be equal\", (long long)H, (long long)HK);"),
+        "    if (T == 0 && B != 0 && H != 0 && S != 0)",
+        "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
+    ]
+    if "G" in desc.dims:
+        checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
+                   "(long long)G);"]
+    checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
+    values = []
+    if isinstance(desc.scale, Load):
+        values.append(f"    float softmax_scale = (float)scalars[{desc.scalars.index(desc.scale.name)}];")
+    else:
+        values.append(f"    float softmax_scale = (float){float(desc.scale.value)!r};")
+
+    def linear(form) -> str:
+        terms = [f"({c}LL)" if v == "1" else f"({c}LL) * {v}" for v, c in form]
+        return " + ".join(terms) or "0"
+    w = desc.mods.window
+    if w is not None and w.left is not None:
+        values.append(f"    int32_t window_left = (int32_t)({linear(w.left)});")
+    if w is not None and w.right is not None:
+        values.append(f"    int32_t window_right = (int32_t)({linear(w.right)});")
+    for k, (kind, ref) in enumerate(desc.mod_scalars):
+        if kind == "scalar":
+            values.append(f"    float c{k} = (float)scalars[{desc.scalars.index(ref)}];")
+        else:
+            values.append(f"    int32_t c{k} = (int32_t)({ref});")
+    args = [f"&{n}" for n, _t in _values(desc)]
+    return capture_glue(tensors, checks, values, args, ciface, entry, offs, sizes, compat.SMEM_OPTIN[desc.arch],
+                        what="FlashAttention-4")
+
+
+def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
+    import cutlass.cute as cute
+
+    from .build import PARAMS_CAP, check_header, link_host, param_layout
+    dump = work / "dump"
+    mod.FA = fa
+    opts = compat.compile_options(desc.arch, dump)
+    ptxas = getattr(fa, "ptxas_options", "")
+    if ptxas:
+        opts += f" --ptxas-options '{ptxas}'"
+    t0 = time.monotonic()
+    try:
+        fn = cute.compile(mod.kspec_entry, *_fake_args(desc), compat.fake_stream(), options=opts)
+    except Exception as e:
+        raise KspecInternalError(f"the CuTe DSL failed to compile FlashAttention-4 kernel {desc.name} for "
+                                 f"{desc.arch}: {type(e).__name__}: {str(e)[:2000]}") from e
+    finally:
+        mod.FA = None
+    fn.export_to_c(file_path=str(work), file_name="kernel", function_prefix="kspec_k")
+    seconds = time.monotonic() - t0
+    cubins, ptxs = sorted(dump.glob("*.cubin")), sorted(dump.glob("*.ptx"))
+    if len(cubins) != 1 or len(ptxs) != 1:
+        raise KspecInternalError(f"expected one cubin and one PTX from the CuTe DSL, got {len(cubins)}/{len(ptxs)}")
+    shutil.copyfile(cubins[0], work / "kernel.cubin")
+    ptx = ptxs[0].read_text()
+    shutil.rmtree(dump)
+    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
+    if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
+        raise KspecInternalError(f"FlashAttention-4 kernel parameters take {offs[-1] + sizes[-1]} bytes")
+    tensors = [_GlueTensor(n, i, tuple(shape), tuple(strides)) for n, i, _d, shape, strides in _tensors(desc)]
+    cparams = [f"{'float' if t == 'Float32' else 'int32_t'} {n}" for n, t in _values(desc)]
+    ciface = check_header((work / "kernel.h").read_text(), tensors, cparams, trailing=[])
+    (work / "glue.c").write_text(_glue(desc, ciface, entry, offs, sizes))
+    link_host(work / "kernel.o", work / "glue.c", work / "kernel.so", work / "link.log")
+    for junk in ("kernel.o",):
+        (work / junk).unlink(missing_ok=True)
+    return {"symbol": entry, "param_offsets": list(offs), "compile_seconds": seconds}
+
+
+def _import_entry(path: Path):
+    """The generated module, imported under a name unique to its build directory (the DSL reads
+    the source of jit functions through their module, so it stays in sys.modules)."""
+    import importlib.util
+    import sys
+    name = "kspec_fa4_entry_" + re.sub(r"\W", "_", path.parent.name)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _read(d: Path) -> dict | None:
+    from .build import _sha
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        if meta.get("format") != BUILD_FORMAT:
+            return None
+        for v in meta["variants"]:
+            for f in ("kernel.cubin", "kernel.so"):
+                if _sha(d / v["dir"] / f) != v["sha256"][f]:
+                    shutil.rmtree(d, ignore_errors=True)
+                    return None
+        return meta
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _result(desc: AttnDesc, key: str, d: Path, meta: dict, seconds: float, cached: bool) -> AttnBuild:
+    base = config_items(desc)
+    variants = tuple(Variant(cubin=str(d / v["dir"] / "kernel.cubin"), host=str(d / v["dir"] / "kernel.so"),
+                             symbol=v["symbol"], param_offsets=tuple(v["param_offsets"]),
+                             select=tuple(v["select"]), config=tuple(v["config"]))
+                     for v in meta["variants"])
+    return AttnBuild(key=key, dir=str(d), variants=variants, args=desc.args, scalars=desc.scalars,
+                     seconds=seconds, cached=cached, config=base)
+
+
+def lookup(desc: AttnDesc, cache_root: Path | None) -> AttnBuild | None:
+    """The cached build, or None; never imports the DSL or FA4."""
+    if cache_root is None:
+        return None
+    key = build_key(desc)
+    d = Path(cache_root) / "cute-attention" / key[:2] / key
+    meta = _read(d)
+    return None if meta is None else _result(desc, key, d, meta, 0.0, True)
+
+
+def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = None) -> AttnBuild:
+    """Every FA4 variant of `desc` (cached by content).  lengths: build only the variants serving
+    these query lengths (tests; the artifact's boxes then cover only those)."""
+    why = compat.fa4_available()
+    if why:
+        raise KspecError(f"attention kernel {desc.name} on {desc.arch}: {why}")
+    key = build_key(desc) + ("" if lengths is None else "-" + "-".join(map(str, lengths)))
+    root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-attn-")) / "cute-attention"
+    d = root / key[:2] / key
+    t0 = time.monotonic()
+    meta = _read(d)
+    if meta is not None:
+        return _result(desc, key, d, meta, time.monotonic() - t0, True)
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=root))
+    try:
+        (work / "entry.py").write_text(entry_source(desc))
+        with compat.fa4_target(desc.arch, desc.sm_count):
+            mod = _import_entry(work / "entry.py")
+        found = choose_variants(desc, mod)
+        if lengths is not None:
+            found = [(sig, fa, [s for s in ls if s in lengths] or ls[:1]) for sig, fa, ls in found
+                     if any(s in lengths for s in ls)] or found[:1]
+        sel = boxes([ls for _sig, _fa, ls in found])
+        from .build import _sha
+        variants = []
+        with compat.fa4_target(desc.arch, desc.sm_count):
+            for k, ((sig, fa, ls), box) in enumerate(zip(found, sel)):
+                vd = work / f"v{k}"
+                vd.mkdir()
+                info = _compile_variant(vd, desc, mod, fa)
+                cfg = [["variant", f"{k}"], ["fa4_class", type(fa).__name__],
+                       ["tile", f"{getattr(fa, 'm_block_size', getattr(fa, 'tile_m', '?'))}x"
+                                f"{getattr(fa, 'n_block_size', getattr(fa, 'tile_n', '?'))}"],
+                       ["q_stage", str(getattr(fa, "q_stage", 1))],
+                       ["2cta", str(bool(getattr(fa, "use_2cta_instrs", False))).lower()],
+                       ["pack_gqa", str(bool(getattr(fa, "pack_gqa", False))).lower()],
+                       ["sm_count", str(desc.sm_count)],
+                       ["fa4_signature", hashlib.sha256(sig.encode()).hexdigest()[:16]]]
+                variants.append({"dir": f"v{k}", **info, "select": box, "config": cfg,
+                                 "sha256": {f: _sha(vd / f) for f in ("kernel.cubin", "kernel.so")}})
+        meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "variants": variants}
+        (work / "meta.json").write_text(json.dumps(meta, indent=1))
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(work, d)
+        except OSError:
+            pass
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    meta = _read(d) or meta
+    return _result(desc, key, d, meta, time.monotonic() - t0, False)
+
+

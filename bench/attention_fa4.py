@@ -1,0 +1,111 @@
+"""Fused attention forward: kspec's FlashAttention-4 kernels against the best torch SDPA backend and
+FlashAttention-4 called directly, in one run (issue 16's numbers).
+
+    python bench/attention_fa4.py [--seqlens 4096,8192,16384] [--dtypes f16,bf16] [--causal] [--reps 30]
+
+Per case: batch x heads chosen to keep ~32k query rows (B*S = 32768, H = 16), d = 128.  kspec compiles
+the spec for the device's arch (specs/attention.kspec, or its bf16/causal twin written to a temp dir)
+and launches through `kspec.load`; torch SDPA is timed with each backend it offers (flash,
+efficient, cuDNN) and the fastest is the baseline; FA4 is `flash_attn.cute.flash_attn_func` when
+importable.  TFLOP/s counts 4*B*H*S*T*d (halved for causal).  Without a CUDA device or torch it says
+so and exits 0.  Nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import Timer, _device_arch  # noqa: E402
+
+
+def _spec(dtype: str, causal: bool, d: int, tmp: Path) -> Path:
+    mask = ", causal=i" if causal else ""
+    text = f"""kernel attention {{
+  param scale : f32 = {1.0 / d ** 0.5!r}
+  in  Q : {dtype}[B, H, S, {d}]
+  in  K : {dtype}[B, H, S, {d}]
+  in  V : {dtype}[B, H, S, {d}]
+  out O : {dtype}[B, H, S, {d}]
+
+  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[b, h, j, e]
+  p[b, h, i, j] = softmax(j{mask}) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h, j, e]
+}}
+"""
+    p = tmp / f"attention_{dtype}_{'causal' if causal else 'full'}.kspec"
+    p.write_text(text)
+    return p
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="4096,8192,16384")
+    ap.add_argument("--dtypes", default="f16,bf16")
+    ap.add_argument("--causal", action="store_true", help="also time causal attention")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("torch is not installed: nothing to benchmark")
+        return 0
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark")
+        return 0
+    import kspec
+    from kspec.compile import compile_spec
+    arch = _device_arch(torch)
+    if arch is None:
+        print(f"device {torch.cuda.get_device_name()} is not an arch kspec compiles for")
+        return 0
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:                       # noqa: BLE001  (report and go on without it)
+        print(f"note: FlashAttention-4 not importable here ({type(e).__name__}: {e}); no direct-FA4 column")
+        flash_attn_func = None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    timer = Timer(torch, args.reps)
+    d, H = 128, 16
+    tmp = Path(tempfile.mkdtemp(prefix="kspec-attn-bench-"))
+    print(f"{'case':34s} {'kspec':>9s} {'SDPA best':>16s} {'FA4':>9s}   kspec/SDPA  kspec/FA4   (TFLOP/s)")
+    for dtype in args.dtypes.split(","):
+        tdt = torch.float16 if dtype == "f16" else torch.bfloat16
+        for causal in ([False, True] if args.causal else [False]):
+            art = compile_spec(_spec(dtype, causal, d, tmp), (arch,), tmp / "out")
+            kern = kspec.load(art).attention
+            for S in (int(s) for s in args.seqlens.split(",")):
+                B = max(32768 // S, 1)
+                q, k, v = (torch.randn(B, H, S, d, dtype=tdt, device="cuda") for _ in range(3))
+                o = torch.empty_like(q)
+                flops = 4 * B * H * S * S * d * (0.5 if causal else 1.0)
+                tf = lambda ms: flops / ms / 1e9                      # noqa: E731
+                t_k = timer(lambda: kern(q, k, v, O=o, scale=d ** -0.5))
+                best = (None, float("inf"))
+                for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                                 ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        with sdpa_kernel(be):
+                            t = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    except RuntimeError:
+                        continue
+                    if t < best[1]:
+                        best = (name, t)
+                t_fa4 = None
+                if flash_attn_func is not None:
+                    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                    t_fa4 = timer(lambda: flash_attn_func(qt, kt, vt, causal=causal))
+                case = f"{dtype} d={d} B={B} H={H} S={S}{' causal' if causal else ''}"
+                sdpa = f"{tf(best[1]):7.1f} ({best[0]})" if best[0] else "      -"
+                fa4 = f"{tf(t_fa4):9.1f}" if t_fa4 else "        -"
+                r1 = f"{best[1] / t_k:10.2f}" if best[0] else "         -"
+                r2 = f"{t_fa4 / t_k:10.2f}" if t_fa4 else "         -"
+                print(f"{case:34s} {tf(t_k):9.1f} {sdpa:>16s} {fa4}   {r1}  {r2}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

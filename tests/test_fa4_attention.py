@@ -1,0 +1,446 @@
+"""Fused attention from FlashAttention-4 in the CuTe DSL backend (backends/cute/attention.py,
+attnmods.py): mask recognition and generated score_mod/mask_mod checked against float64 numpy written
+here; offline builds on both archs (tensor-core SASS, size-bucketed variants in the manifest); the
+launch ABI through the fake driver with variant dispatch; bad inputs rejected before launch."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import math
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import SPECS, test_cache_root
+
+from kspec.backends.cute import attention as A
+from kspec.backends.cute import attnmods as M
+from kspec.backends.cute import compat
+from kspec.compiler.kir import AuxLoad, Const, Index, IRBuffer, Op, Score, Size
+
+ARCHS = ("sm90a", "sm100a")
+FA4 = compat.fa4_available()
+needs_fa4 = pytest.mark.skipif(FA4 is not None, reason=f"FlashAttention-4 unavailable: {FA4}")
+
+
+def _ir(spec="attention", extra=(), **mods):
+    sys.path.insert(0, str(SPECS.parent / "tests"))
+    from test_kir import planned
+    (p,) = planned(spec)
+    ir = p.ir
+    return dataclasses.replace(ir, buffers=(*ir.buffers, *extra), attention=dataclasses.replace(ir.attention, **mods))
+
+
+BR = Op("le", (Index("j"), Op("add", (Index("i"), Op("sub", (Size("T"), Size("S")))))))      # bottom-right causal
+TL = Op("le", (Index("j"), Index("i")))                                                       # top-left causal
+WIN = Op("and", (BR, Op("gt", (Index("j"), Op("sub", (Index("i"), Const(4.0)))))))            # local, left 3
+ALIBI = Op("add", (Score(), Op("mul", (AuxLoad("slope", (Index("h"),), "f32"), Op("sub", (Index("j"), Index("i")))))))
+BIAS = Op("add", (Score(), AuxLoad("bias", (Index("h"), Index("i"), Index("j")), "f32")))     # broadcast over b
+SOFTCAP = Op("mul", (Const(30.0), Op("tanh", (Op("div", (Score(), Const(30.0))),))))
+
+
+def _grid(S, T, H=3, B=2):
+    b = np.arange(B)[:, None, None, None]
+    h = np.arange(H)[None, :, None, None]
+    i = np.arange(S)[None, None, :, None]
+    j = np.arange(T)[None, None, None, :]
+    return b, h, i, j
+
+
+@pytest.mark.parametrize("S, T", [(7, 7), (5, 9), (9, 5)])
+@pytest.mark.parametrize("case", ["plain", "br", "tl_flag", "tl_mask", "window"])
+def test_native_masks_match_float64(case, S, T):
+    a = _ir(**{"plain": {}, "br": dict(mask=BR), "tl_flag": dict(causal=True), "tl_mask": dict(mask=TL),
+               "window": dict(mask=WIN)}[case]).attention
+    mods = M.analyse(a, {"S": "S", "T": "T"})
+    assert mods.mask_mod is None and mods.score_mod is None          # FA4-native: causal / window
+    assert mods.causal == (case == "br")
+    b, h, i, j = _grid(S, T)
+    want = {"plain": np.ones_like(i + j, bool), "br": j <= i + (T - S), "tl_flag": j <= i, "tl_mask": j <= i,
+            "window": (j <= i + (T - S)) & (j > i - 4)}[case]
+    _, keep = M.run_numpy(mods, score=np.zeros((1,)), b=b, h=h, i=i, j=j, S=S, T=T)
+    assert np.array_equal(keep, np.broadcast_to(want, keep.shape))
+
+
+def test_generated_mods_match_float64():
+    rng = np.random.default_rng(0)
+    S, T, H, B = 6, 8, 3, 2
+    b, h, i, j = _grid(S, T, H, B)
+    score = rng.standard_normal((B, H, S, T)) * 40
+    slope = rng.standard_normal(H).astype(np.float32)
+    bias = rng.standard_normal((H, S, T)).astype(np.float32)
+    doc = np.array([[0, 0, 1, 1, 1, 2, 2, 2]] * B)
+    cases = {
+        "alibi": (dict(score_mod=ALIBI, aux=("slope",)), (slope,), score + slope[None, :, None, None] * (j - i), None),
+        "bias": (dict(score_mod=BIAS, aux=("bias",)), (bias,), score + bias[None], None),
+        "softcap": (dict(score_mod=SOFTCAP), (), 30.0 * np.tanh(score / 30.0), None),
+        "docmask": (dict(mask=Op("eq", (AuxLoad("doc", (Index("b"), Op("add", (Index("i"), Const(2.0)))), "i32"),
+                                         AuxLoad("doc", (Index("b"), Index("j")), "i32"))), aux=("doc",)),
+                    (doc,), score, doc[b, i + 2] == doc[b, j]),
+        "where": (dict(score_mod=Op("where", (Op("lt", (Op("mod", (Index("j"), Const(3.0))), Const(1.0))),
+                                              Op("neg", (Score(),)), Score()))), (), np.where(j % 3 < 1, -score, score),
+                  None),
+        "tl_and_softcap": (dict(causal=True, score_mod=SOFTCAP), (), 30.0 * np.tanh(score / 30.0), j <= i),
+    }
+    for name, (mods_kw, aux, want_s, want_keep) in cases.items():
+        mods = M.analyse(_ir(**mods_kw).attention, {"S": "S", "T": "T"})
+        s, keep = M.run_numpy(mods, score=score, b=b, h=h, i=i, j=j, S=S, T=T, aux=aux)
+        np.testing.assert_allclose(s, np.broadcast_to(want_s, s.shape), rtol=2e-6, atol=2e-5, err_msg=name)
+        want_keep = np.ones(keep.shape, bool) if want_keep is None else np.broadcast_to(want_keep, keep.shape)
+        assert np.array_equal(keep, want_keep), name
+
+
+def test_mod_source_has_no_user_text_and_distinct_hashes():
+    a1 = M.analyse(_ir(score_mod=Op("mul", (Score(), Const(0.5)))).attention, {"S": "S", "T": "T"})
+    a2 = M.analyse(_ir(score_mod=Op("mul", (Score(), Const(0.25)))).attention, {"S": "S", "T": "T"})
+    assert a1.score_mod != a2.score_mod and "__cute_hash__" in a1.score_mod
+    b = M.analyse(_ir(extra=(IRBuffer("my_secret_bias", "input", "f32", ("H", "S", "T")),),
+                      score_mod=Op("add", (Score(), AuxLoad("my_secret_bias", (Index("h"), Index("i"), Index("j")),
+                                                            "f32"))), aux=("my_secret_bias",)).attention,
+                  {"S": "S", "T": "T"})
+    assert "my_secret_bias" not in b.score_mod and "aux_tensors[0]" in b.score_mod
+
+
+def test_unsupported_kernels_have_reasons():
+    assert "head dims" in A.unsupported(_ir(head_dims=(192, 192, 192)), "sm100a")
+    assert A.unsupported(_ir(head_dims=(192, 192, 192)), "sm90a") is None
+    assert "integer literal" in A.unsupported(_ir(kv_group="G", kv_head="HK"), "sm90a")
+    assert "f16 or bf16" in A.unsupported(_ir(dtypes=("f32", "f32", "f32")), "sm90a")
+
+
+@needs_fa4
+def test_head_dim_rule_matches_fa4():
+    interface = compat.fa4_interface()
+    for arch, cc in (("sm90a", 9), ("sm100a", 10)):
+        for d in range(8, 264, 8):
+            for dv in (64, 96, 128, 192, 256):
+                try:
+                    interface._validate_head_dims(d, dv, cc, 8)
+                    fa4_ok = True
+                except AssertionError:
+                    fa4_ok = False
+                assert (A.head_dims_reason(arch, d, dv) is None) == fa4_ok, (arch, d, dv)
+
+
+def test_size_buckets_cover_every_length():
+    sel = A.boxes([[1, 2, 64], [65, 128, 129], [200, 4096]])
+    assert sel == [[{"S": [0, 64]}], [{"S": [65, 199]}], [{"S": [200, None]}]]
+
+
+# ---------------------------------------------------------------------------------------------
+# offline builds
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fa4_artifacts(tmp_path_factory):
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    out = tmp_path_factory.mktemp("fa4")
+    cache = CompileCache(test_cache_root())
+    done = {}
+
+    def get(stem):
+        if stem not in done:
+            done[stem] = compile_spec(SPECS / f"{stem}.kspec", ARCHS, out, cache=cache)
+        return done[stem]
+    return get
+
+
+def _sass(cubin):
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        return None
+    if tc.cuobjdump is None:
+        return None
+    r = subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, env=tc.env())
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("stem", ["attention", "attention_causal"])
+def test_shipped_attention_specs_build_one_fa4_kernel_per_arch(fa4_artifacts, stem):
+    art = fa4_artifacts(stem)
+    m = json.loads((art / "manifest.json").read_text())
+    (plan,) = m["kernels"][0]["plans"]
+    assert plan["kind"] == "attention"
+    for arch, insn in zip(ARCHS, ("HGMMA", "UTCHMMA")):
+        b = plan["binaries"][arch]
+        assert b["backend"] == "cute" and b["kind"] == "attention"
+        assert b["config"]["kernel"].startswith("FlashAttention-4")
+        assert int(b["config"]["sm_count"]) == compat.OFFLINE_SM_COUNT[arch]
+        variants = b["variants"]
+        assert variants and variants[0]["cubin"] == b["cubin"]
+        lo = [v["select"][0]["S"] for v in variants]
+        assert lo[0][0] == 0 and lo[-1][1] is None           # every query length is served
+        so = art / b["host"]
+        deps = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
+        needed = {l.split("[")[1].rstrip("]") for l in deps.splitlines() if "(NEEDED)" in l}
+        assert needed <= {"libc.so.6", "ld-linux-x86-64.so.2"}   # no libcute_dsl_runtime, no libtvm_ffi
+        for v in variants:
+            sass = _sass(art / v["cubin"])
+            if sass is not None:
+                assert f" {insn}" in sass and "UTMALDG" in sass, f"{stem} {arch}: no {insn}"
+
+
+class _Recorder:
+    def __init__(self, cc):
+        from test_runtime import RecordingDriver
+        self.base = RecordingDriver(cc)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what, param_offsets=None):
+        self.base.log.append(("launch", what, grid, block, cluster, smem, stream, param_offsets,
+                              ctypes.string_at(params_ptr, param_offsets[-1] + 64)))
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_launch_abi_and_variant_dispatch_through_the_fake_driver(fa4_artifacts, monkeypatch, arch):
+    import struct
+
+    import kspec
+    from kspec.runtime import driver
+    from kspec.runtime.errors import KspecRuntimeError
+    from test_runtime import FakeCAI
+    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    monkeypatch.setattr(driver, "_driver", rec)
+    art = fa4_artifacts("attention")
+    mod = kspec.load(art)
+    b = json.loads((art / "manifest.json").read_text())["kernels"][0]["plans"][0]["binaries"][arch]
+    base = 0x7F0000000000
+    for S in (100, 1000):
+        B, H, T = 2, 4, 1000
+        Q = FakeCAI(base, (B, H, S, 128))
+        K = FakeCAI(base + 0x10000000, (B, H, T, 128))
+        V = FakeCAI(base + 0x20000000, (B, H, T, 128))
+        O = FakeCAI(base + 0x30000000, (B, H, S, 128))
+        rec.base.log.clear()
+        mod.attention(Q, K, V, O=O, scale=0.125)
+        (fn,) = [e for e in rec.log if e[0] == "function"]
+        (launch,) = [e for e in rec.log if e[0] == "launch"]
+        want = next(v for v in b["variants"] if v["select"][0]["S"][0] <= S
+                    and (v["select"][0]["S"][1] is None or S <= v["select"][0]["S"][1]))
+        assert fn[2] == want["symbol"] and (art / want["cubin"]).read_bytes().startswith(fn[3])
+        _, what, grid, block, cluster, smem, stream, offsets, blob = launch
+        assert offsets == tuple(int(x) for x in want["config"]["param_offsets"].split(","))
+        assert block[0] in (128, 256, 384, 512) and 0 < smem <= 232448 and all(g >= 1 for g in grid)
+        # FA4 passes the scale folded into exp2's base (scale * log2(e)) when there is no score_mod
+        assert struct.pack("<f", 0.125) in blob or any(
+            abs(x - 0.125 * 1.4426950408889634) < 1e-6 for x in struct.unpack_from(f"<{len(blob) // 4}f", blob))
+        words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+        # Q/K/V/O go through TMA descriptors; the pointers appear in the blob (descriptors or raw)
+        assert any(base <= w < base + 0x40000000 for w in words)
+    with pytest.raises(KspecRuntimeError):
+        mod.attention(FakeCAI(base, (2, 4, 64, 128)), FakeCAI(base + 0x10000000, (2, 4, 64, 64)),
+                      FakeCAI(base + 0x20000000, (2, 4, 64, 128)), O=FakeCAI(base + 0x30000000, (2, 4, 64, 128)))
+
+
+# ---------------------------------------------------------------------------------------------
+# variants over hand-built IR (one size bucket each, to stay quick)
+# ---------------------------------------------------------------------------------------------
+
+def _gqa_ir(group=4, mqa=False):
+    ir = _ir("attention")
+    a = ir.attention
+    bufs = []
+    for b in ir.buffers:
+        if b.name in ("K", "V"):
+            b = dataclasses.replace(b, shape=(b.shape[0], b.shape[2], b.shape[3]) if mqa else (b.shape[0], "HK", *b.shape[2:]))
+        bufs.append(b)
+    if mqa:
+        a = dataclasses.replace(a, kv_shared=("h",), dims=tuple((r, 8 if r == "H" else v) for r, v in a.dims))
+    else:
+        a = dataclasses.replace(a, kv_group=group, kv_head="HK")
+    return dataclasses.replace(ir, buffers=tuple(bufs), attention=a)
+
+
+def _dims_ir(d, dv):
+    """Q, K with head dim d; V, O with dv (DeepSeek-style (192, 128) where FA4 supports it)."""
+    ir = _ir("attention")
+    bufs = tuple(dataclasses.replace(b, shape=(*b.shape[:3], d if b.name in ("Q", "K") else dv))
+                 if b.name in ("Q", "K", "V", "O") else b for b in ir.buffers)
+    return dataclasses.replace(ir, buffers=bufs, attention=dataclasses.replace(ir.attention, head_dims=(d, d, dv)))
+
+
+VARIANTS = {
+    "plain": lambda: _ir(),
+    "dims_192_128": lambda: _dims_ir(192, 128),
+    "dims_64": lambda: _dims_ir(64, 64),
+    "dims_96": lambda: _dims_ir(96, 96),
+    "dims_256": lambda: _dims_ir(256, 256),
+    "causal_top_left": lambda: _ir(causal=True),
+    "causal_bottom_right": lambda: _ir(mask=BR),
+    "sliding_window": lambda: _ir(mask=WIN),
+    "bias": lambda: _ir(extra=(IRBuffer("bias", "input", "f32", ("H", "S", "T")),), score_mod=BIAS, aux=("bias",)),
+    "alibi": lambda: _ir(extra=(IRBuffer("slope", "input", "f32", ("H",)),), score_mod=ALIBI, aux=("slope",)),
+    "softcap": lambda: _ir(score_mod=SOFTCAP),
+    "gqa": lambda: _gqa_ir(4),
+    "mqa": lambda: _gqa_ir(mqa=True),
+    "lse": lambda: _ir(extra=(IRBuffer("L", "output", "f32", ("B", "H", "S")),), lse="L"),
+}
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_attention_variants_compile_offline(name, arch):
+    ir = VARIANTS[name]()
+    assert A.unsupported(ir, arch) is None
+    desc, names, dims, scalars = A.lower(ir, arch)
+    built = A.build(desc, test_cache_root(), lengths=[4096])
+    (v,) = built.variants
+    assert v.symbol.startswith("kernel_cutlass_kernel_flash_attn")
+    sass = _sass(v.cubin)
+    if sass is not None:
+        assert (" HGMMA" if arch == "sm90a" else " UTCHMMA") in sass
+    src = A.entry_source(desc)
+    for spec_name in (n for n in names.values() if len(n) > 2):
+        assert re.search(rf"\b{spec_name}\b", src) is None                 # no user text in generated code
+    if name == "lse":
+        assert "mLSE" in src
+    if name in ("bias", "alibi"):
+        assert "kspec_score_mod" in src and "aux_tensors[0]" in src
+    if name in ("causal_top_left", "sliding_window"):
+        assert "window_right" in src
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU: against float64 numpy written here
+# ---------------------------------------------------------------------------------------------
+
+def _attention64(q, k, v, scale, keep):
+    s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) * scale
+    s = np.where(keep, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.where(keep, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    den = p.sum(-1, keepdims=True)
+    return np.einsum("bhij,bhjd->bhid", np.divide(p, den, out=np.zeros_like(p), where=den > 0), v.astype(np.float64))
+
+
+@needs_fa4
+@pytest.mark.gpu
+@pytest.mark.parametrize("stem, S, T", [("attention", 1000, 1000), ("attention", 100, 700),
+                                        ("attention_causal", 777, 777), ("attention_causal", 64, 64)])
+def test_fa4_attention_on_gpu_matches_float64(compiled, stem, S, T):
+    import kspec
+    from kspec.runtime import from_device
+    from test_gpu_specs import _device_arch
+    arch = _device_arch()                  # skips without a device
+    mod = kspec.load(compiled(stem, (arch,)))
+    rng = np.random.default_rng(3)
+    d = 128 if stem == "attention" else 64
+    dt = np.float16 if stem == "attention" else __import__("ml_dtypes").bfloat16
+    q, k, v = (rng.standard_normal(s).astype(dt) for s in ((2, 3, S, d), (2, 3, T, d), (2, 3, T, d)))
+    scale = 1.0 / math.sqrt(d)
+    kernel = getattr(mod, stem)
+    got = from_device(kernel(**kernel.to_device(Q=q, K=k, V=v), scale=scale)["O"]).astype(np.float64)
+    i, j = np.arange(S)[:, None], np.arange(T)[None, :]
+    keep = np.broadcast_to(j <= i if stem == "attention_causal" else np.ones((S, T), bool), (2, 3, S, T))
+    want = _attention64(q, k, v, scale, keep)
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-6)
+    assert err < (2e-2 if stem == "attention_causal" else 5e-3), err
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("stem", ["attention", "attention_causal"])
+def test_launch_abi_checked_against_the_cubin_by_the_fake_driver(fa4_artifacts, stem):
+    """kspec.runtime.fakedriver: parameter layout against the cubin, TMA descriptors against the
+    tensors, for query lengths served by different variants."""
+    import kspec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    mod = kspec.load(fa4_artifacts(stem))
+    for arch, cc in (("sm90a", (9, 0)), ("sm100a", (10, 0))):
+        with FakeDriver(cc, sm_count=compat.OFFLINE_SM_COUNT[arch]) as fake:
+            for S, T in ((100, 100), (200, 200), (1000, 1000), (100, 700)):
+                sizes = {"B": 2, "H": 4, "S": S, "T": T}
+                call = fake_call(mod, stem, sizes, fake)
+                problems = check_call(call, arch, mod)
+                # Open on sm100a, to verify on a B200: FA4's kernel launches with 232448 bytes of dynamic
+                # shared memory (compiled in, whatever the device reports) beside the DSL's 1 KB-aligned
+                # static base section; the fake driver counts both against the 232448-byte limit.
+                problems = [p for p in problems if not (arch == "sm100a" and "static shared memory exceed" in p)]
+                # (the DSL's launcher encodes its TMA descriptors in host code: check_launch finds every
+                # tensor's address in the parameter blob, inside them)
+                assert problems == [], f"{stem} {arch} {sizes}:\n" + "\n".join(problems)
+                (rec,) = call.launches
+                assert rec.symbol == mod[stem].entry.plans[0].binaries[arch].symbol
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_warm_attention_compile_imports_neither_fa4_nor_the_dsl(fa4_artifacts, tmp_path):
+    fa4_artifacts("attention")             # the cache is warm
+    code = ("import sys; from kspec.compile import compile_spec; from kspec.backends.build import CompileCache;"
+            f"from conftest import test_cache_root; compile_spec({str(SPECS / 'attention.kspec')!r}, ('sm90a', 'sm100a'), "
+            f"{str(tmp_path)!r}, cache=CompileCache(test_cache_root()));"
+            "bad = [m for m in ('cutlass', 'flash_attn', 'quack', 'torch') if m in sys.modules]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=str(SPECS.parent / "tests"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_gqa_head_count_not_a_multiple_of_the_group_is_refused_before_launch():
+    from kspec.runtime.errors import KspecRuntimeError
+    from kspec.runtime.glue import HostGlue
+    desc, names, dims, _ = A.lower(VARIANTS["gqa"](), "sm90a")
+    assert [r for r, _ in dims][:5] == ["B", "H", "S", "T", "HK"] and dict(dims)["G"] == 4
+    (v,) = A.build(desc, test_cache_root(), lengths=[4096]).variants
+    glue = HostGlue(v.host, "gqa", [names[a] for a in desc.args])
+    ptrs = [0x7F0000000000 + i * 0x10000000 for i in range(len(desc.args))]
+    ok = glue.prepare([2, 8, 300, 500, 2, 4], ptrs, [0.1], 0, 0, 132)     # 8 query heads on 2 K/V heads
+    assert ok.grid[0] >= 1 and ok.block[0] > 0
+    with pytest.raises(KspecRuntimeError, match="6 query heads with 2 K/V heads"):
+        glue.prepare([2, 6, 300, 500, 2, 4], ptrs, [0.1], 0, 0, 132)
+    with pytest.raises(KspecRuntimeError, match="GQA group 3"):
+        glue.prepare([2, 8, 300, 500, 2, 3], ptrs, [0.1], 0, 0, 132)
+    empty = glue.prepare([2, 8, 0, 500, 2, 4], ptrs, [0.1], 0, 0, 132)
+    assert empty.grid == (0, 0, 0)
+
+
+def _manifest_json(select):
+    h = "ab" * 32
+    binary = {"cubin": "p.sm90a.v0.cubin", "host": "p.sm90a.v0.so", "sha256": {"cubin": h, "host": h},
+              "symbol": "k0", "config": {"sm_count": "132"},
+              "variants": [{"cubin": "p.sm90a.v0.cubin", "host": "p.sm90a.v0.so", "sha256": {"cubin": h, "host": h},
+                            "symbol": "k0", "config": {"sm_count": "132"}, "select": select},
+                           {"cubin": "p.sm90a.v1.cubin", "host": "p.sm90a.v1.so", "sha256": {"cubin": h, "host": h},
+                            "symbol": "k1", "config": {"sm_count": "132"}, "select": [{"S": [129, None]}]}]}
+    return {"format": "kspec-artifact", "format_version": 1, "kspec_version": "0.1.0",
+            "spec": {"file": "a.kspec", "sha256": h}, "archs": ["sm90a"],
+            "kernels": [{"name": "attention",
+                         "inputs": [{"name": "Q", "dtype": "f16", "shape": ["B", "H", "S", 64]}],
+                         "outputs": [{"name": "O", "dtype": "f16", "shape": ["B", "H", "S", 64]}],
+                         "plans": [{"id": "p", "kind": "attention", "dims": [["B", "B"], ["H", "H"], ["S", "S"]],
+                                    "args": ["Q", "O"], "binaries": {"sm90a": binary}}]}]}
+
+
+def test_manifest_variants_round_trip_and_select():
+    from kspec.artifact import KspecArtifactError, manifest_from_json, manifest_to_json
+    m = manifest_from_json(_manifest_json([{"S": [0, 128]}]))
+    b = m.kernels[0].plans[0].binaries["sm90a"]
+    assert [v.symbol for v in b.variants] == ["k0", "k1"]
+    assert b.variants[0].holds({"S": 128, "B": 2}) and not b.variants[0].holds({"S": 129})
+    assert b.variants[1].holds({"S": 1 << 30}) and not b.variants[1].holds({"B": 3})   # a role it needs is missing
+    assert manifest_from_json(manifest_to_json(m)) == m
+    with pytest.raises(KspecArtifactError, match=r"variants\[0\]\.select\[0\]\.S"):
+        manifest_from_json(_manifest_json([{"S": [10, 5]}]))
+    no_select = _manifest_json([{"S": [0, 1]}])
+    del no_select["kernels"][0]["plans"][0]["binaries"]["sm90a"]["variants"][0]["select"]
+    with pytest.raises(KspecArtifactError, match="missing field 'select'"):
+        manifest_from_json(no_select)
