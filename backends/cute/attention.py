@@ -34,7 +34,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kspec.backends.desc import Const, Load
@@ -201,6 +201,9 @@ def lower(ir, arch: str, sm_count: int | None = None):
     else:
         scale = Const(float(a.scale))
     mods = attnmods.analyse(a, {r: v for r, v in roles.items() if r in ("S", "T")})
+    for p in attnmods.window_params(mods.window):        # window bounds read integer params at launch
+        scalars[names(p)] = p
+    mods = replace(mods, window=attnmods.rename_window_params(mods.window, names))
     mod_scalars = []
     for kind, ref in mods.scalars:
         if kind == "param":
@@ -534,7 +537,11 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
         values.append(f"    float softmax_scale = (float){float(desc.scale.value)!r};")
 
     def linear(form) -> str:
-        terms = [f"({c}LL)" if v == "1" else f"({c}LL) * {v}" for v, c in form]
+        def var(v: str) -> str:
+            if v.startswith(attnmods.PARAM):
+                return f"(int64_t)scalars[{desc.scalars.index(v[len(attnmods.PARAM):])}]"
+            return v
+        terms = [f"({c}LL)" if v == "1" else f"({c}LL) * {var(v)}" for v, c in form]
         return " + ".join(terms) or "0"
     w = desc.mods.window
     if w is not None and w.left is not None:
