@@ -57,7 +57,6 @@ def _kinds(b: Backend) -> tuple[str, ...]:
     return b.capabilities.kinds + b.capabilities.fallback_kinds
 
 
-
 def _can_implement(b: Backend, ir: KernelIR, arch: str) -> str | None:
     """b.can_implement, after the capability every backend declares as data: packed (varlen)
     buffers, which a backend reading [B, S, ...] densely would misread."""
@@ -67,6 +66,7 @@ def _can_implement(b: Backend, ir: KernelIR, arch: str) -> str | None:
         return (f"{x.name} is packed({x.packed}) (a variable-length batch stored back to back); this backend "
                 "reads and writes dense [batch, seq, ...] tensors only")
     return b.can_implement(ir, arch)
+
 
 class Planner:
     """What the compiler asks while fusing and scheduling (compiler.kir.Oracle).
@@ -112,10 +112,13 @@ class Planner:
         return self._gemm_capability("epilogue_loads", archs)
 
     def can_fuse(self, ir: KernelIR, archs: tuple[str, ...]) -> str | None:
-        """None when a non-fallback backend implements this candidate kernel on every arch."""
+        """None when a non-fallback backend implements this candidate kernel on every arch (the
+        backend a spec's `backend = NAME` pins, where it pins this kind of kernel)."""
         for arch in archs:
             reasons = []
-            for b in self._fast():
+            pin = ir.hint(arch).backend
+            pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
+            for b in ([get(pin)] if pinned else self._fast()):
                 why = _can_implement(b, ir, arch)
                 if why is None:
                     break

@@ -18,7 +18,7 @@ from .cost import CostReport, cost
 from .fusion import AttentionInfo, FusionContext, FusionResult, Group, fuse
 from .graph import OpNode, build_graph, op, operands, validate
 from .kir import BackendChoice, KernelIR, Oracle, format_ir, ir_from_json, ir_to_json, verify
-from .schedule import Buffer, KernelPlan, KernelSchedule, schedule, values_leaving
+from .schedule import Buffer, KernelPlan, KernelSchedule, _hints, schedule, values_leaving
 
 
 def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, oracle: Oracle | None = None,
@@ -30,7 +30,8 @@ def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, oracle: O
     g = build_graph(kernel)
     canonicalize(g)
     validate(g)
-    fusion = fuse(g, FusionContext(oracle, tuple(archs), kernel.name)) if fuse_ops else unfused(g)
+    fusion = fuse(g, FusionContext(oracle, tuple(archs), kernel.name, _hints(kernel, archs))) if fuse_ops \
+        else unfused(g)
     if fusion.unfused_attention and getattr(oracle, "strict", False):
         span, why = fusion.unfused_attention[0]
         raise KspecError(f"kernel {kernel.name}: this attention is not fused into one kernel: {why}", span,

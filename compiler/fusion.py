@@ -35,6 +35,7 @@ class FusionContext:
     oracle: object = None
     archs: tuple[str, ...] = ()
     kernel: str = "kernel"
+    hints: tuple = ()                  # the kernel's schedule hints per arch (a `backend = NAME` pin binds)
 
     def epilogue_fns(self) -> frozenset[str] | None:
         return None if self.oracle is None else self.oracle.epilogue_fns(self.archs)
@@ -197,7 +198,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         group = Group(f"g{len(res.groups)}", "attention", nodes, qk, info)
         if ctx.oracle is not None:
             from .ir_build import candidate_ir
-            why = ctx.oracle.can_fuse(candidate_ir(g, group, ctx.kernel), ctx.archs)
+            why = ctx.oracle.can_fuse(candidate_ir(g, group, ctx.kernel, ctx.hints), ctx.archs)
             if why:
                 lifted = [f"{what}: {format_epi(e)}" for what, e in
                           (("score_mod", mods.score_mod), ("mask", mods.mask)) if e is not None]
@@ -330,7 +331,7 @@ def _dual_or_single(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: Fusi
     elif ctx.oracle is not None:
         from .ir_build import candidate_ir
         scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
-        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, dual), ctx.kernel),
+        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, dual), ctx.kernel, ctx.hints),
                                   ctx.archs)
         why = why and f"no GEMM backend builds the dual GEMM ({why})"
     if why is None:
@@ -561,7 +562,7 @@ def _split_unbuildable_reductions(g: nx.DiGraph, res: FusionResult, group: set, 
         return group
     from .ir_build import candidate_ir
     scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
-    why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, anchor, gi), ctx.kernel),
+    why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, anchor, gi), ctx.kernel, ctx.hints),
                               ctx.archs)
     if why is None:
         return group

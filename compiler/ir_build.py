@@ -250,7 +250,7 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
         page_size=info.page_size, kv_len=key_length_bound(mask, info.key, tuple(info.batch)))
 
 
-def candidate_ir(g: nx.DiGraph, group, spec_kernel: str) -> KernelIR:
+def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:
     """The IR a group would become, with provisional buffer names (inputs, params and outputs keep
     their spec names; other values are `tmp_<node>`): what fusion asks backends about."""
     infos: dict[str, IRBuffer] = {}
@@ -275,4 +275,5 @@ def candidate_ir(g: nx.DiGraph, group, spec_kernel: str) -> KernelIR:
                 stores.append((n, so.name))
         if any(op(g, s).kind != "output" for s in outside):
             stores.append((n, buffer_of(n)))
-    return build_ir(f"{spec_kernel}_candidate", spec_kernel, g, group, buffer_of, lambda name: infos[name], stores)
+    return build_ir(f"{spec_kernel}_candidate", spec_kernel, g, group, buffer_of, lambda name: infos[name], stores,
+                    hints)

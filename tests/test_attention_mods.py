@@ -63,7 +63,10 @@ def idx(*labels):
 
 def test_gqa_reads_k_and_v_at_head_h_over_g():
     a = attention_ir("attention_gqa").attention
-    assert (a.kv_group, a.kv_head) == ("G", "KH")
+    assert (a.kv_group, a.kv_head) == (4, "KH")
+    src = (SPECS / "attention_gqa.kspec").read_text().replace("h / 4", "h / G").replace(
+        "  in  Q :", "  param G : i32 = 4\n  in  Q :")
+    assert (attention_ir(src).attention.kv_group, attention_ir(src).attention.kv_head) == ("G", "KH")
     assert (a.k_buffer, a.v_buffer, a.score_mod, a.mask, a.aux) == ("K", "V", None, None, ())
     assert a.head_dims == (128, 128, 128) and dict(a.dims)["H"] == "H" and a.scale == "scale"
 

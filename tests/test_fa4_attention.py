@@ -265,8 +265,20 @@ def _gqa_ir(group=4, mqa=False):
     return dataclasses.replace(ir, buffers=tuple(bufs), attention=a)
 
 
+def _dims_ir(d, dv):
+    """Q, K with head dim d; V, O with dv (DeepSeek-style (192, 128) where FA4 supports it)."""
+    ir = _ir("attention")
+    bufs = tuple(dataclasses.replace(b, shape=(*b.shape[:3], d if b.name in ("Q", "K") else dv))
+                 if b.name in ("Q", "K", "V", "O") else b for b in ir.buffers)
+    return dataclasses.replace(ir, buffers=bufs, attention=dataclasses.replace(ir.attention, head_dims=(d, d, dv)))
+
+
 VARIANTS = {
     "plain": lambda: _ir(),
+    "dims_192_128": lambda: _dims_ir(192, 128),
+    "dims_64": lambda: _dims_ir(64, 64),
+    "dims_96": lambda: _dims_ir(96, 96),
+    "dims_256": lambda: _dims_ir(256, 256),
     "causal_top_left": lambda: _ir(causal=True),
     "causal_bottom_right": lambda: _ir(mask=BR),
     "sliding_window": lambda: _ir(mask=WIN),
@@ -432,3 +444,29 @@ def test_manifest_variants_round_trip_and_select():
     del no_select["kernels"][0]["plans"][0]["binaries"]["sm90a"]["variants"][0]["select"]
     with pytest.raises(KspecArtifactError, match="missing field 'select'"):
         manifest_from_json(no_select)
+
+
+@pytest.mark.parametrize("S, T, W", [(7, 7, 3), (9, 9, 1), (6, 6, 10)])
+def test_a_window_sized_by_an_integer_param_is_fa4_native(S, T, W):
+    """`where(j <= i and j > i - W, s, -inf)` with `param W : i32`: FA4's local window, its left
+    bound read from the param at launch (no mask_mod), equal to the float64 mask."""
+    from kspec.compiler.kir import Load
+    win = Op("and", (TL, Op("gt", (Index("j"), Op("sub", (Index("i"), Load("W", "scalar", "i32")))))))
+    a = _ir(mask=win).attention
+    mods = M.analyse(a, {"S": "S", "T": "S"})
+    assert mods.mask_mod is None and not mods.causal and M.window_params(mods.window) == ("W",)
+    b, h, i, j = _grid(S, T)
+    _, keep = M.run_numpy(mods, score=np.zeros((1,)), b=b, h=h, i=i, j=j, S=S, T=T, params={"W": W})
+    assert np.array_equal(keep, np.broadcast_to((j <= i) & (j > i - W), keep.shape))
+
+
+def test_the_shipped_sliding_window_reads_its_width_at_launch():
+    sys.path.insert(0, str(SPECS.parent / "tests"))
+    from test_kir import planned
+    (p,) = planned("attention_sliding_window")
+    desc, names, dims, scalars = A.lower(p.ir, "sm90a")
+    assert desc.mods.mask_mod is None and desc.mods.window is not None
+    w_abi = [c for c, n in names.items() if n == "W"]
+    assert w_abi and w_abi[0] in desc.scalars
+    glue = A._glue(desc, "ciface", "entry", (0,), (8,))
+    assert f"scalars[{desc.scalars.index(w_abi[0])}]" in glue and "window_left" in glue

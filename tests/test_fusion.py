@@ -965,6 +965,17 @@ def test_swiglu_without_a_dual_gemm_backend_plans_three_gemms_with_a_note():
     lower_all(sched)
 
 
+def test_a_backend_pin_binds_what_fusion_asks():
+    """`backend = cutlass` in a schedule block pins the kernel to CUTLASS C++, which builds no dual
+    GEMM: fusion asks the pinned backend, so the plan stays three GEMMs (with the reason in a note)
+    instead of fusing a kernel the pin then refuses."""
+    spec = SWIGLU + "\nschedule swiglu_mlp { backend = cutlass }\n"
+    sched = plan_kernel(kernel_of(spec), ARCHS, Planner())
+    assert [p.kind for p in sched.plans] == ["gemm", "gemm", "gemm"]
+    assert all(c.backend == "cutlass" for p in sched.plans for c in p.choices.values())
+    assert any("stay separate GEMMs" in n and "cutlass" in n for n in sched.fusion.notes), sched.fusion.notes
+
+
 def test_cutlass_declines_the_dual_gemm_by_capability():
     from kspec.backends import registry
     sched = plan_kernel(kernel_of(SWIGLU), ARCHS, Planner())

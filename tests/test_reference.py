@@ -223,17 +223,27 @@ def sdpa64(Q, K, V, scale, *, group=1, bias=None, keep=None, cap=None):
 
 def test_attention_gqa():
     rng = np.random.default_rng(31)
+    Q = rand(rng, (2, 8, 5, 128), F16)
+    K, V = rand(rng, (2, 2, 9, 128), F16), rand(rng, (2, 2, 9, 128), F16)
+    out = run_both(SPECS / "attention_gqa.kspec", Q=Q, K=K, V=V)
+    assert_close(out["O"], sdpa64(Q, K, V, 0.08838834764831845, group=4), F16)
+    # multi-query attention: 4 query heads share one K/V head
+    out = reference(SPECS / "attention_gqa.kspec")(Q=Q[:, :4], K=K[:, :1], V=V[:, :1])
+    assert_close(out["O"], sdpa64(Q[:, :4], K[:, :1], V[:, :1], 0.08838834764831845, group=4), F16)
+    # 7 heads in groups of 4 need a second K/V head: a clear error naming the subscript
+    with pytest.raises(KspecError, match=r"subscript h / 4 of 'K' \(axis 1\) is 1 at b=0, h=4, .*size 1"):
+        reference(SPECS / "attention_gqa.kspec")(Q=Q[:, :7], K=K[:, :1], V=V[:, :1])
+
+
+def test_attention_gqa_with_a_param_group():
+    """`h / G` with an i32 param G: the same function, G given at call time."""
+    rng = np.random.default_rng(32)
+    src = (SPECS / "attention_gqa.kspec").read_text().replace("h / 4", "h / G").replace(
+        "  in  Q :", "  param G : i32 = 4\n  in  Q :")
     Q = rand(rng, (2, 6, 5, 128), F16)
     K, V = rand(rng, (2, 2, 9, 128), F16), rand(rng, (2, 2, 9, 128), F16)
-    out = run_both(SPECS / "attention_gqa.kspec", Q=Q, K=K, V=V, G=3)
+    out = run_both(src, Q=Q, K=K, V=V, G=3)
     assert_close(out["O"], sdpa64(Q, K, V, 0.08838834764831845, group=3), F16)
-    # multi-query attention is G = H
-    out = reference(SPECS / "attention_gqa.kspec")(Q=Q, K=K[:, :1], V=V[:, :1], G=6)
-    assert_close(out["O"], sdpa64(Q, K[:, :1], V[:, :1], 0.08838834764831845, group=6), F16)
-    # 7 heads in groups of 3 need a third K/V head: a clear error naming the subscript
-    with pytest.raises(KspecError, match=r"subscript h / G of 'K' \(axis 1\) is 2 at b=0, h=6, .*size 2"):
-        reference(SPECS / "attention_gqa.kspec")(Q=Q[:, :1].repeat(7, axis=1), K=K, V=V, G=3)
-
 
 def test_attention_alibi():
     rng = np.random.default_rng(32)

@@ -30,10 +30,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kspec.backends.desc import Const, Load
@@ -293,6 +294,9 @@ def lower(ir, arch: str, sm_count: int | None = None):
     else:
         scale = Const(float(a.scale))
     mods = attnmods.analyse(view, mod_roles)
+    for p in attnmods.window_params(mods.window):        # window bounds read integer params at launch
+        scalars[names(p)] = p
+    mods = replace(mods, window=attnmods.rename_window_params(mods.window, names))
     mod_scalars = []
     for kind, ref in mods.scalars:
         if kind == "param":
@@ -655,7 +659,11 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
         values.append(f"    float softmax_scale = (float){float(desc.scale.value)!r};")
 
     def linear(form) -> str:
-        terms = [f"({c}LL)" if v == "1" else f"({c}LL) * {v}" for v, c in form]
+        def var(v: str) -> str:
+            if v.startswith(attnmods.PARAM):
+                return f"(int64_t)scalars[{desc.scalars.index(v[len(attnmods.PARAM):])}]"
+            return v
+        terms = [f"({c}LL)" if v == "1" else f"({c}LL) * {var(v)}" for v, c in form]
         return " + ".join(terms) or "0"
     w = desc.mods.window
     if w is not None and w.left is not None:
@@ -711,9 +719,17 @@ def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
     return {"symbol": entry, "param_offsets": list(offs), "compile_seconds": seconds}
 
 
-def _import_entry(path: Path, key: str):
-    from .build import _import_entry as imp
-    return imp(path, "attn_" + key)
+def _import_entry(path: Path):
+    """The generated module, imported under a name unique to its build directory (the DSL reads
+    the source of jit functions through their module, so it stays in sys.modules)."""
+    import importlib.util
+    import sys
+    name = "kspec_fa4_entry_" + re.sub(r"\W", "_", path.parent.name)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _read(d: Path) -> dict | None:
@@ -770,7 +786,7 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
     try:
         (work / "entry.py").write_text(entry_source(desc))
         with compat.fa4_target(desc.arch, desc.sm_count):
-            mod = _import_entry(work / "entry.py", key)
+            mod = _import_entry(work / "entry.py")
         found = choose_variants(desc, mod)
         if lengths is not None:
             found = [(sig, fa, [s for s in ls if s in lengths] or ls[:1]) for sig, fa, ls in found
@@ -808,7 +824,4 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
     meta = _read(d) or meta
     return _result(desc, key, d, meta, time.monotonic() - t0, False)
 
-
-def describe(desc: AttnDesc) -> str:
-    return ", ".join(f"{k}={v}" for k, v in config_items(desc))
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 from kspec.compiler.kir import AuxLoad, Const, Index, Load, Op, Score, Size
-from kspec.core import KspecInternalError
+from kspec.core import INT_DTYPES, KspecInternalError
 
 _COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
 _BOOL = _COMPARE | {"and", "or", "not"}
@@ -39,7 +39,8 @@ _FLOAT_FNS = {"add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "
               "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "clamp"}
 _RENAME = {"and": "land", "or": "lor", "not": "lnot"}
 
-Linear = tuple[tuple[str, int], ...]          # ((var, coefficient), ...) over "S", "T", "1"
+Linear = tuple[tuple[str, int], ...]          # ((var, coefficient), ...) over "S", "T", "1", "param:<name>"
+PARAM = "param:"                               # a window term: an integer scalar param's runtime value
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,10 @@ class Mods:
 # ---------------------------------------------------------------------------------------------
 
 def _linear(e, labels: dict[str, str], sizes: dict[str, str]) -> dict[str, int] | None:
-    """e as {var: coefficient} over i, j, S, T, 1, or None when it is not such a linear form."""
+    """e as {var: coefficient} over i, j, S, T, 1 and integer scalar params ("param:<name>"), or None
+    when it is not such a linear form."""
+    if isinstance(e, Load):
+        return {PARAM + e.name: 1} if e.kind == "scalar" and e.dtype in INT_DTYPES else None
     if isinstance(e, Const):
         if not math.isfinite(e.value) or e.value != int(e.value):
             return None
@@ -376,9 +380,28 @@ def analyse(a, roles: dict[str, str]) -> Mods:
                 mask_src and _finish("kspec_mask_mod", mask_src), tuple(a.aux), tuple(scalars))
 
 
-def run_numpy(mods: Mods, *, score, b, h, i, j, S, T, aux=(), scalars=()):
+def window_params(window: Window | None) -> tuple[str, ...]:
+    """The integer scalar params a native window's bounds read, in first-use order."""
+    out: list[str] = []
+    for form in (() if window is None else (window.left or (), window.right or ())):
+        out += [v[len(PARAM):] for v, _ in form if v.startswith(PARAM) and v[len(PARAM):] not in out]
+    return tuple(out)
+
+
+def rename_window_params(window: Window | None, rename) -> Window | None:
+    """The window with each param term's name mapped by `rename` (spec name -> ABI name)."""
+    if window is None:
+        return None
+
+    def form(f):
+        return None if f is None else tuple((PARAM + rename(v[len(PARAM):]) if v.startswith(PARAM) else v, c)
+                                            for v, c in f)
+    return Window(form(window.left), form(window.right))
+
+
+def run_numpy(mods: Mods, *, score, b, h, i, j, S, T, aux=(), scalars=(), params=None):
     """Evaluate the generated mods with numpy (tests): (modified score, keep mask) over broadcast
-    index arrays; the same source the kernel traces."""
+    index arrays; the same source the kernel traces.  params: values of the window's params."""
     import types
 
     import numpy as np
@@ -399,7 +422,7 @@ def run_numpy(mods: Mods, *, score, b, h, i, j, S, T, aux=(), scalars=()):
         keep = keep & (j <= i + (T - S))
     if mods.window is not None:
         def value(form):
-            env = {"S": S, "T": T, "1": 1}
+            env = {"S": S, "T": T, "1": 1, **{PARAM + k: v for k, v in (params or {}).items()}}
             return sum(c * env[k] for k, c in form)
         if mods.window.right is not None:
             keep = keep & (j <= i + (T - S) + value(mods.window.right))

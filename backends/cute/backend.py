@@ -132,39 +132,18 @@ class CuteBackend:
 
     def build_binaries(self, items, cache_root, jobs=None, progress=None) -> dict:
         """Build (cache lookups first, misses in parallel processes) every (label, LoweredPlan) of
-        this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets)."""
+        this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets) or
+        attention.AttnBuild (every size variant of a FlashAttention-4 kernel)."""
         from pathlib import Path
 
         from .parallel import CuteJob, build_many
-        out = self._build_attention([(lb, lp) for lb, lp in items if not isinstance(lp.desc, CuteDesc)],
-                                    cache_root, progress)
-        cjobs = [CuteJob(label, lp.desc.gemm, lp.arch, lp.desc.config) for label, lp in items
-                 if isinstance(lp.desc, CuteDesc)]
+        # GEMMs and FlashAttention-4 attention kernels alike, in parallel worker processes
+        cjobs = [CuteJob(label, lp.desc.gemm, lp.arch, lp.desc.config) if isinstance(lp.desc, CuteDesc)
+                 else CuteJob(label, lp.desc, lp.arch, None, kind="cute-fa4") for label, lp in items]
         if not cjobs:
-            return out
+            return {}
         built = build_many(cjobs, Path(cache_root), max_parallel=jobs, progress=progress)
-        return {**out, **{j.label: b for j, b in zip(cjobs, built)}}
-
-    @staticmethod
-    def _build_attention(items, cache_root, progress) -> dict:
-        """FlashAttention-4 kernels, one after another in this process (each is a few DSL compiles;
-        FA4's module state is process-global).  label -> attention.AttnBuild (every size variant)."""
-        import time
-        from pathlib import Path
-
-        from . import attention
-        from .parallel import CuteEvent, CuteJob
-        out = {}
-        for n, (label, lp) in enumerate(items):
-            job = CuteJob(label, None, lp.arch, None, kind="cute-fa4")
-            t0 = time.monotonic()
-            hit = attention.lookup(lp.desc, Path(cache_root) if cache_root else None)
-            if hit is None and progress is not None:
-                progress(CuteEvent("start", label, 0.0, job, n, len(items)))
-            out[label] = hit or attention.build(lp.desc, Path(cache_root) if cache_root else None)
-            if progress is not None:
-                progress(CuteEvent("cached" if hit else "done", label, time.monotonic() - t0, job, n + 1, len(items)))
-        return out
+        return {j.label: b for j, b in zip(cjobs, built)}
 
 
 def _from_items(items) -> cute_gemm.CuteConfig:

@@ -116,16 +116,20 @@ def ptx_params(ptx: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
 
 def param_layout(cubin: Path, ptx: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """(entry, offsets, sizes) of the kernel's parameters as the cubin declares them
-    (EIATTR_KPARAM_INFO, what the driver copies by): ptxas caps a parameter's `.align` in the
-    parameter area (a 64-byte-aligned TMA descriptor after 96 bytes of parameters lands at 112, not
-    128), so the PTX alone is not the layout.  The PTX's count and sizes must agree."""
+    (EIATTR_KPARAM_INFO, what the driver copies by), relative to the first: ptxas aligns parameters
+    in the constant bank, not in the parameter list (a 64-byte-aligned TMA descriptor after 96 bytes
+    of parameters lands at 112, not 128), so the PTX alone is not the layout.  The PTX's count and
+    sizes must agree."""
     from kspec.runtime.cubin import read_cubin
     entry, _offs, sizes = ptx_params(ptx)
     try:
         k = read_cubin(cubin).kernel(entry)
     except Exception as e:                          # noqa: BLE001  (reported with the cause)
         raise KspecInternalError(f"cannot read the parameter layout of {entry} from {cubin}: {e}") from e
-    offs = tuple(p.offset for p in k.params)
+    # relative to the first parameter: the blob holds the parameters, not the bank's leading padding
+    # (a cubin may start its parameter area at a non-zero offset to align a TMA descriptor)
+    base = k.params[0].offset if k.params else 0
+    offs = tuple(p.offset - base for p in k.params)
     csizes = tuple(p.size for p in k.params)
     if csizes != sizes:
         raise KspecInternalError(f"{entry}: the cubin declares parameter sizes {csizes}, the PTX {sizes}")
@@ -251,8 +255,9 @@ def capture_glue(tensors, checks: list[str], values: list[str], value_args: list
         *checks,
     ]
     for t in tensors:
-        shapes = ", ".join(f"(int32_t)({s})" for s in t.dynamic_shapes)
-        strides = ", ".join("(int64_t)" + "*".join(f"({f})" for f in s) for s in t.dynamic_strides)
+        # shapes and stride factors are C identifiers (dims roles) or integer literals
+        shapes = ", ".join(f"(int32_t){s}" for s in t.dynamic_shapes)
+        strides = ", ".join("(int64_t)" + "*".join(s) for s in t.dynamic_strides)
         init = [f"ptrs[{t.ptr_index}]"]
         if t.dynamic_shapes:
             init.append(f"{{{shapes}}}")

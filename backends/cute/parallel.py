@@ -25,9 +25,9 @@ HEARTBEAT_EVERY = 5.0         # then this often
 @dataclass(frozen=True)
 class CuteJob:
     label: str                  # "kernel gemm_0 on sm_90a"
-    desc: GemmDesc
+    desc: object                # GemmDesc, or attention.AttnDesc (kind "cute-fa4", config None)
     arch: str
-    config: CuteConfig
+    config: CuteConfig | None
     kind: str = "cute"
 
 
@@ -43,8 +43,19 @@ class CuteEvent:
     total: int
 
 
-def _worker(desc: GemmDesc, arch: str, root: str, cfg: CuteConfig) -> cbuild.CuteBuild:
-    return cbuild.build(desc, arch, Path(root), cfg)
+def _worker(desc, arch: str, root: str, cfg: CuteConfig | None):
+    """One build: a GEMM (GemmDesc) or a FlashAttention-4 attention kernel (attention.AttnDesc)."""
+    if isinstance(desc, GemmDesc):
+        return cbuild.build(desc, arch, Path(root), cfg)
+    from . import attention
+    return attention.build(desc, Path(root))
+
+
+def _lookup(job: "CuteJob", cache_root: Path):
+    if isinstance(job.desc, GemmDesc):
+        return cbuild.lookup(job.desc, job.arch, cache_root, job.config)
+    from . import attention
+    return attention.lookup(job.desc, cache_root)
 
 
 def build_many(jobs: Sequence[CuteJob], cache_root: Path, max_parallel: int | None = None,
@@ -64,7 +75,7 @@ def build_many(jobs: Sequence[CuteJob], cache_root: Path, max_parallel: int | No
 
     misses = []
     for i, j in enumerate(jobs):
-        hit = cbuild.lookup(j.desc, j.arch, cache_root, j.config)
+        hit = _lookup(j, cache_root)
         if hit is not None:
             results[i] = hit
             emit("cached", j, time.monotonic())
