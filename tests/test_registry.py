@@ -131,7 +131,7 @@ def test_unsupported_attention_head_dim_is_visible_and_strict_refuses_it(tmp_pat
     rc, out, err = run_cli(capsys, "graph", f, "--arch", "sm90a", "--strict")
     assert rc == 1 and "att96.kspec:" in err
     # the unfused attention is refused first, with the backends' reasons
-    assert "this attention is not fused into one kernel" in err and "not 96" in err
+    assert "this attention is not fused into one kernel" in err and "not 512" in err
     assert "--strict forbids unfused attention" in err
 
 
