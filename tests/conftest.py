@@ -38,6 +38,25 @@ def test_cache_root() -> Path:
 test_cache_root.__test__ = False  # a helper, not a test
 
 
+def cubin_sass(cubin) -> str | None:
+    """cuobjdump's SASS of a cubin; None where the toolchain or its cuobjdump is missing."""
+    import subprocess
+
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        return None
+    if tc.cuobjdump is None:
+        return None
+    r = subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, env=tc.env())
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+cubin_sass.__test__ = False  # a helper, not a test
+
+
 @pytest.fixture(scope="session")
 def kernel_cache():
     from kspec.backends.build import CompileCache

@@ -251,7 +251,7 @@ def test_paged_kv_gather_runs_before_the_attention():
   p[b, h, i, j] = softmax(j) s[b, h, i, j]
   O[b, h, i, e] = sum(j) p[b, h, i, j] * v[b, h, j, e]
 }"""
-    # j has no extent: the block-table form needs the key count declared (see the README)
+    # j has no extent: `j / P` gives it one only where P is a size (the pool's page axis), not a param
     with pytest.raises(KspecError, match="index 'j' of 'k' has no extent|extent of index 'j' cannot be inferred"):
         load_spec(src, is_text=True)
 

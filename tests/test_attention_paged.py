@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import SPECS, test_cache_root
+from conftest import SPECS, cubin_sass, test_cache_root
 
 import kspec
 from kspec.compiler import plan_kernel
@@ -134,19 +133,6 @@ def test_fa4_lowering_and_its_reasons():
     assert "multiples of 16" in A.unsupported(odd, "sm90a")
 
 
-def _sass(cubin):
-    from kspec.backends.toolchain import find_toolchain
-    try:
-        tc = find_toolchain()
-    except Exception:
-        return None
-    if tc.cuobjdump is None:
-        return None
-    r = subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, env=tc.env())
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
 @pytest.fixture(scope="module")
 def paged_artifact(tmp_path_factory):
     from kspec.backends.build import CompileCache
@@ -169,7 +155,7 @@ def test_paged_spec_builds_one_fa4_kernel_per_arch_with_tensor_cores(paged_artif
         assert b["backend"] == "cute" and b["config"]["paged_kv"] == "page_size=P"
         for v in b["variants"]:
             assert v["config"]["kv_loads"] == "cp.async"        # any page size at run time
-            sass = _sass(paged_artifact / v["cubin"])
+            sass = cubin_sass(paged_artifact / v["cubin"])
             if sass is not None:
                 assert insn in sass, f"{arch}: no{insn}"
 

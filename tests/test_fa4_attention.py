@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import SPECS, test_cache_root
+from conftest import SPECS, cubin_sass, test_cache_root
 
 from kspec.backends.cute import attention as A
 from kspec.backends.cute import attnmods as M
@@ -150,19 +150,6 @@ def fa4_artifacts(tmp_path_factory):
     return get
 
 
-def _sass(cubin):
-    from kspec.backends.toolchain import find_toolchain
-    try:
-        tc = find_toolchain()
-    except Exception:
-        return None
-    if tc.cuobjdump is None:
-        return None
-    r = subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, env=tc.env())
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
 @needs_fa4
 @pytest.mark.cute
 @pytest.mark.parametrize("stem", ["attention", "attention_causal"])
@@ -185,7 +172,7 @@ def test_shipped_attention_specs_build_one_fa4_kernel_per_arch(fa4_artifacts, st
         needed = {l.split("[")[1].rstrip("]") for l in deps.splitlines() if "(NEEDED)" in l}
         assert needed <= {"libc.so.6", "ld-linux-x86-64.so.2"}   # no libcute_dsl_runtime, no libtvm_ffi
         for v in variants:
-            sass = _sass(art / v["cubin"])
+            sass = cubin_sass(art / v["cubin"])
             if sass is not None:
                 assert f" {insn}" in sass and "UTMALDG" in sass, f"{stem} {arch}: no {insn}"
 
@@ -302,7 +289,7 @@ def test_attention_variants_compile_offline(name, arch):
     built = A.build(desc, test_cache_root(), lengths=[4096])
     (v,) = built.variants
     assert v.symbol.startswith("kernel_cutlass_kernel_flash_attn")
-    sass = _sass(v.cubin)
+    sass = cubin_sass(v.cubin)
     if sass is not None:
         assert (" HGMMA" if arch == "sm90a" else " UTCHMMA") in sass
     src = A.entry_source(desc)
