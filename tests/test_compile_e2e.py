@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import AWAITING_ATTENTION_BACKEND, SHIPPED, SPECS
+from conftest import NEED_FA4, NO_BACKEND_YET, SHIPPED, SPECS
 
 from kspec.compile import emit_spec
 
@@ -19,8 +19,8 @@ ARCHS = ("sm90a", "sm100a")
 # every shipped spec through the C++-emitting backends (CUTLASS pinned for its GEMMs and attention);
 # the int8 GEMM only has a CuTe DSL tensor-core kernel (tests/test_cute_backend.py), and so has
 # paged attention (FlashAttention-4: tests/test_attention_paged.py)
-# (the attention variants need their own backend: see conftest.AWAITING_ATTENTION_BACKEND)
-CPP_SHIPPED = [s for s in SHIPPED if s not in ("gemm_int8", "attention_paged") and s not in AWAITING_ATTENTION_BACKEND]
+# (the attention variants are FlashAttention-4's alone: see conftest.NEED_FA4 and the test below)
+CPP_SHIPPED = [s for s in SHIPPED if s not in ("gemm_int8",) and s not in NEED_FA4 | NO_BACKEND_YET]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,18 @@ def emitted():
 
 PLANS = {"mlp2": 2, "swiglu_mlp": 2}       # specs that are more than one kernel (two GEMMs)
 OTHER_BACKEND = {"swiglu_mlp_0": "cute"}   # the dual GEMM: CUTLASS C++ declines it, the CuTe DSL builds it
+
+
+@pytest.mark.parametrize("stem", sorted(NEED_FA4))
+def test_every_attention_variant_is_one_flashattention4_kernel_per_arch(stem):
+    from kspec.backends.cute import compat
+    if compat.fa4_available():
+        pytest.skip(f"FlashAttention-4 unavailable: {compat.fa4_available()}")
+    e = emit_spec(SPECS / f"{stem}.kspec", ARCHS)
+    (plist,) = e.plans.values()
+    assert [(p.lowered.arch, p.lowered.backend, p.lowered.ir.kind) for p in plist] == \
+        [(a, "cute", "attention") for a in ARCHS]
+    assert all("FlashAttention-4" in dict(p.lowered.config)["kernel"] for p in plist)
 
 
 @pytest.mark.parametrize("stem", CPP_SHIPPED)
