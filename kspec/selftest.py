@@ -33,10 +33,15 @@ EXIT_OK, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 3
 
 # K and N (contiguous extents of the shipped layouts) stay multiples of 16 elements: TMA needs
 # 16-byte aligned rows for every dtype down to fp8.
+# Attention: H is a multiple of 4 (attention_gqa's literal group) over KH K/V heads; a paged KV
+# cache has NP pages of P keys, MP pages per sequence.
 SIZE_SETS: dict[str, dict[str, int]] = {
-    "tiles": {"M": 256, "N": 384, "K": 256, "L": 2, "B": 2, "H": 4, "S": 256, "T": 256, "F": 512, "V": 512},
-    "ragged": {"M": 200, "N": 144, "K": 80, "L": 3, "B": 1, "H": 3, "S": 136, "T": 200, "F": 136, "V": 1000},
-    "small": {"M": 8, "N": 16, "K": 16, "L": 1, "B": 1, "H": 1, "S": 8, "T": 24, "F": 16, "V": 24},
+    "tiles": {"M": 256, "N": 384, "K": 256, "L": 2, "B": 2, "H": 4, "KH": 1, "S": 256, "T": 256, "F": 512, "V": 512,
+              "NP": 32, "P": 16, "MP": 16},
+    "ragged": {"M": 200, "N": 144, "K": 80, "L": 3, "B": 1, "H": 8, "KH": 2, "S": 136, "T": 200, "F": 136, "V": 1000,
+               "NP": 40, "P": 16, "MP": 13},
+    "small": {"M": 8, "N": 16, "K": 16, "L": 1, "B": 1, "H": 4, "KH": 1, "S": 8, "T": 24, "F": 16, "V": 24,
+              "NP": 4, "P": 8, "MP": 3},
 }
 OFFSET = 256
 
