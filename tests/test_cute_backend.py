@@ -4,7 +4,6 @@ GEMM-family shipped spec for sm_90a and sm_100a: tensor-core SASS, a libc-only h
 launch ABI through the fake-driver layer."""
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import shutil
@@ -385,29 +384,14 @@ def test_shipped_gemm_spec_builds_offline_for_both_archs(cute_artifacts, stem):
             assert "UTMALDG" in sass and "UTMASTG" in sass
 
 
-class _Recorder:
-    """The fake-driver layer (tests/test_runtime.RecordingDriver's interface) with multi-parameter launches."""
-
-    def __init__(self, cc):
-        from test_runtime import RecordingDriver
-        self.base = RecordingDriver(cc)
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what, param_offsets=None):
-        self.base.log.append(("launch", what, grid, block, cluster, smem, stream, param_offsets,
-                              ctypes.string_at(params_ptr, (param_offsets[-1] + 256) if param_offsets else 64)))
-
-
 @needs_dsl
 @pytest.mark.cute
 @pytest.mark.parametrize("arch", ARCHS)
 def test_launch_abi_through_the_fake_driver(cute_artifacts, monkeypatch, arch):
     import kspec
     from kspec.runtime import driver
-    from test_runtime import FakeCAI
-    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    from test_runtime import FakeCAI, MultiParamRecorder
+    rec = MultiParamRecorder((9, 0) if arch == "sm90a" else (10, 0))
     monkeypatch.setattr(driver, "_driver", rec)
     art = cute_artifacts("gemm_bias_gelu_residual")
     mod = kspec.load(art)
@@ -788,7 +772,7 @@ def test_per_batch_vectors_build_offline_and_launch_through_the_fake_driver(tmp_
     from kspec.backends.build import CompileCache
     from kspec.compile import compile_spec
     from kspec.runtime import driver
-    from test_runtime import FakeCAI
+    from test_runtime import FakeCAI, MultiParamRecorder
     spec = tmp_path / "bgemm_bias.kspec"
     spec.write_text(PER_BATCH_SPEC)
     art = compile_spec(spec, (arch,), tmp_path / "out", cache=CompileCache(test_cache_root()), backend="cute")
@@ -804,7 +788,7 @@ def test_per_batch_vectors_build_offline_and_launch_through_the_fake_driver(tmp_
     if tc is not None and tc.cuobjdump is not None:
         sass = _sass(art / b["cubin"], tc)
         assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass
-    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    rec = MultiParamRecorder((9, 0) if arch == "sm90a" else (10, 0))
     monkeypatch.setattr(driver, "_driver", rec)
     mod = kspec.load(art)
     base = 0x7F0000000000
@@ -919,7 +903,7 @@ def test_swiglu_mlp_builds_two_kernels_and_launches_through_the_fake_driver(tmp_
     from kspec.backends.build import CompileCache
     from kspec.compile import compile_spec
     from kspec.runtime import driver
-    from test_runtime import FakeCAI
+    from test_runtime import FakeCAI, MultiParamRecorder
     art = compile_spec(SPECS / "swiglu_mlp.kspec", (arch,), tmp_path, cache=CompileCache(test_cache_root()),
                        backend="cute")
     m = json.loads((art / "manifest.json").read_text())
@@ -933,7 +917,7 @@ def test_swiglu_mlp_builds_two_kernels_and_launches_through_the_fake_driver(tmp_
     if tc is not None and tc.cuobjdump is not None:
         for p in plans:
             assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in _sass(art / p["binaries"][arch]["cubin"], tc)
-    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    rec = MultiParamRecorder((9, 0) if arch == "sm90a" else (10, 0))
     monkeypatch.setattr(driver, "_driver", rec)
     mod = kspec.load(art)
     base = 0x7F0000000000

@@ -4,7 +4,6 @@ here; offline builds on both archs (tensor-core SASS, size-bucketed variants in 
 launch ABI through the fake driver with variant dispatch; bad inputs rejected before launch."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import math
@@ -177,19 +176,6 @@ def test_shipped_attention_specs_build_one_fa4_kernel_per_arch(fa4_artifacts, st
                 assert f" {insn}" in sass and "UTMALDG" in sass, f"{stem} {arch}: no {insn}"
 
 
-class _Recorder:
-    def __init__(self, cc):
-        from test_runtime import RecordingDriver
-        self.base = RecordingDriver(cc)
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what, param_offsets=None):
-        self.base.log.append(("launch", what, grid, block, cluster, smem, stream, param_offsets,
-                              ctypes.string_at(params_ptr, param_offsets[-1] + 64)))
-
-
 @needs_fa4
 @pytest.mark.cute
 @pytest.mark.parametrize("arch", ARCHS)
@@ -199,8 +185,8 @@ def test_launch_abi_and_variant_dispatch_through_the_fake_driver(fa4_artifacts, 
     import kspec
     from kspec.runtime import driver
     from kspec.runtime.errors import KspecRuntimeError
-    from test_runtime import FakeCAI
-    rec = _Recorder((9, 0) if arch == "sm90a" else (10, 0))
+    from test_runtime import FakeCAI, MultiParamRecorder
+    rec = MultiParamRecorder((9, 0) if arch == "sm90a" else (10, 0), tail=64)
     monkeypatch.setattr(driver, "_driver", rec)
     art = fa4_artifacts("attention")
     mod = kspec.load(art)

@@ -571,6 +571,22 @@ class RecordingDriver:
                          ctypes.string_at(params_ptr, 56 if "scale_add" in what else 32)))
 
 
+class MultiParamRecorder:
+    """RecordingDriver with multi-parameter (CuTe DSL) launches: records the parameter offsets and
+    the parameter bytes up to `tail` bytes past the last parameter's offset."""
+
+    def __init__(self, cc, tail: int = 256):
+        self.base = RecordingDriver(cc)
+        self.tail = tail
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what, param_offsets=None):
+        self.base.log.append(("launch", what, grid, block, cluster, smem, stream, param_offsets,
+                              ctypes.string_at(params_ptr, (param_offsets[-1] + self.tail) if param_offsets else 64)))
+
+
 @pytest.fixture
 def recording(monkeypatch):
     from kspec.runtime import driver
