@@ -22,12 +22,14 @@ NEED_FA4 = frozenset({"attention_gqa", "attention_alibi", "attention_sliding_win
 NO_BACKEND_YET = frozenset({"attention_varlen"})
 
 
-def _awaiting() -> frozenset:
+def _fa4_missing() -> str | None:
     from kspec.backends.cute import compat
-    return NO_BACKEND_YET | (NEED_FA4 if compat.fa4_available() else frozenset())
+    return compat.fa4_available()
 
 
-AWAITING_ATTENTION_BACKEND = _awaiting()
+FA4_MISSING = _fa4_missing()              # why the FlashAttention-4 route is unavailable (None: it is)
+needs_fa4 = pytest.mark.skipif(FA4_MISSING is not None, reason=f"FlashAttention-4 unavailable: {FA4_MISSING}")
+AWAITING_ATTENTION_BACKEND = NO_BACKEND_YET | (NEED_FA4 if FA4_MISSING else frozenset())
 
 
 def shipped_params(stems):

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SPECS, cubin_sass, test_cache_root
+from conftest import FA4_MISSING, SPECS, cubin_sass, test_cache_root
 
 import kspec
 from kspec.compiler import plan_kernel
@@ -136,9 +136,8 @@ def test_fa4_lowering_and_its_reasons():
 @pytest.fixture(scope="module")
 def paged_artifact(tmp_path_factory):
     from kspec.backends.build import CompileCache
-    from kspec.backends.cute import compat
-    if compat.fa4_available():
-        pytest.skip(f"FlashAttention-4 unavailable: {compat.fa4_available()}")
+    if FA4_MISSING:
+        pytest.skip(f"FlashAttention-4 unavailable: {FA4_MISSING}")
     from kspec.compile import compile_spec
     return compile_spec(PAGED, ARCHS, tmp_path_factory.mktemp("paged"), cache=CompileCache(test_cache_root()))
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import NEED_FA4, NO_BACKEND_YET, SHIPPED, SPECS
+from conftest import NEED_FA4, NO_BACKEND_YET, SHIPPED, SPECS, needs_fa4
 
 from kspec.compile import emit_spec
 
@@ -32,11 +32,9 @@ PLANS = {"mlp2": 2, "swiglu_mlp": 2}       # specs that are more than one kernel
 OTHER_BACKEND = {"swiglu_mlp_0": "cute"}   # the dual GEMM: CUTLASS C++ declines it, the CuTe DSL builds it
 
 
+@needs_fa4
 @pytest.mark.parametrize("stem", sorted(NEED_FA4))
 def test_every_attention_variant_is_one_flashattention4_kernel_per_arch(stem):
-    from kspec.backends.cute import compat
-    if compat.fa4_available():
-        pytest.skip(f"FlashAttention-4 unavailable: {compat.fa4_available()}")
     e = emit_spec(SPECS / f"{stem}.kspec", ARCHS)
     (plist,) = e.plans.values()
     assert [(p.lowered.arch, p.lowered.backend, p.lowered.ir.kind) for p in plist] == \

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import SPECS, cubin_sass, test_cache_root
+from conftest import SPECS, cubin_sass, needs_fa4, test_cache_root
 
 from kspec.backends.cute import attention as A
 from kspec.backends.cute import attnmods as M
@@ -22,8 +22,6 @@ from kspec.backends.cute import compat
 from kspec.compiler.kir import AuxLoad, Const, Index, IRBuffer, Op, Score, Size
 
 ARCHS = ("sm90a", "sm100a")
-FA4 = compat.fa4_available()
-needs_fa4 = pytest.mark.skipif(FA4 is not None, reason=f"FlashAttention-4 unavailable: {FA4}")
 
 
 def _ir(spec="attention", extra=(), **mods):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import FA4_MISSING, needs_fa4
 
 from kspec.backends import registry
 from kspec.backends.api import Backend
@@ -109,10 +110,8 @@ def test_slow_paths_are_reported_as_fallbacks(src, kind, reason):
 HEAD512 = HEAD96.replace("96", "512").replace("att512", "att96")
 
 
+@needs_fa4
 def test_head_dim_96_is_one_fused_kernel_where_flashattention4_is_installed():
-    from kspec.backends.cute import compat
-    if compat.fa4_available() is not None:
-        pytest.skip(f"FlashAttention-4 unavailable: {compat.fa4_available()}")
     (p,) = plans(HEAD96)
     assert p.kind == "attention" and p.choices["sm90a"].backend == "cute" and p.choices["sm90a"].fallback is None
 
@@ -184,8 +183,7 @@ def test_kspec_lower_prints_ir_backend_and_cost(capsys):
     rc, out, _ = run_cli(capsys, "lower", SPECS / "attention.kspec", "--format", "json")
     (doc,) = json.loads(out)
     # FlashAttention-4 through the CuTe DSL backend where it is installed, else the CUTLASS FMHA templates
-    from kspec.backends.cute import compat
-    want = "cute" if compat.fa4_available() is None else "cutlass"
+    want = "cute" if FA4_MISSING is None else "cutlass"
     assert doc["ir"]["kind"] == "attention" and doc["backends"]["sm90a"]["backend"] == want
 
 
