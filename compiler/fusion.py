@@ -71,6 +71,7 @@ class AttentionInfo:
     v_read: object = None
     page_table: object = None          # paged KV: the block-table input (K/V are page pools)
     page_size: object = None           # paged KV: rows per page (int or size symbol)
+    orders: tuple = ()                 # Q, K, V, O: the labels in storage order; () = [batch.., seq, head]
 
 
 def is_operator(g: nx.DiGraph, n) -> bool:
@@ -133,11 +134,13 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                        "so it must be written to memory")
             continue
         qo = op(g, qk)
-        if len(qo.reduced) != 1 or len(qo.axes) < 2 or qo.axes[-1] != axis:
+        # the attention's labels are the softmax's: [batch.., i, j]; the QK contraction may hold
+        # them in another order (it follows Q's storage order: Q[b, i, h, e] gives [b, i, h, j])
+        if len(qo.reduced) != 1 or len(o.axes) < 2 or o.axes[-1] != axis or set(qo.axes) != set(o.axes):
             _not_fused(res, g, sm, "scores must be [batch.., i, j] with one head index")
             continue
-        query, head = qo.axes[-2], qo.reduced[0]
-        batch = qo.axes[:-2]
+        query, head = o.axes[-2], qo.reduced[0]
+        batch = o.axes[:-2]
         (uq, lq), (uk, lk) = operands(g, qk)
         if axis in lq:
             (uq, lq), (uk, lk) = (uk, lk), (uq, lq)
@@ -150,13 +153,21 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             continue
         if paged is not None:
             lk = lv = (*batch, axis, head)      # the logical K/V a paged read gives
-        kv_batch = tuple(lk[:-2])
-        shapes_ok = (lq == (*batch, query, head) and tuple(lk[-2:]) == (axis, head) and lv == lk
-                     and _is_subsequence(kv_batch, tuple(batch)) and po.axes == (*batch, query, head))
+        # Q, K, V and O in any storage order of their axes ([b, h, s, e] or FlashAttention's
+        # [b, s, h, e]) with the head dim innermost; K and V alike
+        kv_batch = tuple(x for x in lk if x not in (axis, head))
+        o_order = _stored_order(g, pv)
+        shapes_ok = (_same_axes(lq, (*batch, query, head)) and _same_axes(lk, (*kv_batch, axis, head))
+                     and lv == lk and _is_subsequence(kv_batch, tuple(batch))
+                     and set(po.axes) == {*batch, query, head} and _same_axes(o_order, (*batch, query, head)))
         if not shapes_ok:
-            _not_fused(res, g, sm, "Q, K, V and O must be [batch.., seq, head], K and V alike, with K/V batch "
-                       f"axes among Q's (got Q{list(lq)}, K{list(lk)}, V{list(lv)}, O{list(po.axes)})")
+            _not_fused(res, g, sm, "Q, K, V and O must be [batch.., seq, head] (in any order, the head dim "
+                       "innermost), K and V alike, with K/V batch axes among Q's (got "
+                       f"Q{list(lq)}, K{list(lk)}, V{list(lv)}, O{list(o_order)})")
             continue
+        canonical = ((*batch, query, head), (*kv_batch, axis, head), (*kv_batch, axis, head), (*batch, query, head))
+        orders = (tuple(lq), tuple(lk), tuple(lv), tuple(o_order))
+        orders = () if orders == canonical else orders
         if o.causal is not None and o.causal != query:
             _not_fused(res, g, sm, f"causal index '{o.causal}' is not the query index")
             continue
@@ -165,7 +176,7 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         # gather (e.g. through a block table) runs as a kernel of its own before the attention
         reads = {}
         for role, u, labels in (("K", uk, lk), ("V", uv, lv)):
-            found = kv_group_read(g, u, labels[-3]) if len(labels) >= 3 and len(_consumers(g, u)) == 1 else None
+            found = kv_group_read(g, u, batch[-1]) if len(batch) >= 1 and len(_consumers(g, u)) == 1 else None
             if paged is not None:
                 src, _bt, _page, pnodes = paged[role]
                 found = (src, None, None, pnodes)
@@ -180,13 +191,13 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             _not_fused(res, g, sm, f"between the QK contraction and the softmax, {e}")
             continue
         top_left = is_top_left_causal(mods.mask, query, axis) and \
-            op(g, qk).shape[-1] == op(g, qk).shape[-2]
+            qo.shape[qo.axes.index(axis)] == qo.shape[qo.axes.index(query)]
         if top_left:
             mods = LiftedMods(mods.score_mod, None, mods.aux, mods.nodes)
         info = AttentionInfo(qk, sm, pv, tuple(sp.scale), uq, k_in, v_in, tuple(batch), query, axis, head,
                              o.causal == query or top_left, tuple(p_cast),
                              None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv,
-                             *((paged["K"][1], paged["K"][2]) if paged is not None else ()))
+                             *((paged["K"][1], paged["K"][2]) if paged is not None else (None, None)), orders)
         nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
@@ -226,6 +237,20 @@ def _paged_reads(g, k, v, key: str, head: str, batch: tuple[str, ...]):
         return (f"a paged K/V read must give every label of [{', '.join((*batch, key, head))}] (got "
                 f"K{list(k[1])}, V{list(v[1])})")
     return reads
+
+
+def _same_axes(labels, want: tuple) -> bool:
+    """labels holds the labels of want, in any order, with want's last (the head dim) last."""
+    return len(labels) == len(want) and set(labels) == set(want) and tuple(labels)[-1] == want[-1]
+
+
+def _stored_order(g, pv) -> tuple:
+    """The attention's labels in the storage order of its output: the axes of the value an output
+    node stores (PV, or the cast after it), named as the PV contraction names them."""
+    n = pv
+    while len(_consumers(g, n)) == 1 and op(g, _consumers(g, n)[0]).kind == "cast":
+        n = _consumers(g, n)[0]
+    return tuple(op(g, n).axes)
 
 
 def _is_subsequence(sub: tuple, seq: tuple) -> bool:

@@ -43,6 +43,7 @@ class OpNode:
     value: float | int | None = None      # const
     causal: str | None = None             # softmax: the query label of a causal mask
     layout: str = "row"                   # input/output storage layout
+    packed: str | None = None             # input/output: `packed(cu)`, the offsets tensor (varlen)
     # gather: per axis of the source (operand 0), what selects the element: an axis label of this
     # node, "#<int>" a literal, or "@<pos>" the integer value of operand <pos> at this point
     subscripts: tuple[str, ...] = ()
@@ -111,7 +112,7 @@ class _Builder:
             if t.role == "in":
                 axes = tuple(f"d{i}" for i in range(t.rank))
                 self.defined[t.name] = self.add(OpNode("input", t.dtype, axes, t.shape, name=t.name,
-                                                       layout=t.layout, span=t.span))
+                                                       layout=t.layout, packed=t.packed, span=t.span))
             elif t.role == "param":
                 self.defined[t.name] = self.add(OpNode("param", t.dtype, (), (), name=t.name,
                                                        value=t.default, span=t.span))
@@ -125,7 +126,8 @@ class _Builder:
             info = k.tensor(s.target)
             if info.role == "out":
                 self.add(OpNode("output", info.dtype, tuple(f"d{i}" for i in range(info.rank)), info.shape,
-                                name=info.name, layout=info.layout, span=info.span), [(root, s.indices)])
+                                name=info.name, layout=info.layout, packed=info.packed, span=info.span),
+                         [(root, s.indices)])
         return self.g
 
     def store(self, value: tuple[str, tuple[str, ...]], s) -> str:

@@ -13,14 +13,15 @@ computed inside the kernel, or by an earlier plan, is left to the kernel's own g
 element of an index tensor is checked, so a block table's unused entries must hold valid values
 too (or the range must allow negatives as a "no block" sentinel: `negative`).  Offsets that mark
 an end (cumulative sequence lengths) are ranges with `inclusive` and `monotonic` set, added here
-where the IR names them; so are per-sequence key counts (`AttentionStructure.kv_len`, in
+where the IR names them (the offsets of packed buffers, also `ends`: the last offset is the row
+count); so are per-sequence key counts (`AttentionStructure.kv_len`, in
 [0, keys], `inclusive`), whose extent may be a product (a paged cache's pages * page size).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from kspec.core import IndexRange
+from kspec.core import IndexRange, packed_rows_symbol
 
 from .kir import AuxLoad, IROp, KernelIR, epi_nodes
 
@@ -44,6 +45,12 @@ def index_ranges(ir: KernelIR) -> tuple[IndexRange, ...]:
             if sub.startswith("@"):
                 idx = ir.op(o.args[int(sub[1:])][0])
                 add(_input_buffer(ir, idx), _name(src), axis, _extent(ir, src, axis))
+    # the offsets of packed (varlen) buffers: cu[b] .. cu[b + 1] - 1 are sequence b's rows, so the
+    # offsets lie in [0, rows], never decrease, and the last one is the row count
+    for b in ir.buffers:
+        if b.packed is not None and _is_input(ir, b.packed) and not any(r.tensor == b.packed for r in found):
+            found.append(IndexRange(b.packed, b.name, 0, packed_rows_symbol(b.packed), inclusive=True,
+                                    monotonic=True, ends=True, plans=(ir.id,)))
     a = ir.attention
     if a is not None and a.kv_len is not None and _is_input(ir, a.kv_len):
         # per-sequence key counts: a kernel reads keys 0 .. kv_len[b] - 1, which must exist

@@ -247,7 +247,8 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
         score_mod=score_mod, mask=mask, aux=aux,
         kv_group=info.kv_group, kv_head=info.kv_head if info.kv_group is not None else None,
         page_table=buffer_of(info.page_table) if info.page_table is not None else None,
-        page_size=info.page_size, kv_len=key_length_bound(mask, info.key, tuple(info.batch)))
+        page_size=info.page_size, kv_len=key_length_bound(mask, info.key, tuple(info.batch)),
+        orders=tuple(info.orders))
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:
@@ -259,7 +260,7 @@ def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:
         o = op(g, u)
         if o.kind in ("input", "param"):
             infos.setdefault(o.name, IRBuffer(o.name, o.kind, o.dtype, () if o.kind == "param" else tuple(o.shape),
-                                              o.layout))
+                                              o.layout, packed=o.packed))
             return o.name
         name = f"tmp_{u}"
         infos.setdefault(name, IRBuffer(name, "intermediate", o.dtype, tuple(o.shape)))
@@ -271,7 +272,8 @@ def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:
         for s in outside:
             so = op(g, s)
             if so.kind == "output":
-                infos.setdefault(so.name, IRBuffer(so.name, "output", so.dtype, tuple(so.shape), so.layout))
+                infos.setdefault(so.name, IRBuffer(so.name, "output", so.dtype, tuple(so.shape), so.layout,
+                                                   packed=so.packed))
                 stores.append((n, so.name))
         if any(op(g, s).kind != "output" for s in outside):
             stores.append((n, buffer_of(n)))

@@ -340,6 +340,11 @@ class AttentionStructure:
     # are masked.  The mask says so too (it holds the conjunct `j < kv_len[b]`), so a backend that
     # ignores this field still computes the same function; one that knows it may skip those keys.
     kv_len: str | None = None
+    # Storage order of Q, K, V and O: each buffer's axes named by the attention's labels (K/V's head
+    # axis by the query head label, read at h // kv_group under GQA); () means the canonical
+    # [batch.., seq, head].  FlashAttention's own layout [b, s, h, e] is ((b, i, h, e), (b, j, h, e), ..).
+    # A packed buffer (IRBuffer.packed) stores its first two axes (batch, seq) as one row axis.
+    orders: tuple[tuple[str, ...], ...] = ()
 
     @property
     def head_dim(self) -> Extent | None:
@@ -602,6 +607,15 @@ def verify(ir: KernelIR) -> KernelIR:
                     bad(f"attention {what}: unknown scalar {x.name}")
         if a.lse is not None and (a.lse not in bufs or bufs[a.lse].role not in ("output", "intermediate")):
             bad(f"attention lse buffer {a.lse} is not an output")
+        if a.orders:
+            want = [(*a.batch, a.query, a.head), (*(x for x in a.orders[1] if x not in (a.key, a.head)), a.key, a.head)]
+            want += [want[1], want[0]]
+            if len(a.orders) != 4 or any(len(o) != len(w) or set(o) != set(w) or o[-1] != a.head
+                                         for o, w in zip(a.orders, want)):
+                bad(f"attention storage orders {a.orders} are not [batch.., seq, head] permutations, head last")
+            for name, o in zip((a.q_buffer, a.k_buffer, a.v_buffer), a.orders):
+                if name in bufs and a.page_table is None and len(bufs[name].shape) != len(o):
+                    bad(f"attention storage order of {name} has {len(o)} axes, the buffer {len(bufs[name].shape)}")
         if (a.page_table is None) != (a.page_size is None):
             bad("a paged KV cache needs both the page table and the page size")
         if a.page_table is not None:
@@ -667,6 +681,9 @@ def format_ir(ir: KernelIR) -> str:
                          f"row {a.key} % {a.page_size}")
         if a.kv_len is not None:
             lines.append(f"    keys used: {a.key} < {a.kv_len}[{a.batch[0]}]")
+        if a.orders:
+            lines.append("    storage: " + ", ".join(f"{n}[{', '.join(o)}]" for n, o in
+                                                   zip((a.q_buffer, a.k_buffer, a.v_buffer, a.out_buffers[0]), a.orders)))
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
@@ -768,7 +785,11 @@ def _gemm_to_json(s: GemmStructure, plain) -> dict:
 
 
 def _attention_to_json(a: AttentionStructure, plain, value) -> dict:
+    """The fields; `orders` only when not canonical, so the digest of an attention in the canonical
+    layout is what it was before storage orders existed."""
     d = {**plain(a), "scale": value(a.scale)}
+    if not a.orders:
+        del d["orders"]
     for k in ("score_mod", "mask"):
         d[k] = _epi_to_json(getattr(a, k)) if getattr(a, k) is not None else None
     return d

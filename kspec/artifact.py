@@ -53,6 +53,12 @@ Meaning of the fields
 - dtype: one of f16, bf16, f32, tf32, f8e4m3, f8e5m2, i8, i32 (tf32 tensors are stored as f32).
 - shape: each extent is a size symbol (an identifier, bound at call time from the arguments) or a
   non-negative int literal.  Every symbol used anywhere must occur in some input or output shape.
+  An extent may also be `SYM+INT` (`B+1`: the B + 1 cumulative offsets of B packed sequences),
+  which binds SYM to the argument's extent minus INT.
+- packed (optional, a tensor name): a variable-length batch `packed(cu)` is stored as
+  [cu_rows, ...] (kspec.core.packed_rows_symbol: the sequences back to back, sequence b at rows
+  cu[b] .. cu[b + 1] - 1); its shape is that storage shape, and the kernel's index_ranges hold the
+  checks of its offsets (inclusive, monotonic, ends).
 - layout fixes the strides, in elements, from the shape:
   `row` = C-contiguous (the last axis has stride 1);
   `col` = the last two axes swapped: a column-major matrix with any batch axes outermost, i.e.
@@ -109,7 +115,8 @@ from pathlib import Path
 from typing import Any, Union
 
 # The runtime reads artifacts on machines without the compiler: only the dependency-free core here.
-from kspec.core import ARCHS, DTYPES, IDENT_RE, IndexRange, KspecError, is_int
+from kspec.core import (ARCHS, DTYPES, IDENT_RE, IndexRange, KspecError, is_int, packed_rows_symbol,
+                        split_offset_dim)
 
 FORMAT = "kspec-artifact"
 FORMAT_VERSION = 1
@@ -142,6 +149,7 @@ class TensorSpec:
     dtype: str
     shape: tuple[Extent, ...]
     layout: str = "row"
+    packed: str | None = None           # `packed(cu)`: shape is the storage [cu_rows, ...] (see "packed")
 
     def strides(self, extents: tuple[int, ...]) -> tuple[int, ...]:
         """Strides in elements of a tensor of this layout with the given extents."""
@@ -150,7 +158,8 @@ class TensorSpec:
     def describe(self) -> str:
         dims = ", ".join(str(e) for e in self.shape)
         lay = "" if self.layout == "row" else f" {self.layout}"
-        return f"{self.dtype}[{dims}]{lay}"
+        pk = f" packed({self.packed})" if self.packed else ""
+        return f"{self.dtype}[{dims}]{lay}{pk}"
 
 
 @dataclass(frozen=True)
@@ -270,7 +279,8 @@ def make_binary(directory: str | os.PathLike, cubin: str, host: str, *, symbol: 
 # ---------------------------------------------------------------------------------- JSON form
 
 def _tensor_json(t: TensorSpec) -> dict[str, Any]:
-    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "layout": t.layout,
+            **({"packed": t.packed} if t.packed else {})}
 
 
 def _binary_json(b: Binary) -> dict[str, Any]:
@@ -287,7 +297,8 @@ def _binary_json(b: Binary) -> dict[str, Any]:
 
 def _range_json(r: IndexRange) -> dict[str, Any]:
     return {"tensor": r.tensor, "target": r.target, "axis": r.axis, "extent": r.extent, "negative": r.negative,
-            "inclusive": r.inclusive, "monotonic": r.monotonic, "plans": list(r.plans)}
+            "inclusive": r.inclusive, "monotonic": r.monotonic, **({"ends": True} if r.ends else {}),
+            "plans": list(r.plans)}
 
 
 def _plan_json(p: Plan) -> dict[str, Any]:
@@ -353,6 +364,10 @@ class _Reader:
             if v < 0:
                 raise self.fail(where, f"extent must be non-negative, got {v}")
             return v
+        off = split_offset_dim(v) if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\+[0-9]+", v) else None
+        if off is not None:              # `B+1`: the B + 1 offsets of B packed sequences
+            self.ident(off[0], where)
+            return v
         return self.ident(v, where)
 
     def tensor(self, obj: Any, where: str) -> TensorSpec:
@@ -368,7 +383,12 @@ class _Reader:
             raise self.fail(where, f"unknown layout '{layout}' (known: row, col)")
         if layout == "col" and len(ext) < 2:
             raise self.fail(where, "layout 'col' needs a tensor of rank >= 2")
-        return TensorSpec(name, dtype, ext, layout)
+        packed = self.get(obj, "packed", where, str, optional=True)
+        if packed is not None:
+            self.ident(packed, f"{where}.packed")
+            if not ext or ext[0] != packed_rows_symbol(packed):
+                raise self.fail(where, f"a tensor packed by '{packed}' is stored as [{packed_rows_symbol(packed)}, ...]")
+        return TensorSpec(name, dtype, ext, layout, packed)
 
     def param(self, obj: Any, where: str) -> ParamSpec:
         name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
@@ -546,7 +566,7 @@ class _Reader:
             if isinstance(sym, str) and sym not in kernel.bindable:
                 raise self.fail(f"{where}.extent", f"size symbol '{sym}' occurs in no input or output shape")
         flags = {k: self.get(obj, k, where, bool, optional=True, default=False)
-                 for k in ("negative", "inclusive", "monotonic")}
+                 for k in ("negative", "inclusive", "monotonic", "ends")}
         plans = tuple(self.get(obj, "plans", where, list, optional=True, default=[]))
         for p in plans:
             if p not in plan_ids:
@@ -599,6 +619,7 @@ class _KernelScope:
         self.writable = {t.name for t in (*self.outputs, *self.intermediates)}
         self.params = {p.name for p in self.param_specs}
         self.bindable = {e for t in (*self.inputs, *self.outputs) for e in t.shape if isinstance(e, str)}
+        self.bindable |= {split_offset_dim(e)[0] for e in self.bindable if split_offset_dim(e)}
 
 
 def _as_tuple(kind) -> tuple:

@@ -21,7 +21,7 @@ from kspec.backends.api import LoweredPlan
 from kspec.backends.desc import EmittedKernel
 from kspec.compiler import KernelSchedule, plan_kernel
 from kspec.compiler.indices import index_ranges, merge_index_ranges
-from kspec.core import ARCHS, KspecInternalError
+from kspec.core import ARCHS, KspecInternalError, packed_rows_symbol
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 
 
@@ -317,8 +317,8 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                 plans.append(_plan_entry(p, first, binaries))
             entries.append(KernelEntry(
                 name=k.name,
-                inputs=tuple(TensorSpec(t.name, t.dtype, t.shape, t.layout) for t in k.inputs),
-                outputs=tuple(TensorSpec(t.name, t.dtype, t.shape, t.layout) for t in k.outputs),
+                inputs=tuple(_tensor_spec(t) for t in k.inputs),
+                outputs=tuple(_tensor_spec(t) for t in k.outputs),
                 params=tuple(ParamSpec(t.name, t.dtype, t.default) for t in k.params),
                 intermediates=tuple(TensorSpec(b.name, b.dtype, b.shape, b.layout) for b in sched.intermediates),
                 plans=tuple(plans),
@@ -337,6 +337,14 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _tensor_spec(t) -> TensorSpec:
+    """A spec tensor as the manifest records it: a packed one by its storage shape [cu_rows, ...]."""
+    from kspec.artifact import TensorSpec
+    if t.packed:
+        return TensorSpec(t.name, t.dtype, (packed_rows_symbol(t.packed), *t.shape[2:]), t.layout, t.packed)
+    return TensorSpec(t.name, t.dtype, t.shape, t.layout)
 
 
 def _variant_binary(staging: Path, p, arch: str, built, ep, toolchain, cache_root):

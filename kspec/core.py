@@ -261,6 +261,9 @@ def extent_value(extent, sizes: "dict[str, int]") -> int:
         for x in extent:
             out *= extent_value(x, sizes)
         return out
+    off = split_offset_dim(extent)
+    if off is not None and extent not in sizes:
+        return sizes[off[0]] + off[1]
     return sizes[extent]
 
 
@@ -271,6 +274,12 @@ def split_offset_dim(dim) -> "tuple[str, int] | None":
         sym, _, k = dim.partition("+")
         return sym, int(k)
     return None
+
+
+def packed_rows_symbol(offsets: str) -> str:
+    """The size symbol of the row count of the tensors packed by `offsets` (`packed(cu_q)`: stored as
+    [cu_q_rows, ...] arrays).  The checker reserves it: no spec may name a size symbol so."""
+    return f"{offsets}_rows"
 
 
 def format_extent(extent) -> str:
@@ -289,7 +298,9 @@ class IndexRange:
     size symbol or an int).  `negative`: a negative value is allowed too (it selects nothing).
     `inclusive`: the bound itself is allowed, [0, extent] (offsets such as cumulative sequence
     lengths, where `extent` marks the end).  `monotonic`: values never decrease along the tensor's
-    last axis (cumulative offsets).  Computed from the kernel IR by the compile step
+    last axis (cumulative offsets).  `ends`: the last value along the last axis is the extent
+    itself (the offsets of a packed tensor: the last sequence ends at its last row).  Computed
+    from the kernel IR by the compile step
     (kspec.compiler.indices), recorded per kernel in the artifact manifest, checked by the runtime
     before a launch (kspec.runtime.indexcheck)."""
     tensor: str
@@ -300,6 +311,7 @@ class IndexRange:
     plans: tuple[str, ...] = ()          # the plans that read it
     inclusive: bool = False
     monotonic: bool = False
+    ends: bool = False
 
     def bound(self, sizes: "dict[str, int]") -> int:
         """The upper bound at the given size-symbol values (exclusive unless `inclusive`)."""
@@ -311,5 +323,5 @@ class IndexRange:
         return f"{'' if self.negative else '0 <= '}{self.tensor} {'<=' if self.inclusive else '<'} {hi}"
 
     def describe(self) -> str:
-        order = ", non-decreasing" if self.monotonic else ""
+        order = (", non-decreasing" if self.monotonic else "") + (", the last one equal to it" if self.ends else "")
         return f"{self.condition()} ({self.target} axis {self.axis}{order})"

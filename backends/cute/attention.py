@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kspec.backends.desc import Const, Load
-from kspec.core import KspecError, KspecInternalError, dtype_bytes
+from kspec.core import KspecError, KspecInternalError, dtype_bytes, packed_rows_symbol
 
 from . import attnmods, compat
 
@@ -92,18 +92,24 @@ class AttnDesc:
     page_table: str | None = None      # paged KV: FA4's page_table (i32 [B, MP]); K/V are pools [NP, P, HK, d]
     page_size: str | None = None       # its rows per page: a dims role ("P") or an int literal
     seqused_k: str | None = None       # FA4's seqused_k (i32 [B]): keys in use per sequence
+    cu_seqlens_q: str | None = None    # FA4's cu_seqlens_q (i32 [B + 1]): Q and O packed, [rows S, H, d]
+    cu_seqlens_k: str | None = None    # FA4's cu_seqlens_k (i32 [B + 1]): K and V packed, [rows T, HK, d]
+    # storage order of Q, K, V, O as ABI roles (B, S/T, H/HK, D = the head dim), outermost first; a
+    # packed buffer's rows are the role S (T); () entries: the canonical [B, H, S, D]
+    layouts: tuple[tuple[str, ...], ...] = ()
 
     @property
     def args(self) -> tuple[str, ...]:
         return (self.q, self.k, self.v, self.o, *((self.lse,) if self.lse else ()), *(a.name for a in self.aux),
-                *((self.page_table,) if self.page_table else ()), *((self.seqused_k,) if self.seqused_k else ()))
+                *((self.page_table,) if self.page_table else ()), *((self.seqused_k,) if self.seqused_k else ()),
+                *(n for n in (self.cu_seqlens_q, self.cu_seqlens_k) if n))
 
     def alignment(self) -> tuple[tuple[str, int], ...]:
         out = [(n, 16) for n in (self.q, self.k, self.v, self.o)]
         if self.lse:
             out.append((self.lse, 4))
         out += [(a.name, dtype_bytes(a.dtype)) for a in self.aux]
-        out += [(n, 4) for n in (self.page_table, self.seqused_k) if n]
+        out += [(n, 4) for n in (self.page_table, self.seqused_k, self.cu_seqlens_q, self.cu_seqlens_k) if n]
         return tuple(out)
 
 
@@ -152,12 +158,21 @@ def unsupported(ir, arch: str) -> str | None:
             return f"aux tensor {name} of dtype {ir.buffer(name).dtype}"
     if a.lse is not None and ir.buffer(a.lse).dtype != "f32":
         return "the log-sum-exp output must be f32"
-    return _paged_unsupported(ir, a)
+    return _paged_unsupported(ir, a) or _varlen_unsupported(ir, a)
 
 
-# A size name no spec can use (not an identifier): the per-sequence key count, FA4's seqlen_k when
-# seqused_k is given.
+# Size names no spec can use (not identifiers): the per-sequence key count (FA4's seqlen_k when
+# seqused_k is given), and the per-sequence lengths of packed (varlen) batches, cu[b + 1] - cu[b]
+# (FA4's seqlen_q / seqlen_k when cu_seqlens_q / cu_seqlens_k are given).
 SEQUSED = "<seqused_k>"
+SEQLEN_Q, SEQLEN_K = "<seqlen_q>", "<seqlen_k>"
+
+
+def _packing(ir, a) -> tuple[str | None, str | None]:
+    """The offsets packing the queries (Q, O) and the keys (K, V): FA4's cu_seqlens_q / cu_seqlens_k."""
+    q = ir.buffer(a.q_buffer).packed
+    k = ir.buffer(a.k_buffer).packed if a.page_table is None else None
+    return q, k
 
 
 def _paged_unsupported(ir, a) -> str | None:
@@ -167,7 +182,7 @@ def _paged_unsupported(ir, a) -> str | None:
             return f"FlashAttention-4 takes per-sequence key counts (seqused_k) as i32, not {ir.buffer(a.kv_len).dtype}"
         if len(a.batch) != 2:
             return "per-sequence key counts need [batch, heads] attention"
-        w = attnmods.analyse(*_seqused_view(a, dict(a.dims)["S"])).window
+        w = attnmods.analyse(*_fa4_view(ir, a, dict(a.dims)["S"])).window
         if w is not None and any(v == "T" for form in (w.left, w.right) if form for v, _c in form):
             return ("a sliding window that is not aligned to each sequence's own key count (FlashAttention-4 "
                     "aligns its window to seqused_k)")
@@ -189,30 +204,77 @@ def _paged_unsupported(ir, a) -> str | None:
     return None
 
 
-def _seqused_view(a, s_role):
-    """(a with the mask's per-sequence key count `kv_len[b]` read as FA4's seqlen_k and the
-    conjunct `j < kv_len[b]` dropped: FA4 keeps only keys below seqused_k anyway, roles for
-    attnmods.analyse)."""
+def _varlen_unsupported(ir, a) -> str | None:
+    """Why FA4 cannot take this attention's packed (cu_seqlens) batches."""
+    cu_q, cu_k = _packing(ir, a)
+    if cu_q is None and cu_k is None:
+        return None
+    out = ir.buffer(a.out_buffers[0])
+    if len(a.batch) != 2:
+        return "packed sequences need [batch, heads] attention"
+    if out.packed != cu_q or (a.page_table is None and ir.buffer(a.v_buffer).packed != cu_k):
+        return "Q and O, and K and V, must be packed by the same offsets"
+    for cu in (cu_q, cu_k):
+        if cu is not None and ir.buffer(cu).dtype != "i32":
+            return f"FlashAttention-4 takes cumulative sequence offsets as i32, not {ir.buffer(cu).dtype}"
+    if a.lse is not None and cu_q is not None:
+        return "a log-sum-exp output over packed queries (FlashAttention-4 stores it as [heads, rows])"
+    if a.kv_len is not None or a.page_table is not None:
+        return "packed sequences together with per-sequence key counts or a paged KV cache"
+    orders = _orders(a)
+    for name, order, seq in zip((a.q_buffer, a.k_buffer, a.v_buffer, a.out_buffers[0]), orders,
+                                (a.query, a.key, a.key, a.query)):
+        if ir.buffer(name).packed is not None and tuple(order[:2]) != (a.batch[0], seq):
+            return f"the packed {name} must be stored [batch, sequence, ...]"
+    view, roles = _fa4_view(ir, a, dict(a.dims)["S"])
+    mods = attnmods.analyse(view, roles)
+    if mods.score_mod is not None or mods.mask_mod is not None:
+        return ("over packed sequences only FlashAttention-4's own masks (causal, sliding window, each sequence's "
+                "own lengths) are lowered, not a generated score_mod or mask_mod")
+    return None
+
+
+def _fa4_view(ir, a, s_role):
+    """(a as FlashAttention-4 sees its sizes, roles for attnmods.analyse): each sequence's key count
+    `kv_len[b]` (seqused_k) and the lengths of packed sequences `cu[b + 1] - cu[b]` (cu_seqlens)
+    read as FA4's seqlen_k / seqlen_q, and the conjunct `j < seqlen_k` dropped: FA4 never visits a
+    key past it."""
     import dataclasses
 
-    from kspec.compiler.kir import AuxLoad, Index, Op, Size
-    roles = {"S": s_role, "T": SEQUSED}
-    if a.kv_len is None:
-        return a, {"S": s_role, "T": dict(a.dims)["T"]}
-    count = (Index(a.batch[0]),)
+    from kspec.compiler.kir import AuxLoad, Const, Index, Op, Size
+    cu_q, cu_k = _packing(ir, a)
+    t_name = SEQUSED if a.kv_len is not None else SEQLEN_K if cu_k is not None else None
+    roles = {"S": SEQLEN_Q if cu_q is not None else s_role, "T": t_name or dict(a.dims)["T"]}
+    if t_name is None and cu_q is None:
+        return a, roles
+    b = Index(a.batch[0])
+
+    def load(e, buffer, index) -> bool:
+        return isinstance(e, AuxLoad) and e.buffer == buffer and e.index == index
+
+    def length(e) -> str | None:
+        """SEQLEN_Q / SEQLEN_K if e is `cu[b + 1] - cu[b]` of a packing."""
+        if isinstance(e, Op) and e.fn == "sub":
+            for cu, name in ((cu_q, SEQLEN_Q), (cu_k, SEQLEN_K)):
+                if cu is not None and load(e.args[0], cu, (Op("add", (b, Const(1))),)) and load(e.args[1], cu, (b,)):
+                    return name
+        return None
 
     def sub(e):
+        if a.kv_len is not None and load(e, a.kv_len, (b,)):
+            return Size(SEQUSED)
+        if length(e) is not None:
+            return Size(length(e))
         if isinstance(e, AuxLoad):
-            if e.buffer == a.kv_len and e.index == count:
-                return Size(SEQUSED)
             return dataclasses.replace(e, index=tuple(sub(x) for x in e.index))
         if isinstance(e, Op):
             return Op(e.fn, tuple(sub(x) for x in e.args))
         return e
 
     def keep(e) -> bool:
-        return not (isinstance(e, Op) and ((e.fn == "lt" and e.args == (Index(a.key), Size(SEQUSED))) or
-                                           (e.fn == "gt" and e.args == (Size(SEQUSED), Index(a.key)))))
+        return t_name is None or not (isinstance(e, Op) and (
+            (e.fn == "lt" and e.args == (Index(a.key), Size(t_name))) or
+            (e.fn == "gt" and e.args == (Size(t_name), Index(a.key)))))
 
     def conj(e):
         if isinstance(e, Op) and e.fn == "and":
@@ -225,6 +287,31 @@ def _seqused_view(a, s_role):
     used = {x.buffer for e in (mask, score_mod) if e is not None for x in _nodes(e) if isinstance(x, AuxLoad)}
     return dataclasses.replace(a, mask=mask, score_mod=score_mod,
                                aux=tuple(x for x in a.aux if x in used)), roles
+
+
+def _orders(a) -> tuple[tuple[str, ...], ...]:
+    """Q, K, V, O's storage orders in the attention's labels (kir.AttentionStructure.orders)."""
+    if a.orders:
+        return a.orders
+    kv = tuple(x for x in a.batch if x not in a.kv_shared)
+    return ((*a.batch, a.query, a.head), (*kv, a.key, a.head), (*kv, a.key, a.head), (*a.batch, a.query, a.head))
+
+
+def _layouts(a, cu_q, cu_k) -> tuple[tuple[str, ...], ...]:
+    """_orders as ABI roles (AttnDesc.layouts); () when every buffer is in the canonical order."""
+    if not a.orders and cu_q is None and cu_k is None:
+        return ()
+    out = []
+    for k, order in enumerate(_orders(a)):
+        kv = k in (1, 2)
+        role = {a.query: "S", a.key: "T", a.head: "D", a.batch[-1]: "HK" if kv else "H"}
+        if len(a.batch) > 1:
+            role[a.batch[0]] = "B"
+        roles = [role[x] for x in order]
+        if (cu_k if kv else cu_q) is not None:
+            roles = roles[1:]            # [B, S, ..] packed: one row axis S (T)
+        out.append(tuple(roles))
+    return tuple(out)
 
 
 def _nodes(e):
@@ -285,7 +372,13 @@ def lower(ir, arch: str, sm_count: int | None = None):
             dim_roles.append(r)
         return sym_role[ext]
 
-    view, mod_roles = _seqused_view(a, roles["S"])
+    cu_q, cu_k = _packing(ir, a)
+    if cu_q is not None:                 # packed: FA4's S and T are the row counts of the packed arrays
+        roles["S"] = packed_rows_symbol(cu_q)
+    if cu_k is not None:
+        roles["T"] = packed_rows_symbol(cu_k)
+    sym_role.update({v: r for r, v in roles.items() if r in ("S", "T") and isinstance(v, str)})
+    view, mod_roles = _fa4_view(ir, a, roles["S"])
     aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in view.aux)
     scalars: dict[str, object] = {}
     if isinstance(a.scale, str):
@@ -313,7 +406,9 @@ def lower(ir, arch: str, sm_count: int | None = None):
                     dims=tuple(dim_roles), scalars=tuple(scalars),
                     sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]),
                     page_table=names(a.page_table) if a.page_table else None,
-                    page_size=paged.get("P"), seqused_k=names(a.kv_len) if a.kv_len else None)
+                    page_size=paged.get("P"), seqused_k=names(a.kv_len) if a.kv_len else None,
+                    cu_seqlens_q=names(cu_q) if cu_q else None, cu_seqlens_k=names(cu_k) if cu_k else None,
+                    layouts=_layouts(a, cu_q, cu_k))
     dims = tuple((r, roles[r]) for r in dim_roles)
     return desc, names.back(), dims, scalars
 
@@ -328,6 +423,11 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
             ("lse", "yes" if desc.lse else "no"), ("sm_count", str(desc.sm_count)),
             *((("paged_kv", f"page_size={desc.page_size}"),) if desc.page_table else ()),
             *((("seqused_k", "yes"),) if desc.seqused_k else ()),
+            *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_seqlens_q),
+                                                   ("cu_seqlens_k", desc.cu_seqlens_k)) if c)),)
+              if desc.cu_seqlens_q or desc.cu_seqlens_k else ()),
+            *((("layout", " ".join("".join(r[0] if r != "HK" else "H" for r in lay) for lay in desc.layouts)),)
+              if desc.layouts else ()),
             ("source", "FlashAttention-4 heuristics"))
 
 
@@ -335,20 +435,45 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
 # generated entry module
 # ---------------------------------------------------------------------------------------------
 
+def _layout(desc: AttnDesc, k: int) -> tuple[str, ...]:
+    """Buffer k (Q, K, V, O)'s storage order as roles, outermost first (AttnDesc.layouts)."""
+    if desc.layouts:
+        return desc.layouts[k]
+    if k in (1, 2):
+        return ("B", "T", "D") if desc.kv_shared else ("B", "HK", "T", "D")
+    return ("B", "H", "S", "D")
+
+
+def _modes(desc: AttnDesc, k: int, head: int) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """FA4's (b, s, h) modes of buffer k (or (rows, h) when packed): their extents (roles) and their
+    strides (products of storage extents), from its storage order; the head dim is innermost."""
+    order = _layout(desc, k)
+    if order[-1] != "D":
+        raise KspecInternalError(f"attention {desc.name}: the head dim of buffer {k} is not innermost ({order})")
+    seq, heads = ("T", "HK") if k in (1, 2) else ("S", "H")
+    packed = desc.cu_seqlens_k if k in (1, 2) else desc.cu_seqlens_q
+    modes = (seq, heads) if packed else ("B", seq, heads)
+    extent = {r: r for r in order}
+    extent["D"] = str(head)
+
+    def stride(r: str) -> tuple[str, ...]:
+        # an axis the buffer lacks (MQA's K/V heads, a missing batch) has extent 1: any stride does
+        at = order.index(r) if r in order else 0
+        return tuple(extent[x] for x in order[at + 1:])
+    return modes, tuple(stride(r) for r in modes)
+
+
 def _tensors(desc: AttnDesc):
     """(name in the entry, ptr index, dtype, shape roles, stride factors, static last stride, align)."""
     d, dv = desc.head_dim, desc.head_dim_v
-    kvb = ("T", str(d)) if desc.kv_shared else ("HK", "T", str(d))
-    kvbv = ("T", str(dv)) if desc.kv_shared else ("HK", "T", str(dv))
     if desc.page_table:     # page pools [NP, P, HK, d], FA4's own layout
         P = desc.page_size
         k = ("mK", 1, desc.dtype, ("NP", P, "HK"), ((P, "HK", str(d)), ("HK", str(d)), (str(d),)))
         v = ("mV", 2, desc.dtype, ("NP", P, "HK"), ((P, "HK", str(dv)), ("HK", str(dv)), (str(dv),)))
     else:
-        k = ("mK", 1, desc.dtype, ("B", "T", "HK"), (kvb, (str(d),), ("T", str(d))))
-        v = ("mV", 2, desc.dtype, ("B", "T", "HK"), (kvbv, (str(dv),), ("T", str(dv))))
-    out = [("mQ", 0, desc.dtype, ("B", "S", "H"), (("H", "S", str(d)), (str(d),), ("S", str(d)))), k, v,
-           ("mO", 3, desc.dtype, ("B", "S", "H"), (("H", "S", str(dv)), (str(dv),), ("S", str(dv))))]
+        k = ("mK", 1, desc.dtype, *_modes(desc, 1, d))
+        v = ("mV", 2, desc.dtype, *_modes(desc, 2, dv))
+    out = [("mQ", 0, desc.dtype, *_modes(desc, 0, d)), k, v, ("mO", 3, desc.dtype, *_modes(desc, 3, dv))]
     i = 4
     if desc.lse:
         out.append(("mLSE", i, "f32", ("B", "H", "S"), (("H", "S"), ("S",))))
@@ -362,6 +487,11 @@ def _tensors(desc: AttnDesc):
         i += 1
     if desc.seqused_k:
         out.append(("mSK", i, "i32", ("B",), ()))
+        i += 1
+    for name, cu in (("mCQ", desc.cu_seqlens_q), ("mCK", desc.cu_seqlens_k)):
+        if cu:
+            out.append((name, i, "i32", ("(B + 1)",), ()))
+            i += 1
     return out
 
 
@@ -398,6 +528,10 @@ def entry_source(desc: AttnDesc) -> str:
         kw.append("window_size_right=window_right")
     aux_t = "[" + ", ".join(f"mA{k}" for k in range(len(desc.aux))) + "]" if desc.aux else "None"
     aux_s = "(" + "".join(f"c{k}, " for k in range(len(desc.mod_scalars))) + ")" if desc.mod_scalars else "None"
+    if desc.cu_seqlens_q:
+        kw.append("mCuSeqlensQ=mCQ")
+    if desc.cu_seqlens_k:
+        kw.append("mCuSeqlensK=mCK")
     if desc.seqused_k:
         kw.append("mSeqUsedK=mSK")
     if desc.page_table:
@@ -509,6 +643,12 @@ def choose_variants(desc: AttnDesc, mod) -> list[tuple[str, object, list[int]]]:
                         paged["page_table"] = torch.empty(batch, pages, dtype=torch.int32, device="cuda")
                     if desc.seqused_k:
                         paged["seqused_k"] = torch.empty(batch, dtype=torch.int32, device="cuda")
+                    if desc.cu_seqlens_q:        # packed: s query rows in all, split into `batch` sequences
+                        q = torch.empty(s, h, desc.head_dim, dtype=tdt, device="cuda")
+                        paged["cu_seqlens_q"] = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
+                    if desc.cu_seqlens_k:
+                        kv_rows = (max(s, 1),)
+                        paged["cu_seqlens_k"] = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
                     k = torch.empty(*kv_rows, hk, desc.head_dim, dtype=tdt, device="cuda")
                     v = torch.empty(*kv_rows, hk, desc.head_dim_v, dtype=tdt, device="cuda")
                     aux = [torch.empty(*(2 for _ in a.shape), dtype=torch.float32, device="cuda") for a in desc.aux]

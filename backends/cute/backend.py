@@ -27,11 +27,11 @@ class CuteDesc:
 class CuteBackend:
     name = "cute"
     capabilities = Capabilities(
-        archs=ARCHS, kinds=("gemm", "attention"),
+        archs=ARCHS, kinds=("gemm", "attention"), packed=True,
         attention=(("sm90a", "FlashAttention-4: f16/bf16, head dims 8..256; causal (either alignment), sliding "
-                    "window, score_mod/mask_mod, GQA/MQA, LSE"),
+                    "window, score_mod/mask_mod, GQA/MQA, LSE, paged KV, packed (cu_seqlens) batches"),
                    ("sm100a", "FlashAttention-4: f16/bf16, head dims 8..128, (192,128), (256,256); causal, "
-                    "sliding window, score_mod/mask_mod, GQA/MQA, LSE")),
+                    "sliding window, score_mod/mask_mod, GQA/MQA, LSE, paged KV, packed (cu_seqlens) batches")),
         gemm_operands=(("f16", "f16"), ("bf16", "bf16"), ("f8e4m3", "f8e4m3"), ("f8e5m2", "f8e5m2"),
                        ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
         epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
@@ -58,6 +58,10 @@ class CuteBackend:
             return compat.fa4_available() or attention.unsupported(ir, arch)
         if ir.kind != "gemm":
             return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
+        packed = [b for b in ir.buffers if b.packed]
+        if packed:
+            return (f"{packed[0].name} is packed({packed[0].packed}); the CuTe DSL GEMMs read dense tensors "
+                    "(packed sequences: attention only)")
         desc = self._gemm_desc(ir, arch).desc
         why = cute_gemm.can_implement(desc, arch)
         if why:

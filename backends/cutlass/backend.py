@@ -146,6 +146,9 @@ class CutlassBackend(NvccBuilt):
                         f"in {a.dtypes[0]}")
         if not a.inputs_row_major:
             return "Q, K and V must be row-major kernel inputs"
+        if a.orders:
+            return ("the CUTLASS FMHA templates read Q, K, V and O as [batch.., heads, seq, head dim], not "
+                    + ", ".join(f"[{', '.join(o)}]" for o in a.orders))
         if len(a.out_buffers) != 1:
             return "fused attention stores exactly one output O"
         out = ir.buffer(a.out_buffers[0]).dtype

@@ -53,6 +53,15 @@ def check_index_values(kernel: str, ranges: tuple[IndexRange, ...], sizes: Mappi
                     f"{kernel}: {r.tensor}{where} = {int(a[pos])} is less than {r.tensor}"
                     f"[{', '.join(map(str, prev))}] = {int(a[prev])}: expected non-decreasing offsets along "
                     f"its last axis", hint=hint)
+        if r.ends and a.ndim and a.shape[-1] and (a[..., -1] != hi).any():
+            short = a[..., -1] != hi
+            pos = (*(int(i) for i in np.unravel_index(int(np.argmax(short)), short.shape)), a.shape[-1] - 1)
+            size = f"size {hi}" if isinstance(r.extent, int) else f"{format_extent(r.extent)} = {hi}"
+            raise KspecRuntimeError(
+                f"{kernel}: the last offset {r.tensor}[{', '.join(map(str, pos))}] = {int(a[pos])} must be the row "
+                f"count of {r.target} ({size})",
+                hint=f"sequence b is rows {r.tensor}[b] .. {r.tensor}[b + 1] - 1 of '{r.target}': the last sequence "
+                     "ends at its last row; nothing was launched")
 
 
 def check_before_launch(kernel: str, ranges: tuple[IndexRange, ...], views: Mapping[str, Any],

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strides, read_manifest
-from kspec.core import ARCH_TABLE, arch_of_cc
+from kspec.core import ARCH_TABLE, arch_of_cc, extent_value, split_offset_dim
 from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
@@ -97,7 +97,7 @@ class Binding:
     strides: dict[str, tuple[int, ...]] = field(default_factory=dict)   # of allocated tensors
 
     def extents(self, spec: TensorSpec) -> tuple[int, ...]:
-        return tuple(e if isinstance(e, int) else self.sizes[e] for e in spec.shape)
+        return tuple(extent_value(e, self.sizes) for e in spec.shape)
 
     def dims(self, plan: Plan) -> list[int]:
         def value(v):
@@ -237,6 +237,15 @@ class Kernel:
                 if n != e:
                     raise KspecRuntimeError(f"{what}: dimension {axis} must be {e}, got {n} "
                                             f"(shape {tuple(v.shape)}, expected {spec.describe()})")
+            elif split_offset_dim(e) is not None:
+                # `B+1`: the B + 1 offsets of B packed sequences bind B
+                sym, k = split_offset_dim(e)
+                if n < k:
+                    raise KspecRuntimeError(f"{what}: dimension {axis} ({e}) must be at least {k}, got {n}")
+                if sym in sizes and sizes[sym] != n - k:
+                    raise KspecRuntimeError(f"{what}: dimension {axis} ({e}) is {n}, so {sym} = {n - k}, but "
+                                            f"'{origin[sym]}' has {sym} = {sizes[sym]}")
+                sizes[sym], origin[sym] = n - k, spec.name
             elif e in sizes:
                 if sizes[e] != n:
                     raise KspecRuntimeError(f"{what}: dimension {axis} ({e}) is {n}, but '{origin[e]}' "
