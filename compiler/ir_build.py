@@ -67,6 +67,9 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
                         layout=o.layout, subscripts=tuple(o.subscripts), span=o.span))
     for _, b in stores:
         use_buffer(b)
+    for b in list(bufs.values()):
+        if b.packed is not None:          # a packed buffer's offsets travel with it
+            use_buffer(b.packed)
     gemm = epilogue = attention = None
     if group.kind == "gemm":
         gemm, epilogue = _gemm(g, group, buffer_of, stores, bufs, use_buffer)
@@ -277,5 +280,8 @@ def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:
                 stores.append((n, so.name))
         if any(op(g, s).kind != "output" for s in outside):
             stores.append((n, buffer_of(n)))
-    return build_ir(f"{spec_kernel}_candidate", spec_kernel, g, group, buffer_of, lambda name: infos[name], stores,
-                    hints)
+    def info(name: str) -> IRBuffer:
+        if name not in infos:             # an input no op of the group reads (a packed buffer's offsets)
+            buffer_of(next(n for n in g.nodes if op(g, n).kind == "input" and op(g, n).name == name))
+        return infos[name]
+    return build_ir(f"{spec_kernel}_candidate", spec_kernel, g, group, buffer_of, info, stores, hints)

@@ -263,7 +263,8 @@ def run_index_check(mod, program, kname: str, sizes: dict[str, int], drv, seed: 
         return True, f"'{r.tensor}' is empty at these sizes"
     bound = r.bound({e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)})
     pos = tuple(int(i) for i in np.unravel_index(idx.size // 2, idx.shape))
-    idx[pos] = bound if bound <= np.iinfo(idx.dtype).max else -1
+    bad = bound + 1 if r.inclusive else bound        # the first value out of range
+    idx[pos] = bad if bad <= np.iinfo(idx.dtype).max else -1
     params = {p.name: (p.default if p.default is not None else 1.5) for p in entry.params}
     where = f"{r.tensor}[{', '.join(map(str, pos))}] = {int(idx[pos])}"
     mem = _Memory(drv)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SPECS
+from conftest import FA4_MISSING, SPECS
 
-from kspec.compiler import plan_kernel, ir_from_json, ir_to_json
+from kspec.compiler import format_ir, plan_kernel, ir_from_json, ir_to_json
 from kspec.core import KspecError
 from kspec.spec_lang import load_spec
 from kspec.spec_lang.check import TCall, TGather, TSize, texpr_children
@@ -89,7 +89,7 @@ def test_a_reduction_over_a_packed_axis_must_be_masked():
     assert "softmax" in e.hint and "where(j < LEN" in e.hint
 
 
-def test_packed_buffers_in_the_kernel_ir_and_every_backend_declines():
+def test_packed_buffers_in_the_kernel_ir_and_which_backends_take_them():
     from kspec.backends.registry import Planner, backends
     sched = plan_kernel(load_spec(VARLEN).kernels[0])
     irs = [p.ir for p in sched.plans]
@@ -97,7 +97,12 @@ def test_packed_buffers_in_the_kernel_ir_and_every_backend_declines():
     assert packed == {"Q": "cu_q", "K": "cu_k", "V": "cu_k", "O": "cu_q"}
     for ir in irs:
         assert ir_from_json(ir_to_json(ir)) == ir
-    ir = next(ir for ir in irs if any(b.packed for b in ir.buffers))
+    (ir,) = irs                                   # structurally one attention kernel
+    assert ir.kind == "attention"
+    # FlashAttention's [b, s, h, e] storage order is recorded, not assumed
+    assert ir.attention.orders == (("b", "i", "h", "e"), ("b", "j", "h", "e"), ("b", "j", "h", "e"),
+                                   ("b", "i", "h", "e"))
+    assert "storage: Q[b, i, h, e]" in format_ir(ir)
     assert "packed(" in "\n".join(b.describe() for b in ir.buffers)
     import dataclasses
     from kspec.compiler.kir import verify
@@ -105,9 +110,68 @@ def test_packed_buffers_in_the_kernel_ir_and_every_backend_declines():
     bad = tuple(dataclasses.replace(b, shape=b.shape[:1]) if b.packed else b for b in ir.buffers)
     with pytest.raises(KspecInternalError, match="packed buffer"):
         verify(dataclasses.replace(ir, buffers=bad))
+    with pytest.raises(KspecInternalError, match="storage orders"):
+        verify(dataclasses.replace(ir, attention=dataclasses.replace(
+            ir.attention, orders=(("b", "i", "e", "h"),) + ir.attention.orders[1:])))
     from kspec.backends.registry import _can_implement
     for b in backends():
         why = _can_implement(b, ir, "sm90a")
-        assert why and "packed(" in why and "dense" in why
-    with pytest.raises(KspecError, match=r"no backend can build kernel .* packed\(cu_"):
-        plan_kernel(load_spec(VARLEN).kernels[0], ("sm90a",), Planner())
+        if b.name == "cute":
+            assert why is None or "FlashAttention-4" in why      # None where FA4 is installed
+        else:
+            assert why and "packed(" in why and "dense" in why
+    if FA4_MISSING is None:
+        for arch in ("sm90a", "sm100a"):
+            (p,) = plan_kernel(load_spec(VARLEN).kernels[0], (arch,), Planner()).plans
+            assert p.kind == "attention" and p.choices[arch].backend == "cute"
+    else:
+        with pytest.raises(KspecError, match=r"no backend can build kernel .* packed\(cu_"):
+            plan_kernel(load_spec(VARLEN).kernels[0], ("sm90a",), Planner())
+
+
+def test_the_cute_gemm_declines_packed_buffers():
+    from kspec.backends.cute.backend import CuteBackend
+    sched = plan_kernel(load_spec(VARLEN).kernels[0])
+    import dataclasses
+    ir = dataclasses.replace(sched.plans[0].ir, kind="gemm", attention=None)
+    assert "packed(cu_" in CuteBackend().can_implement(ir, "sm90a")
+
+
+@pytest.mark.parametrize("mask, native", [
+    ("where(j <= i + (T - S), s[b, h, i, j], -inf)", "causal (bottom-right)"),
+    ("s[b, h, i, j]", "none"),
+    ("where(j <= i + (T - S) and j >= i + (T - S) - 63, s[b, h, i, j], -inf)", "window"),
+])
+def test_varlen_masks_are_flashattention_4_native(mask, native):
+    """Each sequence's own lengths (cu[b + 1] - cu[b]) become FA4's per-sequence seqlen_q/seqlen_k,
+    so causal and window masks stay FA4's own (block skipping), with no generated mask_mod."""
+    pytest.importorskip("flash_attn")
+    from kspec.backends.cute import attention as A
+    src = HEAD + DECLS + f"""  s[b, h, i, j] : f32 = scale * sum(e) Q[b, i, h, e] * K[b, j, h, e]
+  m[b, h, i, j] = {mask}
+  p[b, h, i, j] = softmax(j) m[b, h, i, j]
+  O[b, i, h, e] = sum(j) p[b, h, i, j] * V[b, j, h, e]
+}}"""
+    (p,) = plan_kernel(load_spec(src, is_text=True).kernels[0]).plans
+    for arch in ("sm90a", "sm100a"):
+        assert A.unsupported(p.ir, arch) is None
+        desc, _names, dims, _scalars = A.lower(p.ir, arch)
+        assert dict(A.config_items(desc))["mask"] == native
+        assert desc.mods.mask_mod is None and desc.mods.score_mod is None
+        assert (_names[desc.cu_seqlens_q], _names[desc.cu_seqlens_k]) == ("cu_q", "cu_k")
+        assert dict(dims)["S"] == "cu_q_rows" and dict(dims)["T"] == "cu_k_rows"
+        assert desc.layouts == (("S", "H", "D"), ("T", "HK", "D"), ("T", "HK", "D"), ("S", "H", "D"))
+        src_text = A.entry_source(desc)
+        assert "mCuSeqlensQ=mCQ" in src_text and "mCuSeqlensK=mCK" in src_text
+
+
+def test_varlen_with_a_generated_mod_is_declined_with_the_reason():
+    pytest.importorskip("flash_attn")
+    from kspec.backends.cute import attention as A
+    src = HEAD.replace("kernel k {", "kernel k {\n  in  slope : f32[H]") + DECLS + """  s[b, h, i, j] : f32 = scale * sum(e) Q[b, i, h, e] * K[b, j, h, e]
+  m[b, h, i, j] = s[b, h, i, j] + slope[h] * f32(j - i)
+  p[b, h, i, j] = softmax(j) m[b, h, i, j]
+  O[b, i, h, e] = sum(j) p[b, h, i, j] * V[b, j, h, e]
+}"""
+    (p,) = plan_kernel(load_spec(src, is_text=True).kernels[0]).plans
+    assert "generated score_mod or mask_mod" in A.unsupported(p.ir, "sm90a")

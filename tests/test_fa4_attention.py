@@ -441,3 +441,93 @@ def test_the_shipped_sliding_window_reads_its_width_at_launch():
     assert w_abi and w_abi[0] in desc.scalars
     glue = A._glue(desc, "ciface", "entry", (0,), (8,))
     assert f"scalars[{desc.scalars.index(w_abi[0])}]" in glue and "window_left" in glue
+
+
+# ---------------------------------------------------------------------------------------------
+# packed variable-length batches (cu_seqlens): specs/attention_varlen.kspec
+# ---------------------------------------------------------------------------------------------
+
+def _varlen_call(mod, fake, cu_q, cu_k, rows_q=None, rows_k=None, H=2, rows_o=None):
+    """attention_varlen on fake device memory: the offsets uploaded, Q/K/V/O allocated packed."""
+    from kspec.runtime.tensors import DeviceBuffer
+
+    def buf(shape, dtype, data=None):
+        n = int(np.prod(shape)) * (4 if dtype == "int32" else 2)
+        ptr = fake.alloc(max(n, 16))
+        if data is not None:
+            fake.upload(ptr, np.asarray(data, np.int32).tobytes())
+        strides = tuple(int(np.prod(shape[k + 1:])) for k in range(len(shape)))
+        return DeviceBuffer(ptr, tuple(shape), dtype, strides=strides)
+    rows_q = int(cu_q[-1]) if rows_q is None else rows_q
+    rows_k = int(cu_k[-1]) if rows_k is None else rows_k
+    args = dict(cu_q=buf((len(cu_q),), "int32", cu_q), cu_k=buf((len(cu_k),), "int32", cu_k),
+                Q=buf((rows_q, H, 128), "bfloat16"), K=buf((rows_k, H, 128), "bfloat16"),
+                V=buf((rows_k, H, 128), "bfloat16"), O=buf((rows_o or rows_q, H, 128), "bfloat16"))
+    return mod.attention_varlen(**args), args
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_varlen_attention_is_one_fa4_kernel_per_arch_with_cu_seqlens(fa4_artifacts):
+    art = fa4_artifacts("attention_varlen")
+    m = json.loads((art / "manifest.json").read_text())
+    k = m["kernels"][0]
+    (plan,) = k["plans"]
+    assert plan["kind"] == "attention" and plan["args"][-2:] == ["cu_q", "cu_k"]
+    # the packed tensors are recorded by their storage shape; the offsets bind B
+    shapes = {t["name"]: (t["shape"], t.get("packed")) for t in k["inputs"] + k["outputs"]}
+    assert shapes["Q"] == (["cu_q_rows", "H", 128], "cu_q") and shapes["O"] == (["cu_q_rows", "H", 128], "cu_q")
+    assert shapes["K"] == (["cu_k_rows", "H", 128], "cu_k") and shapes["cu_q"] == (["B+1"], None)
+    assert dict(map(tuple, plan["dims"]))["S"] == "cu_q_rows" and dict(map(tuple, plan["dims"]))["T"] == "cu_k_rows"
+    ranges = {r["tensor"]: r for r in k["index_ranges"]}
+    assert ranges["cu_q"]["extent"] == "cu_q_rows" and ranges["cu_q"]["inclusive"] and ranges["cu_q"]["monotonic"] \
+        and ranges["cu_q"]["ends"]
+    for arch, insn in zip(ARCHS, ("HGMMA", "UTCHMMA")):
+        b = plan["binaries"][arch]
+        assert b["backend"] == "cute" and b["config"]["varlen"] == "cu_seqlens_q, cu_seqlens_k"
+        assert b["config"]["mask"] == "causal (bottom-right)"
+        for v in b["variants"]:
+            sass = cubin_sass(art / v["cubin"])
+            if sass is not None:
+                assert f" {insn}" in sass, f"{arch}: no {insn}"
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_launch_abi_and_offsets_checked_before_launch(fa4_artifacts, arch):
+    import kspec
+    from kspec.runtime.errors import KspecRuntimeError
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    mod = kspec.load(fa4_artifacts("attention_varlen"))
+    cc = (9, 0) if arch == "sm90a" else (10, 0)
+    with FakeDriver(cc, sm_count=compat.OFFLINE_SM_COUNT[arch]) as fake:
+        for sizes in ({"B": 3, "H": 4}, {"B": 1, "H": 8, "cu_q_rows": 7, "cu_k_rows": 300},
+                      {"B": 4, "H": 2, "cu_q_rows": 4000, "cu_k_rows": 4000}):
+            call = fake_call(mod, "attention_varlen", sizes, fake)
+            problems = [p for p in check_call(call, arch, mod)
+                        if not (arch == "sm100a" and "static shared memory exceed" in p)]   # see above
+            assert problems == [], f"{arch} {sizes}:\n" + "\n".join(problems)
+            (rec,) = call.launches
+            B = sizes["B"]
+            # dims: B from the offsets' extent, S and T the packed row counts, FA4's bound on the grid
+            assert list(rec.prepare.dims) == [B, sizes["H"], call.sizes["cu_q_rows"], call.sizes["cu_k_rows"],
+                                              sizes["H"]]
+        # bad offsets: a clear error naming the tensor, and nothing launched
+        n = len(fake.launches)
+        cases = [
+            (([0, 100, 250], [0, 100, 200], 300, None), r"the last offset cu_q\[2\] = 250 must be the row count of Q "
+                                                        r"\(cu_q_rows = 300\)"),
+            (([0, 100, 300], [0, 150, 100, 200], None, None), "dimension 0 \\(B\\+1\\) is 4, so B = 3, but"),
+            (([0, 100, 300], [0, 60, 40], None, 100), r"cu_k\[2\] = 40 is less than cu_k\[1\] = 60"),
+            (([0, 400, 300], [0, 100, 200], None, None), r"cu_q\[1\] = 400 is out of range for Q axis 0"),
+        ]
+        for (cu_q, cu_k, rows_q, rows_k), message in cases:
+            with pytest.raises(KspecRuntimeError, match=message):
+                _varlen_call(mod, fake, cu_q, cu_k, rows_q, rows_k)
+        with pytest.raises(KspecRuntimeError, match=r"dimension 0 \(cu_q_rows\) is 10, but 'Q' has cu_q_rows = 300"):
+            _varlen_call(mod, fake, [0, 100, 300], [0, 100, 200], rows_o=10)
+        assert len(fake.launches) == n
+        # valid offsets launch, with empty sequences allowed
+        _varlen_call(mod, fake, [0, 0, 300, 300], [0, 50, 50, 200])
+        assert len(fake.launches) == n + 1

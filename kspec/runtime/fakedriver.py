@@ -43,7 +43,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kspec.core import KspecInternalError
+from kspec.core import KspecInternalError, extent_value
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
 
@@ -652,7 +652,10 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
     mapped = {tm.address for tm in used}
     words = {int.from_bytes(rec.params[i:i + 8], "little") for i in range(0, len(rec.params) - 7, 8)}
     for a in args:
-        if a.ptr not in words and a.ptr not in mapped:
+        # a ragged TMA view of a packed tensor (QuACK's create_ragged_tensor_for_tma with ptr_shift,
+        # which FlashAttention-4 uses for varlen O) starts RAGGED_ROWS rows before the data
+        shifted = {a.ptr - RAGGED_ROWS * st * dtypes.itemsize(a.dtype) for st in a.strides[:1]}
+        if a.ptr not in words and a.ptr not in mapped and not (shifted & (words | mapped)):
             out.append(f"{what}: the pointer of '{a.name}' (0x{a.ptr:x}) is neither in the parameter blob nor "
                        "behind a TMA descriptor")
     for index, offset in placed.items():
@@ -686,6 +689,28 @@ class FakeCall:
     plan_ids: list[str]
 
 
+# quack.copy_utils.BIG_INT (quack-kernels 0.6.5): the row shift of a ragged TMA tensor
+RAGGED_ROWS = 2 ** 30
+
+
+def _packed_offsets(k, sizes: dict[str, int]) -> dict[str, Any]:
+    """Valid offsets for every packed (varlen) batch of kernel entry k: B sequences of 100 + 17 b rows
+    each, unless `sizes` gives the row count (split evenly then); sizes gets the row counts."""
+    import numpy as np
+    out = {}
+    for t in (*k.inputs, *k.outputs):
+        if t.packed and t.packed not in out:
+            rows_sym = t.shape[0]
+            n = extent_value(k.tensor(t.packed).shape[0], sizes) - 1         # [B+1] offsets: B sequences
+            if rows_sym in sizes:
+                lengths = [sizes[rows_sym] // n + (b < sizes[rows_sym] % n) for b in range(n)]
+            else:
+                lengths = [100 + 17 * b for b in range(n)]
+            out[t.packed] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            sizes[rows_sym] = int(out[t.packed][-1])
+    return out
+
+
 def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass_outputs: bool = False,
               fill: int | None = None, params: dict[str, float] | None = None) -> FakeCall:
     """Call `mod.<kernel>` on fake device memory: inputs (and, with pass_outputs, outputs) are
@@ -696,14 +721,18 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
     from kspec.runtime.tensors import DeviceBuffer
     k = mod[kernel].entry
     args: dict[str, Any] = {}
+    sizes = dict(sizes)
+    offsets = _packed_offsets(k, sizes)
     for t in (*k.inputs, *(k.outputs if pass_outputs else ())):
-        shape = tuple(e if isinstance(e, int) else sizes[e] for e in t.shape)
+        shape = tuple(extent_value(e, sizes) for e in t.shape)
         strides = layout_strides(shape, t.layout)
         nbytes = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dtypes.itemsize(t.dtype) \
             if math.prod(shape) else 0
         ptr = fake.alloc(nbytes, f"'{t.name}'")
         if fill is not None and nbytes:
             fake.upload(ptr, bytes([fill]) * nbytes)
+        if t.name in offsets:
+            fake.upload(ptr, offsets[t.name].tobytes())
         args[t.name] = DeviceBuffer(ptr, shape, dtypes.storage(t.dtype), strides=strides)
     for p in k.params:
         if params and p.name in params:
