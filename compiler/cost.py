@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from kspec.core import split_offset_dim
+
 from .canon import is_recomputed, value_bytes
 from .graph import op, operands
 from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
@@ -84,6 +86,9 @@ class CostReport:
 def _extent(d, sizes: dict) -> int:
     if isinstance(d, tuple):            # a product extent (a paged key axis: pages * page size)
         return math.prod(_extent(x, sizes) for x in d)
+    off = split_offset_dim(d)
+    if off is not None and d not in sizes:   # `B+1` offsets
+        return _extent(off[0], sizes) + off[1]
     return d if isinstance(d, int) else int(sizes.get(d, DEFAULT_SIZE))
 
 

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+from kspec.core import extent_value
 from conftest import shipped_params
 
 from kspec.backends.registry import Planner
@@ -281,7 +283,7 @@ def test_shipped_gemm_and_attention_specs_are_within_1_1_of_ideal(spec):
         assert p.bytes <= 1.1 * p.ideal_bytes
     # the spec minimum: each input read once, each output written once
     assert c.minimum_bytes == sum(
-        math.prod(REALISTIC.get(d, d) if isinstance(d, str) else d for d in b.shape) * DTYPE_BYTES[b.dtype]
+        math.prod(extent_value(d, REALISTIC) for d in b.shape) * DTYPE_BYTES[b.dtype]
         for b in sched.buffers.values() if b.kind in ("input", "output"))
     single = {"mlp2": 1.5, "swiglu_mlp": 1.4}      # their f16 [M, F] intermediate h (written, read back)
     assert c.fused_bytes == pytest.approx(single.get(spec, 1.0) * c.minimum_bytes, rel=1e-3)
