@@ -71,6 +71,7 @@ class AttentionInfo:
     v_read: object = None
     page_table: object = None          # paged KV: the block-table input (K/V are page pools)
     page_size: object = None           # paged KV: rows per page (int or size symbol)
+    lse: object = None                 # `logsumexp(j)` of the softmax's operand, stored f32 (see attention_lse)
 
 
 def is_operator(g: nx.DiGraph, n) -> bool:
@@ -123,8 +124,9 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
+        lse = attention_lse(g, sm, sp)
         # the scores are read only inside the kernel: by the scale, the mods and the softmax
-        inside = {*sp.scale, *sp.path, sm}
+        inside = {*sp.scale, *sp.path, sm, *([lse] if lse is not None else [])}
         multi = [n for n in [qk, *sp.scale] if any(c not in inside for c in _consumers(g, n))] + \
                 [n for n in [sm, *p_cast] if len(_consumers(g, n)) != 1] + \
                 [n for n in [qk, *sp.scale, sm, *p_cast] if any(op(g, c).kind == "output" for c in _consumers(g, n))]
@@ -175,7 +177,8 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             _not_fused(res, g, sm, "K and V are read with different head groupings")
             continue
         try:
-            mods = lift_mods(g, sm, sp, (*batch, query, axis), lambda n: op(g, n).name or str(n))
+            mods = lift_mods(g, sm, sp, (*batch, query, axis), lambda n: op(g, n).name or str(n),
+                             frozenset([lse] if lse is not None else []))
         except NotLiftable as e:
             _not_fused(res, g, sm, f"between the QK contraction and the softmax, {e}")
             continue
@@ -187,7 +190,9 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                              o.causal == query or top_left, tuple(p_cast),
                              None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv,
                              *((paged["K"][1], paged["K"][2]) if paged is not None else ()))
-        nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes}
+        if lse is not None:
+            info = replace(info, lse=lse)
+        nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes, *([lse] if lse is not None else [])}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
             if op(g, c).kind == "cast" and len(_consumers(g, pv)) == 1:
@@ -208,6 +213,33 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                 res.unfused_attention.append((o.span, f"no backend implements it ({why})"))
                 continue
         res.groups.append(group)
+
+
+def attention_lse(g: nx.DiGraph, sm, sp):
+    """The `L[b.., i] = logsumexp(j) m[b.., i, j]` that reads exactly the softmax's operand m (the
+    scaled, modified, masked scores) at the same points and is stored as it is into an f32 output
+    over the attention's [batch.., query]: the attention kernel writes it (AttentionStructure.lse,
+    FA4's LSE).  None for anything else (a logsumexp of other values, of a causal-flag softmax's
+    unmasked operand, in another dtype or order): it then reads the scores from memory like any
+    other consumer and the attention does not fuse."""
+    o = op(g, sm)
+    ((root, labels),) = operands(g, sm)
+    if o.causal is not None:
+        return None            # `softmax(j, causal=i) s` masks inside the softmax: logsumexp(j) s does not
+    want = tuple(op(g, sp.qk).axes[:-1])
+    found = []
+    for c in _consumers(g, root):
+        co = op(g, c)
+        if c == sm:
+            continue
+        if co.kind != "reduction" or co.fn != "logsumexp" or co.reduced != (o.fn,) or co.axes != want or \
+                [l for u, l in operands(g, c)] != [labels] or co.dtype != "f32":
+            return None
+        outs = _consumers(g, c)
+        if len(outs) != 1 or op(g, outs[0]).kind != "output" or op(g, outs[0]).dtype != "f32":
+            return None
+        found.append(c)
+    return found[0] if len(found) == 1 else None
 
 
 def _paged_reads(g, k, v, key: str, head: str, batch: tuple[str, ...]):
