@@ -124,7 +124,9 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
-        lse = attention_lse(g, sm, sp)
+        lse, why_not = attention_lse(g, sm, sp)
+        if why_not:
+            res.notes.append(f"attention at {sm}: log-sum-exp not fused: {why_not}")
         # the scores are read only inside the kernel: by the scale, the mods and the softmax
         inside = {*sp.scale, *sp.path, sm, *([lse] if lse is not None else [])}
         multi = [n for n in [qk, *sp.scale] if any(c not in inside for c in _consumers(g, n))] + \
@@ -219,27 +221,33 @@ def attention_lse(g: nx.DiGraph, sm, sp):
     """The `L[b.., i] = logsumexp(j) m[b.., i, j]` that reads exactly the softmax's operand m (the
     scaled, modified, masked scores) at the same points and is stored as it is into an f32 output
     over the attention's [batch.., query]: the attention kernel writes it (AttentionStructure.lse,
-    FA4's LSE).  None for anything else (a logsumexp of other values, of a causal-flag softmax's
-    unmasked operand, in another dtype or order): it then reads the scores from memory like any
-    other consumer and the attention does not fuse."""
+    FA4's LSE): (that node, None); (None, None) when no logsumexp reads the operand; (None, the
+    reason) when one does but cannot be the attention's: it then reads the scores from memory like
+    any other consumer (and the attention does not fuse)."""
     o = op(g, sm)
     ((root, labels),) = operands(g, sm)
+    readers = [c for c in _consumers(g, root) if c != sm]
+    lses = [c for c in readers if op(g, c).kind == "reduction" and op(g, c).fn == "logsumexp"]
+    if not lses:
+        return None, None
+    if len(readers) != 1:
+        return None, "the scores have other readers besides one logsumexp"
+    (c,) = lses
+    co = op(g, c)
+    outs = _consumers(g, c)
     if o.causal is not None:
-        return None            # `softmax(j, causal=i) s` masks inside the softmax: logsumexp(j) s does not
+        # `softmax(j, causal=i) s` masks inside the softmax; `logsumexp(j) s` sums the unmasked scores
+        return None, (f"logsumexp({co.reduced[0]}) of the scores of a `causal=` softmax is over the unmasked "
+                      "scores, not the attention's log-sum-exp (write the mask with where(.., -inf) and take both "
+                      "of it)")
+    if co.reduced != (o.fn,) or [l for _, l in operands(g, c)] != [labels]:
+        return None, (f"the logsumexp reduces over {', '.join(co.reduced)}, not over the softmax's {o.fn} at the "
+                      "same points")
     want = tuple(op(g, sp.qk).axes[:-1])
-    found = []
-    for c in _consumers(g, root):
-        co = op(g, c)
-        if c == sm:
-            continue
-        if co.kind != "reduction" or co.fn != "logsumexp" or co.reduced != (o.fn,) or co.axes != want or \
-                [l for u, l in operands(g, c)] != [labels] or co.dtype != "f32":
-            return None
-        outs = _consumers(g, c)
-        if len(outs) != 1 or op(g, outs[0]).kind != "output" or op(g, outs[0]).dtype != "f32":
-            return None
-        found.append(c)
-    return found[0] if len(found) == 1 else None
+    if co.axes != want or len(outs) != 1 or op(g, outs[0]).kind != "output" or op(g, outs[0]).dtype != "f32":
+        return None, (f"the log-sum-exp it can write is an f32 output [{', '.join(want)}] stored as computed "
+                      "(not converted, not used further)")
+    return c, None
 
 
 def _paged_reads(g, k, v, key: str, head: str, batch: tuple[str, ...]):
