@@ -16,7 +16,8 @@ SHIPPED = sorted(p.stem for p in SPECS.glob("*.kspec"))
 # score_mod/mask/GQA/paging, so they plan as several kernels, some of which (index arithmetic,
 # masks) no other backend lowers.  Tests over every shipped spec expect them to fail then.
 NEED_FA4 = frozenset({"attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
-                      "attention_softcap", "attention_decode", "attention_varlen_padded", "attention_paged"})
+                      "attention_softcap", "attention_decode", "attention_varlen_padded", "attention_paged",
+                      "attention_lse"})
 # Packed (cu_seqlens) variable-length batches: language and reference only; no kernel backend
 # declares the capability yet, so these cannot be built at all.
 NO_BACKEND_YET = frozenset({"attention_varlen"})
