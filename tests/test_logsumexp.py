@@ -117,6 +117,23 @@ def test_reference_over_several_axes_and_a_scaled_operand():
     np.testing.assert_allclose(got, _lse64(x.astype(np.float64) * 0.5, (1, 2)), rtol=2e-6, atol=1e-6)
 
 
+def test_over_a_packed_axis_absent_positions_take_no_part():
+    """Varlen: sequence b's positions j >= its length do not exist; an empty sequence gives -inf."""
+    src = """kernel v {
+  in cu : i32[B + 1]
+  in x : f32[B, T, 4] packed(cu)
+  out L : f32[B, 4]
+  L[b, c] = logsumexp(j) x[b, j, c]
+}
+"""
+    cu = np.array([0, 3, 3, 8], np.int32)
+    x = np.random.default_rng(5).standard_normal((8, 4)).astype(np.float32)
+    got = kspec.reference(src)(cu=cu, x=x)["L"]
+    want = np.stack([_lse64(x[cu[b]:cu[b + 1]], (0,)) for b in range(3)])
+    assert (got[1] == -np.inf).all()
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- fusion and planning
 
 ATTN = """kernel a {{
@@ -196,6 +213,9 @@ def test_graph_and_lower_show_it(capsys):
     out = capsys.readouterr().out
     assert "lse -> L" in out and "reduction logsumexp(j)[b, h, i] : f32" in out and "lse=yes" in out
     assert out.count("kernel attention_lse_0 : attention") == 1
+    assert main(["graph", str(SPECS / "attention_lse.kspec")]) == 0
+    out = capsys.readouterr().out
+    assert "1 fused kernel" in out and "scores stay on chip; log-sum-exp -> L" in out
 
 
 def test_every_backend_implements_or_declines_it():
