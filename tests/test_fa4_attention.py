@@ -328,6 +328,40 @@ def test_fa4_attention_on_gpu_matches_float64(compiled, stem, S, T):
 
 
 @needs_fa4
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift, S", [(0, 777), (3, 200)])
+def test_fa4_lse_on_gpu_matches_float64(kernel_cache, tmp_path, shift, S):
+    """attention_lse (and its mask moved `shift` keys down, so the first `shift` queries keep no key):
+    O and L against float64 numpy; L = -inf and O = 0 on the fully masked rows, as kspec defines."""
+    import kspec
+    from kspec.compile import compile_spec
+    from kspec.runtime import from_device
+    from test_gpu_specs import _device_arch
+    arch = _device_arch()                  # skips without a device
+    path = tmp_path / "attention_lse.kspec"
+    path.write_text((SPECS / "attention_lse.kspec").read_text().replace("where(j <= i,", f"where(j <= i - {shift},"))
+    mod = kspec.load(compile_spec(path, (arch,), tmp_path / "out", cache=kernel_cache))
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, S, 128)).astype(__import__("ml_dtypes").bfloat16) for _ in range(3))
+    scale = 1.0 / math.sqrt(128)
+    kernel = mod.attention_lse
+    out = kernel(**kernel.to_device(Q=q, K=k, V=v), scale=scale)
+    O, L = from_device(out["O"]).astype(np.float64), from_device(out["L"]).astype(np.float64)
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    keep = np.broadcast_to(j <= i - shift, (2, 3, S, S))
+    want_o = _attention64(q, k, v, scale, keep)
+    s64 = np.where(keep, np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) * scale, -np.inf)
+    m = s64.max(-1)
+    mf = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        want_l = mf + np.log(np.exp(s64 - mf[..., None]).sum(-1))
+    assert (L[:, :, :shift] == -np.inf).all() and (O[:, :, :shift] == 0).all()
+    assert np.isfinite(L[:, :, shift:]).all()
+    assert np.abs(L[:, :, shift:] - want_l[:, :, shift:]).max() < 2e-3 * max(1.0, np.abs(want_l[:, :, shift:]).max())
+    assert np.abs(O - want_o).max() / max(np.abs(want_o).max(), 1e-6) < 2e-2
+
+
+@needs_fa4
 @pytest.mark.cute
 @pytest.mark.parametrize("stem", ["attention", "attention_causal", "attention_lse"])
 def test_launch_abi_checked_against_the_cubin_by_the_fake_driver(fa4_artifacts, stem):
