@@ -279,7 +279,8 @@ def _reduce_into(gen: _Gen, n, var: str) -> list[str]:
     def loops(inner: list[str]) -> list[str]:
         for label in reversed(o.reduced):
             d = gen.dim_of[label]
-            inner = [f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{"] + ["  " + x for x in inner] + ["}"]
+            head = f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{"
+            inner = [head] + ["  " + x for x in inner] + ["}"]
         return inner
 
     if o.kind == "reduction" and o.fn == "logsumexp":

@@ -483,7 +483,8 @@ def lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
                 if op(g, n).kind == "reduction":
                     mx, sm = sm_vars[n]
                     v = f"r{len(row_var)}"
-                    emit(f"const float {v} = {_round(op(g, n).dtype, f'({sm} == 0.0f) ? -INFINITY : {mx} + logf({sm})')};")
+                    lse = f"({sm} == 0.0f) ? -INFINITY : {mx} + logf({sm})"
+                    emit(f"const float {v} = {_round(op(g, n).dtype, lse)};")
                     row_var[n] = v
         emit_row_stage(p + 1)
     for n in row_stores:
