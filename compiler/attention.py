@@ -114,10 +114,11 @@ class LiftedMods:
 
 
 def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
-              name_of: Callable[[object], str] = lambda n: str(n)) -> LiftedMods:
+              name_of: Callable[[object], str] = lambda n: str(n), readers: frozenset = frozenset()) -> LiftedMods:
     """The ops between the score and the softmax as expressions per score element.  labels: the
     attention's labels (batch.., query, key), which the score node's axes must be.  name_of maps an
-    input/param node to its buffer name.  Raises NotLiftable with the reason."""
+    input/param node to its buffer name; readers: nodes of the kernel besides the softmax that may
+    read the softmax's operand (its log-sum-exp).  Raises NotLiftable with the reason."""
     ((root, root_labels),) = operands(g, sm)
     if not sp.path:
         return LiftedMods(None, None, (), frozenset())
@@ -189,7 +190,7 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
     expr = lift(root, {a: a for a in root_labels})
     # a mod's value may be read only by other mods (or the softmax): it never leaves the kernel
     for n in sorted(nodes, key=str):
-        if any(s not in nodes and s != sm for s in g.successors(n)):
+        if any(s not in nodes and s != sm and s not in readers for s in g.successors(n)):
             raise NotLiftable(f"{op(g, n).label()} (between QK^T and the softmax) is also used outside "
                               "the attention, so it must be written to memory")
     mask, score_mod = _split_mask(expr)

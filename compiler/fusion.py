@@ -72,6 +72,7 @@ class AttentionInfo:
     page_table: object = None          # paged KV: the block-table input (K/V are page pools)
     page_size: object = None           # paged KV: rows per page (int or size symbol)
     orders: tuple = ()                 # Q, K, V, O: the labels in storage order; () = [batch.., seq, head]
+    lse: object = None                 # `logsumexp(j)` of the softmax's operand, stored f32 (see attention_lse)
 
 
 def is_operator(g: nx.DiGraph, n) -> bool:
@@ -124,8 +125,11 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         if po.reduced != (axis,):
             res.notes.append(f"softmax {sm}: not attention (the second contraction does not reduce over '{axis}')")
             continue
+        lse, why_not = attention_lse(g, sm, sp)
+        if why_not:
+            res.notes.append(f"attention at {sm}: log-sum-exp not fused: {why_not}")
         # the scores are read only inside the kernel: by the scale, the mods and the softmax
-        inside = {*sp.scale, *sp.path, sm}
+        inside = {*sp.scale, *sp.path, sm, *([lse] if lse is not None else [])}
         multi = [n for n in [qk, *sp.scale] if any(c not in inside for c in _consumers(g, n))] + \
                 [n for n in [sm, *p_cast] if len(_consumers(g, n)) != 1] + \
                 [n for n in [qk, *sp.scale, sm, *p_cast] if any(op(g, c).kind == "output" for c in _consumers(g, n))]
@@ -186,7 +190,8 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             _not_fused(res, g, sm, "K and V are read with different head groupings")
             continue
         try:
-            mods = lift_mods(g, sm, sp, (*batch, query, axis), lambda n: op(g, n).name or str(n))
+            mods = lift_mods(g, sm, sp, (*batch, query, axis), lambda n: op(g, n).name or str(n),
+                             frozenset([lse] if lse is not None else []))
         except NotLiftable as e:
             _not_fused(res, g, sm, f"between the QK contraction and the softmax, {e}")
             continue
@@ -198,7 +203,9 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                              o.causal == query or top_left, tuple(p_cast),
                              None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv,
                              *((paged["K"][1], paged["K"][2]) if paged is not None else (None, None)), orders)
-        nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes}
+        if lse is not None:
+            info = replace(info, lse=lse)
+        nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes, *([lse] if lse is not None else [])}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
             if op(g, c).kind == "cast" and len(_consumers(g, pv)) == 1:
@@ -219,6 +226,39 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                 res.unfused_attention.append((o.span, f"no backend implements it ({why})"))
                 continue
         res.groups.append(group)
+
+
+def attention_lse(g: nx.DiGraph, sm, sp):
+    """The `L[b.., i] = logsumexp(j) m[b.., i, j]` that reads exactly the softmax's operand m (the
+    scaled, modified, masked scores) at the same points and is stored as it is into an f32 output
+    over the attention's [batch.., query]: the attention kernel writes it (AttentionStructure.lse,
+    FA4's LSE): (that node, None); (None, None) when no logsumexp reads the operand; (None, the
+    reason) when one does but cannot be the attention's: it then reads the scores from memory like
+    any other consumer (and the attention does not fuse)."""
+    o = op(g, sm)
+    ((root, labels),) = operands(g, sm)
+    readers = [c for c in _consumers(g, root) if c != sm]
+    lses = [c for c in readers if op(g, c).kind == "reduction" and op(g, c).fn == "logsumexp"]
+    if not lses:
+        return None, None
+    if len(readers) != 1:
+        return None, "the scores have other readers besides one logsumexp"
+    (c,) = lses
+    co = op(g, c)
+    outs = _consumers(g, c)
+    if o.causal is not None:
+        # `softmax(j, causal=i) s` masks inside the softmax; `logsumexp(j) s` sums the unmasked scores
+        return None, (f"logsumexp({co.reduced[0]}) of the scores of a `causal=` softmax is over the unmasked "
+                      "scores, not the attention's log-sum-exp (write the mask with where(.., -inf) and take both "
+                      "of it)")
+    if co.reduced != (o.fn,) or [l for _, l in operands(g, c)] != [labels]:
+        return None, (f"the logsumexp reduces over {', '.join(co.reduced)}, not over the softmax's {o.fn} at the "
+                      "same points")
+    want = tuple(op(g, sp.qk).axes[:-1])
+    if co.axes != want or len(outs) != 1 or op(g, outs[0]).kind != "output" or op(g, outs[0]).dtype != "f32":
+        return None, (f"the log-sum-exp it can write is an f32 output [{', '.join(want)}] stored as computed "
+                      "(not converted, not used further)")
+    return c, None
 
 
 def _paged_reads(g, k, v, key: str, head: str, batch: tuple[str, ...]):

@@ -231,7 +231,8 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
     aux: tuple[str, ...] = ()
     if info.mods is not None and (info.mods.score_mod is not None or info.mods.mask is not None):
         sp = score_path(g, info.softmax)
-        mods = lift_mods(g, info.softmax, sp, (*info.batch, info.query, info.key), buffer_of)
+        mods = lift_mods(g, info.softmax, sp, (*info.batch, info.query, info.key), buffer_of,
+                         frozenset([info.lse] if info.lse is not None else []))
         score_mod, mask = mods.score_mod, mods.mask
         if info.causal and is_top_left_causal(mask, info.query, info.key):
             mask = None                # `where(j <= i, s, -inf)` with S = T: the causal flag says it
@@ -244,14 +245,15 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
         scale=attention_scale(g, info.scale), head_dims=heads,
         dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)),
               ("E", heads[0])),
-        inputs_row_major=row_major, out_buffers=tuple(b for _, b in stores),
+        inputs_row_major=row_major, out_buffers=tuple(b for n, b in stores if n != info.lse),
         kv_shared=tuple(x for x in info.batch if info.kv_batch is not None and x not in info.kv_batch),
         p_dtypes=tuple(op(g, n).dtype for n in info.p_cast),
         score_mod=score_mod, mask=mask, aux=aux,
         kv_group=info.kv_group, kv_head=info.kv_head if info.kv_group is not None else None,
         page_table=buffer_of(info.page_table) if info.page_table is not None else None,
         page_size=info.page_size, kv_len=key_length_bound(mask, info.key, tuple(info.batch)),
-        orders=tuple(info.orders))
+        orders=tuple(info.orders),
+        lse=next((b for n, b in stores if n == info.lse), None) if info.lse is not None else None)
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:

@@ -48,7 +48,9 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
     elif plan.kind == "attention":
         out.append(f"      fused attention: Q={op(g, info.q).name}, K={op(g, info.k).name}, V={op(g, info.v).name}, "
                    f"softmax over {info.key}{', causal' if info.causal else ''}; "
-                   f"the [{', '.join(info.batch + (info.query, info.key))}] scores stay on chip")
+                   f"the [{', '.join(info.batch + (info.query, info.key))}] scores stay on chip"
+                   + (f"; log-sum-exp -> {op(g, next(iter(g.successors(info.lse)))).name}" if info.lse is not None
+                      else ""))
     elif plan.kind == "rowwise":
         kinds = [op(g, n).kind for n in plan.group.nodes]
         n_red = sum(k in ("reduction", "contraction") for k in kinds) + 2 * kinds.count("softmax")

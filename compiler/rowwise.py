@@ -1,7 +1,7 @@
 """Row-wise fusion: a chain of reductions and elementwise maps over the same rows is one kernel.
 
 A *row space* is a set of outer labels O (which row) and one row label r (the position in a row).
-The rule starts at a reduction over r (sum, max, min, mean), a row dot product (a contraction
+The rule starts at a reduction over r (sum, max, min, mean, logsumexp), a row dot product (a contraction
 `sum(n) x[m, n] * y[m, n]` that is no GEMM) or a non-causal softmax over r whose operand covers O
 and r, and grows the group over connected operators whose values live in that space: element
 values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes within O, e.g.
@@ -27,7 +27,7 @@ import networkx as nx
 from .groups import FusionResult, Group, _node_order, legal_group, same_point
 from .graph import op, operands
 
-ROW_REDUCTIONS = ("sum", "max", "min", "mean")
+ROW_REDUCTIONS = ("sum", "max", "min", "mean", "logsumexp")
 MEMBER_KINDS = ("elementwise", "broadcast", "cast", "reduction", "contraction", "softmax", "gather", "const")
 FLOAT = ("f16", "bf16", "f32", "tf32", "f8e4m3", "f8e5m2")
 

@@ -8,7 +8,7 @@ from .errors import Span
 
 from kspec.core import ARCHS, DTYPES  # noqa: E402,F401  (the one copy of each table)
 ROLES = ("in", "out", "param")
-REDUCERS = ("sum", "max", "min", "mean")
+REDUCERS = ("sum", "max", "min", "mean", "logsumexp")
 NORMALIZERS = ("softmax",)
 
 
@@ -104,7 +104,7 @@ class Cast:
 
 @dataclass(frozen=True)
 class Reduce:
-    """`sum(k) operand` (also max, min, mean) and the normaliser `softmax(j) operand`.
+    """`sum(k) operand` (also max, min, mean, logsumexp) and the normaliser `softmax(j) operand`.
     options: keyword arguments such as mask=causal (softmax only)."""
     op: str
     indices: tuple[str, ...]

@@ -187,7 +187,7 @@ class TCast(TExpr):
 
 @dataclass(frozen=True)
 class TReduce(TExpr):
-    op: str = "sum"               # sum | max | min | mean
+    op: str = "sum"               # sum | max | min | mean | logsumexp
     indices: tuple[str, ...] = ()
     operand: TExpr | None = None
 
@@ -918,6 +918,13 @@ class _KernelChecker:
             dt = accumulator_dtype(operand.dtype) if e.op == "sum" else "f32"
             if e.op == "mean" and not is_float(operand.dtype):
                 dt = "f32"
+        elif e.op == "logsumexp":
+            # log(sum exp(x)), natural log, max-shifted; -inf over an empty or all -inf axis
+            if not is_float(operand.dtype):
+                self.error(f"logsumexp needs a floating-point operand, got {operand.dtype}", e.operand.span or e.span,
+                           f"convert first: `logsumexp({', '.join(e.indices)}) f32({print_expr(e.operand)})`",
+                           abort=True)
+            dt = "f32"
         else:
             dt = operand.dtype
         free = tuple(ix for ix in operand.free if ix not in e.indices)
@@ -1293,6 +1300,7 @@ def count_ops(e: TExpr) -> dict[str, int]:
 #   length;
 # - an output written over a packed axis must be declared `packed` with the same offsets: only its
 #   present rows are stored;
+# - a logsumexp over a packed axis leaves absent positions out the same way (they are -inf);
 # - a sum over a packed axis must multiply by a softmax over that axis (attention's P·V), whose
 #   absent entries are 0; other reductions over a packed axis are refused (mask them explicitly).
 #
@@ -1400,12 +1408,16 @@ def varlen_apply(kc, env, value: TExpr, span) -> TExpr:
             cu, b = packed.labels[packed.sizes[e.name]]
             return _seq_length(cu, b)
         if isinstance(e, TSoftmax) and e.axis in packed.labels:
-            cu, b = packed.labels[e.axis]
-            cond = TBinary(BOOL, _uniq((e.axis, b)), None, "<", TIndex("i32", (e.axis,), None, e.axis),
-                           _seq_length(cu, b))
-            masked = TCall(e.operand.dtype, _uniq(e.operand.free + cond.free), e.operand.span, "where",
-                           (cond, e.operand, TConst("f32", (), None, -math.inf, True)))
+            masked = _absent_as_neg_inf(packed, e.operand, e.axis)
             return replace(e, operand=masked, free=_uniq(e.free + masked.free))
+        if isinstance(e, TReduce) and e.op == "logsumexp" and set(e.indices) & set(packed.labels):
+            # absent positions are -inf, logsumexp's identity (as for a softmax)
+            masked = e.operand
+            for ix in e.indices:
+                if ix in packed.labels:
+                    masked = _absent_as_neg_inf(packed, masked, ix)
+            return replace(e, operand=masked,
+                           free=_uniq(e.free + tuple(x for x in masked.free if x not in e.indices)))
         if isinstance(e, TReduce):
             for ix in e.indices:
                 if ix in packed.labels and not (e.op == "sum" and _zero_when_absent(kc, e.operand, ix)):
@@ -1417,6 +1429,15 @@ def varlen_apply(kc, env, value: TExpr, span) -> TExpr:
         return e
 
     return _rebuild_texpr(value, rewrite)
+
+
+def _absent_as_neg_inf(packed, operand: TExpr, axis: str) -> TExpr:
+    """`where(axis < len(b), operand, -inf)`: the operand with the positions past each sequence's
+    length left out of a softmax or logsumexp over the packed axis."""
+    cu, b = packed.labels[axis]
+    cond = TBinary(BOOL, _uniq((axis, b)), None, "<", TIndex("i32", (axis,), None, axis), _seq_length(cu, b))
+    return TCall(operand.dtype, _uniq(operand.free + cond.free), operand.span, "where",
+                 (cond, operand, TConst("f32", (), None, -math.inf, True)))
 
 
 def _zero_when_absent(kc, e: TExpr, label: str) -> bool:

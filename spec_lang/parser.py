@@ -25,7 +25,7 @@ _TERMINAL_WORDS = {
 }
 _KEYWORD_GROUPS = [
     ({d.upper() for d in DTYPES}, "a dtype (f16, bf16, f32, ...)"),
-    ({"SUM", "MAX", "MIN", "MEAN", "SOFTMAX"}, "a reduction (sum, max, min, mean, softmax)"),
+    ({"SUM", "MAX", "MIN", "MEAN", "LOGSUMEXP", "SOFTMAX"}, "a reduction (sum, max, min, mean, logsumexp, softmax)"),
     ({"IN", "OUT", "PARAM"}, "a declaration (in, out, param)"),
     ({"ROW", "COL"}, "a layout (row, col)"),
     ({a.upper() for a in ARCHS}, f"an arch ({', '.join(ARCHS)})"),
@@ -399,7 +399,7 @@ def _last_word(text: str) -> str | None:
 
 
 def _reducer_before(source: str, pos: int) -> tuple[str, int, int] | None:
-    """If the text before `pos` ends with `sum(...)` (or max, min, mean, softmax), outside a
+    """If the text before `pos` ends with `sum(...)` (or another reduction, or softmax), outside a
     comment: (the word, its start offset, the offset after its ')')."""
     lo = max(0, pos - 4000)
     before = source[lo:pos].rstrip()
@@ -418,7 +418,7 @@ def _reducer_before(source: str, pos: int) -> tuple[str, int, int] | None:
     else:
         return None
     word = _last_word(before[:i])
-    if word not in ("sum", "max", "min", "mean", "softmax"):
+    if word not in ast.REDUCERS + ast.NORMALIZERS:
         return None
     start = lo + len(before[:i].rstrip()) - len(word)
     if "#" in source[source.rfind("\n", 0, start) + 1:start]:

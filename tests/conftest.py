@@ -17,7 +17,7 @@ SHIPPED = sorted(p.stem for p in SPECS.glob("*.kspec"))
 # masks) no other backend lowers.  Tests over every shipped spec expect them to fail then.
 NEED_FA4 = frozenset({"attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
                       "attention_softcap", "attention_decode", "attention_varlen_padded", "attention_paged",
-                      "attention_varlen"})
+                      "attention_varlen", "attention_lse"})
 # Shipped specs no backend builds at all (none today).
 NO_BACKEND_YET: frozenset[str] = frozenset()
 

@@ -149,7 +149,7 @@ def fa4_artifacts(tmp_path_factory):
 
 @needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", ["attention", "attention_causal"])
+@pytest.mark.parametrize("stem", ["attention", "attention_causal", "attention_lse"])
 def test_shipped_attention_specs_build_one_fa4_kernel_per_arch(fa4_artifacts, stem):
     art = fa4_artifacts(stem)
     m = json.loads((art / "manifest.json").read_text())
@@ -168,10 +168,13 @@ def test_shipped_attention_specs_build_one_fa4_kernel_per_arch(fa4_artifacts, st
         deps = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
         needed = {l.split("[")[1].rstrip("]") for l in deps.splitlines() if "(NEEDED)" in l}
         assert needed <= {"libc.so.6", "ld-linux-x86-64.so.2"}   # no libcute_dsl_runtime, no libtvm_ffi
+        assert b["config"]["lse"] == ("yes" if stem == "attention_lse" else "no")
         for v in variants:
             sass = cubin_sass(art / v["cubin"])
             if sass is not None:
                 assert f" {insn}" in sass and "UTMALDG" in sass, f"{stem} {arch}: no {insn}"
+                if stem == "attention_lse":
+                    assert "MUFU.LG2" in sass, f"{stem} {arch}: no log2 for the LSE"
 
 
 @needs_fa4
@@ -325,8 +328,42 @@ def test_fa4_attention_on_gpu_matches_float64(compiled, stem, S, T):
 
 
 @needs_fa4
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift, S", [(0, 777), (3, 200)])
+def test_fa4_lse_on_gpu_matches_float64(kernel_cache, tmp_path, shift, S):
+    """attention_lse (and its mask moved `shift` keys down, so the first `shift` queries keep no key):
+    O and L against float64 numpy; L = -inf and O = 0 on the fully masked rows, as kspec defines."""
+    import kspec
+    from kspec.compile import compile_spec
+    from kspec.runtime import from_device
+    from test_gpu_specs import _device_arch
+    arch = _device_arch()                  # skips without a device
+    path = tmp_path / "attention_lse.kspec"
+    path.write_text((SPECS / "attention_lse.kspec").read_text().replace("where(j <= i,", f"where(j <= i - {shift},"))
+    mod = kspec.load(compile_spec(path, (arch,), tmp_path / "out", cache=kernel_cache))
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, S, 128)).astype(__import__("ml_dtypes").bfloat16) for _ in range(3))
+    scale = 1.0 / math.sqrt(128)
+    kernel = mod.attention_lse
+    out = kernel(**kernel.to_device(Q=q, K=k, V=v), scale=scale)
+    O, L = from_device(out["O"]).astype(np.float64), from_device(out["L"]).astype(np.float64)
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    keep = np.broadcast_to(j <= i - shift, (2, 3, S, S))
+    want_o = _attention64(q, k, v, scale, keep)
+    s64 = np.where(keep, np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k.astype(np.float64)) * scale, -np.inf)
+    m = s64.max(-1)
+    mf = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        want_l = mf + np.log(np.exp(s64 - mf[..., None]).sum(-1))
+    assert (L[:, :, :shift] == -np.inf).all() and (O[:, :, :shift] == 0).all()
+    assert np.isfinite(L[:, :, shift:]).all()
+    assert np.abs(L[:, :, shift:] - want_l[:, :, shift:]).max() < 2e-3 * max(1.0, np.abs(want_l[:, :, shift:]).max())
+    assert np.abs(O - want_o).max() / max(np.abs(want_o).max(), 1e-6) < 2e-2
+
+
+@needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", ["attention", "attention_causal"])
+@pytest.mark.parametrize("stem", ["attention", "attention_causal", "attention_lse"])
 def test_launch_abi_checked_against_the_cubin_by_the_fake_driver(fa4_artifacts, stem):
     """kspec.runtime.fakedriver: parameter layout against the cubin, TMA descriptors against the
     tensors, for query lengths served by different variants."""
@@ -348,6 +385,46 @@ def test_launch_abi_checked_against_the_cubin_by_the_fake_driver(fa4_artifacts, 
                 assert problems == [], f"{stem} {arch} {sizes}:\n" + "\n".join(problems)
                 (rec,) = call.launches
                 assert rec.symbol == mod[stem].entry.plans[0].binaries[arch].symbol
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_lse_output_is_a_launch_argument_checked_by_the_fake_driver(fa4_artifacts):
+    """attention_lse's L (f32 [B, H, S], FA4's mLSE) is the plan's fifth tensor: the glue gets its
+    pointer, the launch blob holds it as a plain pointer (FA4 stores LSE without TMA), the cubin's
+    parameter layout matches, and a wrong L is refused before any launch."""
+    import kspec
+    from kspec.runtime.errors import KspecRuntimeError
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.runtime.tensors import DeviceBuffer
+    mod = kspec.load(fa4_artifacts("attention_lse"))
+    (plan,) = mod["attention_lse"].entry.plans
+    assert tuple(plan.args) == ("Q", "K", "V", "O", "L")
+    for arch, cc in (("sm90a", (9, 0)), ("sm100a", (10, 0))):
+        with FakeDriver(cc, sm_count=compat.OFFLINE_SM_COUNT[arch]) as fake:
+            for S in (100, 1000):
+                sizes = {"B": 2, "H": 4, "S": S}
+                call = fake_call(mod, "attention_lse", sizes, fake, pass_outputs=True)
+                problems = [p for p in check_call(call, arch, mod)
+                            if not (arch == "sm100a" and "static shared memory exceed" in p)]
+                assert problems == [], "\n".join(problems)
+                (args,) = call.plan_args
+                (rec,) = call.launches
+                L = args[4]
+                assert (L.name, L.dtype, L.shape) == ("L", "f32", (2, 4, S))
+                assert L.strides == (4 * S, S, 1)
+                assert rec.prepare.ptrs[4] == L.ptr
+                words = {int.from_bytes(rec.params[i:i + 8], "little") for i in range(0, len(rec.params) - 7, 8)}
+                assert L.ptr in words and L.ptr not in {tm.address for tm in rec.prepare.tensor_maps}
+            # a wrong L: refused before a launch, naming it
+            shape = {"Q": (2, 4, 64, 128), "K": (2, 4, 64, 128), "V": (2, 4, 64, 128), "O": (2, 4, 64, 128)}
+            bufs = {n: DeviceBuffer(fake.alloc(2 * math.prod(sh), n), sh, "bfloat16") for n, sh in shape.items()}
+            n_launches = len(fake.launches)
+            for bad in (DeviceBuffer(fake.alloc(4 * 2 * 4 * 65, "L"), (2, 4, 65), "float32"),
+                        DeviceBuffer(fake.alloc(2 * 2 * 4 * 64, "L"), (2, 4, 64), "bfloat16")):
+                with pytest.raises(KspecRuntimeError, match="argument 'L'"):
+                    mod.attention_lse(**bufs, L=bad)
+            assert len(fake.launches) == n_launches
 
 
 @needs_fa4

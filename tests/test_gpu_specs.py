@@ -70,7 +70,7 @@ def test_shipped_gemm_spec_matches_reference_with_cutlass_cpp(compiled, stem):
 
 
 @pytest.mark.parametrize("stem", ["gemm_bias_gelu_residual", "gemm_rowmax", "attention", "attention_causal",
-                                  "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"])
+                                  "attention_lse", "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"])
 def test_odd_sizes(compiled, stem):
     _run(compiled, stem, ODD, seed=1)
 

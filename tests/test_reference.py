@@ -203,6 +203,48 @@ def test_attention_causal():
     np.testing.assert_array_equal(out["O"][:, :, 0], V[:, :, 0])
 
 
+def test_attention_lse():
+    """O and the log-sum-exp of the masked scaled scores, natural log, in float64 written out here:
+    L[b, h, i] = log(sum over kept j of exp(scale * q_i . k_j)); a fully masked row is -inf."""
+    rng = np.random.default_rng(21)
+    Q, K, V = (rand(rng, (2, 2, 9, 128), BF16) for _ in range(3))
+    scale = 0.08838834764831845
+    out = run_both(SPECS / "attention_lse.kspec", Q=Q, K=K, V=V)
+    assert list(out) == ["O", "L"] and out["L"].dtype == np.float32 and out["L"].shape == (2, 2, 9)
+    q, k = f64(Q), f64(K)
+    L = np.empty((2, 2, 9))
+    for b in range(2):
+        for h in range(2):
+            for i in range(9):
+                s = [scale * float(q[b, h, i] @ k[b, h, j]) for j in range(i + 1)]      # causal: j <= i
+                m = max(s)
+                L[b, h, i] = m + math.log(sum(math.exp(x - m) for x in s))
+    np.testing.assert_allclose(f64(out["L"]), L, rtol=1e-5, atol=1e-5)
+    assert_close(out["O"], naive_attention(Q, K, V, scale, True), BF16)
+    # the first query sees only the first key: its log-sum-exp is that one score
+    np.testing.assert_allclose(f64(out["L"][:, :, 0]), scale * np.einsum("bhe,bhe->bh", q[:, :, 0], k[:, :, 0]),
+                               rtol=1e-5, atol=1e-5)
+    # a large scale: exp of the scores overflows f32, the max-shifted log-sum-exp does not
+    big = reference(SPECS / "attention_lse.kspec")(Q=Q, K=K, V=V, scale=40.0)["L"]
+    assert np.isfinite(big).all()
+
+
+def test_attention_lse_fully_masked_rows_are_minus_inf():
+    """A mask that keeps no key for some queries: L = -inf there and O = 0 (FlashAttention's
+    convention); the rows that keep keys match float64."""
+    src = (SPECS / "attention_lse.kspec").read_text().replace("where(j <= i,", "where(j <= i - 3,")
+    rng = np.random.default_rng(22)
+    Q, K, V = (rand(rng, (1, 2, 7, 128), BF16) for _ in range(3))
+    out = run_both(src, Q=Q, K=K, V=V)
+    assert (out["L"][:, :, :3] == -np.inf).all() and (f64(out["O"][:, :, :3]) == 0).all()
+    s = 0.08838834764831845 * np.einsum("bhie,bhje->bhij", f64(Q), f64(K))
+    keep = np.arange(7)[None, :] <= np.arange(7)[:, None] - 3
+    s = np.where(keep, s, -np.inf)[:, :, 3:]
+    m = s.max(-1, keepdims=True)
+    want = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+    np.testing.assert_allclose(f64(out["L"][:, :, 3:]), want, rtol=1e-5, atol=1e-5)
+
+
 def sdpa64(Q, K, V, scale, *, group=1, bias=None, keep=None, cap=None):
     """Attention in float64, independently of kspec: K/V head h // group, scores scaled, then
     soft-capped, then biased, then masked (keep: True keeps); a fully masked row gives 0."""
@@ -472,7 +514,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "fp8_gemm_cast_bias", "gemm_int8", "gemm_tf32", "batched_gemm_shared_b", "masked_scores",
               "attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
               "attention_softcap", "attention_decode", "attention_paged", "attention_varlen",
-              "attention_varlen_padded",
+              "attention_varlen_padded", "attention_lse",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
               "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested

@@ -721,3 +721,49 @@ def emit_spec_text(src: str):
     d = Path(tempfile.mkdtemp(prefix="kspec-row-"))
     (d / "k.kspec").write_text(src)
     return emit_spec(d / "k.kspec", ("sm90a", "sm100a"))
+
+
+LOGSUMEXP_ROWS = """kernel lse {
+  in x : bf16[M, N]
+  out L : f32[M]
+  out y : bf16[M, N]
+  L[m] = logsumexp(n) x[m, n]
+  y[m, n] = exp(f32(x[m, n]) - L[m])
+}"""
+
+
+def test_logsumexp_is_one_row_kernel_of_two_passes():
+    k = _load(LOGSUMEXP_ROWS).kernels[0]
+    sched = plan_kernel(k)
+    assert [p.kind for p in sched.plans] == ["rowwise"]
+    em = emit_spec_text(LOGSUMEXP_ROWS)
+    (plist,) = em.plans.values()
+    for ep in plist:
+        assert ep.lowered.backend == "rowwise" and isinstance(ep.lowered.desc, RowwiseDesc)
+        assert ep.lowered.desc.n_passes == 3      # max, sum of exponentials, the y pass
+        assert "logf(" in ep.lowered.desc.body
+
+
+@EMULATED
+@pytest.mark.parametrize("odd", (True, False))
+def test_logsumexp_row_kernel_matches_float64(odd):
+    """A row of -inf (fully masked) gives -inf; -inf entries drop out; a large entry does not
+    overflow (the max shift); y = exp(x - L) reads L in the same kernel."""
+    from kspec.backends.reference.numerics import storage_dtype
+    kern = _emu()(LOGSUMEXP_ROWS, is_text=True)
+    n = 203 if odd else 208
+    x = (np.random.default_rng(3).standard_normal((6, n)) * 4).astype(np.float32)
+    x[1] = -np.inf
+    x[2, ::3] = -np.inf
+    x[4, 5] = 60.0                       # exp(60) overflows f32 without the max shift
+    xs = x.astype(storage_dtype("bf16"))
+    got, _ = kern({"x": xs})
+    from test_logsumexp import _lse64           # float64, the max shift written out
+    want = _lse64(_f64(xs), (1,))
+    assert got["L"][1] == -np.inf
+    np.testing.assert_allclose(_f64(got["L"]), want, rtol=1e-5, atol=1e-5)
+    with np.errstate(invalid="ignore"):
+        y64 = np.exp(_f64(xs) - want[:, None])          # NaN on the -inf row: -inf - (-inf)
+    np.testing.assert_allclose(_f64(got["y"]), y64, rtol=8e-3, atol=1e-6)
+    ref = kspec.reference(_load(LOGSUMEXP_ROWS))(x=xs)
+    np.testing.assert_allclose(_f64(ref["L"]), want, rtol=1e-5, atol=1e-5)

@@ -112,7 +112,7 @@ def test_unexpected_end_of_file():
 def test_unexpected_end_of_file_mid_expression():
     assert_error(GEMM_HEAD + "  D[m, n] = sum(k) A[m, k] *", 5, 29,
                  "unexpected end of file; expected '(', '-', a dtype (f16, bf16, f32, ...), a name, a number or "
-                 "a reduction (sum, max, min, mean, softmax)", "is a closing '}' missing?")
+                 "a reduction (sum, max, min, mean, logsumexp, softmax)", "is a closing '}' missing?")
 
 
 def test_unexpected_end_of_file_in_empty_and_blank_text_positions():
@@ -455,7 +455,7 @@ def test_reduction_without_operand():
 def test_reduction_operand_starting_with_minus():
     assert_error("kernel k {\n  in A : f16[M, K]\n  out D : f16[M]\n  D[m] = sum(k) -A[m, k]\n}\n", 4, 17,
                  "unexpected '-'; expected '(', a dtype (f16, bf16, f32, ...), a name, a number or a reduction "
-                 "(sum, max, min, mean, softmax)",
+                 "(sum, max, min, mean, logsumexp, softmax)",
                  "the operand of sum(...) cannot start with '-'; write `sum(...) (-x)`")
 
 

@@ -399,6 +399,18 @@ def lower(ir, arch: str, sm_count: int | None = None):
         else:
             mod_scalars.append(("dim", role_of(ref)))
     o = ir.buffer(a.out_buffers[0])
+    # LSE (a.lse: the spec's `L[b.., i] = logsumexp(j) m[b.., i, j]` of the softmax's operand m, see
+    # compiler/fusion.py attention_lse) is FA4 4.0.0b36's mLSE, checked against its source: f32
+    # [B, H, S]; the natural log (Softmax.finalize in softmax.py on sm90, the correction epilogue in
+    # flash_fwd_sm100.py: (row_max * scale_log2 + log2(row_sum)) * ln 2, less the sm100 max_offset it
+    # added); over the scores after softmax_scale and the score_mod (utils.compute_softmax_scale_log2
+    # scales before a score_mod, then works in base 2 with scale_log2 = log2 e), masked keys and keys
+    # past seqused_k excluded; -inf for a row with no unmasked key (row_sum 0, and rows of tiles with
+    # no key block: softmax.reset() on sm90, the -inf default of the sm100 stats).  That is kspec's
+    # `logsumexp` on every point.  (Two differences need no handling here: FA4 computes exp2/log2
+    # with fast-math approximations, within the tolerance kspec allows fused kernels, and a row whose
+    # sum is NaN gets -inf where kspec says NaN, only for NaN scores, whose O is NaN either way.
+    # kspec passes no learnable sink, which FA4 would fold into LSE.)
     desc = AttnDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, dtype=a.dtypes[0], head_dim=a.head_dims[0],
                     head_dim_v=a.head_dims[2], q=names(a.q_buffer), k=names(a.k_buffer), v=names(a.v_buffer),
                     o=names(o.name), lse=names(a.lse) if a.lse else None, aux=aux, group=group,

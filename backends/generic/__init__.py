@@ -271,16 +271,29 @@ def _reduce_into(gen: _Gen, n, var: str) -> list[str]:
         (u, labels), = ins
         term = gen.value(u, labels, {})
         init = {"sum": "0", "mean": "0", "max": "-INFINITY" if acc_t == "float" else "LLONG_MIN",
-                "min": "INFINITY" if acc_t == "float" else "LLONG_MAX"}[o.fn]
+                "min": "INFINITY" if acc_t == "float" else "LLONG_MAX"}.get(o.fn)
         update = {"sum": "{a} += {t};", "mean": "{a} += {t};", "max": "{a} = kspec_max({a}, {t});",
-                  "min": "{a} = kspec_min({a}, {t});"}[o.fn]
+                  "min": "{a} = kspec_min({a}, {t});"}.get(o.fn)     # logsumexp: below
     acc = f"acc_{var}"
+
+    def loops(inner: list[str]) -> list[str]:
+        for label in reversed(o.reduced):
+            d = gen.dim_of[label]
+            head = f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{"
+            inner = [head] + ["  " + x for x in inner] + ["}"]
+        return inner
+
+    if o.kind == "reduction" and o.fn == "logsumexp":
+        # max-shifted: mx + log(sum exp(x - mx)); an infinite max shifts by 0, so a reduction of
+        # -inf values (or of none) is -inf and one holding +inf is +inf; NaN propagates
+        mx = f"mx_{var}"
+        out = [f"float {mx} = -INFINITY;"] + loops([f"{mx} = fmaxf({mx}, {term});"])
+        out.append(f"if (fabsf({mx}) == INFINITY) {mx} = 0.0f;")
+        out += [f"float {acc} = 0.0f;"] + loops([f"{acc} += expf({term} - {mx});"])
+        out.append(f"float {var} = {_round(o.dtype, f'({acc} == 0.0f) ? -INFINITY : {mx} + logf({acc})')};")
+        return out
     out = [f"{acc_t} {acc} = {init};"]
-    inner = [update.format(a=acc, t=term)]
-    for label in reversed(o.reduced):
-        d = gen.dim_of[label]
-        inner = [f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{"] + ["  " + x for x in inner] + ["}"]
-    out += inner
+    out += loops([update.format(a=acc, t=term)])
     if o.kind == "reduction" and o.fn == "mean":
         count = " * ".join(f"(float)p.dim[{gen.dim_of[l][1:]}]" for l in o.reduced)
         out.append(f"{acc} = {acc} / ({count});")

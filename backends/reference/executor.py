@@ -52,6 +52,18 @@ def _softmax(x: np.ndarray, axis: int, causal_axis: int | None) -> np.ndarray:
         return np.where(s > 0, e / s, 0).astype(np.float32)
 
 
+def _logsumexp(x: np.ndarray, axis: tuple[int, ...]) -> np.ndarray:
+    """log(sum(exp(x))) over `axis`, natural log, max-shifted: -inf where every element is -inf or
+    the axis is empty, +inf where one is +inf, NaN where one is NaN."""
+    x = x.astype(np.float32)
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        s = np.sum(np.exp(x - m), axis=axis, keepdims=True)
+        out = np.where(s == 0, np.float32(-np.inf), m + np.log(s))
+    return np.squeeze(out, axis=axis).astype(np.float32)
+
+
 def _letters(labels) -> dict[str, str]:
     return {l: string.ascii_letters[i] for i, l in enumerate(labels)}
 
@@ -87,7 +99,7 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
         x = to_compute(values[u])
         x = np.ascontiguousarray(_align(x, labels, o.axes + o.reduced))
         red = tuple(range(len(o.axes), len(o.axes) + len(o.reduced)))
-        fn = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean}[o.fn]
+        fn = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean, "logsumexp": _logsumexp}[o.fn]
         out = fn(x, axis=red)
         return to_storage(out, o.dtype)
     if o.kind == "softmax":

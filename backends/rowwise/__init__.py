@@ -170,7 +170,12 @@ def lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
     for n in gen.nodes:
         o = op(g, n)
         ins = operands(g, n)
-        if o.kind in ("reduction", "contraction"):
+        if o.kind == "reduction" and o.fn == "logsumexp":
+            # a max pass and a sum-of-exponentials pass, as a softmax: mx + log(sum exp(x - mx))
+            p0 = st(ins[0][0])
+            sm_passes[n] = (p0, p0 + 1)
+            stage[n] = p0 + 2
+        elif o.kind in ("reduction", "contraction"):
             p0 = max(st(u) for u, _ in ins)
             red_pass[n] = p0
             stage[n] = p0 + 1
@@ -468,10 +473,19 @@ def lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
                 v = f"r{len(row_var)}"
                 emit(f"const float {v} = {_round(o.dtype, val)};")
                 row_var[n] = v
+            elif how == "smax" and op(g, n).kind == "reduction":
+                # logsumexp: an infinite max shifts by 0 (all -inf: the sum is 0 and the result -inf)
+                emit(f"const float {sm_vars[n][0]} = (fabsf({var}) == INFINITY) ? 0.0f : {var};")
             elif how == "smax":
                 emit(f"const float {sm_vars[n][0]} = ({var} == -INFINITY) ? 0.0f : {var};")
             else:
                 emit(f"const float {sm_vars[n][1]} = {var};")
+                if op(g, n).kind == "reduction":
+                    mx, sm = sm_vars[n]
+                    v = f"r{len(row_var)}"
+                    lse = f"({sm} == 0.0f) ? -INFINITY : {mx} + logf({sm})"
+                    emit(f"const float {v} = {_round(op(g, n).dtype, lse)};")
+                    row_var[n] = v
         emit_row_stage(p + 1)
     for n in row_stores:
         for t in gen.s.stores(n):
