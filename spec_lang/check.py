@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
-from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent, split_offset_dim
+from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent, packed_rows_symbol, split_offset_dim
 
 from . import ast
 from .errors import Diagnostic, KspecError, Span
@@ -1342,6 +1342,13 @@ def varlen_check_decls(kc) -> None:
                      f"cumulative offsets, not {cu.role} {cu.describe()}", sp,
                      f"declare `in {t.packed} : i32[{batch} + 1]`: sequence b is rows {t.packed}[b] .. "
                      f"{t.packed}[b + 1] - 1")
+            continue
+        rows = packed_rows_symbol(t.packed)
+        user = next((u for u in kc.tensors.values() if rows in u.shape), None)
+        if user is not None:
+            kc.error(f"size symbol '{rows}' of '{user.name}' is reserved: it names the row count of the tensors "
+                     f"packed by '{t.packed}'", kc.packed_spans.get(user.name) or sp,
+                     f"name that size differently (e.g. {rows}_)")
             continue
         prev = seq_of.get(seq)
         if prev is not None and prev[0] != t.packed:

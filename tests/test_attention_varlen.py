@@ -74,6 +74,11 @@ def test_located_errors(decls, message, hint):
     assert e.span is not None and e.span.line >= 3
 
 
+def test_the_row_count_symbol_of_a_packing_is_reserved():
+    e = _err(HEAD.replace("kernel k {", "kernel k {\n  in  X : f32[cu_q_rows]") + DECLS + BODY)
+    assert "size symbol 'cu_q_rows' of 'X' is reserved" in e.message and e.span is not None
+
+
 def test_offsets_must_count_the_packed_batch():
     e = _err(HEAD.replace("in  cu_q : i32[B + 1]", "in  cu_q : i32[N + 1]") + DECLS + BODY)
     assert "'Q' must be an integer input vector of B + 1" in e.message and "not in cu_q: i32[N + 1]" in e.message
