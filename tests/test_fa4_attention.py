@@ -259,6 +259,10 @@ VARIANTS = {
     "causal_bottom_right": lambda: _ir(mask=BR),
     "sliding_window": lambda: _ir(mask=WIN),
     "bias": lambda: _ir(extra=(IRBuffer("bias", "input", "f32", ("H", "S", "T")),), score_mod=BIAS, aux=("bias",)),
+    # broadcast over h instead (a per-sequence padding bias), bf16
+    "bias_per_batch": lambda: _ir(extra=(IRBuffer("bias", "input", "bf16", ("B", "S", "T")),), aux=("bias",),
+                                  score_mod=Op("add", (Score(), AuxLoad("bias", (Index("b"), Index("i"), Index("j")),
+                                                                        "bf16")))),
     "alibi": lambda: _ir(extra=(IRBuffer("slope", "input", "f32", ("H",)),), score_mod=ALIBI, aux=("slope",)),
     "softcap": lambda: _ir(score_mod=SOFTCAP),
     "gqa": lambda: _gqa_ir(4),
@@ -286,7 +290,7 @@ def test_attention_variants_compile_offline(name, arch):
         assert re.search(rf"\b{spec_name}\b", src) is None                 # no user text in generated code
     if name == "lse":
         assert "mLSE" in src
-    if name in ("bias", "alibi"):
+    if name in ("bias", "alibi", "bias_per_batch"):
         assert "kspec_score_mod" in src and "aux_tensors[0]" in src
     if name in ("causal_top_left", "sliding_window"):
         assert "window_right" in src
