@@ -19,7 +19,7 @@ import importlib
 from functools import lru_cache
 
 from kspec.compiler.kir import BackendChoice, KernelIR
-from kspec.core import KspecError
+from kspec.core import KspecError, NoBackendError
 
 from .api import Backend
 
@@ -151,8 +151,7 @@ class Planner:
                 return self._choice(b, ir, arch, tuple(rejected))
             if ir.kind in _kinds(b):             # a backend for other kinds of kernel has nothing to say
                 rejected.append((b.name, why))
-        raise KspecError(f"no backend can build kernel {ir.id} ({ir.kind}) on {arch}: "
-                         + "; ".join(f"{n}: {w}" for n, w in rejected), ir.span)
+        raise NoBackendError(ir.id, ir.kind, arch, tuple(rejected), ir.span)
 
     def _choice(self, b: Backend, ir: KernelIR, arch: str, rejected) -> BackendChoice:
         fallback = b.is_fallback(ir)
