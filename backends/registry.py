@@ -21,7 +21,7 @@ from functools import lru_cache
 from kspec.compiler.kir import BackendChoice, KernelIR
 from kspec.core import KspecError, NoBackendError
 
-from .api import Backend
+from .api import Backend, SettingProblem
 
 # name -> (module, class); the order is the preference order
 _ENTRIES: tuple[tuple[str, str, str], ...] = (
@@ -66,6 +66,33 @@ def _can_implement(b: Backend, ir: KernelIR, arch: str) -> str | None:
         return (f"{x.name} is packed({x.packed}) (a variable-length batch stored back to back); this backend "
                 "reads and writes dense [batch, seq, ...] tensors only")
     return b.can_implement(ir, arch)
+
+
+def _setting_problem(b: Backend, ir: KernelIR, arch: str) -> SettingProblem | None:
+    """For a kernel b implements: the spec's schedule setting b cannot honour, if any."""
+    h = ir.hint(arch)
+    if h.tile is None and h.cluster is None and h.stages is None:
+        return None
+    return b.setting_problem(ir, arch)
+
+
+def _refusal(b: Backend, ir: KernelIR, arch: str) -> str | None:
+    """Why b does not build ir on arch as the spec asks: a capability, or a schedule setting."""
+    why = _can_implement(b, ir, arch)
+    if why is None and (bad := _setting_problem(b, ir, arch)):
+        return f"{ir.hint(arch).setting(bad.setting)}: {bad.reason}"
+    return why
+
+
+def _unhonoured(ir: KernelIR, arch: str, problems: list[tuple[str, SettingProblem]], pinned: bool) -> KspecError:
+    """A located error: the backends that build this kernel cannot honour its schedule setting."""
+    h = ir.hint(arch)
+    key = problems[0][1].setting
+    who = f"backend {problems[0][0]} cannot build" if pinned else "no backend builds"
+    return KspecError(f"kernel {ir.spec_kernel}: {who} kernel {ir.id} ({ir.kind}) on {arch} with "
+                      f"`{h.setting(key).replace(' ', ' = ', 1)}`", h.span_of(key) or ir.span,
+                      "; ".join(f"{n}: {p.reason}" for n, p in problems)
+                      + "; change the setting, or drop it to let the backend choose")
 
 
 class Planner:
@@ -119,7 +146,7 @@ class Planner:
             pin = ir.hint(arch).backend
             pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
             for b in ([get(pin)] if pinned else self._fast()):
-                why = _can_implement(b, ir, arch)
+                why = _refusal(b, ir, arch)
                 if why is None:
                     break
                 reasons.append(f"{b.name}: {why}")
@@ -140,17 +167,30 @@ class Planner:
             if why:
                 raise KspecError(f"backend {pin} cannot build kernel {ir.id} ({ir.kind}) on {arch}: {why}", ir.span,
                                  "drop the backend pin to let kspec choose")
+            bad = _setting_problem(b, ir, arch)
+            if bad:
+                raise _unhonoured(ir, arch, [(pin, bad)], pinned=True)
             return self._choice(b, ir, arch, ())
         order = backends()
         if self.pinned:
             order = [get(self.pinned)] + [b for b in order if b.name != self.pinned]
         rejected: list[tuple[str, str]] = []
+        unhonoured: list[tuple[str, SettingProblem]] = []
         for b in order:
             why = _can_implement(b, ir, arch)
             if why is None:
-                return self._choice(b, ir, arch, tuple(rejected))
+                bad = _setting_problem(b, ir, arch)
+                if bad is None and not (unhonoured and b.is_fallback(ir)):
+                    return self._choice(b, ir, arch, tuple(rejected))
+                if bad is None:
+                    # a schedule setting is never dropped for a loop kernel: it is an error at the setting
+                    raise _unhonoured(ir, arch, unhonoured, pinned=False)
+                unhonoured.append((b.name, bad))
+                why = f"{ir.hint(arch).setting(bad.setting)}: {bad.reason}"
             if ir.kind in _kinds(b):             # a backend for other kinds of kernel has nothing to say
                 rejected.append((b.name, why))
+        if unhonoured:
+            raise _unhonoured(ir, arch, unhonoured, pinned=False)
         raise NoBackendError(ir.id, ir.kind, arch, tuple(rejected), ir.span)
 
     def _choice(self, b: Backend, ir: KernelIR, arch: str, rejected) -> BackendChoice:

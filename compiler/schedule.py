@@ -95,7 +95,7 @@ def schedule_hints(kernel: CheckedKernel, archs) -> tuple[tuple[str, ArchHint], 
     out = []
     for arch in archs:
         h = kernel.schedule_for(arch)
-        out.append((arch, ArchHint(h.tile, h.cluster, h.stages, h.backend)))
+        out.append((arch, ArchHint(h.tile, h.cluster, h.stages, h.backend, h.spans)))
     return tuple(out)
 
 

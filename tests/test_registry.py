@@ -94,6 +94,76 @@ def test_compiler_holds_no_backend_tables():
             assert word not in text.lower() if word.islower() else word not in text, (p.name, word)
 
 
+def test_front_end_holds_no_backend_limits():
+    """spec_lang checks a schedule setting's form; which tiles, clusters and stage counts exist is
+    each backend's to say (their setting_problem).  No tile/cluster/stage limit, no backend name
+    beyond the example in the `backend = NAME` message, and no arch beyond the grammar's own."""
+    root = Path(__file__).resolve().parent.parent / "spec_lang"
+    for p in root.glob("*.py"):
+        text = p.read_text()
+        for word in ("_setting_problem", "powers of two", "CTAs", "M tile", "N tile", "K tile", "K cluster",
+                     "between 1 and 16", "multiple of 8", "64, 128 or 256", "cute", "fmha", "cta"):
+            assert word.lower() not in text.lower().replace("like `backend = cutlass`", ""), (p.name, word)
+        assert "cutlass" not in text.lower().replace("like `backend = cutlass`", ""), p.name
+
+
+GEMM_SPEC = (SPECS / "gemm.kspec").read_text()
+
+
+def _schedule_line(setting: str) -> tuple[str, int, int]:
+    src = GEMM_SPEC.rstrip("\n") + f"\nschedule gemm {{ {setting} }}\n"
+    return src, src.count("\n"), len("schedule gemm { ") + 1
+
+
+@pytest.mark.parametrize("setting, cute, cutlass", [
+    ("tile = 100x128x64", "tile 100x128 (M 64 or 128; N 64, 128, 192 or 256)", "tile M must be 64, 128 or 256"),
+    ("tile = 128x12x64", "tile 128x12 (M 64 or 128; N 64, 128, 192 or 256)",
+     "tile N must be a multiple of 8 from 8 to 256"),
+    ("tile = 128x128x48", "tile K is 64 for f16 operands", "tile K must be 16, 32, 64, 128 or 256"),
+    ("cluster = 3x1x1", "cluster 3x1 (powers of two, at most 8 CTAs)", "cluster sizes must be powers of two"),
+    ("cluster = 2x1x2", "the K cluster size must be 1", "the K cluster size must be 1"),
+    ("cluster = 8x4x1", "cluster 8x4 (powers of two, at most 8 CTAs)", "a cluster holds at most 16 CTAs"),
+    ("stages = 1", "stages must be at least 2", "stages must be at least 2"),
+])
+def test_schedule_settings_no_backend_honours(tmp_path, capsys, setting, cute, cutlass):
+    """The user mistakes the front end used to catch with CUTLASS's numbers are found by the
+    backends when the kernel is planned: located at the setting, each backend's rule in the hint,
+    and never dropped for a loop-kernel fallback."""
+    src, line, col = _schedule_line(setting)
+    f = write(tmp_path, "gemm", src)
+    rc, _, err = run_cli(capsys, "graph", f, "--arch", "sm90a")
+    assert rc == 1, err
+    assert f"gemm.kspec:{line}:{col}: error: kernel gemm: no backend builds kernel gemm_0 (gemm) on sm90a " \
+           f"with `{setting}`" in err, err
+    lines = err.splitlines()
+    caret = lines[[i for i, l in enumerate(lines) if "error:" in l][0] + 2]
+    assert caret == " " * (4 + col - 1) + "^" * len(setting)
+    assert f"hint: cute: {cute}" in err and f"; cutlass: {cutlass}" in err and "drop it" in err
+    assert "Traceback" not in err
+
+
+def test_schedule_settings_each_backend_judges_its_own(tmp_path, capsys):
+    """A setting one backend takes and another does not picks the one that takes it; a pin to the
+    other is a located error naming it; a stage count the CuTe DSL takes is not refused up front."""
+    src, line, col = _schedule_line("tile = 128x128x32")          # CUTLASS: yes; CuTe DSL: K is 64 for f16
+    (p,) = plans(src)
+    for arch in ARCHS:
+        ch = p.choices[arch]
+        assert ch.backend == "cutlass" and dict(ch.config)["tile"] == "128x128x32" and dict(ch.config)["source"] == "hint"
+        assert ch.rejected == (("cute", "tile 128x128x32: tile K is 64 for f16 operands (128 bytes per stage)"),)
+    f = write(tmp_path, "gemm", src.replace("{ tile", "{ backend = cute  tile"))
+    rc, _, err = run_cli(capsys, "lower", f)
+    assert rc == 1 and f"gemm.kspec:{line}:{col + len('backend = cute  ')}: error: kernel gemm: backend cute cannot " \
+        "build kernel gemm_0 (gemm) on sm90a with `tile = 128x128x32`" in err, err
+    assert "hint: cute: tile K is 64 for f16 operands" in err
+    src, _, _ = _schedule_line("stages = 17")                      # was refused by the front end (1..16)
+    (p,) = plans(src)
+    assert {(c.backend, dict(c.config)["stages"]) for c in p.choices.values()} == {("cute", "17")}
+    # a cluster-only hint takes the heuristic's tile
+    (p,) = plans(_schedule_line("cluster = 2x1x1")[0])
+    assert {(c.backend, dict(c.config)["cluster"]) for c in p.choices.values()} == {("cute", "2x1")}
+
+
 @pytest.mark.parametrize("src, kind, reason", [
     (F32_GEMM, "gemm", "cutlass: operands f32 x f32: CUTLASS tensor cores multiply f32 data as tf32"),
     (GEMV, "contraction", "no other backend implements contraction kernels"),
