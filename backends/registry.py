@@ -76,20 +76,13 @@ def _setting_problem(b: Backend, ir: KernelIR, arch: str) -> SettingProblem | No
     return b.setting_problem(ir, arch)
 
 
-def _refusal(b: Backend, ir: KernelIR, arch: str) -> str | None:
-    """Why b does not build ir on arch as the spec asks: a capability, or a schedule setting."""
-    why = _can_implement(b, ir, arch)
-    if why is None and (bad := _setting_problem(b, ir, arch)):
-        return f"{ir.hint(arch).setting(bad.setting)}: {bad.reason}"
-    return why
-
-
-def _unhonoured(ir: KernelIR, arch: str, problems: list[tuple[str, SettingProblem]], pinned: bool) -> KspecError:
+def _unhonoured(ir: KernelIR, arch: str, problems: list[tuple[str, SettingProblem]], pinned: bool,
+                what: str | None = None) -> KspecError:
     """A located error: the backends that build this kernel cannot honour its schedule setting."""
     h = ir.hint(arch)
     key = problems[0][1].setting
     who = f"backend {problems[0][0]} cannot build" if pinned else "no backend builds"
-    return KspecError(f"kernel {ir.spec_kernel}: {who} kernel {ir.id} ({ir.kind}) on {arch} with "
+    return KspecError(f"kernel {ir.spec_kernel}: {who} {what or f'kernel {ir.id} ({ir.kind})'} on {arch} with "
                       f"`{h.setting(key).replace(' ', ' = ', 1)}`", h.span_of(key) or ir.span,
                       "; ".join(f"{n}: {p.reason}" for n, p in problems)
                       + "; change the setting, or drop it to let the backend choose")
@@ -140,17 +133,26 @@ class Planner:
 
     def can_fuse(self, ir: KernelIR, archs: tuple[str, ...]) -> str | None:
         """None when a non-fallback backend implements this candidate kernel on every arch (the
-        backend a spec's `backend = NAME` pins, where it pins this kind of kernel)."""
+        backend a spec's `backend = NAME` pins, where it pins this kind of kernel).  A fused
+        attention that backends implement but not with the spec's schedule setting is an error at
+        the setting: the settings are written for it, and the unfused plan is no way to honour them."""
         for arch in archs:
             reasons = []
+            unhonoured: list[tuple[str, SettingProblem]] = []
             pin = ir.hint(arch).backend
             pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
             for b in ([get(pin)] if pinned else self._fast()):
-                why = _refusal(b, ir, arch)
+                why = _can_implement(b, ir, arch)
                 if why is None:
-                    break
+                    bad = _setting_problem(b, ir, arch)
+                    if bad is None:
+                        break
+                    unhonoured.append((b.name, bad))
+                    why = f"{ir.hint(arch).setting(bad.setting)}: {bad.reason}"
                 reasons.append(f"{b.name}: {why}")
             else:
+                if unhonoured and ir.kind == "attention":
+                    raise _unhonoured(ir, arch, unhonoured, pinned=bool(pinned), what="the fused attention kernel")
                 return f"{arch}: " + "; ".join(reasons or ["no backend"])
         return None
 

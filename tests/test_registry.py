@@ -323,3 +323,23 @@ def test_the_ir_carries_the_hints_fusion_saw():
     assert seen and all(h is p.ir.hints for h in seen)
     assert [(a, h.backend) for a, h in p.ir.hints] == [(a, "cutlass") for a in ARCHS]
     assert {c.backend for c in p.choices.values()} == {"cutlass"}
+
+
+def test_attention_schedule_settings_go_to_the_backend_that_takes_them(tmp_path, capsys):
+    """FlashAttention-4 chooses its own tiles: a tile setting is built by the CUTLASS FMHA kernel
+    that has that tile, and a tile neither has is an error at the setting naming both rules."""
+    base = (SPECS / "attention.kspec").read_text()
+    (p,) = plans(base + "schedule attention for sm90a { tile = 128x128x128 }\n")
+    ch = p.choices["sm90a"]
+    assert p.kind == "attention" and ch.backend == "cutlass" and dict(ch.config)["tile"] == "128x128x128"
+    if FA4_MISSING is None:
+        assert ch.rejected[0][0] == "cute" and "FlashAttention-4 chooses its own tiles" in ch.rejected[0][1]
+    f = write(tmp_path, "att", base + "schedule attention for sm90a { tile = 128x64x128 }\n")
+    rc, _, err = run_cli(capsys, "graph", f, "--arch", "sm90a")
+    line = (base + "schedule").count("\n") + 1
+    # not given up for an unfused plan with loop GEMMs: the setting was written for the attention
+    assert rc == 1 and f"att.kspec:{line}:32: error: kernel attention: no backend builds the fused attention " \
+        "kernel on sm90a with `tile = 128x64x128`" in err, err
+    assert "cutlass: the FMHA kernel for head dim 128 on sm90a has tile 128x128x128 only" in err
+    if FA4_MISSING is None:
+        assert "cute: FlashAttention-4 chooses its own tiles and pipeline; it takes no tile setting" in err
