@@ -68,12 +68,15 @@ def _can_implement(b: Backend, ir: KernelIR, arch: str) -> str | None:
     return b.can_implement(ir, arch)
 
 
-def _setting_problem(b: Backend, ir: KernelIR, arch: str) -> SettingProblem | None:
-    """For a kernel b implements: the spec's schedule setting b cannot honour, if any."""
+def _judge(b: Backend, ir: KernelIR, arch: str) -> tuple[str | None, SettingProblem | None]:
+    """(why b does not build ir on arch as the spec asks, or None; the schedule setting b cannot
+    honour when that is why)."""
+    why = _can_implement(b, ir, arch)
     h = ir.hint(arch)
-    if h.tile is None and h.cluster is None and h.stages is None:
-        return None
-    return b.setting_problem(ir, arch)
+    if why is not None or (h.tile is None and h.cluster is None and h.stages is None):
+        return why, None
+    bad = b.setting_problem(ir, arch)
+    return (None, None) if bad is None else (f"{h.setting(bad.setting)}: {bad.reason}", bad)
 
 
 def _unhonoured(ir: KernelIR, arch: str, problems: list[tuple[str, SettingProblem]], pinned: bool,
@@ -142,13 +145,11 @@ class Planner:
             pin = ir.hint(arch).backend
             pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
             for b in ([get(pin)] if pinned else self._fast()):
-                why = _can_implement(b, ir, arch)
+                why, bad = _judge(b, ir, arch)
                 if why is None:
-                    bad = _setting_problem(b, ir, arch)
-                    if bad is None:
-                        break
+                    break
+                if bad is not None:
                     unhonoured.append((b.name, bad))
-                    why = f"{ir.hint(arch).setting(bad.setting)}: {bad.reason}"
                 reasons.append(f"{b.name}: {why}")
             else:
                 if unhonoured and ir.kind == "attention":
@@ -165,13 +166,12 @@ class Planner:
         # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
         if pin and ir.kind in _kinds(get_checked(pin, ir)):
             b = get(pin)
-            why = _can_implement(b, ir, arch)
+            why, bad = _judge(b, ir, arch)
+            if bad is not None:
+                raise _unhonoured(ir, arch, [(pin, bad)], pinned=True)
             if why:
                 raise KspecError(f"backend {pin} cannot build kernel {ir.id} ({ir.kind}) on {arch}: {why}", ir.span,
                                  "drop the backend pin to let kspec choose")
-            bad = _setting_problem(b, ir, arch)
-            if bad:
-                raise _unhonoured(ir, arch, [(pin, bad)], pinned=True)
             return self._choice(b, ir, arch, ())
         order = backends()
         if self.pinned:
@@ -179,16 +179,14 @@ class Planner:
         rejected: list[tuple[str, str]] = []
         unhonoured: list[tuple[str, SettingProblem]] = []
         for b in order:
-            why = _can_implement(b, ir, arch)
+            why, bad = _judge(b, ir, arch)
             if why is None:
-                bad = _setting_problem(b, ir, arch)
-                if bad is None and not (unhonoured and b.is_fallback(ir)):
-                    return self._choice(b, ir, arch, tuple(rejected))
-                if bad is None:
+                if unhonoured and b.is_fallback(ir):
                     # a schedule setting is never dropped for a loop kernel: it is an error at the setting
                     raise _unhonoured(ir, arch, unhonoured, pinned=False)
+                return self._choice(b, ir, arch, tuple(rejected))
+            if bad is not None:
                 unhonoured.append((b.name, bad))
-                why = f"{ir.hint(arch).setting(bad.setting)}: {bad.reason}"
             if ir.kind in _kinds(b):             # a backend for other kinds of kernel has nothing to say
                 rejected.append((b.name, why))
         if unhonoured:

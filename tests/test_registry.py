@@ -159,9 +159,16 @@ def test_schedule_settings_each_backend_judges_its_own(tmp_path, capsys):
     src, _, _ = _schedule_line("stages = 17")                      # was refused by the front end (1..16)
     (p,) = plans(src)
     assert {(c.backend, dict(c.config)["stages"]) for c in p.choices.values()} == {("cute", "17")}
-    # a cluster-only hint takes the heuristic's tile
+    # a cluster-only hint takes the heuristic's tile, and is what tuning gets (no other candidates)
     (p,) = plans(_schedule_line("cluster = 2x1x1")[0])
     assert {(c.backend, dict(c.config)["cluster"]) for c in p.choices.values()} == {("cute", "2x1")}
+    assert all(len(registry.get("cute").candidates(p.ir, a)) == 1 for a in ARCHS)
+    # an arch's own schedule overrides the generic one setting by setting, and is reported where written
+    src = _schedule_line("tile = 128x128x64")[0] + "schedule gemm for sm100a { stages = 1 }\n"
+    f = write(tmp_path, "gemm2", src)
+    rc, _, err = run_cli(capsys, "graph", f)
+    assert rc == 1 and f"gemm2.kspec:{src.count(chr(10))}:28: error: kernel gemm: no backend builds kernel gemm_0 " \
+        "(gemm) on sm100a with `stages = 1`" in err, err
 
 
 @pytest.mark.parametrize("src, kind, reason", [

@@ -106,8 +106,9 @@ class CuteBackend:
         return items + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
-        if ir.kind == "attention":
-            return [self.default_config(ir, arch)]       # FA4's heuristics choose per size bucket
+        if ir.kind == "attention" or self._hinted(ir, arch):
+            # FA4's heuristics choose per size bucket; a spec's schedule setting is used exactly
+            return [self.default_config(ir, arch)]
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 
