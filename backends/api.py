@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kspec.compiler.kir import KernelIR
+from kspec.core import KspecError
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,24 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class SettingProblem:
+    """A spec's schedule setting (`tile`, `cluster`, `stages`) a backend cannot honour for a kernel:
+    which setting, and a reason that names what the backend accepts instead.  The registry reports
+    it at the setting's span (the front end checks only that the setting is well-formed)."""
+    setting: str
+    reason: str
+
+
+class SettingError(KspecError):
+    """A schedule setting found wrong only when the backend emits the kernel (against its exact
+    configuration list or shared-memory budget); kspec/compile.py reports it at the setting."""
+
+    def __init__(self, setting: str, message: str, hint: str | None = None):
+        self.setting = setting
+        super().__init__(message, None, hint)
+
+
+@dataclass(frozen=True)
 class LoweredPlan:
     """A kernel IR lowered for one backend and arch: the backend's descriptor plus the ABI facts
     the manifest records (names are C identifiers mapped back to spec buffer names)."""
@@ -73,6 +92,10 @@ class Backend(Protocol):
 
     def can_implement(self, ir: KernelIR, arch: str) -> str | None:
         """None when the backend implements `ir` on `arch`, else a reason a user can act on."""
+
+    def setting_problem(self, ir: KernelIR, arch: str) -> SettingProblem | None:
+        """For a kernel it implements: None when the backend honours the spec's schedule settings
+        (ir.hint(arch)) or has none to honour, else the setting it cannot."""
 
     def is_fallback(self, ir: KernelIR) -> str | None:
         """A reason when this backend runs `ir` only as a slow loop kernel (reported; --strict)."""

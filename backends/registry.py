@@ -19,9 +19,9 @@ import importlib
 from functools import lru_cache
 
 from kspec.compiler.kir import BackendChoice, KernelIR
-from kspec.core import KspecError
+from kspec.core import KspecError, NoBackendError
 
-from .api import Backend
+from .api import Backend, SettingProblem
 
 # name -> (module, class); the order is the preference order
 _ENTRIES: tuple[tuple[str, str, str], ...] = (
@@ -66,6 +66,29 @@ def _can_implement(b: Backend, ir: KernelIR, arch: str) -> str | None:
         return (f"{x.name} is packed({x.packed}) (a variable-length batch stored back to back); this backend "
                 "reads and writes dense [batch, seq, ...] tensors only")
     return b.can_implement(ir, arch)
+
+
+def _judge(b: Backend, ir: KernelIR, arch: str) -> tuple[str | None, SettingProblem | None]:
+    """(why b does not build ir on arch as the spec asks, or None; the schedule setting b cannot
+    honour when that is why)."""
+    why = _can_implement(b, ir, arch)
+    h = ir.hint(arch)
+    if why is not None or (h.tile is None and h.cluster is None and h.stages is None):
+        return why, None
+    bad = b.setting_problem(ir, arch)
+    return (None, None) if bad is None else (f"{h.setting(bad.setting)}: {bad.reason}", bad)
+
+
+def _unhonoured(ir: KernelIR, arch: str, problems: list[tuple[str, SettingProblem]], pinned: bool,
+                what: str | None = None) -> KspecError:
+    """A located error: the backends that build this kernel cannot honour its schedule setting."""
+    h = ir.hint(arch)
+    key = problems[0][1].setting
+    who = f"backend {problems[0][0]} cannot build" if pinned else "no backend builds"
+    return KspecError(f"kernel {ir.spec_kernel}: {who} {what or f'kernel {ir.id} ({ir.kind})'} on {arch} with "
+                      f"`{h.setting(key).replace(' ', ' = ', 1)}`", h.span_of(key) or ir.span,
+                      "; ".join(f"{n}: {p.reason}" for n, p in problems)
+                      + "; change the setting, or drop it to let the backend choose")
 
 
 class Planner:
@@ -113,17 +136,24 @@ class Planner:
 
     def can_fuse(self, ir: KernelIR, archs: tuple[str, ...]) -> str | None:
         """None when a non-fallback backend implements this candidate kernel on every arch (the
-        backend a spec's `backend = NAME` pins, where it pins this kind of kernel)."""
+        backend a spec's `backend = NAME` pins, where it pins this kind of kernel).  A fused
+        attention that backends implement but not with the spec's schedule setting is an error at
+        the setting: the settings are written for it, and the unfused plan is no way to honour them."""
         for arch in archs:
             reasons = []
+            unhonoured: list[tuple[str, SettingProblem]] = []
             pin = ir.hint(arch).backend
             pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
             for b in ([get(pin)] if pinned else self._fast()):
-                why = _can_implement(b, ir, arch)
+                why, bad = _judge(b, ir, arch)
                 if why is None:
                     break
+                if bad is not None:
+                    unhonoured.append((b.name, bad))
                 reasons.append(f"{b.name}: {why}")
             else:
+                if unhonoured and ir.kind == "attention":
+                    raise _unhonoured(ir, arch, unhonoured, pinned=bool(pinned), what="the fused attention kernel")
                 return f"{arch}: " + "; ".join(reasons or ["no backend"])
         return None
 
@@ -136,7 +166,9 @@ class Planner:
         # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
         if pin and ir.kind in _kinds(get_checked(pin, ir)):
             b = get(pin)
-            why = _can_implement(b, ir, arch)
+            why, bad = _judge(b, ir, arch)
+            if bad is not None:
+                raise _unhonoured(ir, arch, [(pin, bad)], pinned=True)
             if why:
                 raise KspecError(f"backend {pin} cannot build kernel {ir.id} ({ir.kind}) on {arch}: {why}", ir.span,
                                  "drop the backend pin to let kspec choose")
@@ -145,14 +177,21 @@ class Planner:
         if self.pinned:
             order = [get(self.pinned)] + [b for b in order if b.name != self.pinned]
         rejected: list[tuple[str, str]] = []
+        unhonoured: list[tuple[str, SettingProblem]] = []
         for b in order:
-            why = _can_implement(b, ir, arch)
+            why, bad = _judge(b, ir, arch)
             if why is None:
+                if unhonoured and b.is_fallback(ir):
+                    # a schedule setting is never dropped for a loop kernel: it is an error at the setting
+                    raise _unhonoured(ir, arch, unhonoured, pinned=False)
                 return self._choice(b, ir, arch, tuple(rejected))
+            if bad is not None:
+                unhonoured.append((b.name, bad))
             if ir.kind in _kinds(b):             # a backend for other kinds of kernel has nothing to say
                 rejected.append((b.name, why))
-        raise KspecError(f"no backend can build kernel {ir.id} ({ir.kind}) on {arch}: "
-                         + "; ".join(f"{n}: {w}" for n, w in rejected), ir.span)
+        if unhonoured:
+            raise _unhonoured(ir, arch, unhonoured, pinned=False)
+        raise NoBackendError(ir.id, ir.kind, arch, tuple(rejected), ir.span)
 
     def _choice(self, b: Backend, ir: KernelIR, arch: str, rejected) -> BackendChoice:
         fallback = b.is_fallback(ir)

@@ -18,7 +18,7 @@ from .cost import CostReport, cost
 from .fusion import AttentionInfo, FusionContext, FusionResult, Group, fuse
 from .graph import OpNode, build_graph, op, operands, validate
 from .kir import BackendChoice, KernelIR, Oracle, format_ir, ir_from_json, ir_to_json, verify
-from .schedule import Buffer, KernelPlan, KernelSchedule, _hints, schedule, values_leaving
+from .schedule import Buffer, KernelPlan, KernelSchedule, schedule, schedule_hints, values_leaving
 
 
 def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, oracle: Oracle | None = None,
@@ -30,14 +30,14 @@ def plan_kernel(kernel: CheckedKernel, archs: tuple[str, ...] = ARCHS, oracle: O
     g = build_graph(kernel)
     canonicalize(g)
     validate(g)
-    fusion = fuse(g, FusionContext(oracle, tuple(archs), kernel.name, _hints(kernel, archs))) if fuse_ops \
-        else unfused(g)
+    hints = schedule_hints(kernel, archs)       # once: the candidates fusion asks about carry the same
+    fusion = fuse(g, FusionContext(oracle, tuple(archs), kernel.name, hints)) if fuse_ops else unfused(g)
     if fusion.unfused_attention and getattr(oracle, "strict", False):
         span, why = fusion.unfused_attention[0]
         raise KspecError(f"kernel {kernel.name}: this attention is not fused into one kernel: {why}", span,
                          "--strict forbids unfused attention (see `kspec graph` for the plan); change the spec, "
                          "or drop --strict")
-    return schedule(kernel, g, fusion, archs, oracle)
+    return schedule(kernel, g, fusion, archs, oracle, hints)
 
 
 def unfused(g) -> FusionResult:
@@ -85,4 +85,4 @@ def unfused(g) -> FusionResult:
 __all__ = ["ARCHS", "AttentionInfo", "BackendChoice", "Buffer", "CostReport", "FusionContext", "FusionResult",
            "GemmInfo", "Group", "KernelIR", "KernelPlan", "KernelSchedule", "OpNode", "Oracle", "build_graph",
            "canonicalize", "cost", "format_ir", "fuse", "gemm_info", "ir_from_json", "ir_to_json", "op", "operands",
-           "plan_kernel", "schedule", "unfused", "validate", "values_leaving", "verify"]
+           "plan_kernel", "schedule", "schedule_hints", "unfused", "validate", "values_leaving", "verify"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, Protocol, Union
 
 from kspec.core import DTYPES, INT_DTYPES, KspecInternalError, Span, format_extent
@@ -368,6 +368,17 @@ class ArchHint:
     cluster: tuple[int, int, int] | None = None
     stages: int | None = None
     backend: str | None = None
+    # where each setting is written (a backend that cannot honour one is reported there); not part
+    # of the IR's identity, like every span
+    spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
+
+    def setting(self, key: str) -> str:
+        """The setting as written: `tile 128x128x64`, `stages 4`."""
+        v = getattr(self, key)
+        return f"{key} {'x'.join(map(str, v)) if isinstance(v, tuple) else v}"
+
+    def span_of(self, key: str) -> Span | None:
+        return dict(self.spans).get(key)
 
 
 @dataclass(frozen=True)
@@ -689,7 +700,7 @@ def format_ir(ir: KernelIR) -> str:
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
                      + ", ".join(f"{k}={v}" for k, v in r.extents))
     for arch, h in ir.hints:
-        parts = [f"{k}={v}" for k, v in asdict(h).items() if v is not None]
+        parts = [f"{f.name}={getattr(h, f.name)}" for f in fields(h) if f.compare and getattr(h, f.name) is not None]
         if parts:
             lines.append(f"  hint {arch}: {' '.join(parts)}")
     return "\n".join(lines)
@@ -745,7 +756,7 @@ def _tup(x):
 
 def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
     def plain(dc) -> dict:
-        return {f.name: getattr(dc, f.name) for f in fields(dc) if f.name != "span"}
+        return {f.name: getattr(dc, f.name) for f in fields(dc) if f.compare}      # spans: below, or not at all
 
     def span(s):
         return None if (s is None or not spans) else [s.file, s.line, s.col, s.end_line, s.end_col]

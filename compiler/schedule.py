@@ -89,16 +89,19 @@ def values_leaving(g: nx.DiGraph, grp: Group) -> list:
     return out
 
 
-def _hints(kernel: CheckedKernel, archs) -> tuple[tuple[str, ArchHint], ...]:
+def schedule_hints(kernel: CheckedKernel, archs) -> tuple[tuple[str, ArchHint], ...]:
+    """The spec's schedule hint per arch, as the kernel IR carries it (computed once per kernel by
+    `plan_kernel`: fusion's candidate kernels and the scheduled ones carry the same hints)."""
     out = []
     for arch in archs:
         h = kernel.schedule_for(arch)
-        out.append((arch, ArchHint(h.tile, h.cluster, h.stages, h.backend)))
+        out.append((arch, ArchHint(h.tile, h.cluster, h.stages, h.backend, h.spans)))
     return tuple(out)
 
 
 def schedule(kernel: CheckedKernel, g: nx.DiGraph, fusion: FusionResult,
-             archs: tuple[str, ...] = ARCHS, oracle=None) -> KernelSchedule:
+             archs: tuple[str, ...] = ARCHS, oracle=None, hints=None) -> KernelSchedule:
+    """hints: `schedule_hints(kernel, archs)`, as fusion saw them (computed here when not given)."""
     buffers: dict[str, Buffer] = {}
     value_buffer: dict = {}
     for n in nx.topological_sort(g):
@@ -150,7 +153,8 @@ def schedule(kernel: CheckedKernel, g: nx.DiGraph, fusion: FusionResult,
         liveness[b.name] = (first, last)
     reuse = _assign_slots(buffers, liveness)
     sched = KernelSchedule(kernel, g, fusion, plans, buffers, value_buffer, liveness, reuse)
-    hints = _hints(kernel, archs)
+    if hints is None:
+        hints = schedule_hints(kernel, archs)
     for plan in plans:
         plan.ir = verify(plan_ir(sched, plan, hints))
         if oracle is not None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import kspec
 from kspec.backends import registry
-from kspec.backends.api import LoweredPlan
+from kspec.backends.api import LoweredPlan, SettingError
 from kspec.backends.desc import EmittedKernel
 from kspec.compiler import KernelSchedule, plan_kernel
 from kspec.compiler.indices import index_ranges, merge_index_ranges
@@ -210,6 +210,10 @@ def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program) -> None:
 
 
 def _located(e: KspecError, sched, p, arch, program) -> KspecError:
+    if isinstance(e, SettingError) and (span := p.ir.hint(arch).span_of(e.setting)) is not None:
+        # a schedule setting the backend found wrong only at emit: reported where it is written
+        return KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}", span, e.hint,
+                          program.source)
     if e.span is None and not e.message.startswith("kernel "):
         # a backend message about a descriptor: say which kernel and arch, and where
         return KspecError(f"kernel {sched.kernel.name} (plan {p.id}) on {arch}: {e.message}",

@@ -84,6 +84,17 @@ class KspecInternalError(Exception):
     the traceback under --debug."""
 
 
+class NoBackendError(KspecError):
+    """No backend can build a kernel on an arch (a user-facing limit, not a fault): names the
+    kernel, the arch and each backend's reason, so callers tell it apart by type, not by message."""
+
+    def __init__(self, kernel: str, kind: str, arch: str, reasons: tuple[tuple[str, str], ...],
+                 span: Span | None = None, hint: str | None = None):
+        self.kernel, self.kind, self.arch, self.reasons = kernel, kind, arch, tuple(reasons)
+        why = "; ".join(f"{b}: {r}" for b, r in self.reasons) or "no backend implements this kind of kernel"
+        super().__init__(f"no backend can build kernel {kernel} ({kind}) on {arch}: {why}", span, hint)
+
+
 class KspecRuntimeError(KspecError):
     """A call that cannot run: bad arguments, no usable CUDA device, or a failed launch.  Names the
     kernel, the argument, what was expected and what was given; raised before any launch."""

@@ -218,6 +218,7 @@ class ScheduleHint:
     cluster: tuple[int, int, int] | None = None
     stages: int | None = None
     backend: str | None = None        # a backend name; checked against the registry when planning
+    spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)   # setting -> its span
 
 
 @dataclass(frozen=True)
@@ -257,8 +258,10 @@ class CheckedKernel:
         specific = dict(self.schedules).get(arch)
         if specific is None:
             return generic
+        own = dict(specific.spans)
         return ScheduleHint(specific.tile or generic.tile, specific.cluster or generic.cluster,
-                            specific.stages or generic.stages, specific.backend or generic.backend)
+                            specific.stages or generic.stages, specific.backend or generic.backend,
+                            tuple(own.items()) + tuple((k, sp) for k, sp in generic.spans if k not in own))
 
 
 @dataclass(frozen=True)
@@ -361,6 +364,7 @@ class _Checker:
 
     def check_settings(self, sc: ast.Schedule) -> ScheduleHint:
         vals: dict[str, object] = {}
+        taken: dict[str, ast.Setting] = {}
         for st in sc.settings:
             if st.key not in SCHEDULE_KEYS:
                 self.error(f"unknown schedule setting '{st.key}'", st.span,
@@ -373,7 +377,7 @@ class _Checker:
                 if not isinstance(st.value, str):
                     self.error("'backend' takes a backend name, like `backend = cutlass`", st.span)
                     continue
-                vals[st.key] = st.value
+                vals[st.key], taken[st.key] = st.value, st
                 continue
             if isinstance(st.value, str):
                 self.error(f"'{st.key}' takes {'one integer' if st.key == 'stages' else 'three sizes'}, not a name",
@@ -386,41 +390,21 @@ class _Checker:
             if st.key == "stages" and isinstance(st.value, tuple):
                 self.error("'stages' takes one integer, like `stages = 4`", st.span)
                 continue
-            problem = _setting_problem(st.key, st.value)
-            if problem:
-                self.error(f"impossible {st.key} {st.text}: {problem}", st.span)
+            # sizes only: which tiles, clusters and stage counts exist is each backend's to say, when
+            # the kernel is planned (backends/*: setting_problem), at the setting's span
+            if any(v < 1 for v in (st.value if isinstance(st.value, tuple) else (st.value,))):
+                what = "the stage count is a positive integer" if st.key == "stages" else \
+                    f"{st.key} sizes are positive integers"
+                self.error(f"impossible {st.key} {st.text}: {what}", st.span)
                 continue
-            vals[st.key] = st.value
+            vals[st.key], taken[st.key] = st.value, st
         return ScheduleHint(vals.get("tile"), vals.get("cluster"), vals.get("stages"),  # type: ignore[arg-type]
-                            vals.get("backend"))  # type: ignore[arg-type]
+                            vals.get("backend"),  # type: ignore[arg-type]
+                            tuple((k, st.span) for k, st in taken.items() if st.span is not None))
 
 
 class _TooMany(Exception):
     pass
-
-
-def _setting_problem(key: str, value) -> str | None:
-    if key == "tile":
-        m, n, k = value
-        if m not in (64, 128, 256):
-            return "the M tile must be 64, 128 or 256"
-        if n < 8 or n > 256 or n % 8:
-            return "the N tile must be a multiple of 8 between 8 and 256"
-        if k not in (16, 32, 64, 128, 256):
-            return "the K tile must be 16, 32, 64, 128 or 256"
-    elif key == "cluster":
-        cm, cn, ck = value
-        for c in value:
-            if c < 1 or c & (c - 1):
-                return "cluster sizes must be powers of two"
-        if ck != 1:
-            return "the K cluster size must be 1"
-        if cm * cn > 16:
-            return "a cluster holds at most 16 CTAs"
-    elif key == "stages":
-        if not 1 <= value <= 16:
-            return "stages must be between 1 and 16"
-    return None
 
 
 def _with_schedules(k: CheckedKernel, schedules) -> CheckedKernel:

@@ -118,7 +118,10 @@ def test_bad_plan_fails_before_nvcc(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(spec), "-o", str(tmp_path / "out")],
                        capture_output=True, text=True, env={**__import__("os").environ, "KSPEC_NVCC": "/nonexistent"})
     assert r.returncode == 1
-    assert "not a CUTLASS configuration" in r.stderr and "nearest valid choices" in r.stderr
+    assert "not a CUTLASS configuration" in r.stderr and "nearest valid CUTLASS choices" in r.stderr
+    # found at emit (CUTLASS's exact configuration list), reported at the setting: line 7, col 14
+    assert "bad.kspec:7:14: error: kernel g (plan g_0) on sm90a: GEMM" in r.stderr
+    assert "    schedule g { tile = 64x8x16 }\n                 ^^^^^^^^^^^^^^\n" in r.stderr
     assert "Traceback" not in r.stderr
 
 

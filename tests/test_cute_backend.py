@@ -517,6 +517,41 @@ def test_layouts_and_candidate_configurations_compile(arch, la, lb, ld, dt, cfg)
         assert "UTCHMMA.2CTA" in sass
 
 
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_shared_memory_f32_add_has_no_native_instruction(arch, tmp_path):
+    """Why the CuTe DSL column sums combine in shared memory with ATOMS.CAST.SPIN: ptxas gives CUDA
+    C's atomicAdd on a __shared__ float and PTX `red.shared.add.f32` the same compare-and-swap loop
+    on these archs, while an int add is one native ATOMS.ADD (reduce.py _atomic).  If a toolkit
+    ever gets a native one, this fails and the DSL epilogue should be revisited."""
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no nvcc: {e}")
+    if tc.cuobjdump is None:
+        pytest.skip("no cuobjdump for the SASS check")
+    src = tmp_path / "satom.cu"
+    src.write_text(
+        "__global__ void f(float* o, const float* x) { __shared__ float s[32]; s[threadIdx.x & 31] = 0.f;\n"
+        "  __syncthreads(); atomicAdd(&s[threadIdx.x & 7], x[threadIdx.x]); __syncthreads(); o[threadIdx.x] = s[threadIdx.x & 31]; }\n"
+        "__global__ void r(float* o, const float* x) { __shared__ float s[32]; s[threadIdx.x & 31] = 0.f; __syncthreads();\n"
+        "  asm volatile(\"red.shared.add.f32 [%0], %1;\" :: \"r\"((unsigned)__cvta_generic_to_shared(&s[threadIdx.x & 7])),\n"
+        "               \"f\"(x[threadIdx.x]) : \"memory\"); __syncthreads(); o[threadIdx.x] = s[threadIdx.x & 31]; }\n"
+        "__global__ void i(int* o, const int* x) { __shared__ int s[32]; s[threadIdx.x & 31] = 0; __syncthreads();\n"
+        "  atomicAdd(&s[threadIdx.x & 7], x[threadIdx.x]); __syncthreads(); o[threadIdx.x] = s[threadIdx.x & 31]; }\n")
+    cubin = tmp_path / "satom.cubin"
+    r = subprocess.run([str(tc.nvcc), "-cubin", f"-arch={arch}", "-O3", str(src), "-o", str(cubin)],
+                       capture_output=True, text=True, env=tc.env())
+    assert r.returncode == 0, r.stderr
+    funcs = {}
+    for chunk in _sass(cubin, tc).split("Function : ")[1:]:
+        funcs[chunk.split()[0]] = chunk
+    by = {name[3]: body for name, body in funcs.items()}         # _Z1f..., _Z1r..., _Z1i...
+    assert "ATOMS.CAST.SPIN" in by["f"] and "ATOMS.CAST.SPIN" in by["r"]
+    assert "ATOMS.ADD" in by["i"] and "ATOMS.CAST" not in by["i"]
+
+
 RED_CASES = [("sm90a", gemm.CuteConfig((128, 256), (1, 1))),               # two consumer warpgroups
              ("sm100a", gemm.CuteConfig((256, 128), (2, 1), use_2cta=True)),  # a 2-CTA MMA tile
              ("sm100a", gemm.CuteConfig((64, 128), (1, 1)))]                  # the M=64 TMEM layout
@@ -550,7 +585,13 @@ def test_epilogue_reductions_on_the_kernels_register_layouts(arch, cfg, tmp_path
     except Exception:
         pytest.skip("no cuobjdump for the SASS check")
     sass = _sass(Path(b.cubin), tc)
-    assert "ATOMS." in sass and "SHFL.BFLY" in sass
+    assert "SHFL.BFLY" in sass
+    # shared memory: the row max combines with native integer atomics on the float's bits; the
+    # column sum with a compare-and-swap loop, which is what sm_90a/sm_100a have for an f32 add to
+    # shared memory (ptxas emits the same for CUDA's atomicAdd(float*) and `red.shared.add.f32`;
+    # see backends/cute/reduce.py _atomic)
+    assert "ATOMS.MAX.S32" in sass and "ATOMS.MIN " in sass
+    assert "ATOMS.CAST.SPIN" in sass and "ATOMS.ADD" not in sass
     assert "REDG.E.ADD.F32" in sass or "ATOMG.E.ADD.F32" in sass          # column sums
     assert "REDG.E.MAX.S32" in sass or "ATOMG.E.MAX.S32" in sass          # row max: the int-ordering trick
     assert ("HGMMA" if arch == "sm90a" else "UTCHMMA") in sass

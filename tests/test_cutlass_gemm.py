@@ -217,7 +217,10 @@ def test_bad_tile_lists_nearest_choices(arch):
     with pytest.raises(KspecError) as e:
         emit_gemm(gemm(arch, tile=(96, 200, 64)))
     assert "tile=96x200x64 is not a CUTLASS configuration" in e.value.message
-    assert "nearest valid choices: tile=" in (e.value.hint or "")
+    assert "nearest valid CUTLASS choices: tile=" in (e.value.hint or "")
+    # kspec/compile.py reports it at the spec's `tile` setting
+    from kspec.backends.api import SettingError
+    assert isinstance(e.value, SettingError) and e.value.setting == "tile"
 
 
 def test_explicit_valid_tile_cluster_and_stages():

@@ -507,20 +507,16 @@ def test_schedule_names_unknown_kernel():
 
 
 @pytest.mark.parametrize("setting,message", [
-    ("tile = 100x128x64", "impossible tile 100x128x64: the M tile must be 64, 128 or 256"),
-    ("tile = 128x12x64", "impossible tile 128x12x64: the N tile must be a multiple of 8 between 8 and 256"),
-    ("tile = 128x128x48", "impossible tile 128x128x48: the K tile must be 16, 32, 64, 128 or 256"),
-    ("cluster = 3x1x1", "impossible cluster 3x1x1: cluster sizes must be powers of two"),
-    ("cluster = 0x1x1", "impossible cluster 0x1x1: cluster sizes must be powers of two"),
-    ("cluster = 2x1x2", "impossible cluster 2x1x2: the K cluster size must be 1"),
-    ("cluster = 8x4x1", "impossible cluster 8x4x1: a cluster holds at most 16 CTAs"),
-    ("stages = 0", "impossible stages 0: stages must be between 1 and 16"),
-    ("stages = 17", "impossible stages 17: stages must be between 1 and 16"),
+    # the front end checks the form of a setting; which sizes a backend takes is the backend's to
+    # say when the kernel is planned (tests/test_registry.py: test_schedule_settings_no_backend_honours)
+    ("cluster = 0x1x1", "impossible cluster 0x1x1: cluster sizes are positive integers"),
+    ("tile = 128x0x64", "impossible tile 128x0x64: tile sizes are positive integers"),
+    ("stages = 0", "impossible stages 0: the stage count is a positive integer"),
     ("tile = 128", "'tile' takes three sizes, like 128x128x64"),
     ("cluster = 2", "'cluster' takes three sizes, like 2x1x1"),
     ("stages = 2x2x2", "'stages' takes one integer, like `stages = 4`"),
 ])
-def test_impossible_schedule_settings(setting, message):
+def test_malformed_schedule_settings(setting, message):
     assert_error(IDENTITY + f"schedule k {{ {setting} }}\n", 6, 14, message, None,
                  end=(6, 14 + len(setting)))
 
@@ -572,13 +568,13 @@ kernel k2 {
   Y[m] = X[m]
 }
 schedule k3 { tile = 128x128x64 }
-schedule k { stages = 99 }
+schedule k { stages = 0 }
 """
     e = error_of(src)
     got = [(d.span.line if d.span else None, d.message) for d in e.diagnostics]
     assert got == [
         (16, "schedule names unknown kernel 'k3'"),
-        (17, "impossible stages 99: stages must be between 1 and 16"),
+        (17, "impossible stages 0: the stage count is a positive integer"),
         (7, "cannot combine f16 and bf16 without a cast"),
         (8, "unknown function 'gleu'"),
         (9, "unknown name 'Bq'"),

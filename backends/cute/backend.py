@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kspec.backends.api import Capabilities, LoweredPlan
+from kspec.backends.api import Capabilities, LoweredPlan, SettingProblem
 from kspec.backends.desc import EmittedKernel, GemmDesc
 from kspec.compiler.kir import KernelIR
 from kspec.core import ARCHS, dtype_bytes
@@ -63,17 +63,31 @@ class CuteBackend:
             return (f"{packed[0].name} is packed({packed[0].packed}); the CuTe DSL GEMMs read dense tensors "
                     "(packed sequences: attention only)")
         desc = self._gemm_desc(ir, arch).desc
-        why = cute_gemm.can_implement(desc, arch)
-        if why:
-            return why
-        if self._hinted(ir, arch):
-            bad = cute_gemm.valid_config(cute_gemm.hint_config(desc, arch), arch, desc.b2 is not None)
-            if bad is not None:
-                return f"the schedule hint is not a CuTe DSL configuration: {bad}"
-        return None
+        return cute_gemm.can_implement(desc, arch)
 
     def is_fallback(self, ir: KernelIR) -> str | None:
         return None
+
+    def setting_problem(self, ir: KernelIR, arch: str) -> SettingProblem | None:
+        """GEMMs: the spec's tile/cluster/stages must be a configuration the kernels take (K is
+        the kernel's own, 128 bytes of operand per stage).  FlashAttention-4 chooses its tiles
+        per problem size and takes none of these settings."""
+        h = ir.hint(arch)
+        if ir.kind == "attention":
+            for key in ("tile", "cluster", "stages"):
+                if getattr(h, key) is not None:
+                    return SettingProblem(key, f"FlashAttention-4 chooses its own tiles and pipeline; it takes no "
+                                               f"{key} setting")
+            return None
+        if not self._hinted(ir, arch):
+            return None
+        desc = self._gemm_desc(ir, arch).desc
+        k = cute_gemm.k_tile(desc.a.dtype)
+        if h.tile is not None and h.tile[2] != k:
+            return SettingProblem("tile", f"tile K is {k} for {desc.a.dtype} operands (128 bytes per stage)")
+        if h.cluster is not None and h.cluster[2] != 1:
+            return SettingProblem("cluster", "the K cluster size must be 1")
+        return cute_gemm.config_problem(self._config(desc, ir, arch), arch, desc.b2 is not None)
 
     @staticmethod
     def _hinted(ir: KernelIR, arch: str) -> bool:
@@ -81,9 +95,9 @@ class CuteBackend:
         return bool(h.tile or h.cluster or h.stages)
 
     def _config(self, desc: GemmDesc, ir: KernelIR, arch: str) -> cute_gemm.CuteConfig:
-        if self._hinted(ir, arch):
-            return cute_gemm.hint_config(desc, arch)          # the spec's schedule: exactly
         dims = {role: v for role, v in ir.gemm.dims if isinstance(v, int)}
+        if self._hinted(ir, arch):
+            return cute_gemm.hint_config(desc, arch, dims)    # the spec's schedule: exactly
         return cute_gemm.default_config(desc, arch, dims)
 
     def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
@@ -96,8 +110,9 @@ class CuteBackend:
         return items + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
-        if ir.kind == "attention":
-            return [self.default_config(ir, arch)]       # FA4's heuristics choose per size bucket
+        if ir.kind == "attention" or self._hinted(ir, arch):
+            # FA4's heuristics choose per size bucket; a spec's schedule setting is used exactly
+            return [self.default_config(ir, arch)]
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 

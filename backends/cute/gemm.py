@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kspec.backends.api import SettingProblem
 from kspec.backends.desc import GemmDesc
 from kspec.compiler.kir import VECTOR_AXIS
-from kspec.core import FP8_DTYPES
+from kspec.core import FP8_DTYPES, dtype_bytes
 
 from . import epilogue
 
@@ -124,32 +125,49 @@ DUAL_MAX_TILE_N = 128
 
 def valid_config(cfg: CuteConfig, arch: str, dual: bool = False) -> str | None:
     """None when the kernels accept `cfg` on `arch` (for a dual GEMM: `dual`), else why not."""
+    p = config_problem(cfg, arch, dual)
+    return p.reason if p else None
+
+
+def config_problem(cfg: CuteConfig, arch: str, dual: bool = False) -> SettingProblem | None:
+    """valid_config, saying which schedule setting (tile, cluster, stages) is the one at fault."""
     (tm, tn), (cm, cn) = cfg.tile, cfg.cluster
     if dual and tn > DUAL_MAX_TILE_N:
-        return f"tile N {tn} (a dual GEMM's two accumulators need tile N <= {DUAL_MAX_TILE_N})"
+        return SettingProblem("tile", f"tile N {tn} (a dual GEMM's two accumulators need tile N <= {DUAL_MAX_TILE_N})")
     pow2 = lambda x: x > 0 and x & (x - 1) == 0          # noqa: E731
     if not (pow2(cm) and pow2(cn)) or cm * cn > (8 if arch == "sm90a" else 16):
-        return f"cluster {cm}x{cn} (powers of two, at most {8 if arch == 'sm90a' else 16} CTAs)"
+        return SettingProblem("cluster", f"cluster {cm}x{cn} (powers of two, at most {8 if arch == 'sm90a' else 16} CTAs)")
     if cfg.stages is not None and cfg.stages < 2:
-        return "stages must be at least 2"
+        return SettingProblem("stages", "stages must be at least 2")
     if arch == "sm90a":
         if cfg.use_2cta:
-            return "2-CTA MMA is a sm100a feature"
+            return SettingProblem("tile", "2-CTA MMA is a sm100a feature")
         if tm not in (64, 128) or tn not in (64, 128, 192, 256):
-            return f"tile {tm}x{tn} (M 64 or 128; N 64, 128, 192 or 256)"
+            return SettingProblem("tile", f"tile {tm}x{tn} (M 64 or 128; N 64, 128, 192 or 256)")
         return None
     if cfg.use_2cta:
         if tm not in (128, 256) or cm % 2:
-            return f"2-CTA tile {tm}x{tn} with cluster {cm}x{cn} (M 128 or 256, even cluster M)"
+            return SettingProblem("cluster" if tm in (128, 256) else "tile",
+                                  f"2-CTA tile {tm}x{tn} with cluster {cm}x{cn} (M 128 or 256, even cluster M)")
     elif tm not in (64, 128):
-        return f"tile {tm}x{tn} (M 64 or 128, or 256 with 2-CTA MMA)"
+        return SettingProblem("tile", f"tile {tm}x{tn} (M 64 or 128, or 256 with 2-CTA MMA)")
     if tn % 32 or not 32 <= tn <= 256:
-        return f"tile N {tn} (a multiple of 32 up to 256)"
+        return SettingProblem("tile", f"tile N {tn} (a multiple of 32 up to 256)")
     return None
 
 
-def hint_config(desc: GemmDesc, arch: str) -> CuteConfig:
-    """The configuration a schedule hint (desc.tile/cluster/stages) asks for (K is the kernel's own)."""
+def k_tile(dtype: str) -> int:
+    """The K extent of every CTA tile: four MMA instructions' K, 128 bytes of each operand row."""
+    return 128 // dtype_bytes(dtype)
+
+
+def hint_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None) -> CuteConfig:
+    """The configuration a schedule hint (desc.tile/cluster/stages) asks for (K is the kernel's own);
+    what the hint leaves out (a hint of only a cluster or a stage count) is the heuristic's."""
+    if desc.tile is None:
+        base = default_config(desc, arch, dims)
+        cl = (desc.cluster[0], desc.cluster[1]) if desc.cluster else base.cluster
+        return CuteConfig(base.tile, cl, base.use_2cta, desc.stages)
     tm, tn = desc.tile[0], desc.tile[1]
     cl = (desc.cluster[0], desc.cluster[1]) if desc.cluster else (1, 1)
     two = arch == "sm100a" and tm == 256

@@ -159,6 +159,15 @@ def _combine(a, b, is_max):
 
 
 def _atomic(ptr, x, is_max):
+    # Maxima: integer atomics on the float's bits (native ATOMS.MAX.S32 / ATOMS.MIN in shared memory,
+    # REDG.E.MAX.S32 / REDG.E.MIN in global).  Sums: `atomic_add` on f32 is the LLVM `atomicrmw fadd`
+    # the PTX `atom.add.f32` comes from.  In global memory it is one REDG.E.ADD.F32; in shared memory
+    # sm_90a and sm_100a have no f32 add instruction, so ptxas emits a load + FADD + ATOMS.CAST.SPIN
+    # loop for it, exactly as for CUDA C's atomicAdd(float*) or an inline `red.shared.add.f32` on
+    # __shared__ data (checked with nvcc 13 + cuobjdump on both archs; integer shared atomics are
+    # native ATOMS.ADD).  No DSL op lowers to anything better; contention stays low because only one
+    # lane per lane group (after the shuffles) adds per row or column.  tests/test_cute_backend.py
+    # asserts this SASS.
     if is_max:
         cute.arch.atomic_fmax(ptr, x)
     else:

@@ -6,7 +6,7 @@ both.  Owns its tile/cluster heuristic and its capability record.
 """
 from __future__ import annotations
 
-from kspec.backends.api import Capabilities, LoweredPlan
+from kspec.backends.api import Capabilities, LoweredPlan, SettingProblem
 from kspec.backends.build import NvccBuilt
 from kspec.backends.desc import AttentionDesc, GemmDesc, Operand
 from kspec.backends.names import Names
@@ -54,6 +54,30 @@ _TUNING_TILES: dict[str, tuple[tuple[tuple[int, int, int], tuple[int, int, int]]
 }
 
 
+def _gemm_setting_problem(h) -> SettingProblem | None:
+    """CUTLASS 3.x GEMM tile/cluster/stage shapes (sm90a CTA tile, sm100a MMA tile) as its generator
+    lists them for tensor-core kernels; kspec emits the stage count only from 2 on (gemm._check_desc)."""
+    if h.tile is not None:
+        m, n, k = h.tile
+        if m not in (64, 128, 256):
+            return SettingProblem("tile", "tile M must be 64, 128 or 256")
+        if n % 8 or not 8 <= n <= 256:
+            return SettingProblem("tile", "tile N must be a multiple of 8 from 8 to 256")
+        if k not in (16, 32, 64, 128, 256):
+            return SettingProblem("tile", "tile K must be 16, 32, 64, 128 or 256")
+    if h.cluster is not None:
+        cm, cn, ck = h.cluster
+        if any(c & (c - 1) for c in h.cluster):
+            return SettingProblem("cluster", "cluster sizes must be powers of two")
+        if ck != 1:
+            return SettingProblem("cluster", "the K cluster size must be 1")
+        if cm * cn > 16:
+            return SettingProblem("cluster", "a cluster holds at most 16 CTAs")
+    if h.stages is not None and h.stages < 2:
+        return SettingProblem("stages", "stages must be at least 2 (the shared-memory budget sets the most)")
+    return None
+
+
 def _shape(t) -> str:
     return "x".join(map(str, t))
 
@@ -91,6 +115,25 @@ class CutlassBackend(NvccBuilt):
 
     def is_fallback(self, ir: KernelIR) -> str | None:
         return None
+
+    def setting_problem(self, ir: KernelIR, arch: str) -> SettingProblem | None:
+        """The spec's tile/cluster/stages against what CUTLASS instantiates: for attention the one
+        FMHA tile per head dim; for GEMMs the shapes CUTLASS's generator lists (a screen: the exact
+        list, which depends on dtypes, layouts and the epilogue, is checked at emit, where a miss is
+        reported at the setting too, with the nearest valid choices)."""
+        h = ir.hint(arch)
+        if ir.kind == "attention":
+            from .fmha import choose_attention_tile
+            a = ir.attention
+            tile = choose_attention_tile(arch, a.dtypes[0], a.head_dim)
+            if h.tile is not None and tuple(h.tile) != tile:
+                return SettingProblem("tile", f"the FMHA kernel for head dim {a.head_dim} on {arch} has tile "
+                                              f"{_shape(tile)} only")
+            for key in ("cluster", "stages"):
+                if getattr(h, key) is not None:
+                    return SettingProblem(key, f"the FMHA kernels take no {key} setting (tile {_shape(tile)} only)")
+            return None
+        return _gemm_setting_problem(h)
 
     def _gemm_reason(self, ir: KernelIR, arch: str) -> str | None:
         s = ir.gemm

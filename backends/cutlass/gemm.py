@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kspec.backends.api import SettingError
 from kspec.backends.desc import ARCH_CC, EmittedKernel, GemmDesc
 from kspec.core import ABI_VERSION, DTYPE_TABLE, KspecError
 
@@ -209,10 +210,12 @@ def choose_config(configs: list[GemmConfig], desc: GemmDesc, cc: int) -> GemmCon
         if desc.cluster is not None:
             asked.append("cluster=" + "x".join(map(str, desc.cluster)))
         what = "MMA tile" if cc == 100 else "CTA tile"
-        raise KspecError(
+        tile_listed = desc.tile is not None and any(c.tile == tuple(desc.tile) for c in configs)
+        raise SettingError(
+            "tile" if desc.tile is not None and not tile_listed else "cluster",
             f"GEMM '{desc.name}': {' '.join(asked)} is not a CUTLASS configuration on {desc.arch} "
             f"for {desc.a.dtype} x {desc.b.dtype} ({what} M x N x K)",
-            hint=f"nearest valid choices: {_nearest(configs, desc.tile, desc.cluster)}")
+            hint=f"nearest valid CUTLASS choices: {_nearest(configs, desc.tile, desc.cluster)}")
     kbytes_tile = 128 * 8 // _BITS[desc.a.dtype]     # a 128-byte K slice per stage
     return min(match, key=lambda c: _preference(c, cc, kbytes_tile))
 
@@ -227,9 +230,9 @@ def _check_stages(desc: GemmDesc, cfg: GemmConfig, plan: Any, cc: int) -> None:
     capacity = SharedMemPerCC[cc] << 10
     most = (capacity - epi) // per_stage
     if desc.stages > most:
-        raise KspecError(f"GEMM '{desc.name}': {desc.stages} stages of {cfg.describe()} need "
-                         f"{desc.stages * per_stage + epi} bytes of shared memory; {desc.arch} has "
-                         f"{capacity}", hint=f"valid stage counts for this tile: 2..{most}")
+        raise SettingError("stages", f"GEMM '{desc.name}': {desc.stages} stages of {cfg.describe()} need "
+                           f"{desc.stages * per_stage + epi} bytes of shared memory; {desc.arch} has "
+                           f"{capacity}", hint=f"valid CUTLASS stage counts for this tile: 2..{most}")
 
 
 # ---------------------------------------------------------------------------------------------

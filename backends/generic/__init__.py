@@ -460,6 +460,9 @@ class GenericBackend(NvccBuilt):
             return "it runs one reduction or softmax per kernel"
         return None
 
+    def setting_problem(self, ir: KernelIR, arch: str) -> None:
+        return None          # loop kernels take no tile, cluster or stage settings: they ignore them
+
     def is_fallback(self, ir: KernelIR) -> str | None:
         if ir.kind == "elementwise":
             return None

@@ -771,6 +771,9 @@ class RowwiseBackend(NvccBuilt):
             return f"the row-kernel backend builds row-wise kernels, not {ir.kind} kernels"
         return None
 
+    def setting_problem(self, ir: KernelIR, arch: str) -> None:
+        return None          # row kernels take no tile, cluster or stage settings: they ignore them
+
     def is_fallback(self, ir: KernelIR) -> str | None:
         return None
 
