@@ -180,3 +180,22 @@ def test_varlen_with_a_generated_mod_is_declined_with_the_reason():
 }"""
     (p,) = plan_kernel(load_spec(src, is_text=True).kernels[0]).plans
     assert "generated score_mod or mask_mod" in A.unsupported(p.ir, "sm90a")
+
+
+def test_varlen_with_grouped_kv_heads_lowers_to_fa4():
+    """Packed sequences with GQA (K/V [B, T, KH, d] packed, read at head h / 4): FA4's varlen kernel
+    with qhead_per_kvhead 4, K/V as [rows, KH, d]."""
+    pytest.importorskip("flash_attn")
+    from kspec.backends.cute import attention as A
+    src = (HEAD + DECLS.replace("K : bf16[B, T, H, 64]", "K : bf16[B, T, KH, 64]")
+           .replace("V : bf16[B, T, H, 64]", "V : bf16[B, T, KH, 64]")
+           + BODY.replace("K[b, j, h, e]", "K[b, j, h / 4, e]").replace("V[b, j, h, e]", "V[b, j, h / 4, e]"))
+    (p,) = plan_kernel(load_spec(src, is_text=True).kernels[0]).plans
+    assert p.ir.kind == "attention" and p.ir.attention.kv_group == 4
+    for arch in ("sm90a", "sm100a"):
+        assert A.unsupported(p.ir, arch) is None
+        desc, names, dims, _ = A.lower(p.ir, arch)
+        assert desc.group == 4 and dict(dims)["HK"] == "KH"
+        modes = {n: (shape, strides) for n, _i, _dt, shape, strides in A._tensors(desc)}
+        assert modes["mK"] == (("T", "HK"), (("HK", "64"), ("64",)))
+        assert modes["mQ"] == (("S", "H"), (("H", "64"), ("64",)))
