@@ -27,6 +27,7 @@ Q/K/V/O are passed as strided views and nothing is copied.  LSE is [B, H, S] f32
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ from kspec.core import KspecError, KspecInternalError, dtype_bytes, packed_rows_
 
 from . import attnmods, compat
 
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2
 DTYPES = ("f16", "bf16")
 ROLES = ("B", "H", "S", "T", "HK")          # ABI dims, in order; then G (a literal group) and extra symbols
 
@@ -97,6 +98,7 @@ class AttnDesc:
     # storage order of Q, K, V, O as ABI roles (B, S/T, H/HK, D = the head dim), outermost first; a
     # packed buffer's rows are the role S (T); () entries: the canonical [B, H, S, D]
     layouts: tuple[tuple[str, ...], ...] = ()
+    sm_counts: tuple[int, ...] = ()    # every SKU (SM count) to build for, sm_count first; () = sm_count only
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -425,6 +427,19 @@ def lower(ir, arch: str, sm_count: int | None = None):
     return desc, names.back(), dims, scalars
 
 
+def skus(desc: AttnDesc) -> tuple[int, ...]:
+    """The SM counts (GPU SKUs) desc is built for, its primary one (sm_count) first."""
+    return desc.sm_counts or (desc.sm_count,)
+
+
+def for_skus(desc: AttnDesc, sm_counts) -> AttnDesc:
+    """desc built for these SM counts (`kspec compile --sm-count`), the first its primary one."""
+    counts = tuple(dict.fromkeys(int(n) for n in sm_counts))
+    if not counts or min(counts) < 1:
+        raise KspecInternalError(f"bad SM counts {sm_counts!r}")
+    return replace(desc, sm_count=counts[0], sm_counts=counts if len(counts) > 1 else ())
+
+
 def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
     m = desc.mods
     mask = ("causal (bottom-right)" if m.causal else "window" if m.window else "mask_mod" if m.mask_mod else "none")
@@ -432,7 +447,7 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
                                                else "FlashAttentionForwardSm100")),
             ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
-            ("lse", "yes" if desc.lse else "no"), ("sm_count", str(desc.sm_count)),
+            ("lse", "yes" if desc.lse else "no"), ("sm_count", ",".join(map(str, skus(desc)))),
             *((("paged_kv", f"page_size={desc.page_size}"),) if desc.page_table else ()),
             *((("seqused_k", "yes"),) if desc.seqused_k else ()),
             *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_seqlens_q),
@@ -579,8 +594,20 @@ def entry_source(desc: AttnDesc) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# variants: FA4's own choice, over a sweep of query lengths
+# variants: FA4's own choice, over a sweep of query lengths and batch x heads, per SKU
 # ---------------------------------------------------------------------------------------------
+#
+# What FA4 b36's forward choice (_flash_attn_fwd with kspec's arguments: num_splits=1, no varlen Q,
+# no block sparsity, no MLA) reads from the sizes, beyond the spec's own constants (dtype, head dims,
+# GQA group, mask, mods, LSE, paging):
+#   - S (max_seqlen_q) through S * group: q_stage, 2-CTA (more than one M block), the persistent
+#     scheduler (one M block), pack-GQA for head dim 256;
+#   - B * H and B * HK (HK = H / group), against the SM count: for head dims (256, 256) on sm100a,
+#     pack-GQA (2*B*H <= SMs) and single-M-block 2-CTA (2*B*HK or 2*B*H <= SMs);
+#   - the SM count itself (FLASH_ATTENTION_NUM_SMS), and the persistent launcher bakes it in.
+# T only enters through num_splits and S ping-pong with num_splits > 1, which kspec never asks for.
+# So the sweep is S x (B * HK) per SKU; a variant's select boxes are over S, B and H (B * H = group *
+# B * HK: every threshold on B * HK is one on B * H).
 
 def sweep_lengths(group: int) -> list[int]:
     """Query lengths at which FA4's choice may change (its thresholds are multiples of 64 rows of
@@ -593,8 +620,69 @@ def sweep_lengths(group: int) -> list[int]:
     return sorted(p for p in pts if p >= 1)
 
 
+def sweep_batch_heads(group: int, sm_count: int) -> list[int]:
+    """Values of B * HK (sequences x K/V heads) at which FA4's choice may change: its thresholds
+    compare 2 * B * H or 2 * B * HK (H = group * HK) with the SM count; plus powers of two."""
+    pts = {1}
+    for c in (1, 2, 4):
+        for m in {sm_count // c, sm_count // c // group}:
+            pts.update((m, m + 1))
+    pts.update(2 ** k for k in range(17))
+    return sorted(p for p in pts if p >= 1)
+
+
+def sweep_points(desc: AttnDesc) -> list[tuple[int, int, int]]:
+    """The (S, B, HK) sizes at which FA4 is asked for its kernel: every swept query length with every
+    swept B * HK (as B sequences of one K/V head: FA4 reads B and HK only through their product)."""
+    return [(s, x, 1) for s in sweep_lengths(desc.group) for x in sweep_batch_heads(desc.group, desc.sm_count)]
+
+
 class _Captured(Exception):
     pass
+
+
+class _Probed(Exception):
+    pass
+
+
+class _KeyLog(dict):
+    """FA4's compile cache during the sweep: remembers the compile key last looked up, and when
+    probing stops FA4 right there (_Probed)."""
+    last = None
+    probe = False
+
+    def __contains__(self, key) -> bool:
+        self.last = key
+        if self.probe:
+            raise _Probed()
+        return dict.__contains__(self, key)
+
+
+@contextlib.contextmanager
+def _sweep_mode(interface, keys: _KeyLog, fake: bool):
+    """How one FA4 call of the sweep runs: `fake`, on torch FakeTensors of device "cuda" (what FA4
+    needs to build a kernel object); else a probe of its compile key on meta tensors ("cuda" factory
+    calls made on "meta", FA4 told it runs fake), a hundred times cheaper."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    if fake:
+        with FakeTensorMode():
+            yield
+        return
+
+    class Meta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if str(kwargs.get("device")) == "cuda":
+                kwargs["device"] = "meta"
+            return func(*args, **kwargs)
+    real = interface.is_fake_mode
+    interface.is_fake_mode, keys.probe = (lambda: True), True
+    try:
+        with Meta():
+            yield
+    finally:
+        interface.is_fake_mode, keys.probe = real, False
 
 
 def _signature(obj) -> str:
@@ -607,11 +695,11 @@ def _signature(obj) -> str:
     return repr(([norm(a) for a in args], sorted((k, norm(v)) for k, v in kwargs.items())))
 
 
-def choose_variants(desc: AttnDesc, mod) -> list[tuple[str, object, list[int]]]:
-    """[(signature, FA4 kernel object, query lengths it serves)] in order of first use, from FA4's
-    heuristics; `mod` is the imported entry module (its generated mods)."""
+def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object, list[tuple[int, int, int]]]]:
+    """[(signature, FA4 kernel object, (S, B, HK) sizes it serves)] in order of first use, from FA4's
+    heuristics on the SKU desc.sm_count, at `points` (default: sweep_points); `mod` is the imported
+    entry module (its generated mods)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import cutlass.cute as cute
     interface = compat.fa4_interface()
@@ -627,22 +715,31 @@ def choose_variants(desc: AttnDesc, mod) -> list[tuple[str, object, list[int]]]:
         raise _Captured(fa)
 
     tdt = torch.float16 if desc.dtype == "f16" else torch.bfloat16
-    hk = 2
-    h = hk * desc.group if not desc.kv_shared else desc.group
-    hk = 1 if desc.kv_shared else hk
-    batch = 2
     w = desc.mods.window
-    found: dict[str, tuple[object, list[int]]] = {}
+    points = sweep_points(desc) if points is None else list(points)
+    key_of: list = []                   # per point, FA4's compile key
+    first: dict = {}                    # compile key -> the first point with it
+    built: dict = {}                    # compile key -> (signature, FA4 kernel object)
+
+    def calls_to_make():
+        """Every point probed for its compile key, then one FakeTensor call per distinct key."""
+        for pt in points:
+            yield pt, False
+        for pt in first.values():
+            yield pt, True
     real_compile = cute.compile
     cache = interface._flash_attn_fwd.compile_cache
     with compat.fa4_target(desc.arch, desc.sm_count) as cc:
         setattr(interface, cls_name, record)
         cute.compile = stop
-        interface._flash_attn_fwd.compile_cache = {}
+        keys = interface._flash_attn_fwd.compile_cache = _KeyLog()
         try:
-            for s in sweep_lengths(desc.group):
+            for (s, batch, hk), fake in calls_to_make():
+                h = hk * desc.group if not desc.kv_shared else desc.group
+                hk = 1 if desc.kv_shared else hk
                 calls.clear()
-                with FakeTensorMode():
+                fa = None
+                with _sweep_mode(interface, keys, fake):
                     q = torch.empty(batch, s, h, desc.head_dim, dtype=tdt, device="cuda")
                     kv_rows = (batch, max(s, 1))
                     paged = {}
@@ -674,31 +771,89 @@ def choose_variants(desc: AttnDesc, mod) -> list[tuple[str, object, list[int]]]:
                             aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc, **paged)
                     except _Captured as e:
                         fa = e.args[0]
-                    else:
-                        raise KspecInternalError(f"FlashAttention-4 compiled nothing for S={s}")
-                if len(calls) != 1:
-                    raise KspecInternalError(f"FlashAttention-4 built {len(calls)} kernel objects for S={s}")
-                sig = _signature(calls[0])
-                found.setdefault(sig, (fa, []))[1].append(s)
+                    except _Probed:
+                        pass
+                if not fake:
+                    key_of.append(keys.last)
+                    first.setdefault(keys.last, (s, batch, hk))
+                elif fa is not None and len(calls) == 1 and first.get(keys.last) == (s, batch, hk):
+                    built[keys.last] = (_signature(calls[0]), fa)
+                else:
+                    raise KspecInternalError(f"FlashAttention-4 built {len(calls)} kernel objects for S={s}, "
+                                             f"B={batch}, HK={hk} (or not the kernel its compile key promised)")
         finally:
             setattr(interface, cls_name, original_cls)
             cute.compile = real_compile
             interface._flash_attn_fwd.compile_cache = cache
-    return [(sig, fa, lengths) for sig, (fa, lengths) in found.items()]
+    found: dict[str, tuple[object, list[tuple[int, int, int]]]] = {}
+    for pt, key in zip(points, key_of):
+        sig, fa = built[key]
+        found.setdefault(sig, (fa, []))[1].append(pt)
+    return [(sig, fa, pts) for sig, (fa, pts) in found.items()]
 
 
-def boxes(lengths_by_variant: list[list[int]]) -> list[list[dict]]:
-    """Per variant, the query-length ranges it serves ({"S": [lo, hi]}; hi None = unbounded): each
-    sweep point covers the lengths up to the next point."""
-    points = sorted((s, k) for k, ls in enumerate(lengths_by_variant) for s in ls)
-    out: list[list[dict]] = [[] for _ in lengths_by_variant]
-    for n, (s, k) in enumerate(points):
-        hi = points[n + 1][0] - 1 if n + 1 < len(points) else None
-        lo = 0 if n == 0 else s
-        if out[k] and out[k][-1]["S"][1] is not None and out[k][-1]["S"][1] + 1 == lo:
-            out[k][-1]["S"][1] = hi
+def boxes(points_by_variant: list[list[tuple[int, int]]]) -> list[list[dict]]:
+    """Per variant, the boxes of ABI sizes it serves, from the (S, P) sweep points FA4 served with it
+    (P = B * H; together the points form a grid): each point covers the sizes up to the next point's,
+    the first from 0 and the last unbounded, so the boxes partition every size.  A box is {"S": [lo,
+    hi]} (hi None = unbounded), plus "B" and "H" ranges where the choice depends on B * H
+    (product_boxes); a variant's boxes merge its neighbouring cells."""
+    owner: dict[tuple[int, int], int] = {}
+    for k, pts in enumerate(points_by_variant):
+        for pt in pts:
+            if owner.setdefault((int(pt[0]), int(pt[1])), k) != k:
+                raise KspecInternalError(f"two variants for the sizes S, B*H = {tuple(pt)}")
+    ss, ps = sorted({s for s, _ in owner}), sorted({p for _, p in owner})
+    if len(owner) != len(ss) * len(ps):
+        raise KspecInternalError(f"the sweep is not a grid: {len(owner)} points for {len(ss)} x {len(ps)}")
+
+    def cells(values):
+        return [(0 if n == 0 else v, values[n + 1] - 1 if n + 1 < len(values) else None)
+                for n, v in enumerate(values)]
+    rows: list[tuple[list, list]] = []            # ([S lo, S hi], [(variant, P lo, P hi)])
+    for s, (slo, shi) in zip(ss, cells(ss)):
+        pattern: list[tuple[int, int, int | None]] = []
+        for p, (plo, phi) in zip(ps, cells(ps)):
+            k = owner[(s, p)]
+            if pattern and pattern[-1][0] == k:
+                pattern[-1] = (k, pattern[-1][1], phi)
+            else:
+                pattern.append((k, plo, phi))
+        if rows and rows[-1][1] == pattern:
+            rows[-1][0][1] = shi
         else:
-            out[k].append({"S": [lo, hi]})
+            rows.append(([slo, shi], pattern))
+    out: list[list[dict]] = [[] for _ in points_by_variant]
+    for (slo, shi), pattern in rows:
+        for k, plo, phi in pattern:
+            if plo == 0 and phi is None:
+                out[k].append({"S": [slo, shi]})
+            else:
+                out[k] += [{"S": [slo, shi], **box} for box in product_boxes(plo, phi)]
+    return out
+
+
+def product_boxes(lo: int, hi: int | None) -> list[dict]:
+    """Boxes {"B": [b0, b1], "H": [h0, h1]} (None = unbounded) holding exactly the sizes B, H >= 0
+    with lo <= B * H <= hi (hi None: no upper bound): O(sqrt(hi)) boxes, one per run of B over which
+    the H range stays the same."""
+    out = []
+    if lo <= 0:
+        out += [{"B": [0, 0], "H": [0, None]}, {"B": [1, None], "H": [0, 0]}]
+    lo = max(lo, 1)
+    b = 1
+    while hi is None or b <= hi:
+        h0 = -(-lo // b)                              # ceil(lo / b)
+        h1 = None if hi is None else hi // b
+        ends = [] if h0 == 1 else [(lo - 1) // (h0 - 1)]  # the last B with the same ceil(lo / B)
+        if h1 is not None:
+            ends.append(hi // h1)                     # the last B with the same hi // B
+        b1 = min(ends) if ends else None
+        if h1 is None or h0 <= h1:
+            out.append({"B": [b, b1], "H": [h0, h1]})
+        if b1 is None:
+            break
+        b = b1 + 1
     return out
 
 
@@ -844,7 +999,8 @@ def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
         opts += f" --ptxas-options '{ptxas}'"
     t0 = time.monotonic()
     try:
-        fn = cute.compile(mod.kspec_entry, *_fake_args(desc), compat.fake_stream(), options=opts)
+        with _sm_count_reads() as reads:
+            fn = cute.compile(mod.kspec_entry, *_fake_args(desc), compat.fake_stream(), options=opts)
     except Exception as e:
         raise KspecInternalError(f"the CuTe DSL failed to compile FlashAttention-4 kernel {desc.name} for "
                                  f"{desc.arch}: {type(e).__name__}: {str(e)[:2000]}") from e
@@ -868,7 +1024,44 @@ def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
     link_host(work / "kernel.o", work / "glue.c", work / "kernel.so", work / "link.log")
     for junk in ("kernel.o",):
         (work / junk).unlink(missing_ok=True)
-    return {"symbol": entry, "param_offsets": list(offs), "compile_seconds": seconds}
+    return {"symbol": entry, "param_offsets": list(offs), "compile_seconds": seconds,
+            "sm_independent": not reads}
+
+
+@contextlib.contextmanager
+def _sm_count_reads():
+    """The SM-count queries made while tracing: FA4's persistent schedulers ask cutlass.utils.HardwareInfo
+    (kspec's offline stand-in inside compat.fa4_target) and bake the answer into the host launcher as
+    the persistent grid.  A kernel traced without asking builds to the same binary for every SKU.
+    FA4's and QuACK's lru_caches of the answer are cleared first, so every query is seen."""
+    import sys
+
+    import cutlass.utils
+    hw = cutlass.utils.HardwareInfo
+    if not issubclass(hw, compat._OfflineHardwareInfo):
+        raise KspecInternalError("SM-count queries counted outside compat.fa4_target")
+    for name in ("flash_attn.cute.cute_dsl_utils", "quack.cute_dsl_utils"):
+        for fn in ("get_max_active_clusters", "get_device_multiprocessor_count"):
+            getattr(getattr(sys.modules.get(name), fn, None), "cache_clear", lambda: None)()
+    reads: list[str] = []
+    methods = ("get_device_multiprocessor_count", "get_max_active_clusters")
+    saved = {m: hw.__dict__.get(m) for m in methods}
+
+    def counted(m, f):
+        def ask(self, *args, **kwargs):
+            reads.append(m)
+            return f(self, *args, **kwargs)
+        return ask
+    for m in methods:
+        setattr(hw, m, counted(m, getattr(hw, m)))
+    try:
+        yield reads
+    finally:
+        for m, f in saved.items():
+            if f is None:
+                delattr(hw, m)
+            else:
+                setattr(hw, m, f)
 
 
 def _import_entry(path: Path):
@@ -900,39 +1093,85 @@ def _read(d: Path) -> dict | None:
         return None
 
 
-def _result(desc: AttnDesc, key: str, d: Path, meta: dict, seconds: float, cached: bool) -> AttnBuild:
-    base = config_items(desc)
-    variants = tuple(Variant(cubin=str(d / v["dir"] / "kernel.cubin"), host=str(d / v["dir"] / "kernel.so"),
-                             symbol=v["symbol"], param_offsets=tuple(v["param_offsets"]),
-                             select=tuple(v["select"]), config=tuple(v["config"]))
-                     for v in meta["variants"])
-    return AttnBuild(key=key, dir=str(d), variants=variants, args=desc.args, scalars=desc.scalars,
-                     seconds=seconds, cached=cached, config=base)
+def _result(desc: AttnDesc, parts: list[tuple[str, Path, dict]], seconds: float, cached: bool) -> AttnBuild:
+    """One AttnBuild from the per-SKU builds `parts` [(key, dir, meta)]: every SKU's variants, those
+    with the same binary and boxes on several SKUs merged into one (config sm_count "132,114")."""
+    merged: dict[tuple, dict] = {}
+    for _key, d, meta in parts:
+        for v in meta["variants"]:
+            same = (v["sha256"]["kernel.cubin"], v["sha256"]["kernel.so"], json.dumps(v["select"]))
+            cfg = dict(v["config"])
+            if same in merged:
+                m = merged[same]["config"]
+                m["sm_count"] = f"{m['sm_count']},{cfg['sm_count']}"
+            else:
+                merged[same] = {"d": d, "v": v, "config": cfg}
+    variants = tuple(Variant(cubin=str(e["d"] / e["v"]["dir"] / "kernel.cubin"),
+                             host=str(e["d"] / e["v"]["dir"] / "kernel.so"), symbol=e["v"]["symbol"],
+                             param_offsets=tuple(e["v"]["param_offsets"]), select=tuple(e["v"]["select"]),
+                             config=tuple((k, str(x)) for k, x in e["config"].items()))
+                     for e in merged.values())
+    key, d, _meta = parts[0]
+    return AttnBuild(key=key if len(parts) == 1 else hashlib.sha256(" ".join(k for k, _d, _m in parts).encode())
+                     .hexdigest(), dir=str(d), variants=variants, args=desc.args, scalars=desc.scalars,
+                     seconds=seconds, cached=cached, config=config_items(desc))
+
+
+def _sku_descs(desc: AttnDesc) -> list[AttnDesc]:
+    """desc once per SKU it is built for (each cached on its own)."""
+    return [replace(desc, sm_count=n, sm_counts=()) for n in skus(desc)]
+
+
+def _dir(root: Path, desc: AttnDesc, lengths) -> tuple[str, Path]:
+    key = build_key(desc) + ("" if lengths is None else "-" + "-".join(map(str, lengths)))
+    return key, root / "cute-attention" / key[:2] / key
 
 
 def lookup(desc: AttnDesc, cache_root: Path | None) -> AttnBuild | None:
     """The cached build, or None; never imports the DSL or FA4."""
     if cache_root is None:
         return None
-    key = build_key(desc)
-    d = Path(cache_root) / "cute-attention" / key[:2] / key
-    meta = _read(d)
-    return None if meta is None else _result(desc, key, d, meta, 0.0, True)
+    parts = []
+    for one in _sku_descs(desc):
+        key, d = _dir(Path(cache_root), one, None)
+        meta = _read(d)
+        if meta is None:
+            return None
+        parts.append((key, d, meta))
+    return _result(desc, parts, 0.0, True)
 
 
 def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = None) -> AttnBuild:
-    """Every FA4 variant of `desc` (cached by content).  lengths: build only the variants serving
-    these query lengths (tests; the artifact's boxes then cover only those)."""
+    """Every FA4 variant of `desc` on every SKU it is built for (each SKU cached by content).
+    lengths: build only the variants serving these query lengths (tests; the artifact's boxes then
+    cover only those)."""
     why = compat.fa4_available()
     if why:
         raise KspecError(f"attention kernel {desc.name} on {desc.arch}: {why}")
-    key = build_key(desc) + ("" if lengths is None else "-" + "-".join(map(str, lengths)))
-    root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-attn-")) / "cute-attention"
-    d = root / key[:2] / key
+    root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-attn-"))
     t0 = time.monotonic()
-    meta = _read(d)
-    if meta is not None:
-        return _result(desc, key, d, meta, time.monotonic() - t0, True)
+    parts, cached = [], True
+    for one in _sku_descs(desc):
+        key, d = _dir(root, one, lengths)
+        meta = _read(d)
+        if meta is None:
+            cached = False
+            meta = _build_sku(one, key, d, lengths, parts)
+        parts.append((key, d, meta))
+    return _result(desc, parts, time.monotonic() - t0, cached)
+
+
+def _build_sku(desc: AttnDesc, key: str, d: Path, lengths, done: list[tuple[str, Path, dict]]) -> dict:
+    """Build the variants FA4 chooses on the SKU desc.sm_count into `d`; its meta.json.  A kernel
+    that another SKU's build in `done` compiled without asking the SM count (_sm_count_reads) is
+    copied from there, not compiled again."""
+    from .build import _sha
+    reuse = {}                          # FA4 signature -> (variant dir, its meta) of SM-independent kernels
+    for _key, dd, meta in done:
+        for v in meta["variants"]:
+            if v.get("sm_independent"):
+                reuse[dict(v["config"])["fa4_signature"]] = (dd / v["dir"], v)
+    root = d.parent.parent
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=root))
     try:
@@ -941,16 +1180,26 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
             mod = _import_entry(work / "entry.py")
         found = choose_variants(desc, mod)
         if lengths is not None:
-            found = [(sig, fa, [s for s in ls if s in lengths] or ls[:1]) for sig, fa, ls in found
-                     if any(s in lengths for s in ls)] or found[:1]
-        sel = boxes([ls for _sig, _fa, ls in found])
-        from .build import _sha
+            rows = {s for _sig, _fa, pts in found for s, _b, _hk in pts if s in lengths}
+            rows = rows or {min(s for _sig, _fa, pts in found for s, _b, _hk in pts)}
+            found = [(sig, fa, [pt for pt in pts if pt[0] in rows]) for sig, fa, pts in found]
+            found = [f for f in found if f[2]]
+        heads = 1 if desc.kv_shared else desc.group       # query heads per K/V head in the sweep
+        sel = boxes([[(s, b * hk * heads) for s, b, hk in pts] for _sig, _fa, pts in found])
         variants = []
         with compat.fa4_target(desc.arch, desc.sm_count):
-            for k, ((sig, fa, ls), box) in enumerate(zip(found, sel)):
+            for k, ((sig, fa, _pts), box) in enumerate(zip(found, sel)):
                 vd = work / f"v{k}"
                 vd.mkdir()
-                info = _compile_variant(vd, desc, mod, fa)
+                sig_hash = hashlib.sha256(sig.encode()).hexdigest()[:16]
+                if sig_hash in reuse:
+                    src, prev = reuse[sig_hash]
+                    for f in ("kernel.cubin", "kernel.so"):
+                        shutil.copyfile(src / f, vd / f)
+                    info = {"symbol": prev["symbol"], "param_offsets": prev["param_offsets"], "compile_seconds": 0.0,
+                            "sm_independent": True}
+                else:
+                    info = _compile_variant(vd, desc, mod, fa)
                 cfg = [["variant", f"{k}"], ["fa4_class", type(fa).__name__],
                        ["tile", f"{getattr(fa, 'm_block_size', getattr(fa, 'tile_m', '?'))}x"
                                 f"{getattr(fa, 'n_block_size', getattr(fa, 'tile_n', '?'))}"],
@@ -960,10 +1209,11 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
                        *([["kv_loads", "tma" if getattr(fa, "use_tma_KV", True) else "cp.async"]]
                          if desc.page_table else []),
                        ["sm_count", str(desc.sm_count)],
-                       ["fa4_signature", hashlib.sha256(sig.encode()).hexdigest()[:16]]]
+                       ["fa4_signature", sig_hash]]
                 variants.append({"dir": f"v{k}", **info, "select": box, "config": cfg,
                                  "sha256": {f: _sha(vd / f) for f in ("kernel.cubin", "kernel.so")}})
-        meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "variants": variants}
+        meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "sm_count": desc.sm_count,
+                "variants": variants}
         (work / "meta.json").write_text(json.dumps(meta, indent=1))
         d.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -973,7 +1223,4 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
-    meta = _read(d) or meta
-    return _result(desc, key, d, meta, time.monotonic() - t0, False)
-
-
+    return _read(d) or meta
