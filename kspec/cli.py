@@ -264,17 +264,39 @@ def cmd_compile(args) -> int:
     from kspec.backends.build import CompileCache
     cache = CompileCache()
     tuned = _tuned(args)
+    sm_counts = parse_sm_counts(args.sm_count, archs)
     emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict,
-                        tuned=tuned)
+                        tuned=tuned, sm_counts=sm_counts)
     for sched in emitted.schedules:
         for p in sched.plans:
             for arch, ch in p.choices.items():
                 if ch.fallback:
                     print(f"kspec: note: kernel {p.id} on {arch} runs as {ch.fallback}", file=sys.stderr)
     out = compile_spec(args.file, archs, args.output or "build", args.kernel, args.jobs, cache=cache,
-                       progress=Progress(enabled=not args.quiet), emitted=emitted)
+                       progress=Progress(enabled=not args.quiet), emitted=emitted, sm_counts=sm_counts)
     print(f"wrote {out}  ({time.monotonic() - t0:.1f}s)")
     return 0
+
+
+def parse_sm_counts(values: list[str], archs: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """`--sm-count sm90a=132,114 --sm-count sm100a=148` -> {"sm90a": (132, 114), "sm100a": (148,)}."""
+    from kspec.core import normalize_arch
+    out: dict[str, tuple[int, ...]] = {}
+    for text in values:
+        arch, eq, counts = text.partition("=")
+        if not eq:
+            raise KspecError(f"bad --sm-count '{text}'", hint="write ARCH=N[,N...], e.g. --sm-count sm90a=132,114")
+        arch = normalize_arch(arch)
+        if arch not in archs:
+            raise KspecError(f"--sm-count {text}: {arch} is not compiled for (archs: {', '.join(archs)})")
+        try:
+            ns = tuple(int(n) for n in counts.split(",") if n.strip())
+        except ValueError:
+            raise KspecError(f"--sm-count {text}: SM counts must be integers") from None
+        if not ns or any(not 1 <= n <= 1024 for n in ns):
+            raise KspecError(f"--sm-count {text}: give one or more SM counts from 1 to 1024")
+        out[arch] = tuple(dict.fromkeys((*out.get(arch, ()), *ns)))
+    return out
 
 
 def _tuned(args):
@@ -323,6 +345,11 @@ def _register_compile(sub) -> None:
                    help="apply this tuning database's winners (default $KSPEC_TUNING_DB, else "
                         "$KSPEC_CACHE_DIR/tuning.json when it exists)")
     p.add_argument("--sizes", metavar="SIZES", help="the size bucket to take tuned configurations for, e.g. M=64")
+    p.add_argument("--sm-count", action="append", default=[], metavar="ARCH=N[,N...]",
+                   help="SM counts of the GPU SKUs to build SKU-specific kernels (FlashAttention-4 attention) "
+                        "for, e.g. sm90a=132,114 (H100 SXM/H200, H100 PCIe); repeatable; default sm90a=132, "
+                        "sm100a=148. The runtime launches the build for the device's SM count, else the "
+                        "nearest below, else the smallest")
     p.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", help="show registers, shared memory and SASS of a compiled artifact",

@@ -155,11 +155,26 @@ def plan_spec(program: CheckedProgram, archs: tuple[str, ...], kernel: str | Non
 ConfigChooser = Callable[..., "tuple[tuple[str, str], ...] | None"]
 
 
+def with_sm_counts(b, ir, arch: str, config, sm_counts: dict[str, tuple[int, ...]] | None):
+    """config with its "sm_count" item set to the SM counts (GPU SKUs) asked for `arch`, for a backend
+    whose configuration of this kernel records one (its binaries depend on the SKU: FlashAttention-4
+    bakes the SM count into its launcher and its kernel choice); other kernels read the SM count at
+    launch, so the option leaves them as they are."""
+    if not sm_counts or arch not in sm_counts:
+        return config
+    base = config or b.default_config(ir, arch)
+    if "sm_count" not in dict(base):
+        return config
+    return tuple((k, ",".join(map(str, sm_counts[arch])) if k == "sm_count" else v) for k, v in base)
+
+
 def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None,
               cache_root: Path | None = None, backend: str | None = None, strict: bool = False,
-              tuned: ConfigChooser | None = None) -> EmittedSpec:
+              tuned: ConfigChooser | None = None, sm_counts: dict[str, tuple[int, ...]] | None = None) -> EmittedSpec:
     """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
-    before any toolchain runs.  tuned: picks each kernel's configuration (default: the backend's)."""
+    before any toolchain runs.  tuned: picks each kernel's configuration (default: the backend's);
+    sm_counts: arch -> the SM counts of the GPU SKUs to build SKU-specific kernels for (with_sm_counts;
+    default: one per arch, backends.cute.compat.OFFLINE_SM_COUNT)."""
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
     schedules = plan_spec(program, archs, kernel, backend, strict)
@@ -172,16 +187,17 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
                 try:
                     config = tuned(p.ir, arch, choice.backend) if tuned else None
                     b = registry.get(choice.backend)
+                    config = with_sm_counts(b, p.ir, arch, config, sm_counts)
                     lp = b.lower(p.ir, arch, config) if config else b.lower(p.ir, arch)
                     em = emit_cached(lp, cache_root)
                 except KspecError as e:
                     raise _located(e, sched, p, arch, program) from None
                 plans[p.id].append(EmittedPlan(lp, em))
-            _one_abi(plans[p.id], sched, p, cache_root, program)
+            _one_abi(plans[p.id], sched, p, cache_root, program, sm_counts)
     return EmittedSpec(program, archs, schedules, plans)
 
 
-def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program) -> None:
+def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program, sm_counts=None) -> None:
     """A plan has one ABI (manifest args, scalars, dims) on every arch.  The CuTe DSL and CUTLASS
     backends share an argument order, so archs may differ in backend; where the ABIs still differ,
     the archs whose backend does not match the first arch's are rebuilt by that backend."""
@@ -200,7 +216,8 @@ def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program) -> None:
             raise KspecInternalError(f"plan {p.id}: backends {eps[0].backend} and {ep.backend} give different "
                                      f"ABIs and {first.name} cannot build {ep.lowered.arch}: {why}")
         try:
-            lp = first.lower(p.ir, ep.lowered.arch)
+            config = with_sm_counts(first, p.ir, ep.lowered.arch, None, sm_counts)
+            lp = first.lower(p.ir, ep.lowered.arch, config) if config else first.lower(p.ir, ep.lowered.arch)
             eps[i] = EmittedPlan(lp, emit_cached(lp, cache_root))
         except KspecError as e:
             raise _located(e, sched, p, ep.lowered.arch, program) from None
@@ -258,16 +275,16 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None, backend: str | None = None, strict: bool = False,
                  emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None,
-                 toolchain=None) -> Path:
+                 toolchain=None, sm_counts: dict[str, tuple[int, ...]] | None = None) -> Path:
     """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
     `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments);
-    `tuned`: see emit_spec."""
+    `tuned`, `sm_counts`: see emit_spec."""
     from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
                                 write_manifest)
     from kspec.backends.build import CompileCache, build_all
 
     cache = cache or CompileCache()
-    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned)
+    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned, sm_counts)
     build_jobs = _jobs(emitted)
     # nvcc is needed for CUTLASS C++ / plain CUDA jobs; otherwise the toolchain (cuobjdump, for the
     # register and shared-memory counts) is looked up only when those counts are not memoised
@@ -353,13 +370,18 @@ def _tensor_spec(t) -> TensorSpec:
 
 def _variant_binary(staging: Path, p, arch: str, built, ep, toolchain, cache_root):
     """A Binary with size-bucketed variants (FlashAttention-4 kernels: artifact.Variant), the first
-    variant's files as the binary's own."""
+    variant's files as the binary's own; variants with the same files (one kernel serving other
+    sizes on another SKU) share them; the binary's config keeps the build's own sm_count (every SKU)."""
     from kspec.artifact import Variant, make_binary, sha256_file
     variants = []
+    files: dict[tuple[str, str], tuple[str, str]] = {}
     for k, v in enumerate(built.variants):
-        cubin, host = f"{p.id}.{arch}.v{k}.cubin", f"{p.id}.{arch}.v{k}.so"
-        shutil.copyfile(v.cubin, staging / cubin)
-        shutil.copyfile(v.host, staging / host)
+        same = (sha256_file(Path(v.cubin)), sha256_file(Path(v.host)))
+        if same not in files:
+            files[same] = f"{p.id}.{arch}.v{k}.cubin", f"{p.id}.{arch}.v{k}.so"
+            shutil.copyfile(v.cubin, staging / files[same][0])
+            shutil.copyfile(v.host, staging / files[same][1])
+        cubin, host = files[same]
         config = {**dict(v.config), "param_offsets": ",".join(map(str, v.param_offsets))}
         select = tuple({r: (lo, hi) for r, (lo, hi) in box.items()} for box in v.select)
         variants.append(Variant(cubin, host, {"cubin": sha256_file(staging / cubin), "host": sha256_file(staging / host)},
@@ -368,7 +390,7 @@ def _variant_binary(staging: Path, p, arch: str, built, ep, toolchain, cache_roo
     regs, smem = _resources(staging / first.cubin, toolchain, cache_root, first.symbol)
     if built.args != ep.emitted.args or built.scalars != ep.emitted.scalars:
         raise KspecInternalError(f"plan {p.id}: the {ep.lowered.backend} build's ABI differs from its emission")
-    b = make_binary(staging, first.cubin, first.host, symbol=first.symbol, config={**dict(built.config), **first.config},
+    b = make_binary(staging, first.cubin, first.host, symbol=first.symbol, config={**first.config, **dict(built.config)},
                     registers=regs, smem=smem, backend=ep.lowered.backend, kind=p.choices[arch].kind)
     from dataclasses import replace
     return replace(b, variants=tuple(variants))

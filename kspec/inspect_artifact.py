@@ -36,12 +36,14 @@ def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = No
                     continue
                 cfg = " ".join(f"{key}={v}" for key, v in b.config.items() if key != "cutlass")
                 lines.append(f"    {a}: {cfg}")
-                # a size-bucketed binary (FlashAttention-4): every variant with the sizes it serves
+                # a size-bucketed binary (FlashAttention-4): every variant with the SKUs (SM counts) it
+                # was built for and the sizes it serves there (kspec.runtime.module.sku_for picks the SKU)
                 for label, binary in ([("", b)] if not b.variants else
-                                      [(f"variant {i} for {_select(v.select)}: ", v) for i, v in enumerate(b.variants)]):
+                                      [(f"variant {i}{_skus(v)} for {_select(v.select)}: ", v)
+                                       for i, v in enumerate(b.variants)]):
                     if label:
                         own = " ".join(f"{key}={v}" for key, v in binary.config.items()
-                                       if b.config.get(key) != v and key != "param_offsets")
+                                       if b.config.get(key) != v and key not in ("param_offsets", "sm_count"))
                         lines.append(f"    {label}{own}".rstrip())
                     s = sass_summary(d / binary.cubin, toolchain)
                     for line in format_summary(s).splitlines()[1:]:
@@ -55,3 +57,8 @@ def _select(boxes) -> str:
     def rng(lo, hi):
         return f"{lo}..{hi}" if hi is not None else f">= {lo}"
     return " or ".join(", ".join(f"{r} {rng(lo, hi)}" for r, (lo, hi) in box.items()) for box in boxes)
+
+
+def _skus(v) -> str:
+    n = v.config.get("sm_count")
+    return f" on {n.replace(',', '/')} SMs" if n else ""

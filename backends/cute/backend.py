@@ -122,6 +122,9 @@ class CuteBackend:
         if ir.kind == "attention":
             from . import attention
             desc, names, dims, scalars = attention.lower(ir, arch)
+            skus = dict(config or ()).get("sm_count")      # `kspec compile --sm-count`: the SKUs to build for
+            if skus:
+                desc = attention.for_skus(desc, skus.split(","))
             return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention.config_items(desc))
         lp = self._gemm_desc(ir, arch)
         cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)

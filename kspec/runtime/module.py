@@ -418,20 +418,20 @@ class Module:
         return b if variant < 0 else b.variants[variant]
 
     def variant(self, plan: Plan, arch: str, dims: list[int], sm_count: int | None = None) -> int:
-        """The variant of a size-bucketed binary that serves these dims (-1: the binary has none);
-        among those, one built for the device's SM count (config "sm_count") when there is one."""
+        """The variant of a size-bucketed binary that serves these dims (-1: the binary has none): among
+        the variants built for the SKU `sku_for` picks for the device's SM count, the one whose select
+        box holds the dims (a variant recording no SM count serves every SKU)."""
         b = plan.binaries[arch]
         if not b.variants:
             return -1
         values = {role: v for (role, _), v in zip(plan.dims, dims)}
-        serving = [i for i, v in enumerate(b.variants) if v.holds(values)]
-        for i in serving:
-            if sm_count is not None and b.variants[i].config.get("sm_count") == str(sm_count):
+        sku = sku_for(b, sm_count)
+        for i, v in enumerate(b.variants):
+            if v.holds(values) and (sku is None or not variant_skus(v) or sku in variant_skus(v)):
                 return i
-        if serving:
-            return serving[0]
         sizes = ", ".join(f"{r}={v}" for r, v in values.items())
-        raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): no kernel variant in the artifact serves {sizes}",
+        on = "" if sku is None else f" built for {sku} SMs"
+        raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): no kernel variant{on} in the artifact serves {sizes}",
                                 hint="recompile the artifact without restricting its size buckets")
 
     def glue(self, plan: Plan, arch: str, variant: int = -1) -> HostGlue:
@@ -590,6 +590,28 @@ class Module:
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+def variant_skus(v) -> tuple[int, ...]:
+    """The SM counts (GPU SKUs) a variant was built for: its config "sm_count" ("132,114"); () if none."""
+    return tuple(int(n) for n in v.config.get("sm_count", "").split(",") if n.strip().isdigit())
+
+
+def sku_for(binary, sm_count: int | None) -> int | None:
+    """Which of the SKUs a size-bucketed binary was built for (`kspec compile --sm-count`) serves a
+    device with `sm_count` SMs: that count when it was built, else the largest built below it (its
+    persistent grid then fills at most the device, leaving SMs idle rather than queueing a second
+    wave), else the smallest built; with no device count, the first built.  Every SKU's kernels
+    compute the same function: the choice is speed only.  None: its variants record no SM count."""
+    built = tuple(dict.fromkeys(n for v in binary.variants for n in variant_skus(v)))
+    if not built:
+        return None
+    if sm_count is None:
+        return built[0]
+    if sm_count in built:
+        return sm_count
+    below = [n for n in built if n < sm_count]
+    return max(below) if below else min(built)
+
 
 def _param_offsets(binary, what: str) -> tuple[int, ...] | None:
     """Per-parameter offsets of a multi-parameter kernel (CuTe DSL: Binary.config["param_offsets"]),
