@@ -126,7 +126,7 @@ def test_head_dim_rule_matches_fa4():
 
 
 def test_size_buckets_cover_every_length():
-    sel = A.boxes([[1, 2, 64], [65, 128, 129], [200, 4096]])
+    sel = A.boxes([[(s, 8) for s in ls] for ls in ([1, 2, 64], [65, 128, 129], [200, 4096])])   # one B*H: S only
     assert sel == [[{"S": [0, 64]}], [{"S": [65, 199]}], [{"S": [200, None]}]]
 
 
