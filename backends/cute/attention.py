@@ -633,8 +633,14 @@ def sweep_batch_heads(group: int, sm_count: int) -> list[int]:
 
 def sweep_points(desc: AttnDesc) -> list[tuple[int, int, int]]:
     """The (S, B, HK) sizes at which FA4 is asked for its kernel: every swept query length with every
-    swept B * HK (as B sequences of one K/V head: FA4 reads B and HK only through their product)."""
-    return [(s, x, 1) for s in sweep_lengths(desc.group) for x in sweep_batch_heads(desc.group, desc.sm_count)]
+    swept B * HK.  FA4's choice reads B and HK only through their product, so it is realized as K/V
+    heads of one sequence: FA4 gives packed (varlen) batches of more than 256 sequences a host-built
+    batch lookup (BIN_BATCH_SEARCH_THRESH) that kspec's kernels do without.  MQA has one K/V head:
+    there the product is B, kept to 256 sequences when packed."""
+    xs = sweep_batch_heads(desc.group, desc.sm_count)
+    if not desc.kv_shared:
+        return [(s, 1, x) for s in sweep_lengths(desc.group) for x in xs]
+    return [(s, x, 1) for s in sweep_lengths(desc.group) for x in xs if x <= 256 or not desc.cu_seqlens_q]
 
 
 class _Captured(Exception):
