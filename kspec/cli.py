@@ -247,9 +247,10 @@ def cmd_compile(args) -> int:
     from kspec.compile import Progress, compile_spec, emit_spec, write_emitted
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
+    sm_counts = parse_sm_counts(args.sm_count, archs)
     if args.emit_only:
         emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
-                            tuned=_tuned(args))
+                            tuned=_tuned(args), sm_counts=sm_counts)
         if args.output is None and args.print:
             for plist in emitted.plans.values():
                 for ep in plist:
@@ -264,7 +265,6 @@ def cmd_compile(args) -> int:
     from kspec.backends.build import CompileCache
     cache = CompileCache()
     tuned = _tuned(args)
-    sm_counts = parse_sm_counts(args.sm_count, archs)
     emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict,
                         tuned=tuned, sm_counts=sm_counts)
     for sched in emitted.schedules:

@@ -233,3 +233,17 @@ def test_two_skus_two_batch_sizes_through_the_fake_driver(softcap_two_skus):
             assert vs.config["2cta"] == "true" and rs.cluster[0] == 2
             assert vl.config["2cta"] == "false" and rl.cluster[0] == 1
             assert rl.grid[0] == sku                       # persistent: one CTA per SM of the SKU built for
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_inspect_lists_each_variant_with_its_skus(softcap_two_skus):
+    from kspec.inspect_artifact import inspect_artifact
+    try:
+        text = inspect_artifact(softcap_two_skus)
+    except KspecError as e:
+        pytest.skip(f"no inspect tools: {e.message}")
+    lines = [line for line in text.splitlines() if line.lstrip().startswith("variant ")]
+    assert [line.split(" for ")[0].strip() for line in lines] == [
+        "variant 0 on 148 SMs", "variant 1 on 148 SMs", "variant 2 on 120 SMs", "variant 3 on 120 SMs"]
+    assert "S 0..128, B 1..1, H 1..74 or" in lines[0] and "S 0..128, B 1..1, H 1..60 or" in lines[2]
