@@ -8,17 +8,19 @@ time through kspec's own export path, with no TVM-FFI and no NVIDIA runtime libr
 
 **How a kernel is built.**  FA4 chooses its kernel configuration (tile, q_stage, pack-GQA, 2-CTA,
 persistent scheduler, S ping-pong, ...) in `flash_attn.cute.interface._flash_attn_fwd` from the
-shapes, the arch and the SM count.  kspec runs that function on torch FakeTensors (no device) for a
-sweep of representative query lengths, with `cute.compile` intercepted: each distinct kernel object
-FA4 constructs is one *variant*.  kspec then traces its own `kspec_entry` (entry_source), which calls
+shapes, the arch and the SM count.  kspec runs that function (no device) over a sweep of query lengths
+x batch-heads products per SKU (sweep_points: meta-tensor probes of FA4's compile key, then torch
+FakeTensors once per key), with `cute.compile` intercepted: each distinct kernel object FA4 constructs
+is one *variant*.  kspec then traces its own `kspec_entry` (entry_source), which calls
 the FA4 kernel object with plain `make_fake_tensor` arguments, compiles it with `cute.compile` WITHOUT
 `--enable-tvm-ffi`, exports it with `export_to_c` and links it with kspec's capture shim and host
 glue (build.capture_glue) into a `.so` that needs libc only; the runtime launches the cubin itself.
 
-**Variants.**  Each variant records the query-length range it serves (its `select` box over the
-ABI's dims) and the SKU SM count FA4 baked into its launcher (the persistent grid); the runtime picks
-the variant whose box holds the call's sizes.  Every variant computes the same function for every
-shape (the heuristics choose speed, not semantics).
+**Variants.**  Each variant records the sizes it serves (its `select` boxes over the ABI's dims S,
+B and H) and the SKU SM counts it was built for (FA4 bakes the count into its persistent launcher's
+grid; a kernel whose trace never asks it is compiled once for every SKU); the runtime picks the SKU
+(kspec.runtime.module.sku_for), then the variant whose box holds the call's sizes.  Every variant
+computes the same function for every shape (the heuristics choose speed, not semantics).
 
 **Layouts.**  kspec's tensors are row-major [B, H, S, D]; FA4 takes (b, s, h, d) with any strides, so
 Q/K/V/O are passed as strided views and nothing is copied.  LSE is [B, H, S] f32, FA4's layout.
