@@ -170,16 +170,49 @@ def test_varlen_masks_are_flashattention_4_native(mask, native):
         assert "mCuSeqlensQ=mCQ" in src_text and "mCuSeqlensK=mCK" in src_text
 
 
-def test_varlen_with_a_generated_mod_is_declined_with_the_reason():
-    pytest.importorskip("flash_attn")
-    from kspec.backends.cute import attention as A
-    src = HEAD.replace("kernel k {", "kernel k {\n  in  slope : f32[H]") + DECLS + """  s[b, h, i, j] : f32 = scale * sum(e) Q[b, i, h, e] * K[b, j, h, e]
-  m[b, h, i, j] = s[b, h, i, j] + slope[h] * f32(j - i)
+ALIBI_VARLEN = HEAD.replace("kernel k {", "kernel k {\n  in  slope : f32[H]") + DECLS + """  s[b, h, i, j] : f32 = scale * sum(e) Q[b, i, h, e] * K[b, j, h, e]
+  m[b, h, i, j] = where(j <= i + (T - S), s[b, h, i, j] + slope[h] * f32(j - i), -inf)
   p[b, h, i, j] = softmax(j) m[b, h, i, j]
   O[b, i, h, e] = sum(j) p[b, h, i, j] * V[b, j, h, e]
 }"""
-    (p,) = plan_kernel(load_spec(src, is_text=True).kernels[0]).plans
-    assert "generated score_mod or mask_mod" in A.unsupported(p.ir, "sm90a")
+
+
+def test_varlen_score_mods_see_per_sequence_positions():
+    """ALiBi over packed sequences: a generated score_mod over FA4's per-sequence q_idx/kv_idx, the
+    causal mask FA4's own; its numpy twin (the very source) matches float64 written here."""
+    pytest.importorskip("flash_attn")
+    import numpy as np
+    from kspec.backends.cute import attention as A
+    from kspec.backends.cute import attnmods
+    (p,) = plan_kernel(load_spec(ALIBI_VARLEN, is_text=True).kernels[0]).plans
+    assert A.unsupported(p.ir, "sm90a") is None and A.unsupported(p.ir, "sm100a") is None
+    desc = A.lower(p.ir, "sm100a")[0]
+    assert desc.mods.causal and desc.mods.score_mod is not None and desc.mods.mask_mod is None
+    rng = np.random.default_rng(1)
+    S, T, H = 5, 9, 3
+    slope = rng.standard_normal(H).astype(np.float32)
+    score = rng.standard_normal((H, S, T))
+    h, i, j = np.meshgrid(np.arange(H), np.arange(S), np.arange(T), indexing="ij")
+    got, keep = attnmods.run_numpy(desc.mods, score=score, b=np.zeros_like(h), h=h, i=i, j=j, S=S, T=T,
+                                   aux=(slope,))
+    np.testing.assert_allclose(got, score + slope[h].astype(np.float64) * (j - i), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(keep, j <= i + (T - S))      # each sequence's own S and T
+
+
+def test_varlen_mod_reading_a_tensor_by_position_is_declined_with_the_reason():
+    pytest.importorskip("flash_attn")
+    from kspec.backends.cute import attention as A
+    src = HEAD.replace("kernel k {", "kernel k {\n  in  bias : f32[H, S, T]") + DECLS + """  s[b, h, i, j] : f32 = scale * sum(e) Q[b, i, h, e] * K[b, j, h, e]
+  m[b, h, i, j] = s[b, h, i, j] + bias[h, i, j]
+  p[b, h, i, j] = softmax(j) m[b, h, i, j]
+  O[b, i, h, e] = sum(j) p[b, h, i, j] * V[b, j, h, e]
+}"""
+    try:
+        k = load_spec(src, is_text=True).kernels[0]
+    except KspecError:
+        return                            # the checker refuses it already: nothing reaches a backend
+    (p,) = plan_kernel(k).plans
+    assert "not by query/key position" in A.unsupported(p.ir, "sm90a")
 
 
 def test_varlen_with_grouped_kv_heads_lowers_to_fa4():

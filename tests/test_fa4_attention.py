@@ -699,3 +699,22 @@ def test_flashattention_layout_bshd_fuses_and_launches_with_its_strides(tmp_path
     canonical = A.lower(_ir(), "sm90a")[0]          # [b, h, s, e]: as before storage orders existed
     modes = {name: (shape, strides) for name, _i, _dt, shape, strides in A._tensors(canonical)}
     assert modes["mQ"] == (("B", "S", "H"), (("H", "S", "128"), ("128",), ("S", "128")))
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_alibi_compiles_offline_with_a_generated_score_mod(arch):
+    """Packed sequences with ALiBi (a generated score_mod over per-sequence positions) and FA4's
+    own causal mask: one kernel with tensor-core SASS."""
+    sys.path.insert(0, str(SPECS.parent / "tests"))
+    from test_attention_varlen import ALIBI_VARLEN
+    (p,) = plan_kernel(load_spec(ALIBI_VARLEN, is_text=True).kernels[0]).plans
+    desc, names, _dims, _scalars = A.lower(p.ir, arch)
+    assert desc.cu_seqlens_q and desc.mods.causal and desc.mods.score_mod
+    built = A.build(desc, test_cache_root(), lengths=[4096])
+    (v,) = built.variants
+    sass = cubin_sass(v.cubin)
+    if sass is not None:
+        assert (" HGMMA" if arch == "sm90a" else " UTCHMMA") in sass
+    assert "slope" not in A.entry_source(desc)               # names mapped

@@ -230,11 +230,20 @@ def _varlen_unsupported(ir, a) -> str | None:
                                 (a.query, a.key, a.key, a.query)):
         if ir.buffer(name).packed is not None and tuple(order[:2]) != (a.batch[0], seq):
             return f"the packed {name} must be stored [batch, sequence, ...]"
-    view, roles = _fa4_view(ir, a, dict(a.dims)["S"])
-    mods = attnmods.analyse(view, roles)
-    if mods.score_mod is not None or mods.mask_mod is not None:
-        return ("over packed sequences only FlashAttention-4's own masks (causal, sliding window, each sequence's "
-                "own lengths) are lowered, not a generated score_mod or mask_mod")
+    # Generated mods see per-sequence positions: FA4 hands score_mod/mask_mod each sequence's own
+    # q_idx/kv_idx (tile coordinates of the sequence) and seqlen_info with its own lengths (4.0.0b36
+    # softmax.apply_score_mod_inner, mask.py, and the per-sequence fastdiv recompute in
+    # flash_fwd_sm90/sm100), which is what i, j, S and T mean over packed sequences.  A tensor the
+    # mods read at query/key positions would be a dense [.., S, T] array whose extents are not each
+    # sequence's: refused.
+    from kspec.compiler.kir import AuxLoad, Index
+    view, _roles = _fa4_view(ir, a, dict(a.dims)["S"])
+    for e in (view.mask, view.score_mod):
+        for x in (_nodes(e) if e is not None else ()):
+            if isinstance(x, AuxLoad) and any(isinstance(y, Index) and y.label in (a.query, a.key)
+                                              for sub in x.index for y in _nodes(sub)):
+                return (f"over packed sequences the mods may read tensors by batch and head, not by query/key "
+                        f"position ({x.buffer} is read at a position)")
     return None
 
 
