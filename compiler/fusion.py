@@ -254,7 +254,8 @@ def attention_lse(g: nx.DiGraph, sm, sp):
     if co.reduced != (o.fn,) or [l for _, l in operands(g, c)] != [labels]:
         return None, (f"the logsumexp reduces over {', '.join(co.reduced)}, not over the softmax's {o.fn} at the "
                       "same points")
-    want = tuple(op(g, sp.qk).axes[:-1])
+    want = tuple(o.axes[:-1])                # the attention's [batch.., query] (the QK contraction may
+    #                                          hold them in Q's storage order)
     if co.axes != want or len(outs) != 1 or op(g, outs[0]).kind != "output" or op(g, outs[0]).dtype != "f32":
         return None, (f"the log-sum-exp it can write is an f32 output [{', '.join(want)}] stored as computed "
                       "(not converted, not used further)")

@@ -718,3 +718,13 @@ def test_varlen_alibi_compiles_offline_with_a_generated_score_mod(arch):
     if sass is not None:
         assert (" HGMMA" if arch == "sm90a" else " UTCHMMA") in sass
     assert "slope" not in A.entry_source(desc)               # names mapped
+
+
+def test_bshd_attention_with_a_log_sum_exp_output_is_one_kernel():
+    src = BSHD.replace("out O : f16[B, S, H, 64]", "out O : f16[B, S, H, 64]\n  out L : f32[B, H, S]").replace(
+        "  p[b, h, i, j] = softmax(j)", "  L[b, h, i] = logsumexp(j) s[b, h, i, j]\n  p[b, h, i, j] = softmax(j)")
+    (p,) = plan_kernel(load_spec(src, is_text=True).kernels[0]).plans
+    assert p.ir.kind == "attention" and p.ir.attention.lse == "L"
+    assert A.unsupported(p.ir, "sm100a") is None
+    modes = {name: (shape, strides) for name, _i, _dt, shape, strides in A._tensors(A.lower(p.ir, "sm100a")[0])}
+    assert modes["mLSE"] == (("B", "H", "S"), (("H", "S"), ("S",)))
