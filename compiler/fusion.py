@@ -204,7 +204,11 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                              None if kv_batch == tuple(batch) else kv_batch, mods, k_group, k_heads, uk, uv,
                              *((paged["K"][1], paged["K"][2]) if paged is not None else (None, None)), orders)
         if lse is not None:
-            info = replace(info, lse=lse)
+            # the log-sum-exp's storage order joins the orders when it or they are not canonical
+            lse_order = tuple(op(g, lse).axes)
+            if orders or lse_order != (*batch, query):
+                orders = (*(orders or canonical), lse_order)
+            info = replace(info, lse=lse, orders=orders)
         nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes, *([lse] if lse is not None else [])}
         # the output cast after PV belongs to the kernel too
         for c in _consumers(g, pv):
@@ -256,9 +260,10 @@ def attention_lse(g: nx.DiGraph, sm, sp):
                       "same points")
     want = tuple(o.axes[:-1])                # the attention's [batch.., query] (the QK contraction may
     #                                          hold them in Q's storage order)
-    if co.axes != want or len(outs) != 1 or op(g, outs[0]).kind != "output" or op(g, outs[0]).dtype != "f32":
-        return None, (f"the log-sum-exp it can write is an f32 output [{', '.join(want)}] stored as computed "
-                      "(not converted, not used further)")
+    if set(co.axes) != set(want) or len(co.axes) != len(want) or len(outs) != 1 or \
+            op(g, outs[0]).kind != "output" or op(g, outs[0]).dtype != "f32":
+        return None, (f"the log-sum-exp it can write is an f32 output over [{', '.join(want)}] (any order) stored "
+                      "as computed (not converted, not used further)")
     return c, None
 
 

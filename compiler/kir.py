@@ -343,7 +343,8 @@ class AttentionStructure:
     # Storage order of Q, K, V and O: each buffer's axes named by the attention's labels (K/V's head
     # axis by the query head label, read at h // kv_group under GQA); () means the canonical
     # [batch.., seq, head].  FlashAttention's own layout [b, s, h, e] is ((b, i, h, e), (b, j, h, e), ..).
-    # A packed buffer (IRBuffer.packed) stores its first two axes (batch, seq) as one row axis.
+    # A packed buffer (IRBuffer.packed) stores its first two axes (batch, seq) as one row axis.  With
+    # an `lse` output, a fifth entry is its [batch.., query] order.
     orders: tuple[tuple[str, ...], ...] = ()
 
     @property
@@ -621,9 +622,11 @@ def verify(ir: KernelIR) -> KernelIR:
         if a.orders:
             want = [(*a.batch, a.query, a.head), (*(x for x in a.orders[1] if x not in (a.key, a.head)), a.key, a.head)]
             want += [want[1], want[0]]
-            if len(a.orders) != 4 or any(len(o) != len(w) or set(o) != set(w) or o[-1] != a.head
-                                         for o, w in zip(a.orders, want)):
+            if len(a.orders) != 4 + (a.lse is not None) or any(len(o) != len(w) or set(o) != set(w) or o[-1] != a.head
+                                                                for o, w in zip(a.orders, want)):
                 bad(f"attention storage orders {a.orders} are not [batch.., seq, head] permutations, head last")
+            if a.lse is not None and (len(a.orders[4]) != len(a.batch) + 1 or set(a.orders[4]) != {*a.batch, a.query}):
+                bad(f"attention storage order of the log-sum-exp {a.orders[4]} is not a [batch.., query] permutation")
             for name, o in zip((a.q_buffer, a.k_buffer, a.v_buffer), a.orders):
                 if name in bufs and a.page_table is None and len(bufs[name].shape) != len(o):
                     bad(f"attention storage order of {name} has {len(o)} axes, the buffer {len(bufs[name].shape)}")
@@ -694,7 +697,8 @@ def format_ir(ir: KernelIR) -> str:
             lines.append(f"    keys used: {a.key} < {a.kv_len}[{a.batch[0]}]")
         if a.orders:
             lines.append("    storage: " + ", ".join(f"{n}[{', '.join(o)}]" for n, o in
-                                                   zip((a.q_buffer, a.k_buffer, a.v_buffer, a.out_buffers[0]), a.orders)))
+                                                   zip((a.q_buffer, a.k_buffer, a.v_buffer, a.out_buffers[0],
+                                                        a.lse), a.orders)))
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "

@@ -728,3 +728,76 @@ def test_bshd_attention_with_a_log_sum_exp_output_is_one_kernel():
     assert A.unsupported(p.ir, "sm100a") is None
     modes = {name: (shape, strides) for name, _i, _dt, shape, strides in A._tensors(A.lower(p.ir, "sm100a")[0])}
     assert modes["mLSE"] == (("B", "H", "S"), (("H", "S"), ("S",)))
+
+
+VARLEN_LSE = (SPECS / "attention_varlen.kspec").read_text().replace(
+    "  out O : bf16[B, S, H, 128] packed(cu_q)",
+    "  out O : bf16[B, S, H, 128] packed(cu_q)\n  out L : f32[B, S, H] packed(cu_q)").replace(
+    "  p[b, h, i, j] = softmax(j) m[b, h, i, j]",
+    "  L[b, i, h] = logsumexp(j) m[b, h, i, j]\n  p[b, h, i, j] = softmax(j) m[b, h, i, j]")
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_varlen_log_sum_exp_is_written_by_the_fa4_varlen_kernel(tmp_path):
+    """L packed like the queries ([rows, H]) is FA4's varlen LSE ([H, rows] modes, strides (1, H))."""
+    import kspec
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    (p,) = plan_kernel(load_spec(VARLEN_LSE, is_text=True).kernels[0]).plans
+    assert p.ir.attention.lse == "L" and p.ir.attention.orders[4] == ("b", "i", "h")
+    desc = A.lower(p.ir, "sm90a")[0]
+    modes = {name: (shape, strides) for name, _i, _dt, shape, strides in A._tensors(desc)}
+    assert modes["mLSE"] == (("H", "S"), (("1",), ("H",)))
+    spec = tmp_path / "varlen_lse.kspec"
+    spec.write_text(VARLEN_LSE)
+    art = compile_spec(spec, ARCHS, tmp_path / "out", cache=CompileCache(test_cache_root()))
+    mod = kspec.load(art)
+    outs = {t.name: (t.shape, t.packed) for t in mod.attention_varlen.entry.outputs}
+    assert outs["L"] == (("cu_q_rows", "H"), "cu_q")
+    for arch, cc in (("sm90a", (9, 0)), ("sm100a", (10, 0))):
+        with FakeDriver(cc, sm_count=compat.OFFLINE_SM_COUNT[arch]) as fake:
+            for sizes in ({"B": 3, "H": 4}, {"B": 2, "H": 2, "cu_q_rows": 1000, "cu_k_rows": 1000}):
+                call = fake_call(mod, "attention_varlen", sizes, fake)
+                problems = [p for p in check_call(call, arch, mod)
+                            if not (arch == "sm100a" and "static shared memory exceed" in p)]
+                assert problems == [], f"{arch} {sizes}:\n" + "\n".join(problems)
+
+
+@needs_fa4
+@pytest.mark.gpu
+def test_fa4_varlen_lse_on_gpu_matches_float64(tmp_path):
+    import ml_dtypes
+
+    import kspec
+    from kspec.compile import compile_spec
+    from kspec.runtime import from_device
+    from test_gpu_specs import _device_arch
+    arch = _device_arch()                  # skips without a device
+    spec = tmp_path / "varlen_lse.kspec"
+    spec.write_text(VARLEN_LSE)
+    mod = kspec.load(compile_spec(spec, (arch,), tmp_path / "out"))
+    rng = np.random.default_rng(6)
+    lq, lk, H, d = [200, 3, 700], [200, 0, 900], 2, 128
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], H, d)).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((cu_k[-1], H, d)).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((cu_k[-1], H, d)).astype(ml_dtypes.bfloat16)
+    kern = mod.attention_varlen
+    out = kern(**kern.to_device(cu_q=cu_q, cu_k=cu_k, Q=q, K=k, V=v), scale=0.125)
+    L = from_device(out["L"]).astype(np.float64)
+    for b, (S, T) in enumerate(zip(lq, lk)):
+        s = np.einsum("ihd,jhd->hij", q[cu_q[b]:cu_q[b + 1]].astype(np.float64),
+                      k[cu_k[b]:cu_k[b + 1]].astype(np.float64)) * 0.125
+        i, j = np.arange(S)[:, None], np.arange(T)[None, :]
+        s = np.where(j <= i + (T - S), s, -np.inf)
+        m = s.max(-1, initial=-np.inf)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            want = np.where(np.isfinite(m), m + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)[..., None]).sum(-1)),
+                            -np.inf).T                                      # [S, H]
+        got = L[cu_q[b]:cu_q[b + 1]]
+        assert np.array_equal(np.isneginf(got), np.isneginf(want)), b       # rows with no key: -inf
+        fin = np.isfinite(want)
+        assert np.abs(got[fin] - want[fin]).max(initial=0) < 2e-2, b

@@ -221,8 +221,8 @@ def _varlen_unsupported(ir, a) -> str | None:
     for cu in (cu_q, cu_k):
         if cu is not None and ir.buffer(cu).dtype != "i32":
             return f"FlashAttention-4 takes cumulative sequence offsets as i32, not {ir.buffer(cu).dtype}"
-    if a.lse is not None and cu_q is not None:
-        return "a log-sum-exp output over packed queries (FlashAttention-4 stores it as [heads, rows])"
+    if a.lse is not None and cu_q is not None and ir.buffer(a.lse).packed != cu_q:
+        return f"the log-sum-exp over packed queries must be packed by {cu_q} too ([B, S, H] packed({cu_q}))"
     if a.kv_len is not None or a.page_table is not None:
         return "packed sequences together with per-sequence key counts or a paged KV cache"
     orders = _orders(a)
@@ -230,6 +230,8 @@ def _varlen_unsupported(ir, a) -> str | None:
                                 (a.query, a.key, a.key, a.query)):
         if ir.buffer(name).packed is not None and tuple(order[:2]) != (a.batch[0], seq):
             return f"the packed {name} must be stored [batch, sequence, ...]"
+    if a.lse is not None and cu_q is not None and tuple(orders[4][:2]) != (a.batch[0], a.query):
+        return f"the packed log-sum-exp {a.lse} must be stored [batch, sequence, heads]"
     # Generated mods see per-sequence positions: FA4 hands score_mod/mask_mod each sequence's own
     # q_idx/kv_idx (tile coordinates of the sequence) and seqlen_info with its own lengths (4.0.0b36
     # softmax.apply_score_mod_inner, mask.py, and the per-sequence fastdiv recompute in
@@ -501,6 +503,18 @@ def _modes(desc: AttnDesc, k: int, head: int) -> tuple[tuple[str, ...], tuple[tu
     return modes, tuple(stride(r) for r in modes)
 
 
+def _lse_modes(desc: AttnDesc) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """FA4's LSE modes, (b, h, s) or (h, rows) when the queries are packed, with their strides from
+    the LSE's storage order.  The canonical [B, H, S] gives strides for all but the last mode (which
+    is contiguous, a static 1); any other order gives every mode's stride."""
+    order = desc.layouts[4] if len(desc.layouts) > 4 else ("B", "H", "S")
+    modes = ("H", "S") if desc.cu_seqlens_q else ("B", "H", "S")
+    if order == modes:
+        return modes, tuple(tuple(order[k + 1:]) for k in range(len(order) - 1))
+    # a mode the LSE lacks (no batch axis) has extent 1: the outermost axis's stride does
+    return modes, tuple(tuple(order[(order.index(r) if r in order else 0) + 1:]) or ("1",) for r in modes)
+
+
 def _tensors(desc: AttnDesc):
     """(name in the entry, ptr index, dtype, shape roles, stride factors, static last stride, align)."""
     d, dv = desc.head_dim, desc.head_dim_v
@@ -514,7 +528,7 @@ def _tensors(desc: AttnDesc):
     out = [("mQ", 0, desc.dtype, *_modes(desc, 0, d)), k, v, ("mO", 3, desc.dtype, *_modes(desc, 3, dv))]
     i = 4
     if desc.lse:
-        out.append(("mLSE", i, "f32", ("B", "H", "S"), (("H", "S"), ("S",))))
+        out.append(("mLSE", i, "f32", *_lse_modes(desc)))
         i += 1
     for k, a in enumerate(desc.aux):
         strides = tuple(tuple(a.shape[j + 1:]) for j in range(len(a.shape) - 1))
@@ -944,7 +958,9 @@ def _fake_args(desc: AttnDesc):
             shp.append(syms[r])
         if name in ("mQ", "mK", "mV", "mO"):
             shp.append(desc.head_dim_v if name in ("mV", "mO") else desc.head_dim)
-        stride = tuple(cute.sym_int64(divisibility=div) for _ in strides) + (1,)
+        # every mode's stride given (an LSE not stored [B, H, S]): all dynamic; else the last is 1
+        stride = tuple(cute.sym_int64(divisibility=div) for _ in strides) + (() if len(strides) == len(shp)
+                                                                             else (1,))
         out.append(make_fake_tensor(dsl_type(dt), tuple(shp), stride=stride,
                                     assumed_align=16 if div > 1 else el))
     for _n, t in _values(desc):
