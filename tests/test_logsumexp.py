@@ -174,7 +174,7 @@ def test_logsumexp_of_the_softmax_operand_joins_the_attention():
 
 @pytest.mark.parametrize("ldt, lse_of, note", [
     ("f32", "s", "the score matrix (s) is used elsewhere"),          # the unmasked scores
-    ("bf16", "m", "log-sum-exp not fused: the log-sum-exp it can write is an f32 output [b, h, i]"),
+    ("bf16", "m", "log-sum-exp not fused: the log-sum-exp it can write is an f32 output over [b, h, i]"),
 ])
 def test_logsumexp_of_anything_else_stays_a_kernel_of_its_own_and_runs(ldt, lse_of, note):
     src = ATTN.format(ldt=ldt, lse_of=lse_of)
