@@ -375,6 +375,11 @@ def lower(ir, arch: str, sm_count: int | None = None):
                 roles[r] = v
                 dim_roles.append(r)
                 paged[r] = r
+    cu_q, cu_k = _packing(ir, a)
+    if cu_q is not None:                 # packed: FA4's S and T are the row counts of the packed arrays
+        roles["S"] = packed_rows_symbol(cu_q)
+    if cu_k is not None:
+        roles["T"] = packed_rows_symbol(cu_k)
     sym_role = {v: r for r, v in roles.items() if isinstance(v, str)}
 
     def role_of(ext) -> str:
@@ -387,12 +392,6 @@ def lower(ir, arch: str, sm_count: int | None = None):
             dim_roles.append(r)
         return sym_role[ext]
 
-    cu_q, cu_k = _packing(ir, a)
-    if cu_q is not None:                 # packed: FA4's S and T are the row counts of the packed arrays
-        roles["S"] = packed_rows_symbol(cu_q)
-    if cu_k is not None:
-        roles["T"] = packed_rows_symbol(cu_k)
-    sym_role.update({v: r for r, v in roles.items() if r in ("S", "T") and isinstance(v, str)})
     view, mod_roles = _fa4_view(ir, a, roles["S"])
     aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in view.aux)
     scalars: dict[str, object] = {}
@@ -771,7 +770,9 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                 calls.clear()
                 fa = None
                 with _sweep_mode(interface, keys, fake):
-                    q = torch.empty(batch, s, h, desc.head_dim, dtype=tdt, device="cuda")
+                    # packed: s query rows in all (and as many key rows), split into `batch` sequences
+                    q_rows = (s,) if desc.cu_seqlens_q else (batch, s)
+                    q = torch.empty(*q_rows, h, desc.head_dim, dtype=tdt, device="cuda")
                     kv_rows = (batch, max(s, 1))
                     paged = {}
                     if desc.page_table:
@@ -783,8 +784,7 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                         paged["page_table"] = torch.empty(batch, pages, dtype=torch.int32, device="cuda")
                     if desc.seqused_k:
                         paged["seqused_k"] = torch.empty(batch, dtype=torch.int32, device="cuda")
-                    if desc.cu_seqlens_q:        # packed: s query rows in all, split into `batch` sequences
-                        q = torch.empty(s, h, desc.head_dim, dtype=tdt, device="cuda")
+                    if desc.cu_seqlens_q:
                         paged["cu_seqlens_q"] = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
                     if desc.cu_seqlens_k:
                         kv_rows = (max(s, 1),)

@@ -654,8 +654,8 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
     for a in args:
         # a ragged TMA view of a packed tensor (QuACK's create_ragged_tensor_for_tma with ptr_shift,
         # which FlashAttention-4 uses for varlen O) starts RAGGED_ROWS rows before the data
-        shifted = {a.ptr - RAGGED_ROWS * st * dtypes.itemsize(a.dtype) for st in a.strides[:1]}
-        if a.ptr not in words and a.ptr not in mapped and not (shifted & (words | mapped)):
+        shifted = a.ptr - RAGGED_ROWS * a.strides[0] * dtypes.itemsize(a.dtype) if a.strides else None
+        if a.ptr not in words and a.ptr not in mapped and shifted not in words and shifted not in mapped:
             out.append(f"{what}: the pointer of '{a.name}' (0x{a.ptr:x}) is neither in the parameter blob nor "
                        "behind a TMA descriptor")
     for index, offset in placed.items():
