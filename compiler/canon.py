@@ -250,45 +250,83 @@ def _next_id(g: nx.DiGraph) -> int:
     return max((int(str(n)[1:]) for n in g.nodes if str(n)[1:].isdigit()), default=-1) + 1
 
 
+# The predicates below follow a value back through its operands.  They walk iteratively (a chain
+# of 10,000 statements is 10,000 nodes deep) and give up, answering False, after this many nodes:
+# index and scalar expressions are a handful of ops; a deeper value is treated as a computed one.
+WALK_LIMIT = 256
+
+
+def _walk_all(g: nx.DiGraph, n, judge, memo: dict | None = None) -> bool:
+    """True when judge(x) holds for n and every node reached from n backwards through the nodes
+    judge answers "more" for: judge returns True (this node is fine, stop), False (fails), or None
+    (fine if all its operands are).  memo: answers of earlier calls on the same, unchanged graph."""
+    if memo is not None and n in memo:
+        return memo[n]
+    stack, seen, ok = [n], {n}, True
+    while stack:
+        x = stack.pop()
+        verdict = judge(x)
+        if verdict is True:
+            continue
+        if verdict is None and memo is not None and x in memo:
+            verdict = memo[x] or False
+            if verdict:
+                continue
+        if verdict is False or len(seen) > WALK_LIMIT:
+            ok = False
+            break
+        for u in g.predecessors(x):
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    if memo is not None:
+        memo[n] = ok
+    return ok
+
+
 def is_input_view(g: nx.DiGraph, n) -> bool:
     """n is a broadcast, or a cast of an input (or of another such view): a value any kernel can
     compute from an input while loading it, so it is never worth a kernel or a buffer of its own."""
-    o = op(g, n)
-    if o.kind == "broadcast":
-        return True
-    if o.kind != "cast":
-        return False
-    (src, _), = operands(g, n)
-    so = op(g, src)
-    return so.kind == "input" or is_input_view(g, src)
+    for _ in range(WALK_LIMIT):
+        o = op(g, n)
+        if o.kind == "broadcast":
+            return True
+        if o.kind != "cast":
+            return False
+        (n, _), = operands(g, n)
+        if op(g, n).kind == "input":
+            return True
+    return False
 
 
-def is_scalar_value(g: nx.DiGraph, n) -> bool:
+def is_scalar_value(g: nx.DiGraph, n, memo: dict | None = None) -> bool:
     """n is a constant or an op without axes computed only from params and constants: every kernel
     that needs it evaluates it itself."""
-    o = op(g, n)
-    if o.kind in ("const", "size"):
-        return True
-    return o.kind in ("elementwise", "cast") and not o.axes and \
-        all(op(g, u).kind == "param" or is_scalar_value(g, u) for u in g.predecessors(n))
+    def judge(x):
+        o = op(g, x)
+        if o.kind in ("const", "size") or (x != n and o.kind == "param"):
+            return True
+        return None if o.kind in ("elementwise", "cast") and not o.axes else False
+    return _walk_all(g, n, judge, memo)
 
 
-def is_index_expr(g: nx.DiGraph, n) -> bool:
+def is_index_expr(g: nx.DiGraph, n, memo: dict | None = None) -> bool:
     """n is computed from index values, sizes, params and constants alone (`j <= i + (T - S)`,
     `h / G`, `f32(j - i)`)."""
-    o = op(g, n)
-    if o.kind in GENERATED_KINDS:
-        return True
-    return o.kind in ("elementwise", "cast", "broadcast") and o.fn != "copy" and \
-        all(op(g, u).kind == "param" or is_index_expr(g, u) for u in g.predecessors(n))
+    def judge(x):
+        o = op(g, x)
+        if o.kind in GENERATED_KINDS or (x != n and o.kind == "param"):
+            return True
+        return None if o.kind in ("elementwise", "cast", "broadcast") and o.fn != "copy" else False
+    return _walk_all(g, n, judge, memo)
 
 
-def is_recomputed(g: nx.DiGraph, n) -> bool:
+def is_recomputed(g: nx.DiGraph, n, memo: dict | None = None) -> bool:
     """Index arithmetic and conditions (`j < Lk[b]`: dtype "bool") are computed by every kernel that
     reads them, from whatever they read: no condition ever goes through memory, and no index value
     ties two kernels together."""
     o = op(g, n)
-    return is_index_expr(g, n) or (o.dtype == "bool" and o.kind in ("elementwise", "broadcast"))
+    return is_index_expr(g, n, memo) or (o.dtype == "bool" and o.kind in ("elementwise", "broadcast"))
 
 
 def _split_per_consumer(g: nx.DiGraph, pick, budget: int | None = None) -> int:

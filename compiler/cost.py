@@ -122,13 +122,13 @@ def _source(g, u):
     return u
 
 
-def _read_sources(g, u) -> list:
+def _read_sources(g, u, memo: dict | None = None) -> list:
     """The values in memory a kernel reads for operand u: u itself, through broadcasts, or what the
-    index arithmetic and conditions it recomputes read."""
+    index arithmetic and conditions it recomputes read (memo: canon.is_recomputed's, graph unchanged)."""
     u = _source(g, u)
-    if not is_recomputed(g, u):
+    if not is_recomputed(g, u, memo):
         return [u]
-    return [x for w in g.predecessors(u) for x in _read_sources(g, w)]
+    return [x for w in g.predecessors(u) for x in _read_sources(g, w, memo)]
 
 
 def _loop_reads(sched: KernelSchedule, plan, sizes) -> dict[str, int]:
@@ -215,16 +215,17 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
     minimum = sum(_buffer_bytes(b, sizes) for b in sched.buffers.values() if b.kind in ("input", "output"))
     # unfused: every op (not a broadcast, constant or scalar-only expression) is one kernel
     n_kernels = ubytes = uflops = 0
+    memo: dict = {}
     for n in nx.topological_sort(g):
         o = op(g, n)
         if o.kind in ("input", "param", "const", "output", "broadcast") or not o.axes:
             continue
         uflops += _node_flops(g, n, sizes)
-        if is_recomputed(g, n):
+        if is_recomputed(g, n, memo):
             continue            # index arithmetic and conditions are computed by the kernel that reads them
         n_kernels += 1
         # each kernel reads each of its inputs once (x * x reads x once)
-        for node in {x: None for u, _ in operands(g, n) for x in _read_sources(g, u)}:
+        for node in {x: None for u, _ in operands(g, n) for x in _read_sources(g, u, memo)}:
             src = op(g, node)
             if src.kind in ("param", "const") or not src.axes:
                 continue

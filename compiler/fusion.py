@@ -20,7 +20,7 @@ from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_re
                         score_path)
 from .canon import GemmInfo, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
-from .groups import FusionResult, Group, _node_order, legal_group, same_point  # noqa: F401
+from .groups import FusionResult, Group, _node_order, legal_addition, legal_group, same_point  # noqa: F401
 from .kir import format_epi
 
 OPERATOR_KINDS = ("contraction", "elementwise", "broadcast", "reduction", "softmax", "cast", "gather", "const",
@@ -700,11 +700,21 @@ def _add_epilogue_loads(g: nx.DiGraph, res: FusionResult, group: set) -> None:
 
 def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
     """Group remaining elementwise/broadcast/cast nodes that share one iteration space."""
-    for n in nx.topological_sort(g):
+    scalar_memo: dict = {}
+    index_memo: dict = {}           # the graph does not change in this pass: answers stay valid
+    order = {x: i for i, x in enumerate(nx.topological_sort(g))}
+    bounds: dict[int, tuple[int, int]] = {}     # id(group) -> its first and last node in `order`
+
+    def span_of(grp: Group) -> tuple[int, int]:
+        if id(grp) not in bounds:
+            pos = [order[x] for x in grp.nodes]
+            bounds[id(grp)] = (min(pos), max(pos))
+        return bounds[id(grp)]
+    for n in order:
         o = op(g, n)
         if o.kind not in ("elementwise", "broadcast", "cast") or res.group_of(n):
             continue
-        if (is_scalar_value(g, n) or is_recomputed(g, n)) and \
+        if (is_scalar_value(g, n, scalar_memo) or is_recomputed(g, n, index_memo)) and \
                 not any(op(g, s).kind == "output" for s in g.successors(n)):
             continue        # evaluated by the kernel that reads it (attach_scalars)
         if _is_loaded_view(g, n):
@@ -720,15 +730,20 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
             # n joins its producers' groups; where it reads several (e.g. a chain and a broadcast
             # of an input), they become one kernel when that is legal
             if merged is None:
-                if legal_group(g, grp.nodes | {n}) is None:
+                lo, hi = span_of(grp)
+                if legal_addition(g, grp.nodes, {n}, order, (min(lo, order[n]), max(hi, order[n]))) is None:
                     merged = grp
             elif legal_group(g, merged.nodes | grp.nodes | {n}) is None:
                 merged.nodes |= grp.nodes
                 res.groups.remove(grp)
+                bounds.pop(id(grp), None)
+                bounds.pop(id(merged), None)
                 for i, other in enumerate(res.groups):
                     other.id = f"g{i}"      # ids stay unique for groups created later
         if merged is not None:
+            lo, hi = span_of(merged)
             merged.nodes.add(n)
+            bounds[id(merged)] = (min(lo, order[n]), max(hi, order[n]))
             merged.anchor = n
         else:
             res.groups.append(Group(f"g{len(res.groups)}", "elementwise", {n}, n))

@@ -49,14 +49,57 @@ def same_point(g: nx.DiGraph, u, labels: tuple[str, ...]) -> bool:
 
 def legal_group(g: nx.DiGraph, nodes: set) -> str | None:
     """None if `nodes` can run as one kernel, else why not: no path may leave the group and come
-    back (that would need another kernel in the middle of this one)."""
-    outside_desc: set = set()
-    for n in nodes:
-        for s in g.successors(n):
-            if s not in nodes:
-                outside_desc.add(s)
-                outside_desc |= nx.descendants(g, s)
-    back = outside_desc & nodes
-    if back:
+    back (that would need another kernel in the middle of this one).
+
+    Such a path runs through an outside node reachable from the group that reaches the group: it
+    is found both forwards from the group's outside successors and backwards from its outside
+    predecessors.  The two searches advance in turn and the first to finish answers, so a merge
+    costs the smaller of the two regions (a long chain grows one node at a time in linear time)."""
+    def search(step):
+        frontier = [x for n in nodes for x in step(n) if x not in nodes]
+        seen = set(frontier)
+        while frontier:
+            x = frontier.pop()
+            for y in step(x):
+                if y in nodes:
+                    yield True
+                    return
+                if y not in seen:
+                    seen.add(y)
+                    frontier.append(y)
+            yield None
+        yield False
+
+    forward, backward = search(g.successors), search(g.predecessors)
+    while True:
+        for s in (forward, backward):
+            found = next(s)
+            if found is True:
+                return "fusing would create a cycle between kernels"
+            if found is False:
+                return None
+
+
+def legal_addition(g: nx.DiGraph, base: set, added: set, order: dict, bounds: tuple[int, int]) -> str | None:
+    """legal_group(g, base | added) for a `base` that is already legal, in time that does not grow
+    with `base`: a path that leaves the union and comes back must start or end in `added` (one
+    from base to base would make base illegal), and it only passes nodes that lie, in the
+    topological `order`, between the union's first and last node (`bounds`, the union's)."""
+    lo, hi = bounds
+
+    def hits(start, step, inside) -> bool:
+        frontier = [x for n in added for x in step(n) if x not in base and x not in added and inside(x)]
+        seen = set(frontier)
+        while frontier:
+            x = frontier.pop()
+            for y in step(x):
+                if y in base or y in added:
+                    return True
+                if y not in seen and inside(y):
+                    seen.add(y)
+                    frontier.append(y)
+        return False
+
+    if hits(added, g.successors, lambda x: order[x] < hi) or hits(added, g.predecessors, lambda x: order[x] > lo):
         return "fusing would create a cycle between kernels"
     return None

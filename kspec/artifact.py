@@ -48,8 +48,10 @@ Layout of an artifact directory::
 
 Meaning of the fields
 - Names (kernels, tensors, params) are identifiers (`[A-Za-z_][A-Za-z0-9_]*`), unique within a
-  kernel across inputs, outputs, params and intermediates.  `stream` is reserved: it is the
-  runtime's stream keyword.  Kernel names are also not Python keywords, since they are attributes.
+  kernel across inputs, outputs, params and intermediates, and follow the rule the checker applies
+  to a spec (kspec.core.name_problem): at most NAME_MAX characters, no Python keyword, no leading
+  `__`; `stream`, `device` and `self` are reserved (the call's keywords), and kernel names are not
+  attributes of a loaded module (`path`, `kernels`, ...: kspec.core.RESERVED_KERNEL_NAMES).
 - dtype: one of f16, bf16, f32, tf32, f8e4m3, f8e5m2, i8, i32 (tf32 tensors are stored as f32).
 - shape: each extent is a size symbol (an identifier, bound at call time from the arguments) or a
   non-negative int literal.  Every symbol used anywhere must occur in some input or output shape.
@@ -105,7 +107,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import keyword
 import math
 import os
 import re
@@ -115,8 +116,8 @@ from pathlib import Path
 from typing import Any, Union
 
 # The runtime reads artifacts on machines without the compiler: only the dependency-free core here.
-from kspec.core import (ARCHS, DTYPES, IDENT_RE, IndexRange, KspecError, is_int, packed_rows_symbol,
-                        split_offset_dim)
+from kspec.core import (ARCHS, DTYPES, IDENT_RE, IndexRange, KspecError, is_int, name_problem,
+                        packed_rows_symbol, split_offset_dim)
 
 FORMAT = "kspec-artifact"
 FORMAT_VERSION = 1
@@ -125,7 +126,6 @@ MANIFEST_NAME = "manifest.json"
 LAYOUTS: tuple[str, ...] = ("row", "col")
 PLAN_KINDS: tuple[str, ...] = ("gemm", "attention", "elementwise")
 INIT_KINDS: tuple[str, ...] = ("zero", "neg_inf")
-RESERVED_NAMES: frozenset[str] = frozenset({"stream"})
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 Extent = Union[str, int]          # a size symbol or an int literal
@@ -357,6 +357,14 @@ class _Reader:
             raise self.fail(where, f"{json.dumps(v)[:60]} is not a valid identifier")
         return v
 
+    def user_name(self, v: Any, what: str, where: str) -> str:
+        """A name the spec gave (kspec.core.name_problem: the checker's rule)."""
+        self.ident(v, where)
+        why = name_problem(v, what)
+        if why is not None:
+            raise self.fail(where, f"{what} name {json.dumps(v)[:60]} {why}")
+        return v
+
     def extent(self, v: Any, where: str) -> Extent:
         if isinstance(v, bool) or not isinstance(v, (str, int)):
             raise self.fail(where, f"extent must be a size symbol or an int, got {json.dumps(v)[:60]}")
@@ -371,7 +379,7 @@ class _Reader:
         return self.ident(v, where)
 
     def tensor(self, obj: Any, where: str) -> TensorSpec:
-        name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
+        name = self.user_name(self.get(obj, "name", where, str), "tensor", f"{where}.name")
         where = f"{where}({name})"
         dtype = self.get(obj, "dtype", where, str)
         if dtype not in DTYPES:
@@ -391,7 +399,7 @@ class _Reader:
         return TensorSpec(name, dtype, ext, layout, packed)
 
     def param(self, obj: Any, where: str) -> ParamSpec:
-        name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
+        name = self.user_name(self.get(obj, "name", where, str), "param", f"{where}.name")
         where = f"{where}({name})"
         dtype = self.get(obj, "dtype", where, str)
         if dtype not in DTYPES:
@@ -513,9 +521,7 @@ class _Reader:
         return Plan(pid, kind, tuple(dims), args, tuple(scalars), dict(init), dict(alignment), binaries, strides)
 
     def kernel(self, obj: Any, where: str, archs: tuple[str, ...]) -> KernelEntry:
-        name = self.ident(self.get(obj, "name", where, str), f"{where}.name")
-        if keyword.iskeyword(name):
-            raise self.fail(where, f"kernel name '{name}' is a Python keyword")
+        name = self.user_name(self.get(obj, "name", where, str), "kernel", f"{where}.name")
         where = f"{where}({name})"
         groups = {}
         for key in ("inputs", "outputs", "intermediates"):
@@ -529,8 +535,6 @@ class _Reader:
         for n in [t.name for g in groups.values() for t in g] + [p.name for p in params]:
             if n in seen:
                 raise self.fail(where, f"name '{n}' is used twice")
-            if n in RESERVED_NAMES:
-                raise self.fail(where, f"name '{n}' is reserved by the runtime (the stream keyword)")
             seen.add(n)
         scope = _KernelScope(name, groups["inputs"], groups["outputs"], groups["intermediates"], params)
         for t in groups["intermediates"]:

@@ -21,7 +21,7 @@ from kspec.backends.api import LoweredPlan, SettingError
 from kspec.backends.desc import EmittedKernel
 from kspec.compiler import KernelSchedule, plan_kernel
 from kspec.compiler.indices import index_ranges, merge_index_ranges
-from kspec.core import ARCHS, KspecInternalError, packed_rows_symbol
+from kspec.core import ARCHS, KspecInternalError, file_stem, packed_rows_symbol
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 
 
@@ -310,7 +310,7 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                 first = emitted.plans[p.id][0]
                 for ep in emitted.plans[p.id]:
                     arch = ep.lowered.arch
-                    cubin, host = f"{p.id}.{arch}.cubin", f"{p.id}.{arch}.so"
+                    cubin, host = f"{file_stem(p.id)}.{arch}.cubin", f"{file_stem(p.id)}.{arch}.so"
                     prebuilt = built.get(ep.label)
                     if prebuilt is not None and getattr(prebuilt, "variants", None):
                         binaries[arch] = _variant_binary(staging, p, arch, prebuilt, ep, toolchain, cache.root)
@@ -378,7 +378,7 @@ def _variant_binary(staging: Path, p, arch: str, built, ep, toolchain, cache_roo
     for k, v in enumerate(built.variants):
         same = (sha256_file(Path(v.cubin)), sha256_file(Path(v.host)))
         if same not in files:
-            files[same] = f"{p.id}.{arch}.v{k}.cubin", f"{p.id}.{arch}.v{k}.so"
+            files[same] = f"{file_stem(p.id)}.{arch}.v{k}.cubin", f"{file_stem(p.id)}.{arch}.v{k}.so"
             shutil.copyfile(v.cubin, staging / files[same][0])
             shutil.copyfile(v.host, staging / files[same][1])
         cubin, host = files[same]
@@ -513,7 +513,7 @@ def write_emitted(emitted: EmittedSpec, out_dir: str | Path, stem: str) -> list[
     paths = []
     for pid, plist in emitted.plans.items():
         for ep in plist:
-            p = d / f"{pid}.{ep.lowered.arch}.{'py' if ep.backend == 'cute' else 'cu'}"
+            p = d / f"{file_stem(pid)}.{ep.lowered.arch}.{'py' if ep.backend == 'cute' else 'cu'}"
             p.write_text(ep.emitted.source)
             paths.append(p)
     return paths

@@ -27,6 +27,10 @@ class Span:
         return f"{self.file}:{self.line}:{self.col}"
 
 
+# The most characters of a source line an error shows (the part around the caret).
+EXCERPT_MAX = 200
+
+
 @dataclass
 class Diagnostic:
     message: str
@@ -43,12 +47,22 @@ class Diagnostic:
             lines = self.source.split("\n")
             if 1 <= self.span.line <= len(lines):
                 text = lines[self.span.line - 1].rstrip("\r").expandtabs(1)
-                out.append("    " + text)
+                col = self.span.col
                 width = 1
                 if self.span.end_line == self.span.line and self.span.end_col > self.span.col:
                     width = self.span.end_col - self.span.col
-                width = max(1, min(width, len(text) - self.span.col + 2))
-                out.append("    " + " " * (self.span.col - 1) + "^" * width)
+                width = max(1, min(width, len(text) - col + 2))
+                if len(text) > EXCERPT_MAX:
+                    # a long line is shown as the part around the caret, marked where it is cut
+                    start = max(0, min(col - 1 - EXCERPT_MAX // 4, len(text) - EXCERPT_MAX))
+                    cut = text[start:start + EXCERPT_MAX]
+                    head = "..." if start > 0 else ""
+                    tail = "..." if start + EXCERPT_MAX < len(text) else ""
+                    col = col - start + len(head)
+                    width = max(1, min(width, len(cut) + len(head) - col + 1))
+                    text = head + cut + tail
+                out.append("    " + text)
+                out.append("    " + " " * (col - 1) + "^" * width)
         if self.hint:
             out.append(f"  hint: {self.hint}")
         return "\n".join(out)
@@ -218,6 +232,46 @@ IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,%d}$" % (IDENT_MAX - 1))
 def is_ident(name: object) -> bool:
     """An identifier kspec may put into generated code or a manifest (ASCII letters, digits, _)."""
     return isinstance(name, str) and IDENT_RE.match(name) is not None
+
+
+# The names a spec may give its kernels, tensors and params: one rule, one table.  spec_lang.check
+# refuses a name that breaks it at the name's span; kspec.artifact refuses a manifest that holds one.
+NAME_MAX = 128       # characters of a user name (plan ids, intermediate and file names derive from it)
+# keywords of a kernel call (`mod.k(A, B, stream=s)`, `mod.k.to_device(..., device=0)`) and its
+# receiver: a tensor or param of one of these names could not be passed by name
+RESERVED_ARG_NAMES: frozenset[str] = frozenset({"stream", "device", "self"})
+# attributes of a loaded module (kspec.runtime.module.Module): a kernel is an attribute of it too
+RESERVED_KERNEL_NAMES: frozenset[str] = frozenset({
+    "path", "manifest", "archs", "kernels", "binary", "variant", "glue", "image", "image_digest", "arch_for"})
+
+
+def name_problem(name: object, what: str) -> str | None:
+    """Why `name` cannot be the name of a `what` ("kernel", "tensor", "param"), or None."""
+    import keyword
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return "is not an identifier (ASCII letters, digits and _, not starting with a digit)"
+    if len(name) > NAME_MAX:
+        return f"is {len(name)} characters long; names have at most {NAME_MAX}"
+    if keyword.iskeyword(name):
+        return "is a Python keyword" + (" (a kernel is an attribute of the loaded module)" if what == "kernel"
+                                        else " (arguments are passed by name)")
+    if name.startswith("__"):
+        return "starts with '__', which Python reserves for its own attributes"
+    if what == "kernel" and name in RESERVED_KERNEL_NAMES:
+        return "is an attribute of every loaded module"
+    if what != "kernel" and name in RESERVED_ARG_NAMES:
+        return f"is reserved by the runtime (the call's `{name}` keyword)" if name != "self" else \
+            "is reserved by the runtime (the kernel object itself)"
+    return None
+
+
+def file_stem(name: str, limit: int = 64) -> str:
+    """`name` as the start of a file name: unchanged up to `limit` characters, else cut and followed
+    by a hash of the whole name (file systems cap a name at 255 bytes; distinct names stay distinct)."""
+    if len(name) <= limit:
+        return name
+    import hashlib
+    return f"{name[:limit - 9]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def check_ident(name: object, what: str) -> str:

@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
-from kspec.core import DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent, packed_rows_symbol, split_offset_dim
+from kspec.core import (DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent, name_problem, packed_rows_symbol,
+                        split_offset_dim)
 
 from . import ast
 from .errors import Diagnostic, KspecError, Span
@@ -232,10 +233,11 @@ class CheckedKernel:
     span: Span | None = field(default=None, compare=False, repr=False)
 
     def tensor(self, name: str) -> TensorInfo:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:          # built once: a kernel of 10,000 statements looks names up often
+            by_name = {t.name: t for t in self.tensors}
+            object.__setattr__(self, "_by_name", by_name)
+        return by_name[name]
 
     def by_role(self, role: str) -> tuple[TensorInfo, ...]:
         return tuple(t for t in self.tensors if t.role == role)
@@ -315,6 +317,7 @@ class _Checker:
                                f"the first definition is at line {seen[k.name].span.line}" if seen[k.name].span else None)
                     continue
                 seen[k.name] = k
+                self.check_name(k.name, "kernel", k.name_span or k.span)
             schedules = self.check_schedules(seen)
             for k in seen.values():
                 ck = _KernelChecker(self, k).run()
@@ -329,6 +332,15 @@ class _Checker:
         if self.diags:
             raise KspecError(self.diags[0].message, diagnostics=self.diags)
         return CheckedProgram(tuple(kernels), targets, p.file, p.source)
+
+    def check_name(self, name: str, what: str, span: Span | None) -> bool:
+        """The identifier rule of kspec.core (length, keywords, the runtime's reserved names)."""
+        why = name_problem(name, what)
+        if why is None:
+            return True
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        self.error(f"{what} name '{shown}' {why}", span, "choose another name")
+        return False
 
     def check_targets(self) -> tuple[str, ...]:
         archs: list[str] = []
@@ -470,6 +482,7 @@ class _KernelChecker:
             self.error(f"'{d.name}' is declared twice", d.name_span or d.span,
                        f"the first declaration is at line {prev.line}" if prev else None)
             return
+        self.p.check_name(d.name, "param" if d.role == "param" else "tensor", d.name_span or d.span)
         if d.packed is not None and d.role == "param":
             self.error(f"param '{d.name}' is a scalar and cannot be packed", d.packed_span or d.span)
         if d.role == "param":
@@ -520,6 +533,10 @@ class _KernelChecker:
         if target is not None and target.role in ("in", "param"):
             self.error(f"cannot assign to {('input' if target.role == 'in' else 'param')} '{name}'", s.span,
                        "only outputs and new intermediate names can be assigned", abort=True)
+        if target is None and name not in self.written:
+            sp = s.span and Span(s.span.file, s.span.line, s.span.col, s.span.line, s.span.col + len(name))
+            if not self.p.check_name(name, "tensor", sp):
+                raise _Abort()
         if name in self.written:
             prev = self.written[name]
             what = "output" if target is not None and target.role == "out" else "intermediate"
@@ -801,12 +818,20 @@ class _KernelChecker:
         if name in self.failed and name not in self.tensors:
             raise _Abort()
         t = self.tensors.get(name)
-        if t is not None and (t.role in ("in", "param") or name in self.written):
+        # a name is readable once the statement that writes it is done (not inside it: `D[m] = D[m] + ...`)
+        if t is not None and (t.role in ("in", "param") or self.defined_at.get(name, stmt_no) < stmt_no):
             return t
+        if name in self.failed:
+            raise _Abort()           # its statement failed (and said so)
         if t is not None and t.role == "out":
             if name in future and future[name] >= stmt_no:
-                self.error(f"output '{name}' is read before it is written", span,
-                           "compute the value into an intermediate first", abort=True)
+                here = future[name] == stmt_no
+                self.error(f"output '{name}' is read {'by the statement that writes it' if here else 'before it is written'}",
+                           span, "compute the value into an intermediate first", abort=True)
+        if name in future and future[name] == stmt_no:
+            self.error(f"'{name}' is read by the statement that defines it", span,
+                       "each name is assigned once, from values defined above it; give the new value a new "
+                       "name", abort=True)
         if name in future and future[name] >= stmt_no:
             line = self.k.stmts[future[name]].span.line if self.k.stmts[future[name]].span else "?"
             self.error(f"'{name}' is used before it is defined (line {line})", span,

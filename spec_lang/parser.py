@@ -35,6 +35,9 @@ _KEYWORD_GROUPS = [
 # recurse over expressions (a few frames a level), and a RecursionError must never reach the user.
 # Real specs nest well under 20 levels.
 MAX_NESTING = 100
+# Longer sources are refused before parsing (the LALR parser takes about a second per 100 kB; real
+# specs are a few kB, and a chain of 10,000 statements is about 270 kB).
+MAX_SOURCE_BYTES = 512 * 1024
 # Longer integer literals are refused before int() (Python refuses > 4300 digits with ValueError).
 MAX_INT_DIGITS = 40
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
@@ -492,6 +495,8 @@ def _check_nesting(tree: lark.Tree, file: str, source: str) -> None:
 
 def parse(source: str, file: str = "<string>") -> ast.Program:
     """Parse kspec source text into an `ast.Program` (no semantic checks)."""
+    if len(source) > MAX_SOURCE_BYTES or len(source.encode("utf-8", "surrogatepass")) > MAX_SOURCE_BYTES:
+        raise _too_large(file, len(source.encode("utf-8", "surrogatepass")))
     try:
         tree = _parser().parse(source)
     except UnexpectedInput as e:
@@ -515,9 +520,16 @@ def parse(source: str, file: str = "<string>") -> ast.Program:
     return ast.Program(kernels, schedules, targets, file=file, source=source)
 
 
+def _too_large(file: str, size: int) -> KspecError:
+    return KspecError(f"{file} is {size:,} bytes; a spec file has at most {MAX_SOURCE_BYTES:,} bytes", None,
+                      "split it into several spec files")
+
+
 def parse_file(path: str | Path) -> ast.Program:
     p = Path(path)
     try:
+        if p.is_file() and p.stat().st_size > MAX_SOURCE_BYTES + 3:      # (+ a BOM) refused unread
+            raise _too_large(str(path), p.stat().st_size)
         text = p.read_text(encoding="utf-8-sig")      # editors on Windows like to start with a BOM
     except FileNotFoundError:
         raise KspecError(f"no such file: {p}") from None

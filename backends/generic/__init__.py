@@ -458,6 +458,12 @@ class GenericBackend(NvccBuilt):
         loops = [o for o in ir.internal if o.kind in ("softmax", "reduction")]
         if len(loops) > 1:
             return "it runs one reduction or softmax per kernel"
+        # what its code generator cannot express is refused here, when the kernel is planned, so
+        # `kspec graph` never plans a kernel that `kspec compile` then rejects (generation is cheap)
+        try:
+            lower_generic(ir, arch)
+        except KspecLoweringError as e:
+            return e.message.split(": ", 1)[1] if e.message.startswith(f"plan {ir.id}: ") else e.message
         return None
 
     def setting_problem(self, ir: KernelIR, arch: str) -> None:
