@@ -655,8 +655,11 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
     The binaries must already be in `directory`; their digests are checked before writing."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    obj = manifest_to_json(manifest)
     path = d / MANIFEST_NAME
+    checked = manifest_from_json(json.loads(json.dumps(manifest_to_json(manifest))), str(path))
+    verify_binaries(d, checked, interfaces=False)     # the binaries the caller made, as it made them
+    manifest = stamp_interfaces(d, manifest)
+    obj = manifest_to_json(manifest)
     checked = manifest_from_json(json.loads(json.dumps(obj)), str(path))  # what a reader will see
     verify_binaries(d, checked)
     fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=d)
@@ -682,11 +685,22 @@ def read_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest
         where = f"{p}: no such artifact directory" if not p.exists() else f"{path}: file not found"
         raise KspecArtifactError(f"{where}", hint="build one with `kspec compile FILE -o OUT`")
     try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise KspecArtifactError(f"{path}: {size:,} bytes; a manifest has at most {MAX_MANIFEST_BYTES:,}",
+                                     hint="rebuild the artifact with `kspec compile`")
         text = path.read_text(encoding="utf-8")
+        depth = _json_depth(text)
+        if depth > MAX_MANIFEST_DEPTH:
+            raise KspecArtifactError(f"{path}: JSON nested {depth} levels deep; a manifest nests at most "
+                                     f"{MAX_MANIFEST_DEPTH}", hint="rebuild the artifact with `kspec compile`")
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise KspecArtifactError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}",
                                  hint="rebuild the artifact with `kspec compile`") from None
+    except RecursionError:
+        raise KspecArtifactError(f"{path}: JSON nested too deeply", hint="rebuild the artifact with `kspec compile`") \
+            from None
     except (OSError, UnicodeDecodeError) as e:
         raise KspecArtifactError(f"{path}: cannot read: {e}") from None
     m = manifest_from_json(obj, str(path))
@@ -695,9 +709,12 @@ def read_manifest(directory: str | os.PathLike, verify: bool = True) -> Manifest
     return m
 
 
-def verify_binaries(directory: str | os.PathLike, manifest: Manifest) -> None:
-    """Every binary file exists and has the digest the manifest records."""
+def verify_binaries(directory: str | os.PathLike, manifest: Manifest, interfaces: bool = True) -> None:
+    """Every binary file is a regular file inside the artifact (no symlink, nothing resolving
+    outside it), has the digest the manifest records, and (interfaces) each host library carries
+    the interface record of its plan (`stamp_interfaces`) that the manifest describes."""
     d = Path(directory)
+    root = d.resolve()
     checked: dict[str, str] = {}
     for k in manifest.kernels:
         for plan in k.plans:
@@ -707,11 +724,196 @@ def verify_binaries(directory: str | os.PathLike, manifest: Manifest) -> None:
                     f = d / name
                     what = f"binary of plan '{plan.id}' for {arch}"
                     if name not in checked:
+                        if f.is_symlink() or any(q.is_symlink() for q in f.parents if q != d and d in q.parents):
+                            raise KspecArtifactError(f"{f}: is a symbolic link ({key} {what}); an artifact holds "
+                                                     "its binaries as plain files",
+                                                     hint="rebuild the artifact with `kspec compile`")
                         if not f.is_file():
                             raise KspecArtifactError(f"{f}: missing ({key} {what})",
+                                                     hint="rebuild the artifact with `kspec compile`")
+                        if root not in f.resolve().parents:
+                            raise KspecArtifactError(f"{f}: resolves outside the artifact directory ({key} {what})",
                                                      hint="rebuild the artifact with `kspec compile`")
                         checked[name] = sha256_file(f)
                     if checked[name] != b.sha256[key]:
                         raise KspecArtifactError(
                             f"{f}: sha256 mismatch ({key} {what}): the file was modified after the "
                             f"manifest was written", hint="rebuild the artifact with `kspec compile`")
+                if interfaces:
+                    _check_interface(d / b.host, k, plan, arch)
+
+
+# ------------------------------------------------------------------------- interface records
+#
+# Each host library ends with a record of the interface it was built for: its plan's tensors
+# (dtype, shape, layout, packing), argument order, size roles, strides, alignment, scalars and the
+# params they name (dtype, default), and the tensors it initialises.  `write_manifest` appends it
+# (after the ELF image, which the loader never maps, so the library is unchanged as code); `load`
+# reads it back and compares it with the manifest, naming the first field that differs.  So an
+# edited manifest, or a library taken from another plan or artifact, does not load, though each
+# file still matches its digest.
+#
+#     <ELF image> <record: UTF-8 JSON> <len(record): 8 bytes, little endian> <INTERFACE_MAGIC>
+
+INTERFACE_MAGIC = b"KSPEC-INTERFACE1"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_DEPTH = 32
+
+
+def _json_depth(text: str) -> int:
+    """How deeply a JSON text nests (brackets outside strings), without decoding it."""
+    depth = best = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > best:
+                best = depth
+                if best > MAX_MANIFEST_DEPTH:
+                    return best
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def plan_interface(k: KernelEntry, plan: Plan, arch: str) -> list[list]:
+    """The interface a plan's binaries are built for, as ordered [field, value] pairs."""
+    roles = {**{t.name: "input" for t in k.inputs}, **{t.name: "output" for t in k.outputs},
+             **{t.name: "intermediate" for t in k.intermediates}}
+    out: list[list] = [["kernel", k.name], ["plan", plan.id], ["arch", arch], ["kind", plan.kind],
+                       ["args", list(plan.args)]]
+    for a in plan.args:
+        t = k.tensor(a)
+        if t is None:
+            continue
+        out += [[f"{a}.role", roles[a]], [f"{a}.dtype", t.dtype], [f"{a}.shape", list(t.shape)],
+                [f"{a}.layout", t.layout], [f"{a}.packed", t.packed]]
+    out += [["dims", [[r, list(v) if isinstance(v, tuple) else v] for r, v in plan.dims]],
+            ["strides", {r: [t, a] for r, (t, a) in sorted(plan.strides.items())}],
+            ["alignment", {a: plan.alignment[a] for a in plan.args if a in plan.alignment}],
+            ["scalars", list(plan.scalars)]]
+    params = {p.name: p for p in k.params}
+    for sc in plan.scalars:
+        if isinstance(sc, str) and sc in params:
+            out += [[f"{sc}.dtype", params[sc].dtype], [f"{sc}.default", params[sc].default]]
+    out.append(["init", dict(sorted(plan.init.items()))])
+    return out
+
+
+def _record(interfaces: list[list[list]]) -> bytes:
+    body = json.dumps(interfaces, separators=(",", ":"), sort_keys=True).encode()
+    return body + len(body).to_bytes(8, "little") + INTERFACE_MAGIC
+
+
+def read_interfaces(path: str | os.PathLike) -> list[list[list]] | None:
+    """The interface records at the end of a host library (one per plan it serves; a hand-built
+    artifact may share one library between plans), or None if it has none."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        tail = len(INTERFACE_MAGIC) + 8
+        if size < tail:
+            return None
+        f.seek(size - tail)
+        end = f.read(tail)
+        if not end.endswith(INTERFACE_MAGIC):
+            return None
+        n = int.from_bytes(end[:8], "little")
+        if n > min(size - tail, 1 << 20):
+            return None
+        f.seek(size - tail - n)
+        try:
+            recs = json.loads(f.read(n))
+        except (ValueError, RecursionError):
+            return None
+    ok = isinstance(recs, list) and recs and all(
+        isinstance(r, list) and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) for x in r)
+        for r in recs)
+    return recs if ok else None
+
+
+def _strip_record(data: bytes) -> bytes:
+    tail = len(INTERFACE_MAGIC) + 8
+    if len(data) >= tail and data.endswith(INTERFACE_MAGIC):
+        n = int.from_bytes(data[-tail:-len(INTERFACE_MAGIC)], "little")
+        if n <= len(data) - tail:
+            return data[:len(data) - tail - n]
+    return data
+
+
+def stamp_interfaces(directory: str | os.PathLike, manifest: Manifest) -> Manifest:
+    """Append the interface records of the plans each host library serves to it (replacing any
+    already there) and return the manifest with the libraries' new digests."""
+    d = Path(directory)
+    served: dict[str, list] = {}
+    for k in manifest.kernels:
+        for plan in k.plans:
+            for arch, b in plan.binaries.items():
+                for host in dict.fromkeys((b.host, *(v.host for v in b.variants))):
+                    rec = json.loads(json.dumps(plan_interface(k, plan, arch)))
+                    if rec not in served.setdefault(host, []):
+                        served[host].append(rec)
+    digests = {}
+    for host, recs in served.items():
+        f = d / host
+        data = _strip_record(f.read_bytes()) + _record(recs)
+        tmp = f.with_name(f".{f.name}.stamp")
+        tmp.write_bytes(data)
+        os.chmod(tmp, os.stat(f).st_mode & 0o777)
+        os.replace(tmp, f)
+        digests[host] = hashlib.sha256(data).hexdigest()
+
+    def rehash(sha: dict[str, str], host: str) -> dict[str, str]:
+        return {**sha, "host": digests[host]}
+    kernels = []
+    for k in manifest.kernels:
+        plans = []
+        for plan in k.plans:
+            bins = {}
+            for arch, b in plan.binaries.items():
+                variants = tuple(Variant(v.cubin, v.host, rehash(v.sha256, v.host), v.symbol, v.config, v.select)
+                                 for v in b.variants)
+                bins[arch] = Binary(b.cubin, b.host, rehash(b.sha256, b.host), b.symbol, b.config, b.registers,
+                                    b.smem, b.backend, b.kind, variants)
+            plans.append(Plan(plan.id, plan.kind, plan.dims, plan.args, plan.scalars, plan.init, plan.alignment,
+                              bins, plan.strides))
+        kernels.append(KernelEntry(k.name, k.inputs, k.outputs, k.params, k.intermediates, tuple(plans),
+                                   k.index_ranges))
+    return Manifest(manifest.spec, manifest.archs, tuple(kernels), manifest.toolchain, manifest.kspec_version,
+                    manifest.format, manifest.format_version)
+
+
+def _check_interface(host: Path, k: KernelEntry, plan: Plan, arch: str) -> None:
+    recs = read_interfaces(host)
+    where = f"plan '{plan.id}' of kernel '{k.name}' ({arch})"
+    hint = "rebuild the artifact with `kspec compile`"
+    if recs is None:
+        raise KspecArtifactError(f"{host}: the host library of {where} carries no interface record (written by an "
+                                 "older kspec, or not by kspec)", hint=hint)
+    want = json.loads(json.dumps(plan_interface(k, plan, arch)))
+    if want in recs:
+        return
+    key = want[:3]                       # kernel, plan, arch: the record this plan would have
+    have = dict((f, v) for f, v in next((r for r in recs if r[:3] == key), recs[0]))
+    for field_name, value in want:
+        if field_name not in have:
+            raise KspecArtifactError(f"{host}: {where}: the manifest has '{field_name}', which the library was not "
+                                     "built with", hint=hint)
+        if have[field_name] != value:
+            raise KspecArtifactError(
+                f"{host}: {where}: '{field_name}' is {json.dumps(value)[:80]} in the manifest but the library was "
+                f"built for {json.dumps(have[field_name])[:80]}", hint=hint)
+    extra = next((f for f in have if f not in dict(want)), None)
+    if extra is None:
+        return
+    raise KspecArtifactError(f"{host}: {where}: the library was built with '{extra}', which the manifest lacks",
+                             hint=hint)

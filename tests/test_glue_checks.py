@@ -202,6 +202,7 @@ class _Driver:
     def free_async(self, ptr, stream): pass
     def fill(self, *a): self.log.append(("fill", *a[:5]))
     def param_size(self, func): return None
+    def param_layout(self, func): return None
     def set_dynamic_smem(self, func, n, what): pass
 
     def alloc_async(self, nbytes, stream, what):

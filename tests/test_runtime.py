@@ -563,6 +563,9 @@ class RecordingDriver:
     def param_size(self, func):
         return None
 
+    def param_layout(self, func):
+        return None
+
     def set_dynamic_smem(self, func, nbytes, what):
         self.log.append(("smem", nbytes))
 

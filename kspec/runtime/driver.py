@@ -65,6 +65,7 @@ class Driver:
         self._functions: dict[tuple, Any] = {}
         self._smem_set: dict[int, int] = {}
         self._param_size: dict[int, int] = {}
+        self._param_layout: dict[int, tuple | None] = {}
 
     # ------------------------------------------------------------------ errors and availability
     def call(self, fn_name: str, *args, what: str = "") -> Any:
@@ -205,6 +206,21 @@ class Driver:
             self._param_size[k] = int(res[2]) if res[0] == cu.CUresult.CUDA_SUCCESS else -1
         v = self._param_size[k]
         return None if v < 0 else v
+
+    def param_layout(self, func) -> tuple[tuple[int, int], ...] | None:
+        """(offset, size) of every kernel parameter as the cubin declares it, offsets relative to
+        the first parameter's; None where the driver cannot say."""
+        k = int(func)
+        if k not in self._param_layout:
+            cu = _cu()
+            out = []
+            for i in range(4096):
+                res = cu.cuFuncGetParamInfo(func, i)
+                if res[0] != cu.CUresult.CUDA_SUCCESS:
+                    break
+                out.append((int(res[1]), int(res[2])))
+            self._param_layout[k] = tuple((o - out[0][0], n) for o, n in out) if out else None
+        return self._param_layout[k]
 
     def set_dynamic_smem(self, func, nbytes: int, what: str) -> None:
         k = int(func)

@@ -424,6 +424,17 @@ class FakeDriver:
             return None
         return info.params[0].size
 
+    def param_layout(self, func) -> tuple[tuple[int, int], ...] | None:
+        """(offset, size) of each parameter the cubin declares (EIATTR_KPARAM_INFO), offsets relative
+        to the first's (what cuFuncGetParamInfo reports, rebased)."""
+        if not self._param_sizes:
+            return None
+        from kspec.runtime.cubin import parse_cubin
+        info = parse_cubin(func.image, func.symbol).kernels.get(func.symbol)
+        if info is None or not info.params:
+            return None
+        return tuple((p.offset - info.params[0].offset, p.size) for p in info.params)
+
     def set_dynamic_smem(self, func, nbytes: int, what: str) -> None:
         self._smem[int(func)] = max(self._smem.get(int(func), 0), int(nbytes))
 

@@ -577,6 +577,18 @@ class Module:
         func = drv.function(ctx, (self.image_digest(plan, arch, variant), plan.id, arch),
                             self.image(plan, arch, variant), binary.symbol, what)
         offsets = _param_offsets(binary, what)
+        if offsets is not None:
+            # a kernel of several parameters (CuTe DSL): the manifest's offsets must be the cubin's
+            # own, and the glue's blob must hold every parameter
+            layout = drv.param_layout(func)
+            if layout is not None and tuple(o for o, _ in layout) != offsets:
+                raise KspecRuntimeError(f"{what}: the manifest places the kernel's parameters at byte offsets "
+                                        f"{list(offsets)[:8]} but the kernel declares {[o for o, _ in layout][:8]}; "
+                                        "the artifact is inconsistent", hint="rebuild the artifact with `kspec compile`")
+            if layout and layout[-1][0] + layout[-1][1] > prepared.params_size:
+                raise KspecRuntimeError(f"{what}: the host glue built a {prepared.params_size}-byte parameter "
+                                        f"block but the kernel's parameters take {layout[-1][0] + layout[-1][1]} "
+                                        "bytes; the artifact is inconsistent", hint="rebuild the artifact with `kspec compile`")
         want = drv.param_size(func) if offsets is None else None
         if want is not None and want != prepared.params_size:
             raise KspecRuntimeError(f"{what}: the host glue built a {prepared.params_size}-byte parameter "
