@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .groups import FusionResult, Group, _node_order, legal_group, same_point
+from .groups import FusionResult, Group, _node_order, legal_addition, same_point
 from .graph import op, operands
 
 ROW_REDUCTIONS = ("sum", "max", "min", "mean", "logsumexp")
@@ -86,8 +86,11 @@ def _storage_last(g: nx.DiGraph, node, labels: tuple[str, ...]) -> str | None:
 
 
 class _Grower:
-    def __init__(self, g: nx.DiGraph, res: FusionResult, info: RowInfo):
+    def __init__(self, g: nx.DiGraph, res: FusionResult, info: RowInfo, order: dict | None = None):
         self.g, self.res, self.info = g, res, info
+        # topological positions (the graph does not change while groups grow): legality checks
+        # then cost what a node adds, not the size of the group
+        self.order = order if order is not None else {x: i for i, x in enumerate(nx.topological_sort(g))}
         self.ext = dict(info.extents)
         self.full = set(info.outer) | {info.axis}
 
@@ -152,6 +155,7 @@ class _Grower:
         notes: dict = {}
         if self.reject(seed, set()):
             return set()
+        lo = hi = self.order[seed]
         changed = True
         while changed:
             changed = False
@@ -167,12 +171,14 @@ class _Grower:
                     for c in g.successors(s):
                         if c in group and not all(same_point(g, s, l) for u, l in operands(g, c) if u == s):
                             why = f"{op(g, c).label()} reads it at another element"
-                if why is None and legal_group(g, group | {s}):
-                    why = legal_group(g, group | {s})
+                if why is None:
+                    pos = self.order[s]
+                    why = legal_addition(g, group, {s}, self.order, (min(lo, pos), max(hi, pos)))
                 if why:
                     notes[s] = f"{so.label()} not fused into the row kernel at {seed}: {why}"
                     continue
                 group.add(s)
+                lo, hi = min(lo, self.order[s]), max(hi, self.order[s])
                 changed = True
         for s, note in sorted(notes.items(), key=lambda kv: _node_order(kv[0])):
             if s not in group and note not in res.notes and op(g, s).kind != "const":
@@ -184,13 +190,14 @@ def fuse_rowwise(g: nx.DiGraph, res: FusionResult) -> None:
     """Form row-wise groups (kind "rowwise", info RowInfo) from the reductions and softmaxes not yet
     fused; then give each remaining gather an elementwise group of its own, which the elementwise
     pass extends over its consumers."""
-    for n in nx.topological_sort(g):
+    order = {x: i for i, x in enumerate(nx.topological_sort(g))}
+    for n in order:
         if res.group_of(n) is not None:
             continue
         info = row_space(g, n)
         if info is None:
             continue
-        nodes = _Grower(g, res, info).grow(n)
+        nodes = _Grower(g, res, info, order).grow(n)
         if not nodes:
             continue
         res.groups.append(Group(f"g{len(res.groups)}", "rowwise", nodes, n, info))

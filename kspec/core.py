@@ -363,8 +363,9 @@ class IndexRange:
     size symbol or an int).  `negative`: a negative value is allowed too (it selects nothing).
     `inclusive`: the bound itself is allowed, [0, extent] (offsets such as cumulative sequence
     lengths, where `extent` marks the end).  `monotonic`: values never decrease along the tensor's
-    last axis (cumulative offsets).  `ends`: the last value along the last axis is the extent
-    itself (the offsets of a packed tensor: the last sequence ends at its last row).  Computed
+    last axis (cumulative offsets).  `ends`: the first value along the last axis is 0 and the last
+    is the extent itself (the offsets of a packed tensor: the first sequence starts at its first
+    row and the last ends at its last row, so every row belongs to a sequence).  Computed
     from the kernel IR by the compile step
     (kspec.compiler.indices), recorded per kernel in the artifact manifest, checked by the runtime
     before a launch (kspec.runtime.indexcheck)."""
@@ -388,5 +389,5 @@ class IndexRange:
         return f"{'' if self.negative else '0 <= '}{self.tensor} {'<=' if self.inclusive else '<'} {hi}"
 
     def describe(self) -> str:
-        order = (", non-decreasing" if self.monotonic else "") + (", the last one equal to it" if self.ends else "")
+        order = (", non-decreasing" if self.monotonic else "") + (", the first 0 and the last equal to it" if self.ends else "")
         return f"{self.condition()} ({self.target} axis {self.axis}{order})"

@@ -1314,7 +1314,7 @@ def count_ops(e: TExpr) -> dict[str, int]:
 #   absent entries are 0; other reductions over a packed axis are refused (mask them explicitly).
 #
 # The numpy reference (backends/reference) reads and writes the packed arrays; see there for what
-# a call checks (offsets non-decreasing, within the rows, the last one the row count).
+# a call checks (offsets non-decreasing, within the rows, the first one 0, the last one the row count).
 
 
 class PackedLabels:

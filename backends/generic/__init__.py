@@ -19,7 +19,7 @@ from kspec.backends.desc import EmittedKernel
 from kspec.backends.names import Names, number_placeholders
 from kspec.compiler.graph import op, operands
 from kspec.compiler.kir import KINDS, KernelIR
-from kspec.core import ABI_VERSION, ARCHS, INT_DTYPES, KspecError, KspecInternalError, check_ident
+from kspec.core import ABI_VERSION, ARCHS, INT_DTYPES, KspecError, KspecInternalError, check_ident, dtype_bytes
 
 BLOCK = 256
 
@@ -43,6 +43,7 @@ class GenericDesc:
     scalars: tuple[str, ...]
     dims: tuple[str, ...]             # d0, d1, ...: extents of the iteration space, then reduced axes
     threads: str                      # C expression for the number of threads needed
+    arg_bytes: tuple[int, ...] = ()   # element size of each argument: the kernel's loads and stores are scalar
 
 
 def _round(dtype: str, expr: str) -> str:
@@ -243,8 +244,10 @@ def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
             _stores(gen, n, local[n], body)
     names = gen.names
     text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
+    back = names.back()
     desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
-                       dims=tuple(d for d, _ in gen.dim_values), threads=threads)
+                       dims=tuple(d for d, _ in gen.dim_values), threads=threads,
+                       arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args))
     return LoweredPlan(ir, arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
 
 
@@ -434,7 +437,8 @@ def emit_generic(desc: GenericDesc) -> EmittedKernel:
               + _PRELUDE % sizes + _DEVICE % sizes + _HOST % sizes)
     return EmittedKernel(name=desc.name, arch=desc.arch, source=source, include_dirs=(),
                          flags=("-std=c++17", "-O3"), dims=desc.dims, args=desc.args, scalars=desc.scalars,
-                         alignment=tuple((a, 1) for a in desc.args), config=(("kind", "generic"), ("block", str(BLOCK))))
+                         alignment=tuple(zip(desc.args, desc.arg_bytes or (1,) * len(desc.args))),
+                         config=(("kind", "generic"), ("block", str(BLOCK))))
 
 
 class GenericBackend(NvccBuilt):

@@ -27,6 +27,10 @@ def check_offsets(name: str, cu: np.ndarray, rows: int, packed: str) -> np.ndarr
         k = int(np.argmax(np.diff(cu) < 0)) + 1
         raise KspecReferenceError(f"argument '{name}': {name}[{k}] = {int(cu[k])} is less than {name}[{k - 1}] = "
                                   f"{int(cu[k - 1])}: offsets must not decrease")
+    if int(cu[0]) != 0:
+        raise KspecReferenceError(f"argument '{name}': the first offset {name}[0] = {int(cu[0])} must be 0",
+                                  hint="sequence b is rows cu[b] .. cu[b + 1] - 1; the first sequence starts at the "
+                                       "first row")
     if int(cu[-1]) != rows:
         raise KspecReferenceError(f"argument '{name}': the last offset {name}[{cu.size - 1}] = {int(cu[-1])} must be "
                                   f"the row count of '{packed}', {rows}",

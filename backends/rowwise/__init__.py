@@ -76,6 +76,9 @@ class RowwiseDesc:
     n_passes: int
     n_slots: int                      # most reductions folded at once
     strides: tuple[tuple[str, str, int], ...] = ()   # stride dim role -> (argument, axis)
+    # element size of each argument: what the element-by-element path needs (the glue takes the
+    # 128-bit vector path only where every row pointer and stride allows it)
+    arg_bytes: tuple[int, ...] = ()
 
 
 class _RowGen:
@@ -516,7 +519,8 @@ def lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
                        dims=tuple(d for d, _ in gen.dims), n_outer=k, vec_checks=tuple(vec_checks),
                        cache_bytes=cache_bytes, n_passes=n_passes, n_slots=slot_count,
                        strides=tuple((gen.dims[i][0], names.to_c[key[1]], key[2])
-                                     for key, i in gen.dim_key.items() if key[0] == "stride"))
+                                     for key, i in gen.dim_key.items() if key[0] == "stride"),
+                       arg_bytes=tuple(_ITEMSIZE[gen.s.buffers[names.back()[a]].dtype] for a in args))
     return LoweredPlan(ir, arch, "rowwise", desc, names.back(), tuple(gen.dims), dict(gen.scalars))
 
 
@@ -751,7 +755,7 @@ def emit_rowwise(desc: RowwiseDesc) -> EmittedKernel:
               + _PRELUDE % sizes + _DEVICE % sizes + _HOST % sizes)
     return EmittedKernel(name=desc.name, arch=desc.arch, source=source, include_dirs=(),
                          flags=("-std=c++17", "-O3"), dims=desc.dims, args=desc.args, scalars=desc.scalars,
-                         alignment=tuple((a, 1) for a in desc.args),
+                         alignment=tuple(zip(desc.args, desc.arg_bytes or (1,) * len(desc.args))),
                          config=(("kind", "rowwise"), ("passes", str(desc.n_passes)),
                                  ("vector", f"{V} elements"), ("cluster", f"up to {MAX_CLUSTER} CTAs per row")))
 

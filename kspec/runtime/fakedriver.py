@@ -314,7 +314,9 @@ class FakeDriver:
         self.memory: dict[int, _Allocation] = {}
         self._smem: dict[int, int] = {}
         self._functions: dict[tuple, _FakeFunction] = {}
-        self._pending: PrepareRecord | None = None
+        # prepared launches by parameter-blob address (the runtime prepares every plan of a call, then
+        # launches them in turn)
+        self._pending: dict[int, PrepareRecord] = {}
         self._stack: ExitStack | None = None
         self._param_sizes = param_sizes
         self.on_launch = on_launch             # optional emulator: on_launch(record) may write outputs
@@ -349,7 +351,7 @@ class FakeDriver:
             if rest.strip():
                 fake.stderr.append(rest)
                 sys.stderr.write(rest + "\n")
-            fake._pending = PrepareRecord(str(glue.path.name), tuple(int(d) for d in dims),
+            fake._pending[int(out.params_ptr)] = PrepareRecord(str(glue.path.name), tuple(int(d) for d in dims),
                                           tuple(int(p) for p in ptrs), tuple(float(s) for s in scalars),
                                           int(workspace or 0), int(device), int(sm_count),
                                           int(out.params_size), tuple(maps), rejected)
@@ -440,7 +442,7 @@ class FakeDriver:
 
     def launch(self, func, grid, block, cluster, smem: int, stream: int, params_ptr: int, what: str,
                param_offsets: tuple[int, ...] | None = None) -> None:
-        pending, self._pending = self._pending, None
+        pending = self._pending.pop(int(params_ptr), None)
         # the blob's size is what the glue reported to the runtime (the launch gets only a pointer)
         blob = ctypes.string_at(params_ptr, pending.params_size) if pending is not None else b""
         self.launches.append(LaunchRecord(what, func.symbol, func.image, blob, tuple(int(g) for g in grid),

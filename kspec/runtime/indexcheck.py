@@ -53,6 +53,13 @@ def check_index_values(kernel: str, ranges: tuple[IndexRange, ...], sizes: Mappi
                     f"{kernel}: {r.tensor}{where} = {int(a[pos])} is less than {r.tensor}"
                     f"[{', '.join(map(str, prev))}] = {int(a[prev])}: expected non-decreasing offsets along "
                     f"its last axis", hint=hint)
+        if r.ends and a.ndim and a.shape[-1] and (a[..., 0] != 0).any():
+            late = a[..., 0] != 0
+            pos = (*(int(i) for i in np.unravel_index(int(np.argmax(late)), late.shape)), 0)
+            raise KspecRuntimeError(
+                f"{kernel}: the first offset {r.tensor}[{', '.join(map(str, pos))}] = {int(a[pos])} must be 0",
+                hint=f"sequence b is rows {r.tensor}[b] .. {r.tensor}[b + 1] - 1 of '{r.target}': the first sequence "
+                     "starts at its first row (rows before it would never be written); nothing was launched")
         if r.ends and a.ndim and a.shape[-1] and (a[..., -1] != hi).any():
             short = a[..., -1] != hi
             pos = (*(int(i) for i in np.unravel_index(int(np.argmax(short)), short.shape)), a.shape[-1] - 1)

@@ -505,9 +505,17 @@ class Module:
             try:
                 for name, off in offsets.items():
                     ptrs[name] = scratch + off
+                # every plan's launch is prepared (and judged) before the first one is queued: a call
+                # that one of them cannot run launches nothing
+                prepared = []
                 for plan, glue, ws, v in zip(k.plans, glues, ws_sizes, variants):
+                    pr = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
+                                      scratch + ws_offset if ws else 0, device, sms)
+                    _check_launch_shape(pr, plan, arch, b.dims(plan))
+                    prepared.append(pr)
+                for plan, glue, ws, v, pr in zip(k.plans, glues, ws_sizes, variants, prepared):
                     self._run_plan(drv, b, plan, arch, glue, ctx, ptrs,
-                                   scratch + ws_offset if ws else 0, ws, device, sms, v)
+                                   scratch + ws_offset if ws else 0, ws, device, sms, v, pr)
             finally:
                 if scratch:
                     drv.free_async(scratch, stream)
@@ -552,7 +560,8 @@ class Module:
         return results, ptrs
 
     def _run_plan(self, drv, b: Binding, plan: Plan, arch: str, glue: HostGlue, ctx, ptrs: dict[str, int],
-                  workspace: int, ws_bytes: int, device: int, sms: int, variant: int = -1) -> None:
+                  workspace: int, ws_bytes: int, device: int, sms: int, variant: int = -1,
+                  prepared: "Prepared | None" = None) -> None:
         k = b.kernel
         what = f"plan '{plan.id}' ({arch})"
         for name, how in plan.init.items():
@@ -565,8 +574,9 @@ class Module:
         if ws_bytes:
             # the ABI's prepare has no stream to clear a workspace on; semaphores expect zeros
             drv.fill(workspace, 0, 1, ws_bytes, b.stream, f"the workspace of {what}")
-        prepared: Prepared = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
-                                          workspace, device, sms)
+        if prepared is None:
+            prepared = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
+                                    workspace, device, sms)
         if 0 in prepared.grid:
             return                                   # empty problem: nothing to launch
         binary = self.binary(plan, arch, variant)
@@ -623,6 +633,37 @@ def sku_for(binary, sm_count: int | None) -> int | None:
         return sm_count
     below = [n for n in built if n < sm_count]
     return max(below) if below else min(built)
+
+
+# CUDA's launch limits (every arch kspec targets): grid x < 2^31, y and z <= 65,535; a block has
+# at most 1,024 threads, x and y <= 1,024, z <= 64; a portable cluster at most 8 CTAs (16 opted in).
+GRID_MAX = (2**31 - 1, 65535, 65535)
+BLOCK_MAX = (1024, 1024, 64)
+BLOCK_THREADS_MAX = 1024
+CLUSTER_MAX = 16
+
+
+def _check_launch_shape(pr, plan: Plan, arch: str, dims: list[int]) -> None:
+    """A launch the host glue prepared lies within CUDA's limits, or the call is refused by name."""
+    grid, block, cluster = tuple(pr.grid), tuple(pr.block), tuple(pr.cluster)
+    if 0 in grid:
+        return                                   # an empty problem: nothing is launched
+    sizes = ", ".join(f"{r}={v}" for (r, _), v in zip(plan.dims, dims))
+    what = f"plan '{plan.id}' ({arch})"
+    if any(g > m or g < 0 for g, m in zip(grid, GRID_MAX)):
+        axis = next(i for i, (g, m) in enumerate(zip(grid, GRID_MAX)) if g > m or g < 0)
+        raise KspecRuntimeError(
+            f"{what}: this call needs a launch grid of {grid}, beyond CUDA's limit of {GRID_MAX[axis]:,} blocks "
+            f"along {'xyz'[axis]} (sizes {sizes})",
+            hint="split the call into several smaller ones (e.g. fewer batches or heads per call)")
+    if any(t < 1 or t > m for t, m in zip(block, BLOCK_MAX)) or math.prod(block) > BLOCK_THREADS_MAX:
+        raise KspecRuntimeError(f"{what}: the host glue prepared a block of {block} threads, beyond CUDA's limits; "
+                                "the artifact is inconsistent", hint="rebuild the artifact with `kspec compile`")
+    if any(c < 1 for c in cluster) or math.prod(cluster) > CLUSTER_MAX or \
+            any(g % c for g, c in zip(grid, cluster)):
+        raise KspecRuntimeError(f"{what}: the host glue prepared a cluster of {cluster} for a grid of {grid}, which "
+                                "CUDA cannot launch; the artifact is inconsistent",
+                                hint="rebuild the artifact with `kspec compile`")
 
 
 def _param_offsets(binary, what: str) -> tuple[int, ...] | None:

@@ -1,0 +1,163 @@
+"""Nothing launches on a bad call (issue 27, item 3): for compiled shipped specs, on the fake
+driver, every bad argument — wrong dtype, rank, shape, strides, alignment, aliasing, extents past
+the launch grid's limits, bad varlen offsets — is a KspecRuntimeError naming the argument, and
+no kernel is launched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import SHIPPED, shipped_params
+from test_cute_backend import needs_dsl
+
+import kspec
+from kspec.artifact import layout_strides
+from kspec.core import KspecRuntimeError, extent_value, is_int
+from kspec.runtime import dtypes
+from kspec.runtime.fakedriver import FakeDriver, _packed_offsets, fake_call
+from kspec.runtime.tensors import DeviceBuffer
+
+ARCH = ("sm90a",)
+SIZES = {"M": 64, "N": 64, "K": 64, "V": 64, "B": 2, "H": 4, "KH": 1, "S": 16, "T": 16, "L": 2, "G": 1, "P": 16}
+
+
+def _sizes(k) -> dict[str, int]:
+    syms = {e.split("+")[0] for t in (*k.inputs, *k.outputs) for e in t.shape if isinstance(e, str)}
+    return {s: SIZES.get(s, 8) for s in syms if not s.endswith("_rows")}
+
+
+def _good_args(mod, name: str, fake: FakeDriver, sizes: dict[str, int]) -> dict:
+    """Inputs and outputs in their declared layouts at `sizes` (valid offsets for packed batches),
+    checked to launch."""
+    k = mod[name].entry
+    sizes = dict(sizes)
+    offsets = _packed_offsets(k, sizes)
+    args: dict = {}
+    for t in (*k.inputs, *k.outputs):
+        shape = tuple(extent_value(e, sizes) for e in t.shape)
+        args[t.name] = _buffer(fake, shape, t.dtype, layout_strides(shape, t.layout))
+        if t.name in offsets:
+            fake.upload(args[t.name].ptr, offsets[t.name].tobytes())
+    before = len(fake.launches)
+    mod[name](**args)
+    assert len(fake.launches) > before, f"{name}: the good call launched nothing"
+    return args
+
+
+def _buffer(fake, shape, dtype, strides=None, offset=0) -> DeviceBuffer:
+    strides = strides or layout_strides(tuple(shape), "row")
+    n = (sum((a - 1) * s for a, s in zip(shape, strides)) + 1) * dtypes.itemsize(dtype) if all(shape) else 1
+    return DeviceBuffer(fake.alloc(n + 64) + offset, shape, dtypes.storage(dtype), strides=strides)
+
+
+def _bad_cases(k, sizes):
+    """(label, argument it names, function(args, fake) -> args) for this kernel's signature."""
+    cases = []
+    ins = [t for t in k.inputs if not is_int(t.dtype)] or list(k.inputs)
+    t = ins[0]
+    shape = tuple(extent_value(e, sizes) for e in t.shape)
+    other = "f16" if dtypes.storage(t.dtype) == "f32" else "f32"
+    cases.append(("dtype", t.name, lambda a, f: {**a, t.name: _buffer(f, shape, other)}))
+    cases.append(("rank", t.name, lambda a, f: {**a, t.name: _buffer(f, (*shape, 1), t.dtype)}))
+    if len(shape) >= 2:
+        wide = layout_strides(shape, t.layout)
+        inner = min(range(len(wide)), key=lambda i: wide[i])
+        bad = tuple(s * 2 if i == inner else s * 2 for i, s in enumerate(wide))
+        cases.append(("strides", t.name, lambda a, f: {**a, t.name: _buffer(f, shape, t.dtype, bad)}))
+    o = k.outputs[0]
+    oshape = tuple(extent_value(e, sizes) for e in o.shape)
+    cases.append(("shape", o.name, lambda a, f: {**a, o.name: _buffer(f, (oshape[0] + 1, *oshape[1:]), o.dtype,
+                                                                      layout_strides((oshape[0] + 1, *oshape[1:]),
+                                                                                     o.layout))}))
+    align = max((p.alignment.get(t.name, 1) for p in k.plans), default=1)
+    if align > 1:
+        cases.append(("alignment", t.name,
+                      lambda a, f: {**a, t.name: _buffer(f, shape, t.dtype, layout_strides(shape, t.layout),
+                                                         offset=align // 2)}))
+    same = [x for x in k.inputs if x.dtype == o.dtype and tuple(extent_value(e, sizes) for e in x.shape) == oshape
+            and x.layout == o.layout]
+    if same:
+        x = same[0]
+        cases.append(("aliasing", o.name, lambda a, f: {**a, o.name: a[x.name]}))
+    return cases
+
+
+def _refuses(mod, name, args, fake, match: str):
+    before = len(fake.launches)
+    with pytest.raises(KspecRuntimeError) as e:
+        mod[name](**args)
+    assert match in str(e.value), str(e.value)
+    assert len(fake.launches) == before, f"{name}: launched on a bad call: {e.value}"
+    return str(e.value)
+
+
+def _table(art):
+    mod = kspec.load(art)
+    for k in mod.manifest.kernels:
+        sizes = _sizes(k)
+        _packed_offsets(k, sizes)          # (the row counts of packed batches)
+        with FakeDriver((9, 0), sm_count=132) as fake:
+            good = _good_args(mod, k.name, fake, sizes)
+            for label, arg, bad in _bad_cases(k, sizes):
+                _refuses(mod, k.name, bad(good, fake), fake, f"'{arg}'")
+
+
+FEW = ["rmsnorm", "cross_entropy", "gemm_bias_relu", "attention"]
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.nvcc
+@pytest.mark.parametrize("stem", FEW)
+def test_bad_arguments_never_launch(compiled, stem):
+    _table(compiled(stem, ARCH))
+
+
+@needs_dsl
+@pytest.mark.slow
+@pytest.mark.cute
+@pytest.mark.nvcc
+@pytest.mark.parametrize("stem", shipped_params(sorted(set(SHIPPED) - set(FEW))))
+def test_bad_arguments_never_launch_for_every_shipped_spec(compiled, stem):
+    _table(compiled(stem, ARCH))
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.nvcc
+def test_an_odd_bf16_row_pointer_is_refused(compiled):
+    """Row kernels read their rows element by element or with 16-byte vectors: a bf16 row at an
+    odd address is neither, and is refused, not launched."""
+    mod = kspec.load(compiled("rmsnorm", ARCH))
+    (plan,) = mod.manifest.kernels[0].plans
+    assert plan.alignment == {"x": 2, "w": 2, "y": 2}
+    with FakeDriver((9, 0), sm_count=132) as fake:
+        args = _good_args(mod, "rmsnorm", fake, {"M": 64, "N": 64})
+        args["x"] = _buffer(fake, (64, 64), "bf16", offset=1)
+        _refuses(mod, "rmsnorm", args, fake, "'x': data pointer")
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_attention_beyond_the_grid_limit_is_refused_by_name(compiled):
+    mod = kspec.load(compiled("attention", ARCH))
+    with FakeDriver((9, 0), sm_count=132) as fake:
+        for B, H in ((65536, 1), (1, 65536)):
+            args = {n: _buffer(fake, (B, H, 1, 128), "f16") for n in ("Q", "K", "V", "O")}
+            msg = _refuses(mod, "attention", args, fake, "beyond CUDA's limit of 65,535 blocks")
+            assert "attention_0" in msg and (f"B={B}" in msg or f"{B * H}" in msg), msg
+        fake_call(mod, "attention", {"B": 65535, "H": 1, "S": 1, "T": 1}, fake)   # at the limit: launches
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_varlen_offsets_must_start_at_zero(compiled):
+    mod = kspec.load(compiled("attention_varlen", ARCH))
+    with FakeDriver((9, 0), sm_count=132) as fake:
+        args = _good_args(mod, "attention_varlen", fake, {"B": 2, "H": 2, "cu_q_rows": 32, "cu_k_rows": 32})
+        for name, offsets, match in (("cu_q", [1, 16, 32], "first offset cu_q[0] = 1 must be 0"),
+                                     ("cu_k", [0, 20, 16], "less than"),
+                                     ("cu_q", [0, 16, 30], "last offset"),
+                                     ("cu_k", [0, 16, 40], "out of range")):
+            cu = _buffer(fake, (3,), "i32")
+            fake.upload(cu.ptr, np.asarray(offsets, dtype=np.int32).tobytes())
+            _refuses(mod, "attention_varlen", {**args, name: cu}, fake, match)
