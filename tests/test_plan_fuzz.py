@@ -145,7 +145,7 @@ def test_every_spec_plans_or_is_refused_with_a_location(tmp_path):
     # each family reaches the stage it is meant for
     assert outcomes.get(("self", "check"), 0) == 300
     assert outcomes.get(("huge", "check"), 0) == 4
-    assert outcomes.get(("chain", "planned"), 0) > 500 and outcomes.get(("names", "planned"), 0) > 20
+    assert outcomes.get(("chain", "planned"), 0) > 300 and outcomes.get(("names", "planned"), 0) > 20
     assert outcomes.get(("names", "check"), 0) > 500
     # planning never accepts what code generation refuses (a sample, emitted as --emit-only does)
     rng = random.Random(SEED)

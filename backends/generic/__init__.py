@@ -193,6 +193,16 @@ def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str) -> list[str]:
 
 
 def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
+    try:
+        return _lower_generic(ir, arch)
+    except RecursionError:
+        # values feeding a loop are inlined into one C expression: a chain of thousands of ops is
+        # more than the generator (or nvcc) takes
+        raise KspecLoweringError(f"plan {ir.id}: the CUDA backend cannot inline an expression this deep (split the chain "
+                                 "with a stored intermediate)", ir.span) from None
+
+
+def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
     gen = _Gen(ir, arch)
     g = gen.g
     plan_id = ir.id

@@ -156,6 +156,16 @@ class _RowGen:
 
 
 def lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
+    try:
+        return _lower_rowwise(ir, arch)
+    except RecursionError:
+        # values feeding a loop are inlined into one C expression: a chain of thousands of ops is
+        # more than the generator (or nvcc) takes
+        raise KspecLoweringError(f"kernel {ir.id} on {arch}: the row kernel cannot inline an expression this deep (split the chain "
+                                 "with a stored intermediate)", ir.span) from None
+
+
+def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
     sched, plan = ScheduleView(ir), plan_view(ir)
     gen = _RowGen(sched, plan, arch)
     g, info, group = gen.g, gen.info, gen.group
@@ -773,6 +783,12 @@ class RowwiseBackend(NvccBuilt):
             return f"the row-kernel backend does not target {arch}"
         if ir.kind != "rowwise":
             return f"the row-kernel backend builds row-wise kernels, not {ir.kind} kernels"
+        # what the generator cannot express is refused when the kernel is planned, so `kspec graph`
+        # never plans a row kernel that `kspec compile` then rejects (generation is cheap)
+        try:
+            lower_rowwise(ir, arch)
+        except KspecLoweringError as e:
+            return e.message.split(": ", 1)[1] if e.message.startswith("kernel ") and ": " in e.message else e.message
         return None
 
     def setting_problem(self, ir: KernelIR, arch: str) -> None:
