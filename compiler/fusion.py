@@ -329,6 +329,7 @@ def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo
     """The GEMM group `group` (the contraction c, or c and its dual partner) grown over the ops that
     consume it and can run in its epilogue."""
     axes = set(op(g, c).axes)
+    depth: dict = {}                 # ops on the longest path from the accumulator to each epilogue node
     changed = True
     while changed:
         changed = False
@@ -337,7 +338,9 @@ def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo
             so = op(g, s)
             if so.kind == "output" or res.group_of(s):
                 continue
-            why = _epilogue_reject(g, s, group, gi, axes, ctx)
+            d = 1 + max((depth.get(u, 0) for u in g.predecessors(s) if u in group), default=0)
+            why = _epilogue_reject(g, s, group, gi, axes, ctx) if d <= MAX_EPILOGUE_DEPTH else \
+                f"the epilogue is already {MAX_EPILOGUE_DEPTH} ops deep (the rest runs as a kernel of its own)"
             if why:
                 note = f"{so.label()} not fused into the GEMM at {c}: {why}"
                 if note not in res.notes:
@@ -353,9 +356,15 @@ def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo
                 cone = _input_cone(g, res, u, labels, gi, trial, ctx)
                 if cone and legal_group(g, trial | cone) is None:
                     trial |= cone       # e.g. `0.5 * R[m, n]` computed in the epilogue, not a kernel
+            depth[s] = d
             group = trial
             changed = True
     return group
+
+
+# The most ops on a path through a GEMM epilogue: its expression tree is built, hashed and emitted
+# recursively, and no real epilogue comes near (a bias, an activation, a residual, a cast).
+MAX_EPILOGUE_DEPTH = 64
 
 
 def _dual_partner(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo):

@@ -161,3 +161,19 @@ def test_long_plan_ids_become_short_file_names(tmp_path):
     f.write_text(spec(k=name))
     paths = write_emitted(emit_spec(f, ("sm90a",)), tmp_path / "out", "long")
     assert paths and all(len(p.name) < 80 and p.name.startswith(name[:55]) for p in paths)
+
+
+def test_a_long_chain_after_a_gemm_plans_with_a_bounded_epilogue():
+    from kspec.compiler.fusion import MAX_EPILOGUE_DEPTH
+    n = 400
+    body = "".join(f"  t{i}[m, n] = t{i - 1}[m, n] * 0.5 + 1.0\n" for i in range(1, n))
+    text = (f"kernel k {{\n  in A : f16[M, K]\n  in B : f16[K, N]\n  out D : f16[M, N]\n"
+            f"  t0[m, n] : f32 = sum(k) A[m, k] * B[k, n]\n{body}  D[m, n] = f16(t{n - 1}[m, n])\n}}\n")
+    t = time.perf_counter()
+    (sched,) = plan_spec(load_spec(text, is_text=True), ("sm90a",))
+    assert time.perf_counter() - t < 20
+    gemm = sched.plans[0]
+    ops = [n for n in gemm.group.nodes if sched.graph.nodes[n]["op"].kind not in ("const", "contraction")]
+    assert gemm.kind == "gemm" and MAX_EPILOGUE_DEPTH - 1 <= len(ops) <= MAX_EPILOGUE_DEPTH
+    assert [p.kind for p in sched.plans[1:]] == ["elementwise"]
+    assert any(f"already {MAX_EPILOGUE_DEPTH} ops deep" in note for note in sched.fusion.notes)

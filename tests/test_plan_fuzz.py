@@ -53,6 +53,14 @@ def _chain(rng: random.Random, n: int) -> str:
             + "\n".join(lines) + "\n" + tail + "\n}\n")
 
 
+def _gemm_chain(rng: random.Random, n: int) -> str:
+    """A GEMM whose result goes through n elementwise statements (its epilogue, up to a depth)."""
+    body = "".join(f"  t{i}[m, n] = {rng.choice(BINARY).format(f't{i - 1}[m, n]', rng.choice(['1.0', 'bias[n]']))}\n"
+                   for i in range(1, n))
+    return (f"kernel g {{\n  in A : f16[M, K]\n  in B : f16[K, N]\n  in bias : f32[N]\n  out D : f16[M, N]\n"
+            f"  t0[m, n] : f32 = sum(k) A[m, k] * B[k, n]\n{body}  D[m, n] = f16(t{n - 1}[m, n])\n}}\n")
+
+
 def _self_ref(rng: random.Random) -> str:
     forms = [
         "  D[m] = D[m] + A[m]",
@@ -105,6 +113,8 @@ def corpus() -> list[tuple[str, str]]:
     rng = random.Random(SEED)
     out = [("chain", _chain(rng, rng.choice([1, 2, 3, 5, 8, 13, 30, 60, 120]))) for _ in range(700)]
     out += [("chain", _chain(rng, n)) for n in (500, 1000, 2000)]
+    out += [("gemm", _gemm_chain(rng, rng.choice([1, 2, 4, 16, 63, 64, 65, 100]))) for _ in range(60)]
+    out += [("gemm", _gemm_chain(rng, n)) for n in (500, 1500)]
     out += [("self", _self_ref(rng)) for _ in range(300)]
     out += [("names", _names_spec(rng)) for _ in range(900)]
     out += [("index", _index_value(rng)) for _ in range(100)]
@@ -147,6 +157,7 @@ def test_every_spec_plans_or_is_refused_with_a_location(tmp_path):
     assert outcomes.get(("huge", "check"), 0) == 4
     assert outcomes.get(("chain", "planned"), 0) > 300 and outcomes.get(("names", "planned"), 0) > 20
     assert outcomes.get(("names", "check"), 0) > 500
+    assert outcomes.get(("gemm", "planned"), 0) == 62
     # planning never accepts what code generation refuses (a sample, emitted as --emit-only does)
     rng = random.Random(SEED)
     sample = [t for k, t in planned if k in ("chain", "index")][:400:4] + rng.sample([t for _, t in planned], 40)
