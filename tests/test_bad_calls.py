@@ -161,3 +161,32 @@ def test_varlen_offsets_must_start_at_zero(compiled):
             cu = _buffer(fake, (3,), "i32")
             fake.upload(cu.ptr, np.asarray(offsets, dtype=np.int32).tobytes())
             _refuses(mod, "attention_varlen", {**args, name: cu}, fake, match)
+
+
+@needs_dsl
+@pytest.mark.nvcc
+def test_row_counts_past_the_launch_limits_are_refused_by_the_glue(compiled):
+    """Extents that need no memory to test: the row kernel's host glue sizes its grid at the 32-bit
+    limit of grid x and refuses past it (the runtime prepares every plan before any launch, so the
+    refusal comes before anything is queued)."""
+    from kspec.runtime.module import GRID_MAX
+    mod = kspec.load(compiled("rmsnorm", ARCH))
+    k = mod.manifest.kernels[0]
+    (plan,) = k.plans
+
+    def dims(sizes):
+        out = []
+        for role, ext in plan.dims:
+            if role in plan.strides:
+                t, axis = plan.strides[role]
+                spec = k.tensor(t)
+                out.append(layout_strides(tuple(extent_value(e, sizes) for e in spec.shape), spec.layout)[axis])
+            else:
+                out.append(extent_value(ext, sizes))
+        return out
+    glue = mod.glue(plan, "sm90a")
+    ptrs = [0x7F0000000000 + i * 2**40 for i in range(len(plan.args))]
+    pr = glue.prepare(dims({"M": 2**31, "N": 8}), ptrs, [1e-6], 0, 0, 132)
+    assert 0 < pr.grid[0] <= GRID_MAX[0] and pr.grid[1:] == (1, 1)
+    with pytest.raises(KspecRuntimeError, match="rmsnorm_0.*too many rows for one launch"):
+        glue.prepare(dims({"M": 2**40, "N": 8}), ptrs, [1e-6], 0, 0, 132)
