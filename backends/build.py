@@ -10,7 +10,8 @@ Cache layout (root = `$KSPEC_CACHE_DIR`, default `~/.cache/kspec`):
     <root>/<key[:2]>/<key>/kernel.cubin|kernel.so   the binary
                            kernel.cu                the source it was built from
                            build.log                nvcc's command and output (warnings)
-                           meta.json                sha256 of the binary, label, arch, seconds, toolchain
+                           meta.json                size + sha256 of every file, label, arch, seconds, toolchain
+                                                    (sealed and verified by backends/cache.py)
     <root>/logs/            logs of failed builds (named in the error message)
     <root>/locks/, tmp/     per-key lock files; entries being written (renamed into place)
 """
@@ -29,7 +30,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +37,11 @@ from typing import Callable, Iterator, Literal, Sequence
 
 from kspec.core import ARCH_TABLE, KspecError
 
+from . import cache as cache_entry
 from .toolchain import Toolchain
 
 # Bump when the key material or the entry layout changes: old entries are then simply never hit.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 # Peak resident memory of one nvcc compiling a CUTLASS 3.x kernel (measured 2-4 GB).
 NVCC_BYTES = int(3.5 * 2**30)
 
@@ -220,31 +221,23 @@ class CompileCache:
                            float(meta.get("seconds", 0.0)))
 
     def _verified_meta(self, key: str, job: BuildJob) -> dict | None:
+        """The entry's metadata if every file of it is whole (backends/cache.py); a damaged entry
+        is removed with a warning (and counted in stats.corrupt), a stale one silently."""
         d = self.entry_dir(key)
         if not d.exists():
             return None
-        try:
-            meta = json.loads((d / "meta.json").read_text())
-            data = (d / job.output_name).read_bytes()
-            ok = (meta.get("format") == CACHE_FORMAT and meta.get("key") == key
-                  and hashlib.sha256(data).hexdigest() == meta.get("sha256"))
-        except (OSError, ValueError, AttributeError):
-            ok = False
-        if ok:
-            return meta
-        self._discard(d)
-        with self._stats_lock:
-            self.stats.corrupt += 1
-        return None
-
-    def _discard(self, d: Path) -> None:
-        """Move an entry out of the way atomically, then delete it (readers never see half)."""
-        trash = self._tmp_root() / f"discard-{d.name}-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(d, trash)
-        except FileNotFoundError:
-            return      # another process discarded it first
-        shutil.rmtree(trash, ignore_errors=True)
+        damaged = []
+        meta = cache_entry.read(d, CACHE_FORMAT, on_damage=lambda dd, why: (damaged.append(why),
+                                                                        cache_entry.warn_damaged(dd, why)))
+        if meta is not None and (meta.get("key") != key or job.output_name not in meta["files"]):
+            cache_entry.warn_damaged(d, "it holds another build")
+            cache_entry.discard(d)
+            damaged.append("key")
+            meta = None
+        if damaged:
+            with self._stats_lock:
+                self.stats.corrupt += 1
+        return meta
 
     def _tmp_root(self) -> Path:
         p = self.root / "tmp"
@@ -301,11 +294,10 @@ class CompileCache:
             if rc != 0 or not out.is_file():
                 raise self._failure(job, key, rc, log, src)
             meta = {"format": CACHE_FORMAT, "key": key, "label": job.label, "arch": job.arch,
-                    "kind": job.kind, "sha256": hashlib.sha256(out.read_bytes()).hexdigest(),
-                    "bytes": out.stat().st_size, "seconds": round(seconds, 3),
+                    "kind": job.kind, "seconds": round(seconds, 3),
                     "toolchain": tc.describe(), "flags": list(job.flags),
                     "include_identity": job.include_identity, "created": time.time()}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            cache_entry.seal(tmp, meta)
             dest = self._install(tmp, key, job)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)    # gone after a successful rename
@@ -313,18 +305,11 @@ class CompileCache:
                            key, seconds)
 
     def _install(self, tmp: Path, key: str, job: BuildJob) -> Path:
+        """Rename the sealed build into place (a whole entry another process installed first is
+        kept); a rename that fails is an error (backends/cache.py)."""
         dest = self.entry_dir(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            try:
-                os.rename(tmp, dest)         # atomic: readers see no entry or a whole one
-                return dest
-            except OSError:
-                # Someone installed first without our lock (e.g. an older kspec): keep theirs if good.
-                if self._verified_meta(key, job) is not None:
-                    return dest
-        raise KspecError(f"cannot write the compile cache entry {dest}",
-                         hint="check permissions of KSPEC_CACHE_DIR, or clear it with `kspec cache clear`")
+        cache_entry.install(tmp, dest, CACHE_FORMAT)
+        return dest
 
     def _failure(self, job: BuildJob, key: str, rc: int, log: Path, src: Path) -> BackendBuildError:
         logs = self.root / "logs"
@@ -368,7 +353,7 @@ class CompileCache:
         Only kspec's own folders are touched, whatever else lives under the root."""
         n = 0
         for d in list(self._entry_dirs()):
-            self._discard(d)
+            cache_entry.discard(d)
             n += 1
         if self.root.is_dir():
             for top in self.root.iterdir():

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import kspec
+from kspec.backends import cache as cache_entry
 from kspec.backends import registry
 from kspec.backends.api import LoweredPlan, SettingError
 from kspec.backends.desc import EmittedKernel
@@ -69,8 +70,6 @@ def emit_cached(lowered: LoweredPlan, cache_root: Path | None, memo_only: bool =
     """backend.emit(lowered), memoised on disk: planning through cutlass_cppgen costs seconds per
     kernel, and a warm `kspec compile` should not pay it.  Entries are JSON, written atomically.
     memo_only: return None instead of emitting when the memo has no entry."""
-    import json
-    import tempfile
     from dataclasses import asdict
     backend = registry.get(lowered.backend)
     if cache_root is None:
@@ -79,14 +78,15 @@ def emit_cached(lowered: LoweredPlan, cache_root: Path | None, memo_only: bool =
         _GENERATOR_ID[backend.name] = _generator_identity(backend)
     key = hashlib.sha256((_GENERATOR_ID[backend.name] + repr(lowered.desc)).encode()).hexdigest()
     path = cache_root / "emit" / f"{key}.json"
-    try:
-        data = json.loads(path.read_text())
-        data["include_dirs"] = _resolve_include_dirs(data["include_dirs"])
-        fields = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
-                  for k, v in data.items()}
-        return EmittedKernel(**fields)
-    except (OSError, ValueError, TypeError, KeyError):
-        pass
+    data = cache_entry.json_get(path)
+    if data is not None:
+        try:
+            data["include_dirs"] = _resolve_include_dirs(data["include_dirs"])
+            fields = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+                      for k, v in data.items()}
+            return EmittedKernel(**fields)
+        except (ValueError, TypeError, KeyError):
+            pass        # written by another kspec version: replaced below
     if memo_only:
         return None
     em = backend.emit(lowered)
@@ -95,11 +95,7 @@ def emit_cached(lowered: LoweredPlan, cache_root: Path | None, memo_only: bool =
     if portable is None:
         return em       # an include dir outside the CUTLASS tree: not memoised (no machine paths on disk)
     data["include_dirs"] = portable
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    cache_entry.json_put(path, data)
     return em
 
 
@@ -478,17 +474,15 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
         info = None
     if info is not None and info.registers is not None:
         return info.registers, info.static_smem_bytes
-    import json
-
     from kspec.artifact import sha256_file
     from kspec.backends.inspect import sass_summary
     memo = cache_root / "resources" / f"{sha256_file(cubin)}.json" if cache_root else None
-    if memo is not None and memo.is_file():
+    if memo is not None:
         try:
-            regs, smem = json.loads(memo.read_text())
+            regs, smem = cache_entry.json_get(memo)
             return regs, smem
         except (ValueError, TypeError):
-            pass
+            pass        # no memo (None does not unpack) or another version's
     if isinstance(toolchain, _LazyToolchain):
         toolchain = toolchain.get()
     if toolchain is None or toolchain.cuobjdump is None:
@@ -498,10 +492,7 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
     except (KspecError, KeyError):
         return None, None
     if memo is not None:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps([k.registers, k.shared_bytes]))
-        os.replace(tmp, memo)
+        cache_entry.json_put(memo, [k.registers, k.shared_bytes])
     return k.registers, k.shared_bytes
 
 

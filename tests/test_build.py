@@ -125,7 +125,8 @@ def test_miss_then_hit_without_running_nvcc(fake_tc, cache, count_file):
     assert not r1.cached and r1.path.is_file() and count_file() == 1
     assert r1.path == cache.entry_dir(r1.key) / "kernel.cubin"
     meta = json.loads((r1.path.parent / "meta.json").read_text())
-    assert meta["sha256"] == hashlib.sha256(r1.path.read_bytes()).hexdigest()
+    assert meta["files"]["kernel.cubin"]["sha256"] == hashlib.sha256(r1.path.read_bytes()).hexdigest()
+    assert set(meta["files"]) == {"kernel.cubin", "kernel.cu", "build.log"}
     assert meta["label"] == "kernel k on sm90a" and meta["arch"] == "sm90a"
     assert meta["toolchain"]["nvcc_version"] == "13.0.88"
     assert "warning: fake nvcc" in r1.log.read_text()

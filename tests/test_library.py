@@ -166,7 +166,7 @@ def _assert_cache_consistent(cache) -> None:
     for d in entries:
         meta = json.loads((d / "meta.json").read_text())
         binary = d / ("kernel.cubin" if meta["kind"] == "cubin" else "kernel.so")
-        assert hashlib.sha256(binary.read_bytes()).hexdigest() == meta["sha256"]
+        assert hashlib.sha256(binary.read_bytes()).hexdigest() == meta["files"][binary.name]["sha256"]
         assert b"half a binary" not in binary.read_bytes()
 
 

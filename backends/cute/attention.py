@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -43,6 +42,7 @@ from pathlib import Path
 from kspec.backends.desc import Const, Load
 from kspec.core import KspecError, KspecInternalError, dtype_bytes, packed_rows_symbol
 
+from .. import cache as cache_entry
 from . import attnmods, compat
 
 BUILD_FORMAT = 2
@@ -1111,19 +1111,18 @@ def _import_entry(path: Path):
 
 
 def _read(d: Path) -> dict | None:
-    from .build import _sha
-    try:
-        meta = json.loads((d / "meta.json").read_text())
-        if meta.get("format") != BUILD_FORMAT:
-            return None
-        for v in meta["variants"]:
-            for f in ("kernel.cubin", "kernel.so"):
-                if _sha(d / v["dir"] / f) != v["sha256"][f]:
-                    shutil.rmtree(d, ignore_errors=True)
-                    return None
-        return meta
-    except (OSError, ValueError, KeyError, TypeError):
+    """A whole cache entry's metadata, or None (missing; damaged or stale: removed, rebuilt)."""
+    meta = cache_entry.read(d, BUILD_FORMAT)
+    if meta is None:
         return None
+    files = set(meta["files"])
+    variants = meta.get("variants")
+    if not isinstance(variants, list) or not variants or any(
+            not {f"{v['dir']}/kernel.cubin", f"{v['dir']}/kernel.so"} <= files for v in variants):
+        cache_entry.warn_damaged(d, "a variant lacks kernel.cubin or kernel.so")
+        cache_entry.discard(d)
+        return None
+    return meta
 
 
 def _result(desc: AttnDesc, parts: list[tuple[str, Path, dict]], seconds: float, cached: bool) -> AttnBuild:
@@ -1247,13 +1246,9 @@ def _build_sku(desc: AttnDesc, key: str, d: Path, lengths, done: list[tuple[str,
                                  "sha256": {f: _sha(vd / f) for f in ("kernel.cubin", "kernel.so")}})
         meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "sm_count": desc.sm_count,
                 "variants": variants}
-        (work / "meta.json").write_text(json.dumps(meta, indent=1))
-        d.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(work, d)
-        except OSError:
-            pass
+        shutil.rmtree(work / "__pycache__", ignore_errors=True)
+        cache_entry.seal(work, meta)
+        return cache_entry.install(work, d, BUILD_FORMAT)
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
-    return _read(d) or meta

@@ -26,6 +26,7 @@ from pathlib import Path
 from kspec.backends.desc import GemmDesc
 from kspec.core import KspecError, KspecInternalError
 
+from .. import cache as cache_entry
 from . import compat, epilogue, gemm
 
 BUILD_FORMAT = 1
@@ -424,18 +425,12 @@ def build(desc: GemmDesc, arch: str, cache_root: Path | None, config: gemm.CuteC
         work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=root))
         try:
             info = _compile_into(work, desc, arch, cfg, key, src, code)
-            meta = {"format": BUILD_FORMAT, "key": key, "arch": arch, "desc": desc.name, **info,
-                    "sha256": {n: _sha(work / n) for n in ("kernel.cubin", "kernel.so")}}
-            (work / "meta.json").write_text(json.dumps(meta, indent=1))
-            entry_dir.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.replace(work, entry_dir)
-            except OSError:
-                pass            # another process built the same key meanwhile: keep theirs
+            shutil.rmtree(work / "__pycache__", ignore_errors=True)
+            cache_entry.seal(work, {"format": BUILD_FORMAT, "key": key, "arch": arch, "desc": desc.name, **info})
+            meta = cache_entry.install(work, entry_dir, BUILD_FORMAT)
         finally:
             if work.exists():
                 shutil.rmtree(work, ignore_errors=True)
-        meta = _read_entry(entry_dir) or meta
     return _result(desc, cfg, key, code, entry_dir, meta, time.monotonic() - t0, cached)
 
 
@@ -449,18 +444,13 @@ def _sha(p: Path) -> str:
 
 
 def _read_entry(d: Path) -> dict | None:
-    """A verified cache entry's metadata, or None (missing or corrupt: rebuilt)."""
-    try:
-        meta = json.loads((d / "meta.json").read_text())
-        if meta.get("format") != BUILD_FORMAT:
-            return None
-        for n, digest in meta["sha256"].items():
-            if _sha(d / n) != digest:
-                shutil.rmtree(d, ignore_errors=True)
-                return None
-        return meta
-    except (OSError, ValueError, KeyError, TypeError):
+    """A whole cache entry's metadata, or None (missing; damaged or stale: removed, rebuilt)."""
+    meta = cache_entry.read(d, BUILD_FORMAT)
+    if meta is not None and not {"kernel.cubin", "kernel.so"} <= set(meta["files"]):
+        cache_entry.warn_damaged(d, "it lacks kernel.cubin or kernel.so")
+        cache_entry.discard(d)
         return None
+    return meta
 
 
 def build_result_dict(b: CuteBuild) -> dict:

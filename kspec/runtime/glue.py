@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kspec.core import ABI_VERSION
+from kspec.runtime.elfcheck import check_shared_object
 from kspec.runtime.errors import KspecRuntimeError
 
 # Hopper/Blackwell accept up to 32764 bytes of kernel parameters.
@@ -45,6 +46,7 @@ class HostGlue:
         self.path = Path(path)
         self.what = what
         self.arg_names = tuple(arg_names)       # plan args in ABI pointer order, for messages
+        check_shared_object(self.path, f"host glue of {what}")     # a damaged file would fault, not raise
         try:
             self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
         except OSError as e:
