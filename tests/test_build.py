@@ -153,6 +153,28 @@ def test_change_misses(fake_tc, cache, count_file, change):
     assert not r.cached and count_file() == 2 and cache.info()["entries"] == 2
 
 
+@pytest.mark.parametrize("name", ["kernel.cubin", "kernel.cu", "build.log", "meta.json"])
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_damage_to_any_file_of_an_entry_is_rebuilt_with_one_warning(fake_tc, cache, count_file, name, how, capsys):
+    r1 = cache.build(job(), fake_tc)
+    good = r1.path.read_bytes()
+    p = r1.path.parent / name
+    if how == "delete":
+        p.unlink()
+    else:
+        b = bytearray(p.read_bytes())
+        if how == "flip":
+            b[len(b) // 2] ^= 1
+        else:
+            del b[len(b) // 2:]
+        p.write_bytes(bytes(b))
+    capsys.readouterr()
+    r2 = cache.build(job(), fake_tc)
+    assert not r2.cached and r2.path.read_bytes() == good and cache.stats.corrupt == 1 and count_file() == 2
+    assert capsys.readouterr().err.count("is damaged") == 1
+    assert cache.build(job(), fake_tc).cached and count_file() == 2
+
+
 def test_corrupt_entry_is_rebuilt_and_counted(fake_tc, cache, count_file):
     r1 = cache.build(job(), fake_tc)
     data = bytearray(r1.path.read_bytes())
