@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from kspec.core import dtype_bytes
+from kspec.core import INT_DTYPES, dtype_bytes
 
 from .graph import GENERATED_KINDS, OpNode, op, operands, uses
 
@@ -64,7 +64,7 @@ _FOLD = {
     "div": lambda a, b: a / b if b != 0 else math.copysign(math.inf, a) if a else math.nan,
     "neg": lambda a: -a, "maximum": max, "minimum": min, "abs": abs,
     "floordiv": lambda a, b: a // b if b != 0 else None, "mod": lambda a, b: a % b if b != 0 else None,
-    "exp": math.exp, "tanh": math.tanh,
+    "exp": math.exp, "tanh": math.tanh, "sqrt": math.sqrt, "log": math.log,
 }
 
 
@@ -411,10 +411,151 @@ def split_shared_scalars(g: nx.DiGraph) -> int:
                                not any(op(g, v).kind == "output" for v in g.successors(n)))
 
 
+# ---------------------------------------------------------------------------------------------
+# one form per spelling: what attention recognition (compiler/attention.py) sees does not depend
+# on how the user wrote an equivalent expression
+# ---------------------------------------------------------------------------------------------
+
+_COMMUTATIVE = ("add", "mul", "maximum", "minimum")
+_FLIP = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
+
+
+def _is_neg_inf_const(g: nx.DiGraph, n) -> bool:
+    o = op(g, n)
+    return o.kind == "const" and o.value == -math.inf
+
+
+def _set_args(g: nx.DiGraph, n, args: list) -> None:
+    """Replace n's operands by args [(node, labels)] in position order."""
+    for u in list(g.predecessors(n)):
+        g.remove_edge(u, n)
+    for pos, (u, labels) in enumerate(args):
+        if g.has_edge(u, n):
+            g.edges[u, n]["uses"] += ((pos, tuple(labels)),)
+        else:
+            g.add_edge(u, n, uses=((pos, tuple(labels)),))
+
+
+def order_commutative_operands(g: nx.DiGraph) -> int:
+    """A commutative binary op reads its literal constant operand first:
+    `s * 0.125` is `0.125 * s`, the form the softmax-scale recognition reads."""
+    count = 0
+    for n in list(g.nodes):
+        o = op(g, n)
+        ins = operands(g, n)
+        if o.kind == "elementwise" and o.fn == "div" and len(ins) == 2 and o.dtype not in INT_DTYPES:
+            d = ins[1][0]
+            do = op(g, d)
+            if do.kind == "const" and not do.axes and isinstance(do.value, float) and do.value and \
+                    math.isfinite(do.value) and math.frexp(do.value)[0] in (0.5, -0.5):
+                # x / 2^k is exactly 2^-k * x: the scale `/ sqrt(64.0)` is the factor `0.125 *`
+                r = f"n{_next_id(g)}"
+                g.add_node(r, op=replace(do, value=1.0 / do.value))
+                _set_args(g, n, [(r, ()), ins[0]])
+                g.nodes[n]["op"] = o = replace(o, fn="mul")
+                count += 1
+                continue
+        if o.kind != "elementwise" or o.fn not in _COMMUTATIVE or o.dtype in INT_DTYPES:
+            continue        # index arithmetic keeps its spelling (`b + 1` is what varlen offsets match)
+        if len(ins) != 2:
+            continue
+        (a, al), (b, bl) = ins
+        scalar = lambda u: op(g, u).kind == "const" and not op(g, u).axes     # a literal: no ABI argument moves
+        if scalar(b) and not scalar(a):
+            _set_args(g, n, [(b, bl), (a, al)])
+            count += 1
+    return count
+
+
+def _single_use(g: nx.DiGraph, n) -> bool:
+    return g.out_degree(n) == 1 and len(uses(g, n, next(iter(g.successors(n))))) == 1 and \
+        op(g, n).name is None
+
+
+def _negate(g: nx.DiGraph, c, labels):
+    """(node, labels) computing `not c`: an integer comparison flips, `not` drops, and/or follow
+    De Morgan (in place when c has no other reader); otherwise a `not` node.  Float comparisons
+    never flip (`not (x > y)` is not `x <= y` for a NaN)."""
+    o = op(g, c)
+    if o.kind == "broadcast" and o.dtype == "bool" and _single_use(g, c):
+        (u, ul), = operands(g, c)
+        _set_args(g, c, [_negate(g, u, ul)])
+        return c, labels
+    if o.kind == "elementwise" and _single_use(g, c):
+        ins = operands(g, c)
+        if o.fn == "not":
+            u, ul = ins[0]
+            return u, tuple(dict(zip(o.axes, labels)).get(x, x) for x in ul)
+        if o.fn in _FLIP and all(op(g, u).dtype in INT_DTYPES for u, _ in ins):
+            g.nodes[c]["op"] = replace(o, fn=_FLIP[o.fn])
+            return c, labels
+        if o.fn in ("and", "or"):
+            _set_args(g, c, [_negate(g, u, ul) for u, ul in ins])
+            g.nodes[c]["op"] = replace(op(g, c), fn="or" if o.fn == "and" else "and")
+            return c, labels
+    m = f"n{_next_id(g)}"
+    g.add_node(m, op=OpNode("elementwise", "bool", tuple(o.axes), tuple(o.shape), fn="not", span=o.span))
+    g.add_edge(c, m, uses=((0, tuple(o.axes)),))
+    return m, labels
+
+
+def normalise_masks(g: nx.DiGraph) -> int:
+    """Masks in one form: `where(c, -inf, x)` is `where(not c, x, -inf)` with the negation pushed
+    down to the comparisons (a window written with `or` and its branches swapped becomes the
+    conjunction of its bounds), and a mask commutes past an additive term:
+    `where(c, x, -inf) + y` is `where(c, x + y, -inf)` (the mask then reaches the softmax, where
+    FlashAttention-4's causal mask or window skips the masked blocks).  -inf + y is -inf for any y
+    but +inf: a +inf addend already makes the softmax row NaN in either form."""
+    count = 0
+    changed = True
+    while changed:
+        changed = False
+        for n in list(nx.topological_sort(g)):
+            o = op(g, n)
+            if o.kind != "elementwise":
+                continue
+            ins = operands(g, n)
+            if o.fn == "where" and len(ins) == 3 and _is_neg_inf_const(g, ins[1][0]) and \
+                    not _is_neg_inf_const(g, ins[2][0]):
+                c, cl = ins[0]
+                _set_args(g, n, [_negate(g, c, cl), ins[2], ins[1]])
+                count += 1
+                changed = True
+            elif o.fn in ("add", "sub") and len(ins) == 2:
+                for k in ((0, 1) if o.fn == "add" else (0,)):
+                    w, wl = ins[k]
+                    wo = op(g, w)
+                    if wo.kind != "elementwise" or wo.fn != "where" or not _single_use(g, w) or \
+                            len(set(wl)) != len(wl) or set(wl) != set(o.axes) or len(wo.axes) != len(wl):
+                        continue
+                    (c, cl), (x, xl), (ninf, nl) = operands(g, w)
+                    if not _is_neg_inf_const(g, ninf) or _is_neg_inf_const(g, x):
+                        continue
+                    to_n = dict(zip(wo.axes, wl))          # w's labels -> n's
+                    cl, xl = tuple(to_n[a] for a in cl), tuple(to_n[a] for a in xl)
+                    y = ins[1 - k]
+                    # n becomes the where (it keeps n's name and readers); w becomes x +/- y
+                    _set_args(g, w, [(x, xl), y] if k == 0 else [y, (x, xl)])
+                    g.nodes[w]["op"] = replace(o, fn=o.fn, name=None)
+                    _set_args(g, n, [(c, cl), (w, tuple(o.axes)), (ninf, nl)])
+                    g.nodes[n]["op"] = replace(o, fn="where")
+                    count += 1
+                    changed = True
+                    break
+            if changed:
+                break
+    return count
+
+
 def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     """Run every canonicalisation pass; returns how much each one changed."""
     stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
              "dead": remove_dead(g)}
+    stats["commuted"] = order_commutative_operands(g)
+    stats["masks"] = normalise_masks(g)
+    if stats["masks"] or stats["commuted"]:
+        stats["merged"] += merge_common_subexpressions(g)
+        stats["dead"] += remove_dead(g)
     stats["broadcasts_split"] = split_shared_broadcasts(g)
     stats["scalars_split"] = split_shared_scalars(g)
     return stats

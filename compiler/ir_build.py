@@ -31,6 +31,10 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
     """group: a fusion Group; buffer_of(node) -> the buffer holding an outside value;
     buffer_info(name) -> its IRBuffer; stores: (node, buffer) for the values leaving the group."""
     nodes = set(group.nodes)
+    topo = list(nx.lexicographical_topological_sort(g.subgraph(nodes), key=_order))
+    sig = list(dict.fromkeys(u for n in topo for u, _ in operands(g, n)
+                             if u not in nodes and op(g, u).kind not in ("const", "index", "size")))
+    ident = _canonical_ids(g, nodes, stores, sig)   # every op id below goes through it
     ops: list[IROp] = []
     made: set = set()
     bufs: dict[str, IRBuffer] = {}
@@ -45,13 +49,13 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
         o = op(g, u)
         made.add(u)
         if o.kind in ("const", "index", "size"):
-            ops.append(IROp(str(u), o.kind, o.dtype, o.axes, tuple(o.shape), fn=o.fn, value=o.value, span=o.span))
+            ops.append(IROp(ident(u), o.kind, o.dtype, o.axes, tuple(o.shape), fn=o.fn, value=o.value, span=o.span))
             return
         name = buffer_of(u)
         use_buffer(name)
         b = bufs[name]
         kind = "param" if b.role == "param" else "input"
-        ops.append(IROp(str(u), kind, b.dtype, o.axes, tuple(o.shape), name=o.name, layout=b.layout, buffer=name,
+        ops.append(IROp(ident(u), kind, b.dtype, o.axes, tuple(o.shape), name=o.name, layout=b.layout, buffer=name,
                         span=o.span))
 
     order = list(nx.lexicographical_topological_sort(g.subgraph(nodes), key=_order))
@@ -61,8 +65,8 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
                 external(u)
     for n in order:
         o = op(g, n)
-        ops.append(IROp(str(n), o.kind, o.dtype, o.axes, tuple(o.shape),
-                        args=tuple((str(u), tuple(l)) for u, l in operands(g, n)), fn=o.fn, name=o.name,
+        ops.append(IROp(ident(n), o.kind, o.dtype, o.axes, tuple(o.shape),
+                        args=tuple((ident(u), tuple(l)) for u, l in operands(g, n)), fn=o.fn, name=o.name,
                         reduced=o.reduced, reduced_shape=tuple(o.reduced_shape), value=o.value, causal=o.causal,
                         layout=o.layout, subscripts=tuple(o.subscripts), span=o.span))
     for _, b in stores:
@@ -71,18 +75,46 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
         if b.packed is not None:          # a packed buffer's offsets travel with it
             use_buffer(b.packed)
     gemm = epilogue = attention = None
+    ops.sort(key=lambda o: _order(o.id))
     if group.kind == "gemm":
-        gemm, epilogue = _gemm(g, group, buffer_of, stores, bufs, use_buffer)
+        gemm, epilogue = _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident)
     elif group.kind == "attention":
-        attention = _attention(g, group, buffer_of, stores, bufs)
+        attention = _attention(g, group, buffer_of, stores, bufs, ident)
     anchor = group.anchor if group.anchor is not None else order[-1]
     row = None
     if group.kind == "rowwise":
         info = group.info
         row = RowStructure(tuple(info.outer), info.axis, tuple(info.extents))
     return KernelIR(plan_id, group.kind, spec_kernel, tuple(bufs.values()), tuple(ops),
-                    tuple((str(n), b, _store_labels(g, n, b)) for n, b in stores), gemm, epilogue, attention, hints,
-                    row, str(anchor), op(g, anchor).span)
+                    tuple((ident(n), b, _store_labels(g, n, b)) for n, b in stores), gemm, epilogue, attention, hints,
+                    row, ident(anchor), op(g, anchor).span)
+
+
+def _canonical_ids(g: nx.DiGraph, nodes: set, stores, sig: list) -> Callable[[object], str]:
+    """Op ids of one kernel in a structural order: the buffers it reads (sig, in their first-read
+    order), then post-order from the stored values (operands in position order), so two spellings
+    that canonicalise to the same ops give the same kernel IR, ids included, whatever order the
+    graph builder made their nodes in."""
+    order: list = list(sig)
+    seen: set = set(sig)
+    roots = [n for n, _ in stores] + sorted(nodes, key=_order)
+    for root in roots:
+        stack = [(root, False)]
+        while stack:
+            n, done = stack.pop()
+            if done:
+                order.append(n)
+                continue
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.append((n, True))
+            if n in nodes:
+                for u, _ in reversed(operands(g, n)):
+                    if u not in seen:
+                        stack.append((u, False))
+    ids = {n: f"n{k}" for k, n in enumerate(order)}
+    return lambda n: ids[n] if n in ids else str(n)
 
 
 def _store_labels(g, n, buffer_name: str) -> tuple[str, ...]:
@@ -108,7 +140,7 @@ def _batch_extent(g, node, labels):
     return ext[0] if len(ext) == 1 else tuple(ext)
 
 
-def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
+def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
     gi: GemmInfo = group.info
     anchor = group.anchor
     nodes = group.nodes
@@ -178,11 +210,11 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer):
     a_buf, b_buf = buffer_of(gi.a), buffer_of(gi.b)
     acc = op(g, anchor).dtype
     structure = GemmStructure(
-        anchor=str(anchor), a=str(gi.a), b=str(gi.b), a_buffer=a_buf, b_buffer=b_buf,
+        anchor=ident(anchor), a=ident(gi.a), b=ident(gi.b), a_buffer=a_buf, b_buffer=b_buf,
         a_dtype=op(g, gi.a).dtype, b_dtype=op(g, gi.b).dtype, acc_dtype="i32" if acc == "i32" else "f32",
         a_layout=gi.a_layout, b_layout=gi.b_layout, m=gi.m, n=gi.n, k=gi.k, batch=tuple(gi.batch),
         m_fold=tuple(gi.m_fold), k_fold=tuple(gi.k_fold),
-        anchor2=None if gi.anchor2 is None else str(gi.anchor2), b2=None if gi.b2 is None else str(gi.b2),
+        anchor2=None if gi.anchor2 is None else ident(gi.anchor2), b2=None if gi.b2 is None else ident(gi.b2),
         b2_buffer=None if gi.b2 is None else buffer_of(gi.b2),
         dims=(("M", _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
               ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
@@ -217,7 +249,7 @@ def _label_extent(g, consumer, producer, label):
     return None
 
 
-def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
+def _attention(g, group, buffer_of, stores, bufs, ident=str) -> AttentionStructure:
     info = group.info
     qk = info.qk
     batch = [_extent(g, qk, l) for l in info.batch]
@@ -238,7 +270,7 @@ def _attention(g, group, buffer_of, stores, bufs) -> AttentionStructure:
             mask = None                # `where(j <= i, s, -inf)` with S = T: the causal flag says it
         aux = tuple(dict.fromkeys(buffer_of(n) for n in mods.aux))
     return AttentionStructure(
-        qk=str(qk), softmax=str(info.softmax), pv=str(info.pv), q=str(info.q), k=str(info.k), v=str(info.v),
+        qk=ident(qk), softmax=ident(info.softmax), pv=ident(info.pv), q=ident(info.q), k=ident(info.k), v=ident(info.v),
         q_buffer=buffer_of(info.q), k_buffer=buffer_of(info.k), v_buffer=buffer_of(info.v),
         dtypes=(op(g, info.q).dtype, op(g, info.k).dtype, op(g, info.v).dtype), batch=tuple(info.batch),
         query=info.query, key=info.key, head=info.head, causal=bool(info.causal),

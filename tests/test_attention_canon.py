@@ -1,0 +1,99 @@
+"""Spellings of one attention canonicalise to one kernel IR (compiler/canon.py: constant factors,
+mask normal form, mask past additive terms; compiler/ir_build.py: structural op ids): each spelling
+the issue names is planned from real spec text and its IR digest compared with the canonical
+form's, and the FA4 view of the mask (native causal / window) is checked where it matters."""
+from __future__ import annotations
+
+import pytest
+
+from kspec.backends.registry import Planner
+from kspec.compiler import plan_kernel, verify
+from kspec.spec_lang import load_spec
+
+ARCHS = ("sm90a", "sm100a")
+
+BASE = """kernel k {
+  param W : i32 = 16
+  in  Q : f16[B, H, S, 64]
+  in  K : f16[B, H, S, 64]
+  in  V : f16[B, H, S, 64]
+  in  bias : f32[B, H, S, S]
+  out O : f16[B, H, S, 64]
+  s[b, h, i, j] : f32 = SCORE
+  m[b, h, i, j] = MOD
+  p[b, h, i, j] = softmax(j) m[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h, j, e]
+}"""
+QK = "sum(e) Q[b, h, i, e] * K[b, h, j, e]"
+
+
+class Accepting(Planner):
+    """The registry, with every attention accepted (so fusion does not depend on installed FA4)."""
+
+    def can_fuse(self, ir, archs):
+        return None if ir.kind == "attention" else super().can_fuse(ir, archs)
+
+
+def ir_of(score=f"0.125 * {QK}", mod="s[b, h, i, j]"):
+    src = BASE.replace("SCORE", score).replace("MOD", mod)
+    sched = plan_kernel(load_spec(src, is_text=True).kernels[0], ARCHS, Accepting())
+    assert [p.kind for p in sched.plans] == ["attention"], [p.kind for p in sched.plans]
+    return verify(sched.plans[0].ir)
+
+
+CASES = {
+    # constant factors fold into the softmax scale
+    "divided by sqrt(64.0)": (dict(score=f"({QK}) / sqrt(64.0)"), dict()),
+    "times 0.125 after the sum": (dict(score=f"({QK}) * 0.125"), dict()),
+    "times 0.125 inside the sum": (dict(score="sum(e) Q[b, h, i, e] * K[b, h, j, e] * 0.125"), dict()),
+    # a mask commutes past an additive term
+    "causal before the bias": (dict(mod="where(j <= i, s[b, h, i, j], -inf) + bias[b, h, i, j]"),
+                               dict(mod="where(j <= i, s[b, h, i, j] + bias[b, h, i, j], -inf)")),
+    "bias after a window": (dict(mod="bias[b, h, i, j] + where(j <= i and j > i - W, s[b, h, i, j], -inf)"),
+                            dict(mod="where(j <= i and j > i - W, bias[b, h, i, j] + s[b, h, i, j], -inf)")),
+    # a disjunctive window with its branches swapped is the conjunction of its bounds
+    "window with or, branches swapped": (dict(mod="where(j > i or j <= i - W, -inf, s[b, h, i, j])"),
+                                         dict(mod="where(j <= i and j > i - W, s[b, h, i, j], -inf)")),
+    "causal with branches swapped": (dict(mod="where(j > i, -inf, s[b, h, i, j])"),
+                                     dict(mod="where(j <= i, s[b, h, i, j], -inf)")),
+    "not of a conjunction": (dict(mod="where(not (j <= i and j > i - W), -inf, s[b, h, i, j])"),
+                             dict(mod="where(j <= i and j > i - W, s[b, h, i, j], -inf)")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_spelling_has_the_canonical_ir(name):
+    spelling, canonical = CASES[name]
+    a, b = ir_of(**spelling), ir_of(**canonical)
+    assert a.digest() == b.digest(), name
+    assert a.attention.scale == 0.125 or a.attention.scale == b.attention.scale
+
+
+def test_the_spellings_are_not_all_one_ir():
+    # the digest tells different attentions apart (the comparison above can fail)
+    digests = {ir_of().digest(), ir_of(score=f"0.25 * {QK}").digest(),
+               ir_of(mod="where(j <= i, s[b, h, i, j], -inf)").digest(),
+               ir_of(mod="where(j < i, s[b, h, i, j], -inf)").digest(),
+               ir_of(mod="where(j <= i, s[b, h, i, j], -inf) + bias[b, h, i, j]").digest()}
+    assert len(digests) == 5
+    assert ir_of(score=f"({QK}) / sqrt(64.0)").attention.scale == 0.125
+
+
+def test_causal_before_bias_is_the_causal_flag_and_a_bias_score_mod():
+    a = ir_of(mod="where(j <= i, s[b, h, i, j], -inf) + bias[b, h, i, j]").attention
+    assert a.causal and a.mask is None and a.aux == ("bias",)
+    from kspec.compiler.kir import AuxLoad, Index, Op, Score
+    assert a.score_mod == Op("add", (Score(), AuxLoad("bias", tuple(Index(x) for x in "bhij"), "f32")))
+
+
+def test_swapped_or_window_is_flashattention_4_native():
+    attnmods = pytest.importorskip("kspec.backends.cute.attnmods")
+    a = ir_of(mod="where(j > i or j <= i - W, -inf, s[b, h, i, j])").attention
+    m = attnmods.analyse(a, dict(a.dims))
+    assert m.window is not None and m.mask_mod is None and not m.causal
+
+
+def test_a_float_comparison_is_not_flipped():
+    # not (x > 0.0) is not x <= 0.0 for a NaN score: the condition keeps its `not`
+    a = ir_of(mod="where(bias[b, h, i, j] > 0.0, -inf, s[b, h, i, j])").attention
+    assert "not" in repr(a.mask) and "le" not in repr(a.mask)
