@@ -547,10 +547,67 @@ def normalise_masks(g: nx.DiGraph) -> int:
     return count
 
 
+def recognise_softmax(g: nx.DiGraph) -> int:
+    """A hand-written softmax is a softmax: `x = exp(y - max(j) y); p = x / sum(j) x` (every value
+    over the same axes, read in their own order, the intermediates read by nothing else) becomes
+    `p = softmax(j) y`, so attention recognition sees it."""
+    def only(n, reader) -> bool:
+        return set(g.successors(n)) == {reader} and op(g, n).kind != "output"
+
+    def ident(n, labels) -> bool:
+        return tuple(labels) == tuple(op(g, n).axes)
+
+    def reduced_over(b, fn, axes):
+        """b broadcasts a reduction `fn` over one label of `axes` to axes: (reduction, its operand, label)."""
+        bo = op(g, b)
+        if bo.kind != "broadcast" or tuple(bo.axes) != axes:
+            return None
+        (r, rl), = operands(g, b)
+        ro = op(g, r)
+        if ro.kind != "reduction" or ro.fn != fn or len(ro.reduced) != 1 or not ident(r, rl):
+            return None
+        j = ro.reduced[0]
+        (u, ul), = operands(g, r)
+        if tuple(a for a in axes if a != j) != tuple(ro.axes) or j not in axes or tuple(ul) != axes:
+            return None
+        return r, u, j
+
+    count = 0
+    for n in list(nx.topological_sort(g)):
+        o = op(g, n)
+        if o.kind != "elementwise" or o.fn != "div" or not o.axes or o.dtype in INT_DTYPES:
+            continue
+        A = tuple(o.axes)
+        (x, xl), (bz, bzl) = operands(g, n)
+        xo = op(g, x)
+        if not (ident(x, xl) and ident(bz, bzl) and xo.kind == "elementwise" and xo.fn == "exp" and
+                tuple(xo.axes) == A):
+            continue
+        z = reduced_over(bz, "sum", A)
+        if z is None or z[1] != x or not only(bz, n) or not only(z[0], bz) or set(g.successors(x)) != {n, z[0]}:
+            continue
+        (d, dl), = operands(g, x)
+        do = op(g, d)
+        if not (ident(d, dl) and do.kind == "elementwise" and do.fn == "sub" and tuple(do.axes) == A and only(d, x)):
+            continue
+        (y, yl), (bm, bml) = operands(g, d)
+        m = reduced_over(bm, "max", A)
+        if m is None or m[1] != y or m[2] != z[2] or not ident(y, yl) or not ident(bm, bml) or \
+                not only(bm, d) or not only(m[0], bm) or op(g, y).dtype != o.dtype:
+            continue
+        _set_args(g, n, [(y, A)])
+        g.nodes[n]["op"] = OpNode("softmax", o.dtype, A, tuple(o.shape), fn=z[2], name=o.name, span=o.span)
+        count += 1
+    if count:
+        remove_dead(g)
+    return count
+
+
 def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     """Run every canonicalisation pass; returns how much each one changed."""
     stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
              "dead": remove_dead(g)}
+    stats["softmax"] = recognise_softmax(g)
     stats["commuted"] = order_commutative_operands(g)
     stats["masks"] = normalise_masks(g)
     if stats["masks"] or stats["commuted"]:

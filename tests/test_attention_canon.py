@@ -4,6 +4,7 @@ the issue names is planned from real spec text and its IR digest compared with t
 form's, and the FA4 view of the mask (native causal / window) is checked where it matters."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kspec.backends.registry import Planner
@@ -97,3 +98,62 @@ def test_a_float_comparison_is_not_flipped():
     # not (x > 0.0) is not x <= 0.0 for a NaN score: the condition keeps its `not`
     a = ir_of(mod="where(bias[b, h, i, j] > 0.0, -inf, s[b, h, i, j])").attention
     assert "not" in repr(a.mask) and "le" not in repr(a.mask)
+
+
+HAND = """mx[b, h, i] = max(j) s[b, h, i, j]
+  x[b, h, i, j] = exp(s[b, h, i, j] - mx[b, h, i])
+  z[b, h, i] = sum(j) x[b, h, i, j]
+  p[b, h, i, j] = x[b, h, i, j] / z[b, h, i]"""
+
+
+def hand_written(body=HAND):
+    return BASE.replace("SCORE", f"0.125 * {QK}").replace("  m[b, h, i, j] = MOD\n", "").replace(
+        "  p[b, h, i, j] = softmax(j) m[b, h, i, j]", "  " + body)
+
+
+def test_a_hand_written_softmax_is_the_softmax():
+    sched = plan_kernel(load_spec(hand_written(), is_text=True).kernels[0], ARCHS, Accepting())
+    assert [p.kind for p in sched.plans] == ["attention"]
+    assert verify(sched.plans[0].ir).digest() == ir_of().digest()
+
+
+@pytest.mark.parametrize("body, why", [
+    (HAND.replace("exp(s[b, h, i, j] - mx[b, h, i])", "exp(s[b, h, i, j] - mx[b, h, i] + 1.0)"), "not y - max y"),
+    (HAND.replace("z[b, h, i] = sum(j) x[b, h, i, j]", "z[b, h, i] = sum(j) x[b, h, i, j] * 2.0"), "not sum x"),
+    (HAND.replace("mx[b, h, i] = max(j) s[b, h, i, j]", "mx[b, h, i] = min(j) s[b, h, i, j]"), "min, not max"),
+])
+def test_what_is_not_a_softmax_stays_unfused(body, why):
+    sched = plan_kernel(load_spec(hand_written(body), is_text=True).kernels[0], ARCHS, Accepting())
+    assert "attention" not in [p.kind for p in sched.plans], why
+
+
+def _attention64(Q, K, V, scale, keep=None, bias=None):
+    s = scale * np.einsum("bhie,bhje->bhij", *(x.astype(np.float64) for x in (Q, K)))
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = np.where(keep, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhij,bhje->bhie", p / p.sum(-1, keepdims=True), V.astype(np.float64))
+
+
+@pytest.mark.parametrize("kind", ["sqrt", "causal before bias", "swapped window", "hand-written softmax"])
+def test_the_rewritten_graph_computes_the_same_values(kind):
+    # the reference executes the canonicalised graph: the rewrites keep the values (float64 numpy here)
+    import kspec
+    rng = np.random.default_rng(3)
+    B, H, S, W = 1, 2, 24, 5
+    Q, K, V = (rng.standard_normal((B, H, S, 64)).astype(np.float16) for _ in range(3))
+    bias = rng.standard_normal((B, H, S, S)).astype(np.float32)
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    src, keep, b = {
+        "sqrt": (BASE.replace("SCORE", f"({QK}) / sqrt(64.0)").replace("MOD", "s[b, h, i, j]"), None, None),
+        "causal before bias": (BASE.replace("SCORE", f"0.125 * {QK}").replace(
+            "MOD", "where(j <= i, s[b, h, i, j], -inf) + bias[b, h, i, j]"), j <= i, bias),
+        "swapped window": (BASE.replace("SCORE", f"0.125 * {QK}").replace(
+            "MOD", "where(j > i or j <= i - W, -inf, s[b, h, i, j])").replace("= 16", f"= {W}"),
+            (j <= i) & (j > i - W), None),
+        "hand-written softmax": (hand_written(), None, None),
+    }[kind]
+    out = kspec.reference(src)(Q=Q, K=K, V=V, bias=bias)["O"].astype(np.float64)
+    np.testing.assert_allclose(out, _attention64(Q, K, V, 0.125, keep, b), rtol=3e-3, atol=3e-3)
