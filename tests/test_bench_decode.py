@@ -1,0 +1,54 @@
+"""bench/attention_decode.py on a machine without a GPU: --help works, a run says there is nothing to
+benchmark and exits 0, and its pieces (the specs it builds, the bytes it counts, the peak it divides
+by) are right without a device."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "attention_decode.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("attention_decode", BENCH)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_help_and_a_gpu_less_run():
+    r = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--paged" in r.stdout and "--peak-gbs" in r.stdout
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run the benchmark itself")
+    r = subprocess.run([sys.executable, str(BENCH), "--paged"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "nothing to benchmark" in r.stdout, r.stdout + r.stderr
+
+
+def test_bytes_and_peak():
+    m = _module()
+    # B=1, S=1, T=4096: K and V are 2 * 4096 * 8 * 128 bf16 values, Q and O 2 * 32 * 128
+    assert m.kv_bytes(1, 1, 4096) == 2 * 4096 * 8 * 128 * 2 + 2 * 32 * 128 * 2
+    assert m.peak_gbs("NVIDIA H200", None) == 4800.0
+    assert m.peak_gbs("NVIDIA H100 NVL", None) == 3900.0       # the longest matching name wins
+    assert m.peak_gbs("NVIDIA H100 80GB HBM3", None) == 3350.0
+    assert m.peak_gbs("some GPU", None) is None and m.peak_gbs("some GPU", 1000.0) == 1000.0
+
+
+def test_the_dense_decode_spec_is_one_attention_and_paged_gqa_says_why_not():
+    m = _module()
+    from kspec.backends import registry
+    from kspec.compiler import plan_kernel
+    from kspec.spec_lang import load_spec
+    sched = plan_kernel(load_spec(m.DENSE, is_text=True).kernels[0], ("sm90a",))
+    (p,) = sched.plans
+    assert p.kind == "attention" and p.ir.attention.kv_group == 4
+    if registry.get("cute").can_implement(p.ir, "sm90a") is None:
+        assert m.fused_or_reason(m.DENSE, "sm90a") is None
+    why = m.fused_or_reason(m.PAGED, "sm90a")
+    assert why is not None and why            # paged GQA: not one fused kernel yet (the reason is printed)
