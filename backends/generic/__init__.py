@@ -48,6 +48,8 @@ class GenericDesc:
 
 def _round(dtype: str, expr: str) -> str:
     """The C expression rounding a float/long long value to `dtype` and back (reference semantics)."""
+    if dtype == "bool":
+        return f"(({expr}) ? 1LL : 0LL)"
     if dtype in ("f32", "tf32"):
         return f"(float)({expr})"
     if dtype in _INT:
@@ -76,7 +78,18 @@ _FN = {
     "exp": "expf({0})", "log": "logf({0})", "sqrt": "sqrtf({0})", "rsqrt": "rsqrtf({0})", "abs": "kspec_abs({0})",
     "maximum": "kspec_max({0}, {1})", "minimum": "kspec_min({0}, {1})",
     "clamp": "kspec_min(kspec_max({0}, {1}), {2})",
+    # integer index arithmetic (floor semantics, as the reference) and conditions (0/1 as long long)
+    "floordiv": "kspec_floordiv({0}, {1})", "mod": "kspec_mod({0}, {1})",
+    "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))", "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))",
+    "eq": "(({0}) == ({1}))", "ne": "(({0}) != ({1}))",
+    "and": "(({0}) && ({1}))", "or": "(({0}) || ({1}))", "not": "(!({0}))",
+    "where": "(({0}) ? ({1}) : ({2}))",
 }
+
+
+def _ctype(dtype: str) -> str:
+    """The C type a value of `dtype` is computed in: integers and conditions as long long, else float."""
+    return "long long" if dtype in _INT or dtype == "bool" else "float"
 
 
 class _Gen:
@@ -130,6 +143,11 @@ class _Gen:
             c = self.names(o.buffer)
             self.scalars[c] = o.buffer
             return f"(float)p.scalar[{{{c}}}]" if o.dtype not in _INT else f"(long long)p.scalar[{{{c}}}]"
+        if o.kind == "index":
+            # the integer value of the loop index the reader names this axis by
+            return f"i_{self.dim_of[labels[0]]}"
+        if o.kind == "size":
+            return f"p.dim[{self.dim(f'#size:{o.fn}', o.fn)[1:]}]"
         if o.kind != "input":
             raise KspecInternalError(f"value {n} is neither computed in the kernel nor loaded")
         buf = o.buffer
@@ -139,6 +157,10 @@ class _Gen:
         o = op(self.g, n)
         if o.kind == "gather":
             return self.gather_expr(n, local)
+        if o.kind == "index":
+            return f"i_{self.dim_of[o.axes[0]]}"
+        if o.kind == "size":
+            return f"p.dim[{self.dim(f'#size:{o.fn}', o.fn)[1:]}]"
         args = [self.value(u, labels, local) for u, labels in operands(self.g, n)]
         if o.kind in ("broadcast", "cast") or o.fn == "copy":
             return args[0]
@@ -240,10 +262,10 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
         for n in nodes:
             o = op(g, n)
             v = f"v{len(local)}"
-            ctype = "long long" if o.dtype in _INT else "float"
+            ctype = _ctype(o.dtype)
             if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
                 body.extend(_reduce_into(gen, n, v))
-            elif o.kind in ("elementwise", "broadcast", "cast", "gather") and set(o.axes) <= set(space):
+            elif o.kind in ("elementwise", "broadcast", "cast", "gather", "index", "size") and set(o.axes) <= set(space):
                 # (a value over fewer axes, e.g. a cast bias vector, is recomputed per element)
                 body.append(f"{ctype} {v} = {_round(o.dtype, gen.node_expr(n, local))};")
             else:
@@ -338,7 +360,7 @@ def _softmax_body(gen: _Gen, n, body: list[str], after=(), stored=()) -> None:
     for m in after:
         mo = op(g, m)
         v = f"v{len(local)}"
-        ctype = "long long" if mo.dtype in _INT else "float"
+        ctype = _ctype(mo.dtype)
         body.append(f"  {ctype} {v} = {_round(mo.dtype, gen.node_expr(m, local))};")
         local[m] = v
     st: list[str] = []
@@ -374,6 +396,12 @@ __device__ __forceinline__ float kspec_abs(float a) { return fabsf(a); }
 __device__ __forceinline__ long long kspec_abs(long long a) { return a < 0 ? -a : a; }
 __device__ __forceinline__ float kspec_div(float a, float b) { return a / b; }
 __device__ __forceinline__ long long kspec_div(long long a, long long b) { return b == 0 ? 0 : a / b; }
+__device__ __forceinline__ long long kspec_floordiv(long long a, long long b) {
+  if (b == 0) return 0;
+  long long q = a / b;
+  return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long kspec_mod(long long a, long long b) { return a - b * kspec_floordiv(a, b); }
 __device__ __forceinline__ long long kspec_sat(long long v, long long lo, long long hi) { return v < lo ? lo : v > hi ? hi : v; }
 __device__ __forceinline__ long long kspec_sat(float v, long long lo, long long hi) {
   return kspec_sat((long long)rintf(fminf(fmaxf(v, (float)lo), (float)hi)), lo, hi);
