@@ -266,11 +266,32 @@ def kv_group_read(g: nx.DiGraph, n, head_label: str):
     return src, group, op(g, src).shape[axis], {n, u, num} | ({den} if do.kind != "param" else set())
 
 
+def _group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
+    """u (read under ul, whose labels to_attn maps to the attention's) computes `h / G` with h the
+    attention's head label: (G as a param name, an int or a size symbol, the nodes computing it)."""
+    uo = op(g, u)
+    if uo.kind != "elementwise" or uo.fn != "floordiv":
+        return None
+    mine = {a: to_attn.get(l) for a, l in zip(uo.axes, ul)}
+    (num, nl), (den, _) = operands(g, u)
+    no, do = op(g, num), op(g, den)
+    if no.kind != "index" or len(nl) != 1 or mine.get(nl[0]) != head_label:
+        return None
+    if do.kind == "param":
+        return do.name, {u, num}
+    if do.kind == "const" and do.dtype in INT_DTYPES:
+        return int(do.value), {u, num, den}
+    if do.kind == "size":
+        return do.fn, {u, num, den}
+    return None
+
+
 def paged_kv_read(g: nx.DiGraph, n, read_labels: tuple[str, ...], key: str, batch: tuple[str, ...]):
     """If n (read under `read_labels` by the attention) reads a kernel input through a block table (a
     paged KV cache, `Kc[bt[b.., j / P], j % P, h, e]`: the page pool's axis 0 selects the page,
     axis 1 the row in it, P the extent of axis 1, j the attention's key label): (the pool input
-    node, the block-table input node, P as an int or a size symbol, the nodes computing the read).
+    node, the block-table input node, P as an int or a size symbol, the nodes computing the read,
+    the GQA group and the pool's K/V head count when the head is read at `h / G`, else None, None).
     None when n is not such a read."""
     o = op(g, n)
     if o.kind != "gather" or len(o.subscripts) < 3 or len(read_labels) != len(o.axes):
@@ -278,12 +299,24 @@ def paged_kv_read(g: nx.DiGraph, n, read_labels: tuple[str, ...], key: str, batc
     ins = operands(g, n)
     src, _ = ins[0]
     so = op(g, src)
-    if so.kind != "input" or not all(x.startswith("@") for x in o.subscripts[:2]) or \
-            any(x.startswith(("@", "#")) for x in o.subscripts[2:]):
+    computed = [k for k, x in enumerate(o.subscripts[2:], 2) if x.startswith(("@", "#"))]
+    if so.kind != "input" or not all(x.startswith("@") for x in o.subscripts[:2]) or len(computed) > 1:
         return None
     to_attn = dict(zip(o.axes, read_labels))          # n's labels -> the attention's
     (pg, pl), (off, ol) = ins[int(o.subscripts[0][1:])], ins[int(o.subscripts[1][1:])]
     nodes = {n}
+    group = heads = None
+    if computed:
+        # GQA through the pool's head axis: `Kc[bt[b, j / P], j % P, h / G, e]`
+        x = o.subscripts[computed[0]]
+        if not x.startswith("@") or not batch:
+            return None
+        found = _group_of(g, *ins[int(x[1:])], to_attn, batch[-1])
+        if found is None:
+            return None
+        group, gnodes = found
+        heads = so.shape[computed[0]]
+        nodes |= gnodes
 
     def key_by(u, labels, outer: dict, fn):
         """u (read under `labels`, whose labels `outer` maps to the attention's) computes `key fn P`
@@ -316,4 +349,4 @@ def paged_kv_read(g: nx.DiGraph, n, read_labels: tuple[str, ...], key: str, batc
     if page is None or key_by(off, ol, to_attn, "mod") != page:
         return None
     nodes.add(pg)
-    return src, bt, page, nodes
+    return src, bt, page, nodes, group, heads

@@ -182,8 +182,8 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         for role, u, labels in (("K", uk, lk), ("V", uv, lv)):
             found = kv_group_read(g, u, batch[-1]) if len(batch) >= 1 and len(_consumers(g, u)) == 1 else None
             if paged is not None:
-                src, _bt, _page, pnodes = paged[role]
-                found = (src, None, None, pnodes)
+                src, _bt, _page, pnodes, group, heads = paged[role]
+                found = (src, group, heads, pnodes)
             reads[role] = found if found is not None else (u, None, None, set())
         (k_in, k_group, k_heads, k_nodes), (v_in, v_group, v_heads, v_nodes) = reads["K"], reads["V"]
         if (k_group, k_heads) != (v_group, v_heads):

@@ -194,3 +194,69 @@ def test_launch_through_the_fake_driver_and_checks_before_launch(paged_artifact,
         with pytest.raises(KspecRuntimeError, match=r"kv_len\[1\] = -1 is out of range"):
             _call(fake, mod, bt, np.array([4, -1], np.int32))
         assert len(fake.launches) == 1                              # nothing launched after the first call
+
+
+# ---------------------------------------------------------------- paged GQA (decoding's usual cache)
+
+def _paged_gqa_text():
+    src = PAGED.read_text()
+    for old, new in (("Kc : bf16[NP, P, H, 128]", "Kc : bf16[NP, P, KH, 128]"),
+                     ("Vc : bf16[NP, P, H, 128]", "Vc : bf16[NP, P, KH, 128]"),
+                     ("j % P, h, e]", "j % P, h / 4, e]")):
+        assert src.count(old) >= 1, old
+        src = src.replace(old, new)
+    return src.replace("kernel attention_paged", "kernel attention_paged_gqa")
+
+
+def test_paged_gqa_is_one_kernel_with_the_group_and_the_pool_heads():
+    from kspec.backends.cute import attention as A
+    (plan,) = _planned(_paged_gqa_text()).plans
+    a = plan.ir.attention
+    assert plan.kind == "attention" and (a.kv_group, a.kv_head, a.page_table, a.page_size) == (4, "KH", "bt", "P")
+    for arch in ARCHS:
+        assert A.unsupported(plan.ir, arch) is None
+        desc, names, dims, _ = A.lower(plan.ir, arch)
+        assert desc.group == 4 and dict(dims)["HK"] == "KH" and dict(dims)["G"] == 4
+        assert [names[x] for x in desc.args] == ["Q", "Kc", "Vc", "O", "bt", "kv_len"]
+    # K read at h / 4 and V at h / 2 are two groupings: not one kernel
+    two = _paged_gqa_text().replace("Vc[bt[b, j / P], j % P, h / 4, e]", "Vc[bt[b, j / P], j % P, h / 2, e]")
+    sched = _planned(two)
+    assert "attention" not in [p.kind for p in sched.plans]
+    assert any("different head groupings" in n for n in sched.fusion.notes)
+
+
+@pytest.fixture(scope="module")
+def paged_gqa_artifact(tmp_path_factory):
+    from kspec.backends.build import CompileCache
+    if FA4_MISSING:
+        pytest.skip(f"FlashAttention-4 unavailable: {FA4_MISSING}")
+    from kspec.compile import compile_spec
+    d = tmp_path_factory.mktemp("paged_gqa")
+    (d / "attention_paged_gqa.kspec").write_text(_paged_gqa_text())
+    return compile_spec(d / "attention_paged_gqa.kspec", ("sm90a",), d / "out", cache=CompileCache(test_cache_root()))
+
+
+@pytest.mark.cute
+def test_paged_gqa_launches_with_the_pool_head_count(paged_gqa_artifact):
+    from kspec.runtime import DeviceBuffer, KspecRuntimeError
+    from kspec.runtime.fakedriver import FakeDriver
+    mod = kspec.load(paged_gqa_artifact)
+    B, H, KH, S, NP, P = 2, 8, 2, 3, 6, 16
+    bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    with FakeDriver(cc=(9, 0), sm_count=132) as fake:
+        def call(h=H, kh=KH):
+            d = {}
+            for name, shape in (("Q", (B, h, S, 128)), ("Kc", (NP, P, kh, 128)), ("Vc", (NP, P, kh, 128)),
+                                ("O", (B, h, S, 128))):
+                d[name] = DeviceBuffer(fake.alloc(int(np.prod(shape)) * 2), shape, "bf16")
+            for name, arr in (("bt", bt), ("kv_len", np.array([40, 7], np.int32))):
+                ptr = fake.alloc(arr.nbytes)
+                fake.upload(ptr, arr.tobytes())
+                d[name] = DeviceBuffer(ptr, arr.shape, "i32")
+            return mod.attention_paged_gqa(d["Q"], d["Kc"], d["Vc"], d["bt"], d["kv_len"], O=d["O"])
+        call()
+        (launch,) = fake.launches
+        assert launch.prepare.dims[:5] == (B, H, S, 48, KH)        # B, H, S, T = MP * P, HK
+        with pytest.raises(KspecRuntimeError, match=r"8 query heads with 3 K/V heads: this kernel needs exactly 4"):
+            call(h=8, kh=3)
+        assert len(fake.launches) == 1

@@ -40,15 +40,17 @@ def test_bytes_and_peak():
     assert m.peak_gbs("some GPU", None) is None and m.peak_gbs("some GPU", 1000.0) == 1000.0
 
 
-def test_the_dense_decode_spec_is_one_attention_and_paged_gqa_says_why_not():
+def test_the_decode_specs_are_one_gqa_attention_and_a_refusal_gives_the_reason():
     m = _module()
     from kspec.backends import registry
     from kspec.compiler import plan_kernel
     from kspec.spec_lang import load_spec
-    sched = plan_kernel(load_spec(m.DENSE, is_text=True).kernels[0], ("sm90a",))
-    (p,) = sched.plans
-    assert p.kind == "attention" and p.ir.attention.kv_group == 4
-    if registry.get("cute").can_implement(p.ir, "sm90a") is None:
-        assert m.fused_or_reason(m.DENSE, "sm90a") is None
-    why = m.fused_or_reason(m.PAGED, "sm90a")
-    assert why is not None and why            # paged GQA: not one fused kernel yet (the reason is printed)
+    for text in (m.DENSE, m.PAGED):
+        sched = plan_kernel(load_spec(text, is_text=True).kernels[0], ("sm90a",))
+        (p,) = sched.plans
+        assert p.kind == "attention" and p.ir.attention.kv_group == 4
+        if registry.get("cute").can_implement(p.ir, "sm90a") is None:
+            assert m.fused_or_reason(text, "sm90a") is None
+    # K and V grouped differently: not one kernel, and the reason is what the bench prints
+    why = m.fused_or_reason(m.DENSE.replace("V[b, j, h / 4, e]", "V[b, j, h / 2, e]"), "sm90a")
+    assert why and ("different head groupings" in why or "no backend can build" in why), why

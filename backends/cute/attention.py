@@ -194,8 +194,9 @@ def _paged_unsupported(ir, a) -> str | None:
         return None
     if ir.buffer(a.page_table).dtype != "i32":
         return f"FlashAttention-4 takes an i32 page table, not {ir.buffer(a.page_table).dtype}"
-    if a.kv_shared or len(a.batch) != 2 or a.kv_group is not None:
-        return "a paged K/V pool must be [pages, page size, heads, head dim] with one K/V head per query head"
+    if a.kv_shared or len(a.batch) != 2:
+        return ("a paged K/V pool must be [pages, page size, K/V heads, head dim], its heads read at the query "
+                "head (or at h / G, a literal GQA group)")
     for name in (a.k_buffer, a.v_buffer):
         if len(ir.buffer(name).shape) != 4:
             return f"the page pool {name} must be [pages, page size, heads, head dim]"
