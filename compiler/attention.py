@@ -247,23 +247,11 @@ def kv_group_read(g: nx.DiGraph, n, head_label: str):
     if len(computed) != 1 or not computed[0][1].startswith("@"):
         return None
     axis, x = computed[0]
-    u, ul = ins[int(x[1:])]
-    uo = op(g, u)
-    if uo.kind != "elementwise" or uo.fn != "floordiv":
+    found = _group_of(g, *ins[int(x[1:])], {a: a for a in o.axes}, head_label)
+    if found is None:
         return None
-    (num, nl), (den, _) = operands(g, u)
-    no, do = op(g, num), op(g, den)
-    if no.kind != "index" or len(nl) != 1 or dict(zip(uo.axes, ul)).get(nl[0]) != head_label:
-        return None
-    if do.kind == "param":
-        group = do.name
-    elif do.kind == "const":
-        group = int(do.value)
-    elif do.kind == "size":
-        group = do.fn
-    else:
-        return None
-    return src, group, op(g, src).shape[axis], {n, u, num} | ({den} if do.kind != "param" else set())
+    group, nodes = found
+    return src, group, op(g, src).shape[axis], {n} | nodes
 
 
 def _group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
