@@ -18,6 +18,7 @@ import pytest
 from kspec.backends.reference import reference
 from kspec.backends.reference.numerics import storage_dtype
 from kspec.compile import emit_spec
+from kspec.core import KspecRuntimeError
 
 HERE = Path(__file__).parent
 
@@ -27,8 +28,10 @@ SPELLINGS = {
     # rotate-half, the sign from a comparison of the index
     "rotate_half_mod": _HEAD + "  Y[b, s, h, e] = f32(Q[b, s, h, e]) * cos[s, e] + where(e < 64, "
     "-f32(Q[b, s, h, (e + 64) % 128]), f32(Q[b, s, h, (e + 64) % 128])) * sin[s, e]\n}\n",
-    # (the where(e < 64, -x[e + 64], x[e - 64]) spelling needs the reference to gather only where a
-    # branch is taken: not yet)
+    # rotate-half, each half gathered by its own offset: each gather is out of range where its
+    # branch is not taken (the reference and the kernel read it only where it is)
+    "rotate_half_where": _HEAD + "  Y[b, s, h, e] = f32(Q[b, s, h, e]) * cos[s, e] + where(e < 64, "
+    "-f32(Q[b, s, h, e + 64]), f32(Q[b, s, h, e - 64])) * sin[s, e]\n}\n",
 }
 
 # interleaved pairs: (x[2i], x[2i+1]) rotate by the angle of pair i
@@ -154,3 +157,49 @@ def test_graph_strict_prints_what_compile_builds(tmp_path, capsys):
     assert main(["compile", "--emit-only", "-o", str(tmp_path / "out"), str(path)]) == 0
     srcs = list((tmp_path / "out").rglob("*.cu"))
     assert srcs and all("kspec_mod(" in s.read_text() for s in srcs)
+
+
+CE_IGNORE = """kernel ce_ignore {
+  in  logits : bf16[M, V]
+  in  label  : i32[M]
+  out loss   : f32[M]
+
+  lse[m]  = logsumexp(v) f32(logits[m, v])
+  loss[m] = where(label[m] == -100, 0.0, lse[m] - f32(logits[m, label[m]]))
+}
+"""
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_cross_entropy_ignore_index_reads_the_gather_only_where_taken(fused, tmp_path):
+    path = _write(tmp_path, CE_IGNORE, "ce_ignore")
+    rng = np.random.default_rng(3)
+    M, V = 6, 10
+    logits = rng.standard_normal((M, V)).astype(storage_dtype("bf16"))
+    label = np.array([3, -100, 9, -100, 0, 5], dtype=np.int32)
+    got = reference(path, fused=fused)(logits=logits, label=label)["loss"]
+    x = np.asarray(logits, dtype=np.float64)
+    lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
+    want = np.array([0.0 if l == -100 else lse[i] - x[i, l] for i, l in enumerate(label)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert got[1] == 0.0 and got[3] == 0.0
+    # an out-of-range label on a row where the branch IS taken is still the located error
+    with pytest.raises(KspecRuntimeError, match=r"index out of range: subscript label\[m\] of 'logits'.* is 10 at m=2"):
+        reference(path, fused=fused)(logits=logits, label=np.array([3, -100, 10, 0, 0, 0], dtype=np.int32))
+
+
+def test_a_discarded_gather_summed_over_is_still_an_error(tmp_path):
+    """Poison is carried only through elementwise ops and the taken branch of where: a reduction over
+    an out-of-range gather raises even if a later where would discard the row."""
+    path = _write(tmp_path, """kernel s {
+  in  x : f32[M, V]
+  in  label : i32[M, K]
+  out y : f32[M]
+  t[m] = sum(k) x[m, label[m, k]]
+  y[m] = where(label[m, 0] < 0, 0.0, t[m])
+}
+""", "s")
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(KspecRuntimeError, match="index out of range"):
+        reference(path)(x=x, label=np.array([[0, 1], [-1, 2]], np.int32))
+    np.testing.assert_array_equal(reference(path)(x=x, label=np.array([[0, 1], [3, 2]], np.int32))["y"], [2, 2])

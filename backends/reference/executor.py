@@ -68,7 +68,8 @@ def _letters(labels) -> dict[str, str]:
     return {l: string.ascii_letters[i] for i, l in enumerate(labels)}
 
 
-def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np.ndarray:
+def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int],
+              poison: dict | None = None) -> np.ndarray:
     """The value of node n (in its dtype's storage) from its operands' values."""
     o = op(g, n)
     ins = operands(g, n)
@@ -108,7 +109,7 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
         causal = o.axes.index(o.causal) if o.causal else None
         return to_storage(_softmax(x, o.axes.index(o.fn), causal), o.dtype)
     if o.kind == "gather":
-        return _gather(g, n, values, sizes)
+        return _gather(g, n, values, sizes, poison)
     if o.kind in ("elementwise", "broadcast", "cast"):
         args = [_align(to_compute(values[u]), labels, o.axes) for u, labels in ins]
         if o.kind == "broadcast" or o.fn == "copy" or o.kind == "cast":
@@ -130,14 +131,48 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np
     raise KspecError(f"the reference backend cannot execute {o.kind} nodes")
 
 
-def _gather(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np.ndarray:
-    """source[subscripts] at every point of the node's axes; an index outside its dimension is an error."""
+class _Poison:
+    """Points of a node's value that hold an out-of-range gather's (discarded-so-far) read: one entry
+    per gather reaching it, each a mask over the node's axes, the gather's axes as the node names
+    them (None where lost), and the located error of a point of the gather.  Using such a point in an
+    output or a reduction raises that error."""
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list):
+        self.parts = parts           # [(mask, names, at)]
+
+    @property
+    def mask(self) -> np.ndarray:
+        m = self.parts[0][0]
+        for p in self.parts[1:]:
+            m = m | p[0]
+        return m
+
+    def fail(self, axes: tuple) -> None:
+        """Raise the located error of the first poisoned point (axes: the node's own axes)."""
+        for mask, names, at in self.parts:
+            if mask.any():
+                point = tuple(int(i) for i in np.argwhere(mask)[0])
+                if all(x in axes for x in names):
+                    raise at(tuple(point[axes.index(x)] for x in names))
+                raise at(None)
+        raise KspecRuntimeError("index out of range")  # unreachable: fail is called for a set mask
+
+
+def _gather(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int],
+            poison: dict | None = None) -> np.ndarray:
+    """source[subscripts] at every point of the node's axes.  An index outside its dimension reads
+    nothing: the point is poisoned (recorded in `poison`), an error only if a computation uses it,
+    so a gather under where(c, ..) is read only where its branch is taken (as every kernel does)."""
     o = op(g, n)
     ins = operands(g, n)
     src_node = ins[0][0]
     src = np.asarray(values[src_node])
     shape = tuple(extent_value(d, sizes) for d in o.shape)
     index: list[np.ndarray] = []
+    bad_all = np.zeros(shape, dtype=bool)
+    error = None
+    checks: list = []
     for axis, x in enumerate(o.subscripts):
         if x.startswith("#"):
             ix = np.full(shape, int(x[1:]), dtype=np.int64)
@@ -146,20 +181,71 @@ def _gather(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int]) -> np.n
             ix = np.broadcast_to(_align(np.asarray(values[u]).astype(np.int64), labels, o.axes), shape)
             bad = (ix < 0) | (ix >= src.shape[axis])
             if bad.any():
-                where = tuple(int(i) for i in np.argwhere(bad)[0])
-                at = ", ".join(f"{a}={i}" for a, i in zip(o.axes, where))
                 text = o.subscript_text[axis] if len(o.subscript_text) > axis else \
                     f"{op(g, u).name or u}[{', '.join(labels)}]"
-                raise KspecRuntimeError(
-                    f"index out of range: subscript {text} of '{op(g, src_node).name or src_node}' (axis {axis}) "
-                    f"is {int(ix[where])} at {at}, but that axis has size {src.shape[axis]} "
-                    f"(valid: 0 to {src.shape[axis] - 1})", o.span)
+
+                def located(where, ix=ix, axis=axis, text=text):
+                    at = ", ".join(f"{a}={i}" for a, i in zip(o.axes, where))
+                    return KspecRuntimeError(
+                        f"index out of range: subscript {text} of '{op(g, src_node).name or src_node}' (axis "
+                        f"{axis}) is {int(ix[where])} at {at}, but that axis has size {src.shape[axis]} "
+                        f"(valid: 0 to {src.shape[axis] - 1})", o.span)
+                error = error or located(tuple(int(i) for i in np.argwhere(bad)[0]))
+                checks.append((bad, located))
+                bad_all |= bad
+                ix = np.where(bad, 0, ix) if src.shape[axis] else ix
         else:
             pos = o.axes.index(x)
             ix = np.arange(shape[pos]).reshape([-1 if i == pos else 1 for i in range(len(shape))])
             ix = np.broadcast_to(ix, shape)
         index.append(ix)
+    if error is not None:
+        if poison is None or 0 in src.shape:
+            raise error
+
+        def at(where):
+            if where is None:
+                return error
+            return next(located(where) for bad, located in checks if bad[where])
+        poison[n] = _Poison([(bad_all, tuple(o.axes), at)])
+        out = to_compute(src[tuple(index)])
+        if out.dtype.kind == "f":
+            out = np.where(bad_all, np.float32(np.nan), out)
+        return to_storage(out, o.dtype)
     return to_storage(to_compute(src[tuple(index)]), o.dtype)
+
+
+def _propagate(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int], poison: dict) -> None:
+    """Carry the poisoned points of n's operands to n: through elementwise ops point by point, through
+    where(c, a, b) only from the branch taken; a reduction, contraction, softmax or gather using a
+    poisoned point raises the gather's error."""
+    ins = operands(g, n)
+    hit = [(i, u, labels) for i, (u, labels) in enumerate(ins) if u in poison]
+    if not hit:
+        return
+    o = op(g, n)
+    shape = tuple(extent_value(d, sizes) for d in o.shape)
+    if not (o.kind in ("broadcast", "cast", "elementwise")):
+        for _, u, labels in hit:
+            if poison[u].mask.any():
+                poison[u].fail(op(g, u).axes)
+        return
+    keep = None
+    if o.kind == "elementwise" and o.fn == "where":
+        (uc, lc), _, _ = ins
+        c = np.broadcast_to(_align(np.asarray(values[uc]).astype(bool), lc, o.axes), shape)
+        keep = {1: c, 2: ~c}
+    parts = []
+    for i, u, labels in hit:
+        uax = op(g, u).axes
+        for mask, names, at in poison[u].parts:
+            m = np.broadcast_to(_align(mask, labels, o.axes), shape)
+            if keep is not None and i in keep:
+                m = m & keep[i]
+            if m.any():
+                parts.append((m, tuple(labels[uax.index(x)] if x in uax else "~" for x in names), at))
+    if parts:
+        poison[n] = _Poison(parts)
 
 
 def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Mapping[str, float],
@@ -167,6 +253,7 @@ def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Map
     """Run every plan in order; return the outputs by name."""
     g = sched.graph
     buffers: dict[str, np.ndarray] = {}
+    poison: dict = {}           # node -> _Poison: points holding a discarded out-of-range gather
     for b in sched.buffers.values():
         if b.kind == "input":
             buffers[b.name] = inputs[b.name]
@@ -183,7 +270,8 @@ def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Map
             for u in g.predecessors(n):
                 if op(g, u).kind in _GENERATED and u not in values:
                     values[u] = eval_node(g, u, values, sizes)
-            values[n] = eval_node(g, n, values, sizes)
+            _propagate(g, n, values, sizes, poison)
+            values[n] = eval_node(g, n, values, sizes, poison)
         for n in plan.group.nodes:
             name = sched.value_buffer.get(n)
             if name is not None and sched.buffers[name].kind in ("output", "intermediate"):
@@ -191,6 +279,8 @@ def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Map
             for s in g.successors(n):
                 so = op(g, s)
                 if so.kind == "output":
+                    if n in poison and poison[n].mask.any():
+                        poison[n].fail(tuple(op(g, n).axes))
                     buffers[so.name] = np.ascontiguousarray(to_storage(values[n], so.dtype))
     return {t.name: buffers[t.name] for t in sched.kernel.outputs}
 
