@@ -69,6 +69,78 @@ def index_ranges(ir: KernelIR) -> tuple[IndexRange, ...]:
     return tuple(found)
 
 
+def guarded_sentinels(g) -> dict[tuple[str, str, int], int]:
+    """(index tensor, target, axis) -> k where every gather of `target` by `tensor` along `axis` in the
+    dataflow graph `g` is used only under where(tensor == k, .., gathered) or where(tensor != k,
+    gathered, ..) (an ignore index: the value k is never read, by the reference or the kernels).
+    Conservative: any other use (a reduction, an output, the condition itself), a different k, or a
+    condition over other labels leaves the range as it is."""
+    from .graph import op, operands
+
+    def cond_value(c, tensor: str, labels) -> int | None:
+        co = op(g, c)
+        if co.kind != "elementwise" or co.fn not in ("eq", "ne"):
+            return None
+        ins = operands(g, c)
+        if len(ins) != 2:
+            return None
+        for (a, la), (b, _) in (ins, ins[::-1]):
+            ao, bo = op(g, a), op(g, b)
+            if ao.kind == "input" and ao.name == tensor and tuple(la) == tuple(labels) and bo.kind == "const" \
+                    and isinstance(bo.value, int) and not isinstance(bo.value, bool):
+                return int(bo.value)
+        return None
+
+    def guard(n, tensor: str, labels, axes) -> set | None:
+        """The sentinels guarding every use of n's value (None: some use is unguarded)."""
+        found: set = set()
+        for s in g.successors(n):
+            so = op(g, s)
+            ins = operands(g, s)
+            slots = [i for i, (u, _) in enumerate(ins) if u == n]
+            if so.kind == "elementwise" and so.fn == "where" and 0 not in slots and tuple(so.axes) == tuple(axes):
+                k = cond_value(ins[0][0], tensor, labels)
+                if k is None or (slots != [2] if op(g, ins[0][0]).fn == "eq" else slots != [1]):
+                    return None
+                found.add(k)
+            elif so.kind in ("elementwise", "cast", "broadcast") and so.fn != "where" \
+                    and tuple(so.axes) == tuple(axes):
+                more = guard(s, tensor, labels, axes)
+                if more is None:
+                    return None
+                found |= more
+            else:
+                return None
+        return found
+
+    seen: dict[tuple[str, str, int], set | None] = {}
+    for n in g.nodes:
+        o = op(g, n)
+        if o.kind != "gather":
+            continue
+        ins = operands(g, n)
+        src = op(g, ins[0][0])
+        for axis, sub in enumerate(o.subscripts):
+            if not sub.startswith("@"):
+                continue
+            u, labels = ins[int(sub[1:])]
+            uo = op(g, u)
+            if uo.kind != "input" or src.kind != "input":
+                continue
+            key = (uo.name, src.name, axis)
+            ks = guard(n, uo.name, labels, o.axes)
+            if key in seen and seen[key] is None:
+                continue
+            seen[key] = None if ks is None or len(ks) != 1 or (key in seen and seen[key] != ks) else ks
+    return {key: next(iter(ks)) for key, ks in seen.items() if ks}
+
+
+def with_sentinels(ranges, sentinels: dict) -> tuple[IndexRange, ...]:
+    """`ranges` with the ignore index of each gather only guarded reads (guarded_sentinels)."""
+    return tuple(replace(r, ignore=sentinels[(r.tensor, r.target, r.axis)])
+                 if (r.tensor, r.target, r.axis) in sentinels and not (r.inclusive or r.ends) else r for r in ranges)
+
+
 def merge_index_ranges(ranges) -> tuple[IndexRange, ...]:
     """The ranges of a spec kernel's plans as one list: a range read by several plans once, with
     every plan that reads it."""

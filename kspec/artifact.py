@@ -298,6 +298,7 @@ def _binary_json(b: Binary) -> dict[str, Any]:
 def _range_json(r: IndexRange) -> dict[str, Any]:
     return {"tensor": r.tensor, "target": r.target, "axis": r.axis, "extent": r.extent, "negative": r.negative,
             "inclusive": r.inclusive, "monotonic": r.monotonic, **({"ends": True} if r.ends else {}),
+            **({"ignore": r.ignore} if r.ignore is not None else {}),
             "plans": list(r.plans)}
 
 
@@ -571,11 +572,12 @@ class _Reader:
                 raise self.fail(f"{where}.extent", f"size symbol '{sym}' occurs in no input or output shape")
         flags = {k: self.get(obj, k, where, bool, optional=True, default=False)
                  for k in ("negative", "inclusive", "monotonic", "ends")}
+        ignore = self.get(obj, "ignore", where, int, optional=True, default=None)
         plans = tuple(self.get(obj, "plans", where, list, optional=True, default=[]))
         for p in plans:
             if p not in plan_ids:
                 raise self.fail(f"{where}.plans", f"{json.dumps(p)[:60]} is not a plan of kernel '{kernel.name}'")
-        return IndexRange(tensor, target, axis, extent, plans=plans, **flags)
+        return IndexRange(tensor, target, axis, extent, plans=plans, ignore=ignore, **flags)
 
     def manifest(self, obj: Any) -> Manifest:
         if not isinstance(obj, dict):

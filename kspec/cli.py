@@ -157,7 +157,7 @@ def cmd_lower(args) -> int:
     import json
 
     from kspec.compiler import format_ir, ir_to_json
-    from kspec.compiler.indices import index_ranges
+    from kspec.compiler.indices import guarded_sentinels, index_ranges, with_sentinels
     prog, archs, scheds = _plan(args)
     if args.format == "json":
         docs = [{"ir": ir_to_json(p.ir), "backends": {a: {"backend": ch.backend, "kind": ch.kind, "fallback": ch.fallback,
@@ -170,7 +170,7 @@ def cmd_lower(args) -> int:
     for s in scheds:
         for p in s.plans:
             out.append(format_ir(p.ir))
-            ranges = index_ranges(p.ir)
+            ranges = with_sentinels(index_ranges(p.ir), guarded_sentinels(s.graph))
             if ranges:
                 out.append("  index checks before launch: " + "; ".join(r.describe() for r in ranges))
             for arch, ch in p.choices.items():

@@ -21,7 +21,7 @@ from kspec.backends import registry
 from kspec.backends.api import LoweredPlan, SettingError
 from kspec.backends.desc import EmittedKernel
 from kspec.compiler import KernelSchedule, plan_kernel
-from kspec.compiler.indices import index_ranges, merge_index_ranges
+from kspec.compiler.indices import guarded_sentinels, index_ranges, merge_index_ranges, with_sentinels
 from kspec.core import ARCHS, KspecInternalError, file_stem, packed_rows_symbol
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 
@@ -339,7 +339,8 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                 params=tuple(ParamSpec(t.name, t.dtype, t.default) for t in k.params),
                 intermediates=tuple(TensorSpec(b.name, b.dtype, b.shape, b.layout) for b in sched.intermediates),
                 plans=tuple(plans),
-                index_ranges=merge_index_ranges(r for p in sched.plans for r in index_ranges(p.ir))))
+                index_ranges=with_sentinels(merge_index_ranges(r for p in sched.plans for r in index_ranges(p.ir)),
+                                            guarded_sentinels(sched.graph))))
         spec_text = emitted.program.source.encode()
         manifest = Manifest(spec=SpecRef(Path(path).name, hashlib.sha256(spec_text).hexdigest()),
                             archs=emitted.archs, kernels=tuple(entries),

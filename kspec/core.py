@@ -378,6 +378,7 @@ class IndexRange:
     inclusive: bool = False
     monotonic: bool = False
     ends: bool = False
+    ignore: "int | None" = None          # a sentinel value (an ignore index) the kernels never gather by
 
     def bound(self, sizes: "dict[str, int]") -> int:
         """The upper bound at the given size-symbol values (exclusive unless `inclusive`)."""
@@ -386,7 +387,8 @@ class IndexRange:
     def condition(self, bound: "str | int | None" = None) -> str:
         """`0 <= t < bound` as text (the recorded extent when no bound value is given)."""
         hi = format_extent(self.extent) if bound is None else bound
-        return f"{'' if self.negative else '0 <= '}{self.tensor} {'<=' if self.inclusive else '<'} {hi}"
+        text = f"{'' if self.negative else '0 <= '}{self.tensor} {'<=' if self.inclusive else '<'} {hi}"
+        return text if self.ignore is None else f"{text} or {self.tensor} == {self.ignore}"
 
     def describe(self) -> str:
         order = (", non-decreasing" if self.monotonic else "") + (", the first 0 and the last equal to it" if self.ends else "")

@@ -203,3 +203,43 @@ def test_a_discarded_gather_summed_over_is_still_an_error(tmp_path):
     with pytest.raises(KspecRuntimeError, match="index out of range"):
         reference(path)(x=x, label=np.array([[0, 1], [-1, 2]], np.int32))
     np.testing.assert_array_equal(reference(path)(x=x, label=np.array([[0, 1], [3, 2]], np.int32))["y"], [2, 2])
+
+
+# ---------------------------------------------------------------- the runtime's pre-launch check agrees
+
+def _ranges(text):
+    from kspec.compiler import plan_kernel
+    from kspec.compiler.indices import guarded_sentinels, index_ranges, merge_index_ranges, with_sentinels
+    from kspec.spec_lang import load_spec
+    sched = plan_kernel(load_spec(text, is_text=True).kernels[0])
+    return with_sentinels(merge_index_ranges(r for p in sched.plans for r in index_ranges(p.ir)),
+                          guarded_sentinels(sched.graph))
+
+
+def test_an_ignore_index_passes_the_pre_launch_check_like_the_reference():
+    """The index check before a launch allows exactly what the reference allows: -100 where
+    where(label[m] == -100, ..) discards the gather, any other out-of-range label is refused; the
+    range round-trips through the manifest reader."""
+    from kspec.artifact import _range_json
+    from kspec.runtime.indexcheck import check_index_values
+    (r,) = _ranges(CE_IGNORE)
+    assert (r.tensor, r.target, r.axis, r.ignore) == ("label", "logits", 1, -100)
+    assert r.describe() == "0 <= label < V or label == -100 (logits axis 1)"
+    assert _range_json(r)["ignore"] == -100
+    check_index_values("ce_ignore", (r,), {"M": 4, "V": 10}, {"label": np.array([3, -100, 9, 0], np.int32)})
+    with pytest.raises(KspecRuntimeError, match=r"label\[2\] = 10 is out of range"):
+        check_index_values("ce_ignore", (r,), {"M": 4, "V": 10}, {"label": np.array([3, -100, 10, 0], np.int32)})
+    with pytest.raises(KspecRuntimeError, match=r"label\[1\] = -99 is out of range"):
+        check_index_values("ce_ignore", (r,), {"M": 4, "V": 10}, {"label": np.array([3, -99, 1, 0], np.int32)})
+
+
+@pytest.mark.parametrize("loss", [
+    "lse[m] - f32(logits[m, label[m]])",                                            # no guard
+    "where(label[m] == -100, f32(logits[m, label[m]]), 0.0)",                       # the wrong branch
+    "where(label[m] != -100, 0.0, lse[m] - f32(logits[m, label[m]]))",              # the wrong branch
+    "where(label[0] == -100, 0.0, lse[m] - f32(logits[m, label[m]]))",              # another row's label
+])
+def test_no_ignore_index_unless_every_read_is_guarded(loss):
+    text = CE_IGNORE.replace("where(label[m] == -100, 0.0, lse[m] - f32(logits[m, label[m]]))", loss)
+    (r,) = _ranges(text)
+    assert r.ignore is None and r.describe() == "0 <= label < V (logits axis 1)"

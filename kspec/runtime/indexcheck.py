@@ -37,6 +37,8 @@ def check_index_values(kernel: str, ranges: tuple[IndexRange, ...], sizes: Mappi
         bad = (a > hi) if r.inclusive else (a >= hi)
         if not r.negative:
             bad |= a < 0
+        if r.ignore is not None:        # an ignore index: the kernels read nothing for it
+            bad &= a != r.ignore
         hint = f"every value of '{r.tensor}' selects an element of '{r.target}'; nothing was launched"
         if bad.any():
             where, pos, more = first(bad)
