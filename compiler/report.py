@@ -113,7 +113,8 @@ def format_cost(c: CostReport) -> str:
     lines.append(f"    {'unfused (one kernel per op)':<28} {c.unfused_kernels:<11} {_si(c.unfused_flops, 'FLOP'):>12} "
                  f"{_si(c.unfused_bytes, 'B'):>12}")
     saved = c.unfused_bytes - c.fused_bytes
-    lines.append(f"    fused/unfused DRAM bytes: {c.bytes_ratio:.3f}  ({_si(saved, 'B')} saved)")
+    verdict = f"{_si(saved, 'B')} saved" if saved >= 0 else f"{_si(-saved, 'B')} MORE than unfused"
+    lines.append(f"    fused/unfused DRAM bytes: {c.bytes_ratio:.3f}  ({verdict})")
     if c.minimum_bytes:
         lines.append(f"    modelled/ideal DRAM bytes: {c.ideal_ratio:.3f}; against the spec minimum (inputs read "
                      f"once, outputs written once, {_si(c.minimum_bytes, 'B')}): "
@@ -184,3 +185,41 @@ def to_svg(dot: str) -> bytes:
     if r.returncode != 0:
         raise KspecError(f"Graphviz failed: {r.stderr.decode(errors='replace').strip()[:500]}")
     return r.stdout
+
+
+TRAFFIC_LIMIT = 4.0                 # modelled DRAM bytes / the spec minimum above which a plan is loud
+INTERMEDIATE_LIMIT = 2 ** 30        # bytes of one global intermediate above which a plan is loud
+
+
+def plan_warnings(sched: KernelSchedule, c: CostReport, given: dict | None = None) -> list[tuple[bool, str]]:
+    """Warnings about a plan at the cost report's sizes: (severe, text).  Severe (refused by
+    --strict): the modelled DRAM traffic exceeds TRAFFIC_LIMIT x the spec minimum, or a global
+    intermediate exceeds INTERMEDIATE_LIMIT bytes; each names the intermediate(s) and why.  Not
+    severe: size symbols the caller did not give (`given`), which the cost model set to 1024."""
+    from .cost import DEFAULT_SIZE, _numel
+    from .schedule import DTYPE_BYTES
+    name = sched.kernel.name
+    out: list[tuple[bool, str]] = []
+    at = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
+    big = sorted(((_numel(b.shape, c.sizes) * DTYPE_BYTES.get(b.dtype, 4), b) for b in sched.intermediates),
+                 key=lambda t: -t[0])
+    for nbytes, b in big:
+        if nbytes > INTERMEDIATE_LIMIT:
+            out.append((True, f"kernel {name}: intermediate {b.describe()} is {_si(nbytes, 'B')} at {at} (over "
+                              f"{INTERMEDIATE_LIMIT / 2 ** 30:g} GiB): it is written to and read back from DRAM because "
+                              "no fused kernel keeps it on chip"))
+    if c.minimum_bytes and c.fused_bytes > TRAFFIC_LIMIT * c.minimum_bytes:
+        worst = max(c.plans, key=lambda p: p.bytes)
+        why = (f"through the intermediate{'s' if len(big) > 1 else ''} "
+               f"{', '.join(b.name for _, b in big[:3])}" if big else
+               f"re-reads in {worst.plan} ({worst.kind}{'' if worst.tiled else ', a loop kernel'})")
+        out.append((True, f"kernel {name}: modelled DRAM traffic {_si(c.fused_bytes, 'B')} is "
+                          f"{c.fused_bytes / c.minimum_bytes:.1f}x the spec minimum {_si(c.minimum_bytes, 'B')} at {at} "
+                          f"(over {TRAFFIC_LIMIT:g}x), {why}"))
+    if given is not None:
+        bound = dict(sched.kernel.bindings)
+        missing = [s for s in sched.kernel.symbols if s not in given and s not in bound]
+        if missing:
+            out.append((False, f"kernel {name}: no size given for {', '.join(missing)}: the cost model uses "
+                               f"{DEFAULT_SIZE} for each (give --sizes {','.join(f'{s}=...' for s in missing)})"))
+    return out

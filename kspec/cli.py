@@ -82,6 +82,17 @@ def _plan(args, fuse_ops: bool = True):
     return prog, archs, plan_spec(prog, archs, args.kernel, args.backend, args.strict, fuse_ops)
 
 
+def _plan_warnings(args, sched, c, given) -> None:
+    """Print the loud-plan warnings (compiler.report.plan_warnings) to stderr; --strict refuses a
+    severe one (exit 1)."""
+    from kspec.compiler.report import plan_warnings
+    for severe, text in plan_warnings(sched, c, given):
+        if severe and args.strict:
+            raise KspecError(f"{args.file}: {text}",
+                             hint="--strict refuses this plan: restructure the spec, or drop --strict")
+        print(f"kspec: warning: {text}", file=sys.stderr)
+
+
 def cmd_graph(args) -> int:
     from kspec.compiler import cost
     from kspec.compiler.report import format_cost, format_graph, format_plan, to_dot, to_json, to_svg
@@ -93,8 +104,10 @@ def cmd_graph(args) -> int:
             text.append(f"graph of kernel {s.kernel.name}:")
             text.append(format_graph(s.graph))
             text.append(format_plan(s))
-            text.append(format_cost(cost(s, sizes)))
+            c = cost(s, sizes)
+            text.append(format_cost(c))
             text.append("")
+            _plan_warnings(args, s, c, sizes)
         _emit("\n".join(text), args.output)
         return 0
     if len(scheds) != 1 and args.format != "json":
