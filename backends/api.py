@@ -56,6 +56,11 @@ class SettingProblem:
     reason: str
 
 
+
+# The most CTAs a cluster may hold at launch without CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+# which no kspec launch sets (sm_100a hardware allows 16 only with it): every backend refuses more at plan time.
+MAX_CLUSTER_CTAS = 8
+
 class SettingError(KspecError):
     """A schedule setting found wrong only when the backend emits the kernel (against its exact
     configuration list or shared-memory budget); kspec/compile.py reports it at the setting."""

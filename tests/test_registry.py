@@ -120,9 +120,11 @@ def _schedule_line(setting: str) -> tuple[str, int, int]:
     ("tile = 128x12x64", "tile 128x12 (M 64 or 128; N 64, 128, 192 or 256)",
      "tile N must be a multiple of 8 from 8 to 256"),
     ("tile = 128x128x48", "tile K is 64 for f16 operands", "tile K must be 16, 32, 64, 128 or 256"),
-    ("cluster = 3x1x1", "cluster 3x1 (powers of two, at most 8 CTAs)", "cluster sizes must be powers of two"),
+    ("cluster = 3x1x1", "cluster 3x1 (powers of two, at most 8 CTAs: kspec launches portable cluster sizes only)",
+     "cluster sizes must be powers of two"),
     ("cluster = 2x1x2", "the K cluster size must be 1", "the K cluster size must be 1"),
-    ("cluster = 8x4x1", "cluster 8x4 (powers of two, at most 8 CTAs)", "a cluster holds at most 16 CTAs"),
+    ("cluster = 8x4x1", "cluster 8x4 (powers of two, at most 8 CTAs: kspec launches portable cluster sizes only)",
+     "a cluster holds at most 8 CTAs (kspec launches portable cluster sizes only)"),
     ("stages = 1", "stages must be at least 2", "stages must be at least 2"),
 ])
 def test_schedule_settings_no_backend_honours(tmp_path, capsys, setting, cute, cutlass):
@@ -140,6 +142,26 @@ def test_schedule_settings_no_backend_honours(tmp_path, capsys, setting, cute, c
     assert caret == " " * (4 + col - 1) + "^" * len(setting)
     assert f"hint: cute: {cute}" in err and f"; cutlass: {cutlass}" in err and "drop it" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("cluster", ["4x4x1", "16x1x1", "2x8x1"])
+def test_non_portable_clusters_refused_on_sm100a(tmp_path, capsys, cluster):
+    """Issue 22 item 4: sm_100a hardware runs 9-16 CTA clusters only when a launch sets
+    CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, which kspec never does; both GEMM backends
+    refuse them when the kernel is planned (they used to accept up to 16, and the launch failed)."""
+    setting = f"cluster = {cluster}"
+    src, line, col = _schedule_line(setting)
+    f = write(tmp_path, "gemm", src)
+    rc, _, err = run_cli(capsys, "graph", f, "--arch", "sm100a")
+    assert rc == 1, err
+    assert f"gemm.kspec:{line}:{col}: error: kernel gemm: no backend builds kernel gemm_0 (gemm) on sm100a " \
+           f"with `{setting}`" in err, err
+    cm, cn = cluster.split("x")[:2]
+    assert f"cute: cluster {cm}x{cn} (powers of two, at most 8 CTAs" in err
+    assert "cutlass: a cluster holds at most 8 CTAs" in err
+    # 8 CTAs is still taken on sm_100a
+    (p,) = plans(_schedule_line("cluster = 4x2x1")[0])
+    assert dict(p.choices["sm100a"].config)["cluster"] == "4x2"
 
 
 def test_schedule_settings_each_backend_judges_its_own(tmp_path, capsys):

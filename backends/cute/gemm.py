@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kspec.backends.api import SettingProblem
+from kspec.backends.api import MAX_CLUSTER_CTAS, SettingProblem
 from kspec.backends.desc import GemmDesc
 from kspec.compiler.kir import VECTOR_AXIS
 from kspec.core import FP8_DTYPES, dtype_bytes
@@ -135,8 +135,9 @@ def config_problem(cfg: CuteConfig, arch: str, dual: bool = False) -> SettingPro
     if dual and tn > DUAL_MAX_TILE_N:
         return SettingProblem("tile", f"tile N {tn} (a dual GEMM's two accumulators need tile N <= {DUAL_MAX_TILE_N})")
     pow2 = lambda x: x > 0 and x & (x - 1) == 0          # noqa: E731
-    if not (pow2(cm) and pow2(cn)) or cm * cn > (8 if arch == "sm90a" else 16):
-        return SettingProblem("cluster", f"cluster {cm}x{cn} (powers of two, at most {8 if arch == 'sm90a' else 16} CTAs)")
+    if not (pow2(cm) and pow2(cn)) or cm * cn > MAX_CLUSTER_CTAS:
+        return SettingProblem("cluster", f"cluster {cm}x{cn} (powers of two, at most {MAX_CLUSTER_CTAS} CTAs: "
+                                         "kspec launches portable cluster sizes only)")
     if cfg.stages is not None and cfg.stages < 2:
         return SettingProblem("stages", "stages must be at least 2")
     if arch == "sm90a":

@@ -6,7 +6,7 @@ both.  Owns its tile/cluster heuristic and its capability record.
 """
 from __future__ import annotations
 
-from kspec.backends.api import Capabilities, LoweredPlan, SettingProblem
+from kspec.backends.api import MAX_CLUSTER_CTAS, Capabilities, LoweredPlan, SettingProblem
 from kspec.backends.build import NvccBuilt
 from kspec.backends.desc import AttentionDesc, GemmDesc, Operand
 from kspec.backends.names import Names
@@ -71,8 +71,9 @@ def _gemm_setting_problem(h) -> SettingProblem | None:
             return SettingProblem("cluster", "cluster sizes must be powers of two")
         if ck != 1:
             return SettingProblem("cluster", "the K cluster size must be 1")
-        if cm * cn > 16:
-            return SettingProblem("cluster", "a cluster holds at most 16 CTAs")
+        if cm * cn > MAX_CLUSTER_CTAS:
+            return SettingProblem("cluster", f"a cluster holds at most {MAX_CLUSTER_CTAS} CTAs "
+                                             "(kspec launches portable cluster sizes only)")
     if h.stages is not None and h.stages < 2:
         return SettingProblem("stages", "stages must be at least 2 (the shared-memory budget sets the most)")
     return None
