@@ -254,6 +254,14 @@ def _register_run(sub) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def _compile_warnings(args, emitted) -> None:
+    """The loud-plan warnings of `kspec graph` at the cost model's default sizes (1024 per symbol;
+    the warning says so), before anything is written; --strict refuses a severe one."""
+    from kspec.compiler import cost
+    for sched in emitted.schedules:
+        _plan_warnings(args, sched, cost(sched, {}), None)
+
+
 def cmd_compile(args) -> int:
     from pathlib import Path
 
@@ -264,6 +272,7 @@ def cmd_compile(args) -> int:
     if args.emit_only:
         emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
                             tuned=_tuned(args), sm_counts=sm_counts)
+        _compile_warnings(args, emitted)
         if args.output is None and args.print:
             for plist in emitted.plans.values():
                 for ep in plist:
@@ -280,6 +289,7 @@ def cmd_compile(args) -> int:
     tuned = _tuned(args)
     emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict,
                         tuned=tuned, sm_counts=sm_counts)
+    _compile_warnings(args, emitted)
     for sched in emitted.schedules:
         for p in sched.plans:
             for arch, ch in p.choices.items():

@@ -81,3 +81,28 @@ def test_a_plan_worse_than_unfused_says_so():
     assert more in text and " -" not in text.split("fused/unfused")[1] and "saved" not in text
     r = plan_kernel(load_spec(ROOT / "specs" / "rmsnorm.kspec").kernels[0])
     assert "saved)" in format_cost(cost(r, {"M": 64, "N": 64}))
+
+
+GEMM_SOFTMAX = """kernel gs {
+  in  A : bf16[32768, 64]
+  in  B : bf16[64, 32768]
+  out y : bf16[32768, 32768]
+  s[m, n] : f32 = sum(k) A[m, k] * B[k, n]
+  y[m, n] = softmax(n) s[m, n]
+}
+"""
+
+
+def test_strict_refuses_a_loud_plan_in_graph_and_compile_before_writing(tmp_path, capsys):
+    """A GEMM whose f32 [32768, 32768] scores go through DRAM to a row softmax: no fallback, so the
+    refusal is the loud-plan rule's (graph and compile alike); without --strict both warn."""
+    spec = tmp_path / "gs.kspec"
+    spec.write_text(GEMM_SOFTMAX)
+    assert main(["graph", "--strict", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert "intermediate s_" in err and "f32[32768, 32768] is 4.29 GB" in err and "--strict refuses" in err
+    out = tmp_path / "out"
+    assert main(["compile", "--emit-only", "--strict", "-o", str(out), str(spec)]) == 1
+    assert "intermediate s_" in capsys.readouterr().err and not out.exists()
+    assert main(["graph", str(spec)]) == 0
+    assert "kspec: warning: kernel gs: intermediate s_" in capsys.readouterr().err
