@@ -561,6 +561,7 @@ class _KernelChecker:
                        "drop the annotation; the output's declared dtype is what is stored", abort=True)
         env = _IndexEnv(self)
         env.lhs_indices = set(s.indices)
+        env.lhs = (name, tuple(s.indices))
         if target is not None:
             for ix, dim, sp in zip(s.indices, target.shape, s.index_spans or [None] * len(s.indices)):
                 env.bind(ix, dim, f"{name}[{', '.join(s.indices)}]", sp or s.span)
@@ -921,8 +922,17 @@ class _KernelChecker:
                            f"indices of the operand: {', '.join(operand.free)}" if operand.free else
                            "the operand has no indices", abort=True)
             if ix in env.lhs_indices:
+                name, order = env.lhs
+                rest = [i for i in order if i not in e.indices and i in operand.free]
+                tmp = {"logsumexp": "lse", "max": "mx", "min": "mn", "mean": "mu"}.get(e.op, "acc")
+                tmp = tmp if tmp not in (name, *order) else f"{tmp}_{name}"
+                red = f"{tmp}[{', '.join(rest)}]" if rest else tmp
+                per = f" per [{', '.join(rest)}]" if rest else ""
                 self.error(f"index '{ix}' is reduced but also appears on the left side", sp or e.span,
-                           f"remove '{ix}' from the left side, or do not reduce over it", abort=True)
+                           f"the reduction has one value{per}: write it to an intermediate "
+                           f"first, `{red} = {e.op}({', '.join(e.indices)}) {_abbrev(print_expr(e.operand), 60)}`"
+                           f", then read `{red}` in {name}[{', '.join(order)}] (or remove '{ix}' from the left "
+                           "side)", abort=True)
         if e.op in ("sum", "mean"):
             dt = accumulator_dtype(operand.dtype) if e.op == "sum" else "f32"
             if e.op == "mean" and not is_float(operand.dtype):
@@ -1006,6 +1016,7 @@ class _IndexEnv:
         self.kc = kc
         self.dims: dict[str, tuple[DimValue, str, Span | None]] = {}
         self.lhs_indices: set[str] = set()
+        self.lhs: tuple[str, tuple[str, ...]] = ("", ())   # the statement's target and its indices
         self.scopes: list[set[str]] = []         # indices of the enclosing reductions
         self.value_indices: dict[str, Span | None] = {}    # indices used as values (`j - i`)
         self.paged: dict[str, tuple[DimValue, Span | None]] = {}   # j -> extent from `j / P` (note_paged)

@@ -304,7 +304,23 @@ def test_index_not_bound_inside_a_reduction():
 def test_reduced_index_also_on_the_left():
     src = "kernel k {\n  in A : f16[M, K]\n  out D : f16[M, K]\n  D[m, k] = sum(k) A[m, k]\n}\n"
     assert_error(src, 4, 17, "index 'k' is reduced but also appears on the left side",
-                 "remove 'k' from the left side, or do not reduce over it")
+                 "the reduction has one value per [m]: write it to an intermediate first, `acc[m] = sum(k) "
+                 "A[m, k]`, then read `acc[m]` in D[m, k] (or remove 'k' from the left side)")
+
+
+def test_one_line_log_softmax_hint_names_the_intermediate_and_following_it_works():
+    import numpy as np
+    from kspec.backends.reference import reference
+    src = "kernel ls {\n  in x : f32[M, N]\n  out y : f32[M, N]\n  y[m, n] = x[m, n] - logsumexp(n) x[m, n]\n}\n"
+    assert_error(src, 4, 33, "index 'n' is reduced but also appears on the left side",
+                 "the reduction has one value per [m]: write it to an intermediate first, `lse[m] = logsumexp(n) "
+                 "x[m, n]`, then read `lse[m]` in y[m, n] (or remove 'n' from the left side)")
+    fixed = src.replace("  y[m, n] = x[m, n] - logsumexp(n) x[m, n]",
+                        "  lse[m] = logsumexp(n) x[m, n]\n  y[m, n] = x[m, n] - lse[m]")
+    x = np.random.default_rng(0).standard_normal((3, 7)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 - (np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1, keepdims=True)) + x64.max(1, keepdims=True))
+    np.testing.assert_allclose(reference(fixed)(x=x)["y"], want, rtol=1e-5, atol=1e-5)
 
 
 def test_reduction_over_an_index_the_operand_lacks():
