@@ -771,3 +771,28 @@ def test_integer_division_floors_and_modulo_is_non_negative():
     np.testing.assert_array_equal(out["y"], x[(i + 3) % 10] * (i - 2))    # index values promote to f32
     with pytest.raises(KspecError, match=r"integer division by zero"):
         reference(src)(x=x, d=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_kv_len_past_the_keys_is_refused_like_the_runtime(fused):
+    """kv_len[b] > MP * P keys: the runtime refuses it before a launch (compiler.indices), and so does
+    the reference, with the same message, fused or not; kv_len = MP * P is fine in both."""
+    from kspec.compiler import plan_kernel
+    from kspec.compiler.indices import index_ranges
+    from kspec.runtime.indexcheck import check_index_values
+    rng = np.random.default_rng(43)
+    Bn, H, S, P, MP, NP = 2, 1, 1, 4, 2, 4
+    Q = rand(rng, (Bn, H, S, 128), BF16)
+    Kc, Vc = rand(rng, (NP, P, H, 128), BF16), rand(rng, (NP, P, H, 128), BF16)
+    bt = np.array([[0, 1], [2, 3]], np.int32)
+    ref = reference(SPECS / "attention_paged.kspec", fused=fused)
+    ref(Q=Q, Kc=Kc, Vc=Vc, bt=bt, kv_len=np.array([MP * P, 3], np.int32))
+    bad = np.array([MP * P + 1, 3], np.int32)
+    with pytest.raises(KspecRuntimeError) as got:
+        ref(Q=Q, Kc=Kc, Vc=Vc, bt=bt, kv_len=bad)
+    assert "kv_len[0] = 9 is out of range" in str(got.value)
+    (counts,) = [r for p in plan_kernel(load_spec(SPECS / "attention_paged.kspec").kernels[0]).plans
+                 for r in index_ranges(p.ir) if r.tensor == "kv_len"]
+    with pytest.raises(KspecRuntimeError) as runtime:
+        check_index_values("attention_paged", (counts,), {"B": Bn, "MP": MP, "P": P, "NP": NP}, {"kv_len": bad})
+    assert str(runtime.value) == str(got.value)

@@ -361,8 +361,23 @@ class ReferenceKernel:
             params[t.name] = float(v) if not is_int(t.dtype) else int(v)
         return inputs, params, sizes
 
+    def count_ranges(self) -> tuple:
+        """The per-sequence key-count ranges (kv_len in [0, T]) the runtime checks before a launch
+        (compiler.indices), found on the fused plan whatever this reference's schedule, so the
+        reference refuses exactly the key counts the compiled kernels refuse."""
+        if not hasattr(self, "_counts"):
+            from kspec.compiler.indices import index_ranges, merge_index_ranges
+            sched = self.schedule if self.fused else plan_kernel(self.kernel)
+            self._counts = tuple(r for r in merge_index_ranges(x for p in sched.plans for x in index_ranges(p.ir))
+                                 if r.inclusive and not r.ends)
+        return self._counts
+
     def __call__(self, **arrays) -> dict[str, np.ndarray]:
         inputs, params, sizes = self.bind(arrays)
+        if self.count_ranges():
+            from kspec.runtime.indexcheck import check_index_values
+            check_index_values(self.kernel.name, self.count_ranges(), sizes,
+                               {r.tensor: np.asarray(inputs[r.tensor]) for r in self.count_ranges()})
         out = execute(self.schedule, inputs, params, sizes)
         for t in self.kernel.outputs:      # packed outputs store their present rows only
             if t.packed is not None:
