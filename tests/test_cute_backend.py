@@ -979,3 +979,25 @@ def test_swiglu_mlp_builds_two_kernels_and_launches_through_the_fake_driver(tmp_
         assert t.__cuda_array_interface__["data"][0] in first
     for t in (Wd, Y):
         assert t.__cuda_array_interface__["data"][0] in second
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_sm100_epilogue_subtile_loop_is_unrolled():
+    """Issue 22 item 5: the sm_100a epilogue's sub-tile loop is unrolled (cutlass.range_constexpr), as
+    in NVIDIA's persistent dense GEMM: a 128x128 tile's 4 sub-tiles are 4 TMEM loads (LDTM) and 4 TMA
+    stores (UTMASTG) in the SASS, so each sub-tile's TMEM load overlaps the previous store (the rolled
+    loop issued 1 of each)."""
+    d = GemmDesc("k_0", "sm100a", Operand("t0", "f16", "row"), Operand("t1", "f16", "col"), "f32",
+                 Store("t2", Accum(), "f16"), tile=(128, 128, 64), cluster=(1, 1, 1))
+    b = cbuild.build(d, "sm100a", test_cache_root())
+    from kspec.backends.toolchain import find_toolchain
+    try:
+        tc = find_toolchain()
+    except Exception:
+        pytest.skip("no cuobjdump for the SASS check")
+    sass = _sass(Path(b.cubin), tc)
+    insns = [ln.split(";")[0].split("*/")[-1].split() for ln in sass.splitlines() if "/*" in ln]
+    ops = [w[0].split(".")[0] for w in insns if w and not w[0].startswith("@")] + \
+          [w[1].split(".")[0] for w in insns if len(w) > 1 and w[0].startswith("@")]
+    assert ops.count("UTMASTG") == 4 and ops.count("LDTM") == 4, (ops.count("UTMASTG"), ops.count("LDTM"))

@@ -462,7 +462,7 @@ class Sm100Gemm:
                         for f in cutlass.range_constexpr(n_full):
                             cute.copy(full_atoms[f], bIn[f][1][(None, 0)], bIn[f][0][(None, prev % 2)],
                                       tma_bar_ptr=in_bar + prev % 2)
-                for s in range(n_sub):
+                for s in cutlass.range_constexpr(n_sub):        # unrolled: each sub-tile's TMEM load overlaps the previous store
                     g = prev + s
                     if cutlass.const_expr(n_full > 0):
                         if warp_idx == self.epilogue_warp_id[0]:
