@@ -514,6 +514,7 @@ def test_a_window_sized_by_an_integer_param_is_fa4_native(S, T, W):
     assert np.array_equal(keep, np.broadcast_to((j <= i) & (j > i - W), keep.shape))
 
 
+@needs_fa4
 def test_the_shipped_sliding_window_reads_its_width_at_launch():
     sys.path.insert(0, str(SPECS.parent / "tests"))
     from test_kir import planned

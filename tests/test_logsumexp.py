@@ -21,6 +21,7 @@ from kspec.compiler import build_graph, canonicalize, op
 from kspec.core import ARCHS, NoBackendError
 from kspec.spec_lang import KspecError, load_spec, parse, print_program
 
+from conftest import needs_fa4
 from test_spec_errors import assert_error
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -158,6 +159,7 @@ def _plans(src: str, archs=("sm90a", "sm100a")):
     return prog, sched
 
 
+@needs_fa4
 def test_logsumexp_of_the_softmax_operand_joins_the_attention():
     _, sched = _plans(ATTN.format(ldt="f32", lse_of="m"))
     (p,) = sched.plans
@@ -215,6 +217,7 @@ def test_causal_flag_softmax_does_not_take_the_logsumexp_of_its_unmasked_operand
     assert any("of the scores of a `causal=` softmax is over the unmasked scores" in n for n in sched.fusion.notes)
 
 
+@needs_fa4
 def test_graph_and_lower_show_it(capsys):
     from kspec.cli import main
     assert main(["lower", str(SPECS / "attention_lse.kspec")]) == 0
@@ -226,6 +229,7 @@ def test_graph_and_lower_show_it(capsys):
     assert "1 fused kernel" in out and "scores stay on chip; log-sum-exp -> L" in out
 
 
+@needs_fa4
 def test_every_backend_implements_or_declines_it():
     from kspec.backends import registry
     _, sched = _plans(ATTN.format(ldt="f32", lse_of="m"))
