@@ -187,6 +187,16 @@ def sass_summary(cubin_path: str | Path, toolchain: Toolchain | None = None) -> 
     return summarize(str(path), _cuobjdump(path, "-sass", tc), _cuobjdump(path, "-res-usage", tc))
 
 
+def short_name(name: str, width: int = 64) -> str:
+    """A kernel's symbol for display: generated names (the CuTe DSL mangles every argument type into
+    it) are cut in the middle to `width` characters, keeping the start and the distinguishing tail
+    (`--sass` prints the whole symbol)."""
+    if len(name) <= width:
+        return name
+    keep = width - 1
+    return f"{name[:keep - 16]}…{name[-16:]}"
+
+
 def format_summary(summary: SassSummary) -> str:
     """A short human-readable report, one block per kernel."""
     lines = [f"{summary.path}:"]
@@ -195,7 +205,7 @@ def format_summary(summary: SassSummary) -> str:
     for k in summary.kernels:
         tc = k.tensor_core
         tc_text = f"{tc} ({PTX_NAME[tc]})" if tc else "none"
-        lines.append(f"  {k.name} [{k.arch}]: {k.registers} registers, {k.shared_bytes} B static shared, "
+        lines.append(f"  {short_name(k.name)} [{k.arch}]: {k.registers} registers, {k.shared_bytes} B static shared, "
                      f"{k.instructions} instructions, tensor core: {tc_text}")
         if k.stack_bytes or k.local_bytes:
             lines.append(f"    stack {k.stack_bytes} B, local {k.local_bytes} B (register spills?)")

@@ -402,6 +402,10 @@ def _register_selftest(sub) -> None:
 def cmd_build(args) -> int:
     from kspec.library import LibraryBuildError, ProgressReporter, build_library, load_library, plan_tasks
     lib = load_library(args.manifest, out=args.output)
+    if args.arch:
+        import dataclasses
+        archs = _archs(args.arch)
+        lib = dataclasses.replace(lib, specs=tuple(dataclasses.replace(s, archs=archs) for s in lib.specs))
     executor = "ray" if args.ray is not None else ("serial" if args.jobs == 1 else "local")
     from kspec.backends.build import CompileCache
     n = len(plan_tasks(lib, str(CompileCache().root), args.tuning_db))
@@ -427,6 +431,8 @@ def _register_build(sub) -> None:
                                    "cached by content, then one artifact per spec (and bucket) under OUT.")
     p.add_argument("manifest", metavar="MANIFEST|DIR")
     p.add_argument("-o", "--output", metavar="OUT", help="output directory (default: the manifest's [library] out)")
+    p.add_argument("--arch", help="archs for every spec, comma-separated (default: the manifest's, else each "
+                                  "spec's target, else sm90a,sm100a)")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="worker processes (default: cores, bounded by free memory); with --ray, local cluster CPUs")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",

@@ -6,6 +6,8 @@ toolchain (cached, parallel) -> artifact.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import os
 import shutil
@@ -259,6 +261,21 @@ class Progress:
         print(f"{msg}   [{total:6.1f}s]", file=self.stream, flush=True)
 
 
+class _OneCounter:
+    """One `[i/n]` count over a compile's two build phases: the backends that build their own binaries
+    (the CuTe DSL; `first`) and then the nvcc jobs (`then`, `later` of them, known up front)."""
+
+    def __init__(self, progress: Callable, later: int):
+        self.progress, self.later, self.before = progress, later, 0
+
+    def first(self, ev) -> None:
+        self.before = max(self.before, ev.total)
+        self.progress(dataclasses.replace(ev, total=ev.total + self.later))
+
+    def then(self, ev) -> None:
+        self.progress(dataclasses.replace(ev, finished=ev.finished + self.before, total=ev.total + self.before))
+
+
 def _jobs(emitted: EmittedSpec):
     jobs = []
     for plist in emitted.plans.values():
@@ -286,8 +303,10 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     # register and shared-memory counts) is looked up only when those counts are not memoised
     if toolchain is None:
         toolchain = _toolchain(required=True) if build_jobs else _LazyToolchain()
-    built = _build_binaries(emitted, cache.root, jobs, progress)
-    results = build_all(build_jobs, toolchain, cache, max_parallel=jobs, progress=progress) if build_jobs else []
+    counted = _OneCounter(progress, len(build_jobs)) if progress is not None else None
+    built = _build_binaries(emitted, cache.root, jobs, counted and counted.first)
+    results = build_all(build_jobs, toolchain, cache, max_parallel=jobs,
+                        progress=counted and counted.then) if build_jobs else []
     by_job = {(r.job.label, r.job.kind): r for r in results}
 
     stem = Path(path).stem

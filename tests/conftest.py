@@ -45,6 +45,22 @@ def shipped_params(stems):
     return [pytest.param(s, marks=marks(s.removesuffix(".kspec"))) for s in stems]
 
 
+def _slow_selected(config) -> bool:
+    """`slow` tests run when KSPEC_SLOW_TESTS=1 or the `-m` expression names `slow` (not `not slow`)."""
+    import re
+    return bool(os.environ.get("KSPEC_SLOW_TESTS")) or bool(
+        re.search(r"(?<!not )\bslow\b", config.getoption("markexpr") or ""))
+
+
+def pytest_collection_modifyitems(config, items):
+    if _slow_selected(config):
+        return
+    skip = pytest.mark.skip(reason="slow: select it with `-m slow` or KSPEC_SLOW_TESTS=1")
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(skip)
+
+
 def test_cache_root() -> Path:
     """KSPEC_TEST_CACHE_DIR, else the user's compile cache: CUTLASS kernels cost a minute each."""
     root = os.environ.get("KSPEC_TEST_CACHE_DIR") or os.environ.get("KSPEC_CACHE_DIR") or "~/.cache/kspec"

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -424,3 +425,21 @@ def test_interrupt_stops_running_nvcc_and_leaves_no_entries(fake_tc, cache, monk
         build_all(jobs, fake_tc, cache, max_parallel=2, progress=progress)
     assert time.monotonic() - t0 < 10
     assert cache.info()["entries"] == 0 and list((cache.root / "tmp").iterdir()) == []
+
+
+def test_one_compile_counts_its_dsl_and_nvcc_builds_in_one_sequence():
+    """`kspec compile` of a spec with CuTe DSL and nvcc kernels prints one [i/n] count over both."""
+    import io
+
+    from kspec.backends.build import BuildEvent
+    from kspec.backends.cute.parallel import CuteEvent
+    from kspec.compile import Progress, _OneCounter
+    out = io.StringIO()
+    c = _OneCounter(Progress(out), later=2)
+    dsl = types.SimpleNamespace(label="kernel gemm_0 on sm_90a", kind="cute")
+    c.first(CuteEvent("start", dsl.label, 0.0, dsl, 0, 1))
+    c.first(CuteEvent("done", dsl.label, 1.0, dsl, 1, 1))
+    job = BuildJob("rms", "x", "sm90a", "cubin", (), (), "t")
+    c.then(BuildEvent("done", "rms", 1.0, job, 1, 2))
+    c.then(BuildEvent("cached", "rms", 0.0, job, 2, 2))
+    assert [line.split("]")[0] + "]" for line in out.getvalue().splitlines()] == ["[0/3]", "[1/3]", "[2/3]", "[3/3]"]

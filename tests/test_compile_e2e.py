@@ -133,6 +133,7 @@ def _sass(path):
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_gemm_bias_relu_compiles_for_both_archs_with_tensor_cores(compiled):
     art = compiled("gemm_bias_relu", backend="cutlass")
     m = json.loads((art / "manifest.json").read_text())
@@ -145,6 +146,7 @@ def test_gemm_bias_relu_compiles_for_both_archs_with_tensor_cores(compiled):
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_attention_compiles_to_one_fused_kernel_per_arch(compiled):
     # the CUTLASS FMHA route (FlashAttention-4's is tests/test_fa4_attention.py)
     art = compiled("attention", backend="cutlass")
@@ -159,6 +161,7 @@ def test_attention_compiles_to_one_fused_kernel_per_arch(compiled):
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_second_compile_is_a_cache_hit(compiled, kernel_cache, tmp_path, monkeypatch):
     compiled("gemm_bias_relu", backend="cutlass")
     from kspec.backends import build
@@ -173,6 +176,7 @@ def test_second_compile_is_a_cache_hit(compiled, kernel_cache, tmp_path, monkeyp
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_compiled_artifact_loads_and_inspects_without_a_gpu(compiled):
     import kspec
     from kspec.inspect_artifact import inspect_artifact
@@ -232,6 +236,7 @@ def test_kspec_graph_reports_the_fallback(fallback):
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_generic_kernels_of_the_fallback_compile(fallback, kernel_cache):
     from conftest import build_emitted
     from kspec.backends.inspect import sass_summary
@@ -263,6 +268,7 @@ kernel ew {
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", ARCHS)
 def test_generic_elementwise_reduction_softmax_kernels_compile(tmp_path, kernel_cache, arch):
     from conftest import build_emitted

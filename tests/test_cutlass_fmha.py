@@ -231,6 +231,7 @@ def _sass(cubin: Path) -> str:
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_cubin_has_one_tensor_core_kernel(built):
     sass = _sass(built["cubin"])
     functions = re.findall(r"Function : (\S+)", sass)
@@ -243,6 +244,7 @@ def test_cubin_has_one_tensor_core_kernel(built):
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_host_library_exports_abi_without_libcuda(built):
     so = str(built["so"])
     syms = subprocess.run(["nm", "-D", "--defined-only", so], capture_output=True, text=True).stdout
@@ -281,6 +283,7 @@ class _Glue:
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 def test_host_glue_validates_sizes_and_pointers(built):
     arch = built["emitted"].arch
     g = _Glue(built["so"])
@@ -444,6 +447,7 @@ def _inputs(B, H, S, T, E, seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.nvcc
+@pytest.mark.heavy
 @pytest.mark.parametrize("S,T", [(136, 200), (256, 256), (64, 384)])
 def test_gpu_non_causal_matches_numpy(device_built, S, T):
     q, k, v = _inputs(2, 3, S, T, 128)
@@ -454,6 +458,7 @@ def test_gpu_non_causal_matches_numpy(device_built, S, T):
 
 @pytest.mark.gpu
 @pytest.mark.nvcc
+@pytest.mark.heavy
 @pytest.mark.parametrize("S,T", [(256, 256), (200, 136), (136, 400)])
 def test_gpu_causal_is_top_left(causal_built, S, T):
     q, k, v = _inputs(1, 2, S, T, 128, seed=1)

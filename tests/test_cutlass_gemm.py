@@ -330,6 +330,7 @@ def _sass(cubin) -> str:
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch,mma", [("sm90a", "HGMMA"), ("sm100a", "UTCHMMA")])
 def test_compiled_kernel_uses_tensor_core_mma(compiled, arch, mma):
     cubin, _, _, _ = compiled(arch)
@@ -339,6 +340,7 @@ def test_compiled_kernel_uses_tensor_core_mma(compiled, arch, mma):
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", ARCHS)
 def test_host_glue_exports_abi_without_libcuda(compiled, arch):
     _, so, _, _ = compiled(arch)
@@ -349,6 +351,7 @@ def test_host_glue_exports_abi_without_libcuda(compiled, arch):
 
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch,mma", [("sm90a", "HGMMA"), ("sm100a", "UTCHMMA")])
 def test_per_batch_vectors_compile(kernel_cache, arch, mma):
     """The batch-strided row/column broadcasts pass CUTLASS's static checks and nvcc."""

@@ -259,6 +259,7 @@ def test_function_cache_is_keyed_by_cubin_content(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------- one real nvcc build
 
 @pytest.mark.nvcc
+@pytest.mark.heavy
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_compiled_gemm_glue_reports_causes(gemm_source, kernel_cache):
     from kspec.backends.build import BuildJob, build_all

@@ -8,7 +8,7 @@ import pytest
 
 from kspec.backends.build import BuildJob, CompileCache
 from kspec.backends.inspect import (FAMILIES, dump_sass, family_of, format_summary, parse_res_usage,
-                                    parse_sass, sass_summary, summarize)
+                                    parse_sass, sass_summary, short_name, summarize)
 from kspec.backends.toolchain import Toolchain, find_toolchain
 from kspec.spec_lang.errors import KspecError
 
@@ -252,3 +252,11 @@ def test_cuobjdump_failure_is_a_kspec_error(tmp_path, inspect_tc):
     junk.write_bytes(b"not an elf file at all")
     with pytest.raises(KspecError, match="cuobjdump -sass failed"):
         sass_summary(junk, inspect_tc)
+
+
+def test_long_generated_kernel_names_are_shortened_for_display():
+    long = "kernel_cutlass_kernel_" + "_".join(f"tensorptrf16gmemalign16o{i}" for i in range(8)) + "_0123456789abcdef"
+    short = short_name(long)
+    assert len(long) > 200 and len(short) == 64
+    assert short.startswith("kernel_cutlass_kernel_") and short.endswith("0123456789abcdef") and "…" in short
+    assert short_name("kspec_kernel") == "kspec_kernel"

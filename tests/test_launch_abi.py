@@ -227,6 +227,7 @@ def test_tensor_map_checks_against_tensors():
 
 # ------------------------------------------------------------------------------- shipped specs
 
+@pytest.mark.heavy
 @pytest.mark.nvcc
 @pytest.mark.parametrize("stem", shipped_params(SHIPPED))
 def test_shipped_spec_launch_abi(compiled, stem):

@@ -287,3 +287,17 @@ def test_progress_lines_and_rich_bar(tmp_path):
     import re
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term.getvalue())
     assert "cached    a.kspec:k sm90a [decode]" in text and "1/1" in text
+
+
+def test_build_dir_takes_arch_like_compile(tmp_path, fake):
+    """`kspec build DIR --arch sm90a`: every spec of the directory for that arch only (stand-in nvcc)."""
+    write_library(tmp_path, buckets=False)
+    r = subprocess.run([sys.executable, "-m", "kspec", "build", str(tmp_path / "specs"), "-o", str(tmp_path / "o"),
+                        "--arch", "sm_90a", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "3 tasks" in r.stdout and "wrote 2 artifacts" in r.stdout
+    for stem in ("axpy", "rowsum"):
+        assert json.loads((tmp_path / "o" / stem / "manifest.json").read_text())["archs"] == ["sm90a"]
+    r = subprocess.run([sys.executable, "-m", "kspec", "build", str(tmp_path / "specs"), "--arch", "sm80"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1 and "sm80" in r.stderr

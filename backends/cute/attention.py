@@ -697,8 +697,16 @@ def _sweep_mode(interface, keys: _KeyLog, fake: bool):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
     if fake:
-        with FakeTensorMode():
-            yield
+        # FA4 reads data_ptr() of its arguments (a FakeTensor's is null); torch then prints a C++
+        # deprecation warning from every worker process.  The pointer is not used, so no warning is set.
+        import torch
+        warn = torch._C._set_warn_deprecated_on_mutable_data_ptr
+        torch._C._set_warn_deprecated_on_mutable_data_ptr = lambda t: None
+        try:
+            with FakeTensorMode():
+                yield
+        finally:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr = warn
         return
 
     class Meta(TorchFunctionMode):
