@@ -361,7 +361,8 @@ def _register_compile(sub) -> None:
     p.add_argument("-o", "--output", metavar="OUT", help="output directory (default: build)")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="parallel nvcc processes (default: cores, bounded by free memory)")
-    p.add_argument("--emit-only", action="store_true", help="write the generated C++ instead of compiling")
+    p.add_argument("--emit-only", action="store_true",
+                   help="write the generated sources instead of compiling (CuTe DSL Python, CUDA C++)")
     p.add_argument("--print", action="store_true", help="with --emit-only and no -o: print the C++ to stdout")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     p.add_argument("--tuning-db", metavar="PATH",
