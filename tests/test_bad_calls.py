@@ -190,3 +190,17 @@ def test_row_counts_past_the_launch_limits_are_refused_by_the_glue(compiled):
     assert 0 < pr.grid[0] <= GRID_MAX[0] and pr.grid[1:] == (1, 1)
     with pytest.raises(KspecRuntimeError, match="rmsnorm_0.*too many rows for one launch"):
         glue.prepare(dims({"M": 2**40, "N": 8}), ptrs, [1e-6], 0, 0, 132)
+
+
+def test_non_portable_cluster_launch_refused_by_the_runtime():
+    """Issue 22 item 4, the runtime's side: kspec never sets CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+    so a prepared launch with more than 8 CTAs per cluster (an artifact from before the plan-time rule)
+    is refused by name instead of failing in cuLaunchKernelEx; 8 CTAs still launch."""
+    from types import SimpleNamespace
+    from kspec.runtime.module import _check_launch_shape
+    plan = SimpleNamespace(id="gemm_0", dims=(("M", None), ("N", None)))
+    ok = SimpleNamespace(grid=(8, 4, 1), block=(384, 1, 1), cluster=(4, 2, 1))
+    _check_launch_shape(ok, plan, "sm100a", [1024, 512])
+    bad = SimpleNamespace(grid=(8, 4, 1), block=(384, 1, 1), cluster=(4, 4, 1))
+    with pytest.raises(KspecRuntimeError, match=r"a cluster of \(4, 4, 1\) .* CUDA cannot launch"):
+        _check_launch_shape(bad, plan, "sm100a", [1024, 512])

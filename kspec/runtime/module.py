@@ -640,7 +640,7 @@ def sku_for(binary, sm_count: int | None) -> int | None:
 GRID_MAX = (2**31 - 1, 65535, 65535)
 BLOCK_MAX = (1024, 1024, 64)
 BLOCK_THREADS_MAX = 1024
-CLUSTER_MAX = 16
+CLUSTER_MAX = 8          # portable cluster sizes: no launch sets NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 
 
 def _check_launch_shape(pr, plan: Plan, arch: str, dims: list[int]) -> None:
