@@ -115,3 +115,16 @@ def write_library(root: Path, buckets: bool = True) -> Path:
 def tree(root: Path) -> dict[str, bytes]:
     """Every file under root (relative path -> bytes)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_cache_consistent(cache, count: int | None = None) -> None:
+    """Every entry verifies (sha256 of its binary); no half-written entry is visible."""
+    import hashlib
+    import json
+    entries = list(cache._entry_dirs())
+    assert entries and (count is None or len(entries) == count)
+    for d in entries:
+        meta = json.loads((d / "meta.json").read_text())
+        binary = d / ("kernel.cubin" if meta["kind"] == "cubin" else "kernel.so")
+        assert hashlib.sha256(binary.read_bytes()).hexdigest() == meta["files"][binary.name]["sha256"]
+        assert b"half a binary" not in binary.read_bytes()

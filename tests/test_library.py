@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from library_fixtures import compiles, make_fake_nvcc, reset_ctl, tree, write_library
+from library_fixtures import assert_cache_consistent, compiles, make_fake_nvcc, reset_ctl, tree, write_library
 
 from kspec.core import KspecError
 from kspec.library import build_library, load_library, plan_tasks
@@ -150,24 +150,13 @@ def test_worker_killed_mid_compile_is_retried_and_the_cache_stays_consistent(tmp
     assert s.ok
     assert max(r.attempts for r in s.results) >= 2
     reset_ctl(fake)
-    _assert_cache_consistent(CompileCache(tmp_path / "cache"))
+    assert_cache_consistent(CompileCache(tmp_path / "cache"))
     killed = tree(Path(lib.out))
     # the same library built with no fault is identical
     (tmp_path / "cache").rename(tmp_path / "cache-killed")
     build_library(lib, jobs=2)
     assert tree(Path(lib.out)) == killed
 
-
-def _assert_cache_consistent(cache) -> None:
-    """Every entry verifies (sha256 of its binary); no half-written entry is visible."""
-    import hashlib
-    entries = list(cache._entry_dirs())
-    assert entries
-    for d in entries:
-        meta = json.loads((d / "meta.json").read_text())
-        binary = d / ("kernel.cubin" if meta["kind"] == "cubin" else "kernel.so")
-        assert hashlib.sha256(binary.read_bytes()).hexdigest() == meta["files"][binary.name]["sha256"]
-        assert b"half a binary" not in binary.read_bytes()
 
 
 def test_two_concurrent_builds_of_the_same_library(tmp_path, fake):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from library_fixtures import compiles, make_fake_nvcc, reset_ctl, tree, write_library
+from library_fixtures import assert_cache_consistent, compiles, make_fake_nvcc, reset_ctl, tree, write_library
 
 ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "kspec[ray]"')
 
@@ -73,21 +73,13 @@ def test_ray_build_of_several_specs_for_both_archs_matches_a_local_build(tmp_pat
 
 
 def test_ray_worker_killed_mid_compile_is_retried_and_the_cache_stays_consistent(tmp_path, ctl):
-    import hashlib
-    import json
     lib = load_library(write_library(tmp_path, buckets=False), out=str(tmp_path / "out"))
     (ctl / "kill").write_text("")
     s = build_library(lib, executor="ray", cache_root=str(tmp_path / "cache"))
     assert (ctl / "killed").is_dir(), "the stand-in nvcc should have killed a Ray worker"
     assert s.ok
     reset_ctl(ctl)
-    cache = CompileCache(tmp_path / "cache")
-    entries = list(cache._entry_dirs())
-    assert len(entries) == 12
-    for d in entries:
-        meta = json.loads((d / "meta.json").read_text())
-        data = (d / ("kernel.cubin" if meta["kind"] == "cubin" else "kernel.so")).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == meta["sha256"] and b"half a binary" not in data
+    assert_cache_consistent(CompileCache(tmp_path / "cache"), count=12)
     # identical to a build where nothing went wrong
     clean = load_library(write_library(tmp_path, buckets=False), out=str(tmp_path / "clean"))
     build_library(clean, jobs=2, cache_root=str(tmp_path / "clean-cache"))

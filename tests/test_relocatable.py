@@ -3,13 +3,13 @@ major.minor, the emit memo stores include dirs relative to the CUTLASS tree, and
 here loads from a copy after the original is gone."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from kspec.backends import cache as cache_entry
 from kspec.backends.build import CompileCache, BuildJob, toolchain_release
 from kspec.backends.desc import EmittedKernel
 from kspec.backends.toolchain import Toolchain
@@ -91,7 +91,7 @@ def test_emit_memo_stores_no_machine_paths(tmp_path, memo, monkeypatch):
     (entry,) = (root / "emit").glob("*.json")
     text = entry.read_text()
     assert compat.cutlass_source_dir() not in text and "site-packages" not in text
-    assert json.loads(text)["include_dirs"] == ["cutlass:include", "cutlass:tools/util/include"]
+    assert cache_entry.json_get(entry)["include_dirs"] == ["cutlass:include", "cutlass:tools/util/include"]
     again = kc.emit_cached(_Lowered(("desc", 1)), root)
     assert len(calls) == 1 and again == first                 # a memo hit, resolved to this machine's tree
 
@@ -111,9 +111,9 @@ def test_emit_memo_of_the_old_format_is_a_miss(tmp_path, memo):
     root = tmp_path / "cache"
     kc.emit_cached(_Lowered(("desc", 2)), root)
     (entry,) = (root / "emit").glob("*.json")
-    data = json.loads(entry.read_text())
+    data = cache_entry.json_get(entry)
     data["include_dirs"] = ["/some/other/machine/cutlass/include"]       # what the memo used to hold
-    entry.write_text(json.dumps(data))
+    cache_entry.json_put(entry, data)                                    # sealed as a memo is today
     em = kc.emit_cached(_Lowered(("desc", 2)), root)
     assert len(calls) == 2 and em.include_dirs == compat.cutlass_include_dirs()
 

@@ -459,7 +459,8 @@ def test_two_plan_binding(glue_fixture):
 def test_bad_host_glue(tmp_path):
     from kspec.runtime.glue import HostGlue
     (tmp_path / "x.so").write_bytes(b"not an ELF")
-    with pytest.raises(KspecRuntimeError, match="x.so: cannot load host glue of plan"):
+    with pytest.raises(KspecRuntimeError, match=r"x.so: the host glue of plan 'p' \(sm90a\) is not a whole "
+                                                r"shared library \(10 bytes, no ELF header\)"):
         HostGlue(tmp_path / "x.so", "plan 'p' (sm90a)")
 
 
