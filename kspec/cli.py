@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import traceback
 
@@ -121,17 +122,17 @@ def cmd_graph(args) -> int:
     elif args.format == "svg":
         if not args.output:
             raise KspecError("--format svg needs -o PATH")
-        data = to_svg(to_dot(scheds[0]))
-        with open(args.output, "wb") as f:
-            f.write(data)
-        print(f"wrote {args.output}")
+        _emit(to_svg(to_dot(scheds[0])), args.output)
     return 0
 
 
-def _emit(text: str, path: str | None) -> None:
+def _emit(text: str | bytes, path: str | None) -> None:
     if path:
-        with open(path, "w") as f:
-            f.write(text)
+        try:
+            with open(path, "wb" if isinstance(text, bytes) else "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise KspecError(f"cannot write {path}: {e.strerror or e}", hint="give -o a writable file path") from None
         print(f"wrote {path}")
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -265,9 +266,11 @@ def _compile_warnings(args, emitted) -> None:
 def cmd_compile(args) -> int:
     from pathlib import Path
 
-    from kspec.compile import Progress, compile_spec, emit_spec, write_emitted
+    from kspec.compile import Progress, compile_spec, emit_spec, prepare_output, write_emitted
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
+    if args.output is not None or not (args.emit_only and args.print):
+        prepare_output(args.output or "build")          # before anything is planned or built
     sm_counts = parse_sm_counts(args.sm_count, archs)
     if args.emit_only:
         emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
@@ -341,7 +344,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_cache(args) -> int:
     from kspec.backends.build import CompileCache
-    cache = CompileCache()
+    cache = CompileCache(writable=False)
     if args.action == "info":
         info = cache.info()
         for k, v in info.items():
@@ -552,15 +555,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in _ENVIRONMENT_ERRNOS:
+            return _internal(e, args.debug)
+        # a file system that refuses (read-only, full, permissions, a file where a folder must
+        # be): the environment, not kspec; exit 1 naming the path and the problem
+        where = f"{e.filename}: " if e.filename else ""
+        print(KspecError(f"{where}{e.strerror or e}", hint="check the path's permissions and free space, or "
+                                                            "choose another (-o, KSPEC_CACHE_DIR)").render(),
+              file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return 0
     except Exception as e:  # noqa: BLE001 - the last line of defence: never a bare traceback
-        # KspecInternalError and any other exception: a bug in kspec, never the user's mistake
-        kind = "internal error" if isinstance(e, KspecInternalError) else f"internal error: {type(e).__name__}"
-        print(f"kspec: {kind}: {e}", file=sys.stderr)
-        print(f"  {ISSUE_HINT}", file=sys.stderr)
-        if args.debug:
-            traceback.print_exc()
-        else:
-            print("  (run again with --debug for the traceback)", file=sys.stderr)
-        return 2
+        return _internal(e, args.debug)
+
+
+# errnos that only the environment causes (kspec's own paths never need them to be otherwise)
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                       errno.EISDIR, errno.ENAMETOOLONG, errno.EIO, errno.EMFILE, errno.ENFILE, errno.ELOOP,
+                       errno.EXDEV}
+
+
+def _internal(e: BaseException, debug: bool) -> int:
+    # KspecInternalError and any other exception: a bug in kspec, never the user's mistake
+    kind = "internal error" if isinstance(e, KspecInternalError) else f"internal error: {type(e).__name__}"
+    print(f"kspec: {kind}: {e}", file=sys.stderr)
+    print(f"  {ISSUE_HINT}", file=sys.stderr)
+    if debug:
+        traceback.print_exception(e)
+    else:
+        print("  (run again with --debug for the traceback)", file=sys.stderr)
+    return 2

@@ -29,6 +29,7 @@ bucket) and writes `OUT/library.json`, an index of the artifacts.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import glob
 import json
 import multiprocessing
@@ -535,7 +536,9 @@ def build_library(library: Library, *, jobs: int | None = None, executor: str = 
     artifacts from the cache and write OUT/library.json.  Raises KspecError naming every failed
     task when any failed (artifacts of the specs that built are still written)."""
     from kspec.backends.build import CompileCache
+    from kspec.compile import prepare_output
     t0 = time.monotonic()
+    prepare_output(library.out)            # a bad output directory is found before any build
     cache = CompileCache(cache_root)
     root = str(cache.root.resolve())
     db = tuning_db or library.tuning_db
@@ -613,8 +616,14 @@ def assemble(library: Library, cache_root: str, tuning_db: str | None, skip=froz
                           "sizes": dict(b.sizes) if b else {}, "size_key": bucket_key(b.as_dict if b else None),
                           "archs": manifest.get("archs"), "path": os.path.relpath(art, library.out)})
     out = Path(library.out)
-    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".library.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"format": INDEX_FORMAT, "artifacts": index}, indent=1) + "\n")
-    os.replace(tmp, out / "library.json")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": INDEX_FORMAT, "artifacts": index}, indent=1) + "\n")
+        os.replace(tmp, out / "library.json")
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise KspecError(f"cannot write {out / 'library.json'}: {e.strerror or e}",
+                         hint="check the output directory: its permissions and free space") from None
     return index
