@@ -295,16 +295,17 @@ def workdir(parent: Path, prefix: str) -> Iterator[Path]:
 
 
 def _age(p: Path, now: float) -> float:
+    """Seconds since `p` last changed (a work directory's mtime moves with every file made in it)."""
     try:
-        st = p.lstat()
+        return now - p.lstat().st_mtime
     except OSError:
         return -1.0
-    return now - max(st.st_mtime, st.st_ctime)
 
 
 def reclaim_dir(parent: Path, work_only: bool = False) -> int:
     """Remove the leftovers of dead builders directly under `parent`: work directories (and memo
-    temporary files) whose lock is free (see the module docstring), and `.discard-*` folders, here
+    temporary files) whose lock is free and that have not changed for GRACE_S (see the module
+    docstring), and `.discard-*` folders (whoever sees one may finish deleting it), here
     and in the <key[:2]> folders.  work_only: work directories only (an output directory, where
     anything else is the user's).  Safe while other processes build: a live builder's lock is
     never taken from it.  Returns how many were removed."""
@@ -335,7 +336,7 @@ def reclaim_dir(parent: Path, work_only: bool = False) -> int:
                     os.close(fd)
         elif work_only:
             continue
-        elif name.startswith(DISCARD_PREFIX) and _age(p, now) >= GRACE_S:
+        elif name.startswith(DISCARD_PREFIX):
             shutil.rmtree(p, ignore_errors=True)          # nobody's: whoever sees it may finish it
             n += 1
         elif _SHARD.match(name) and p.is_dir():           # <key[:2]>/: where entries are discarded
