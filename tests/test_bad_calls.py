@@ -1,6 +1,6 @@
 """Nothing launches on a bad call (issue 27, item 3): for compiled shipped specs, on the fake
 driver, every bad argument — wrong dtype, rank, shape, strides, alignment, aliasing, extents past
-the launch grid's limits, bad varlen offsets — is a KspecRuntimeError naming the argument, and
+the launch grid's limits and 32 bits, bad varlen offsets — is a KspecRuntimeError naming the argument, and
 no kernel is launched."""
 from __future__ import annotations
 
@@ -204,3 +204,24 @@ def test_non_portable_cluster_launch_refused_by_the_runtime():
     bad = SimpleNamespace(grid=(8, 4, 1), block=(384, 1, 1), cluster=(4, 4, 1))
     with pytest.raises(KspecRuntimeError, match=r"a cluster of \(4, 4, 1\) .* CUDA cannot launch"):
         _check_launch_shape(bad, plan, "sm100a", [1024, 512])
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_gemm_extents_past_32_bits_are_refused_by_the_glue(compiled):
+    """The CuTe DSL GEMM's glue takes every extent up to INT32_MAX (its grid is persistent: at most
+    the SM count; 2**31 - 8 keeps 16-byte TMA rows) and refuses one past it by name, before anything
+    is queued."""
+    from kspec.runtime.module import GRID_MAX
+    mod = kspec.load(compiled("gemm_bias_relu", ARCH))
+    (plan,) = mod.manifest.kernels[0].plans
+    glue = mod.glue(plan, "sm90a")
+    ptrs = [0x7F0000000000 + i * 2**40 for i in range(len(plan.args))]
+    scalars = [1.0] * len(plan.scalars)
+    for role in ("M", "N", "K"):
+        dims = [{role: 2**31 - 8}.get(r, 64) if isinstance(e, str) else e for r, e in plan.dims]
+        pr = glue.prepare(dims, ptrs, scalars, 0, 0, 132)
+        assert all(0 < g <= m for g, m in zip(pr.grid, GRID_MAX)) and pr.grid[0] * pr.grid[1] * pr.grid[2] <= 132
+        dims = [{role: 2**31}.get(r, 64) if isinstance(e, str) else e for r, e in plan.dims]
+        with pytest.raises(KspecRuntimeError, match=f"gemm_bias_relu_0.*sizes must fit in 32 bits.*{role}=2147483648"):
+            glue.prepare(dims, ptrs, scalars, 0, 0, 132)
