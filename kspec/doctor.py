@@ -160,7 +160,7 @@ def _toolchain(notes: list[str]) -> tuple[Section, Any]:
 def _cache() -> Section:
     s = Section("cache")
     from kspec.backends.build import CompileCache
-    cache = CompileCache()
+    cache = CompileCache(writable=False)          # the configured directory, not a fallback
     s.add("dir", f"{cache.root}" + ("  ($KSPEC_CACHE_DIR)" if os.environ.get("KSPEC_CACHE_DIR") else ""))
     if cache.root.is_dir():
         info, err = _probe(cache.info)
@@ -169,7 +169,8 @@ def _cache() -> Section:
                   + (f", {info['failed_logs']} failed-build logs" if info["failed_logs"] else ""))
         else:
             s.add("entries", f"unreadable: {err}")
-        s.add("writable", "yes" if os.access(cache.root, os.W_OK) else "no")
+        s.add("writable", "yes" if os.access(cache.root, os.W_OK) else
+              "no (compiles use a temporary cache for the run, with a warning)")
     else:
         parent = next((p for p in cache.root.parents if p.exists()), Path("/"))
         s.add("entries", "none yet (created on the first compile)")
