@@ -319,7 +319,7 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     target = out / stem
     cache_entry.reclaim_dir(out, work_only=True)
     try:
-        with cache_entry.workdir(out, f".{stem}.") as staging:
+        with cache_entry.workdir(out, f".{stem[:64]}.") as staging:
             _write_artifact(path, staging, target, emitted, built, by_job, toolchain, cache, build_jobs)
     except OSError as e:
         raise _write_error(e, target) from None
@@ -419,7 +419,7 @@ def _write_artifact(path, staging: Path, target: Path, emitted: EmittedSpec, bui
     old = None
     if target.is_dir() and not target.is_symlink():
         # aside first (a name reclaim_dir removes if this process dies), then replaced
-        old = target.with_name(f".{target.name}.old-{os.getpid()}-{time.monotonic_ns()}{cache_entry.WORK_SUFFIX}")
+        old = target.with_name(f".{target.name[:64]}.old-{os.getpid()}-{time.monotonic_ns()}{cache_entry.WORK_SUFFIX}")
         os.rename(target, old)
     elif target.exists() or target.is_symlink():
         raise KspecError(f"cannot write the artifact {target}: a file of that name is in the way",
