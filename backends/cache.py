@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from kspec.core import KspecError
+from kspec.core import KspecError, os_problem
 
 META = "meta.json"
 _CHUNK = 1 << 20
@@ -374,9 +374,9 @@ def usable_root(root: Path) -> Path:
         os.close(fd)
         os.unlink(probe)
     except FileExistsError:
-        problem = "it exists and is not a directory"
+        problem = "it exists and is not a directory" if root.exists() else os_problem(FileExistsError(), root)
     except OSError as e:
-        problem = e.strerror or str(e)
+        problem = os_problem(e, root)
     if problem is None:
         _USABLE[key] = root
         return root

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from kspec.core import KspecError, KspecInternalError, dtype_bytes
+from kspec.core import KspecError, KspecInternalError, dtype_bytes, os_problem
 
 DB_FORMAT = 1
 MODEL_DRIVER = "model"
@@ -245,7 +245,7 @@ class TuningDB:
         try:
             self._put(new)
         except OSError as e:
-            raise KspecError(f"cannot write the tuning database {self.path}: {e.strerror or e}",
+            raise KspecError(f"cannot write the tuning database {self.path}: {os_problem(e, self.path)}",
                              hint="point --tuning-db or KSPEC_TUNING_DB at a writable path") from None
 
     def _put(self, new: list[TuneEntry]) -> None:

@@ -111,7 +111,8 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_one(tmp_path, fake, capsy
               env={**env, "KSPEC_CACHE_DIR": str(blocker / "cache")})
     assert r.returncode == 0, r.stderr
     (warning,) = [l for l in r.stderr.splitlines() if "warning" in l]
-    assert f"the cache directory {blocker / 'cache'} cannot be written (Not a directory)" in warning
+    assert f"the cache directory {blocker / 'cache'} cannot be written ({blocker} is a file, not a directory)" \
+        in warning
     assert "using a temporary cache for this run" in warning
     assert tree(tmp_path / "out") == tree(tmp_path / "clean")
     tmp_cache = Path(warning.split("(")[2].split(",")[0])
@@ -137,6 +138,17 @@ def test_environment_oserrors_are_exit_1_internal_bugs_stay_2(capsys, monkeypatc
             assert err.startswith(f"error: {exc.filename}: {exc.strerror}"), err
         else:
             assert "internal error" in err
+
+
+def test_an_unwritable_tuning_database_is_exit_1(tmp_path):
+    from test_tune import _entry
+
+    from kspec.core import KspecError
+    from kspec.tune import TuningDB
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    with pytest.raises(KspecError, match=f"cannot write the tuning database {blocker}/tune.json: {blocker} is a file"):
+        TuningDB(blocker / "tune.json").put([_entry()])
 
 
 def _unshare_ok() -> str | None:
