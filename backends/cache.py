@@ -17,8 +17,8 @@ Work directories (`workdir`) are made with the process umask (entries are as rea
 file the user writes, so a team can share a cache) and held with an `flock` on the directory for
 as long as their builder lives: the kernel drops the lock when the process dies, `kill -9`
 included, so `reclaim` can tell a dead builder's leftovers from a live build (on any host or PID
-namespace sharing the file system) and removes them.  Where the file system has no locks, only
-leftovers older than a day are removed.  `usable_root` checks that a cache root can be written,
+namespace sharing the file system) and removes them at once.  Where the file system has no locks,
+only leftovers older than a day are removed.  `usable_root` checks that a cache root can be written,
 and otherwise falls back to a temporary cache for the run, with one warning.
 """
 from __future__ import annotations
@@ -184,18 +184,21 @@ def json_put(path: Path, data) -> None:
     body = json.dumps(data, sort_keys=True)
     text = json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "data": body})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    name = f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    new, tmp = path.with_name(name + NEW_SUFFIX), path.with_name(name + ".tmp")
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # held while written (see reclaim_dir)
         except OSError:
             pass
+        os.rename(new, tmp)
         with os.fdopen(os.dup(fd), "w") as f:
             f.write(text)
         os.replace(tmp, path)
     finally:
         os.close(fd)
+        new.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
 
 
@@ -237,24 +240,36 @@ def json_get(path: Path):
 
 DISCARD_PREFIX = ".discard-"
 WORK_SUFFIX = ".kspec-work"       # every work directory's name ends with it (see `workdir`)
-# A leftover is reclaimed when no process holds its lock and it has not changed for GRACE_S (the
-# moment between making a directory and locking it: microseconds), or, where the file system
-# cannot lock, when it has not changed for UNLOCKED_S.
-GRACE_S = 2.0
+# A work directory or memo file is made under a NEW_SUFFIX name, locked, and only then renamed to
+# its reclaimable name (the rename keeps the lock): a reclaimer never sees one unlocked while its
+# builder lives.  A NEW_SUFFIX leftover (a builder killed in those microseconds) is reclaimed
+# after UNLOCKED_S, as is anything on a file system that cannot lock.
+NEW_SUFFIX = ".kspec-new"
 UNLOCKED_S = 24 * 3600.0
 _SHARD = re.compile(r"^[0-9a-f]{2}$")
 _MEMO_TMP = re.compile(r"^\..+\.tmp$")     # json_put's and the tuning database's temporary files
 
 
-def _mkdir_private_name(parent: Path, prefix: str) -> Path:
-    """mkdtemp, but with the umask's mode (mkdtemp makes 0700: unreadable to the rest of a team)."""
+def _mkdir_private_name(parent: Path, prefix: str) -> tuple[Path, int | None | bool]:
+    """(a new locked work directory, its lock fd): mkdtemp, but with the umask's mode (mkdtemp
+    makes 0700: unreadable to the rest of a team), locked before it takes its WORK_SUFFIX name."""
     for _ in range(100):
-        p = parent / f"{prefix}{uuid.uuid4().hex[:12]}{WORK_SUFFIX}"
+        name = f"{prefix}{uuid.uuid4().hex[:12]}"
+        new = parent / f"{name}{NEW_SUFFIX}"
         try:
-            os.mkdir(p, 0o777)
+            os.mkdir(new, 0o777)
         except FileExistsError:
             continue
-        return p
+        fd = _try_lock(new)
+        work = parent / f"{name}{WORK_SUFFIX}"
+        try:
+            os.rename(new, work)
+        except BaseException:
+            if isinstance(fd, int):
+                os.close(fd)
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+        return work, fd
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
 
 
@@ -281,8 +296,7 @@ def workdir(parent: Path, prefix: str) -> Iterator[Path]:
     """A new directory under `parent` (created with its parents) to build an entry in, locked for
     this process until the block ends, then deleted unless it was installed (renamed away)."""
     parent.mkdir(parents=True, exist_ok=True)
-    work = _mkdir_private_name(parent, prefix)
-    fd = _try_lock(work)
+    work, fd = _mkdir_private_name(parent, prefix)
     try:
         yield work
     finally:
@@ -304,8 +318,8 @@ def _age(p: Path, now: float) -> float:
 
 def reclaim_dir(parent: Path, work_only: bool = False) -> int:
     """Remove the leftovers of dead builders directly under `parent`: work directories (and memo
-    temporary files) whose lock is free and that have not changed for GRACE_S (see the module
-    docstring), and `.discard-*` folders (whoever sees one may finish deleting it), here
+    temporary files) whose lock is free (see NEW_SUFFIX), and `.discard-*` folders (whoever sees
+    one may finish deleting it), here
     and in the <key[:2]> folders.  work_only: work directories only (an output directory, where
     anything else is the user's).  Safe while other processes build: a live builder's lock is
     never taken from it.  Returns how many were removed."""
@@ -316,12 +330,12 @@ def reclaim_dir(parent: Path, work_only: bool = False) -> int:
     now, n = time.time(), 0
     for name in names:
         p = parent / name
-        if name.endswith(WORK_SUFFIX) or (not work_only and _MEMO_TMP.match(name)):
-            age = _age(p, now)
-            if age < GRACE_S:
-                continue
+        new = name.endswith(NEW_SUFFIX)
+        if new or name.endswith(WORK_SUFFIX) or (not work_only and _MEMO_TMP.match(name)):
             fd = _try_lock(p)
-            if fd is False or (fd is None and age < UNLOCKED_S):
+            if fd is False or ((fd is None or new) and _age(p, now) < UNLOCKED_S):
+                if isinstance(fd, int):
+                    os.close(fd)
                 continue
             try:                            # (holding its lock: no one else is in it)
                 if p.is_dir() and not p.is_symlink():
@@ -370,7 +384,7 @@ def usable_root(root: Path) -> Path:
     problem = None
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe-", suffix=".tmp", dir=root)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", suffix=NEW_SUFFIX, dir=root)
         os.close(fd)
         os.unlink(probe)
     except FileExistsError:

@@ -348,7 +348,7 @@ def prepare_output(out_dir: str | Path) -> Path:
             break
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".probe-{os.getpid()}-{time.monotonic_ns()}{cache_entry.WORK_SUFFIX}"
+        probe = out / f".probe-{os.getpid()}-{time.monotonic_ns()}{cache_entry.NEW_SUFFIX}"
         os.mkdir(probe)
         os.rmdir(probe)
     except OSError as e:

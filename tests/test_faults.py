@@ -204,7 +204,7 @@ KSPEC_CACHE_DIR={full} run {py} -m kspec cache clear
 # kill -9
 # ---------------------------------------------------------------------------------------------
 
-def _kill_points(env, spec, ctl, tmp_path, points: int, seed: int, check_every: int) -> None:
+def _kill_points(env, spec, ctl, tmp_path, points: int, seed: int, check_every: int, settle: float) -> None:
     clean_dir = tmp_path / "clean"
     t = time.monotonic()
     r = kspec("compile", spec, "--arch", "sm90a,sm100a", "-o", clean_dir, "-q",
@@ -229,7 +229,7 @@ def _kill_points(env, spec, ctl, tmp_path, points: int, seed: int, check_every: 
             assert r.returncode == 0, r.stderr
             assert tree(out / spec.stem) == clean, f"after kill {i}"
     assert killed >= points // 2, f"only {killed} of {points} compiles were still running when killed"
-    time.sleep(entry.GRACE_S + 0.5)                   # leftovers younger than this are left alone
+    time.sleep(settle)              # the killed compiles' orphaned nvcc processes finish writing
     r = kspec("compile", spec, "--arch", "sm90a,sm100a", "-o", out, "-q", env=env)
     assert r.returncode == 0, r.stderr
     assert tree(out / spec.stem) == clean
@@ -242,7 +242,7 @@ def test_kill_9_at_20_points(tmp_path, fake):
     env, spec, ctl = fake
     reset_ctl(ctl)
     (ctl / "sleep").write_text("0.02")
-    _kill_points(env, spec, ctl, tmp_path, points=20, seed=27, check_every=10)
+    _kill_points(env, spec, ctl, tmp_path, points=20, seed=27, check_every=10, settle=0.5)
 
 
 @pytest.mark.slow
@@ -258,7 +258,7 @@ def test_kill_9_at_20_points_real_builds(tmp_path):
     spec = tmp_path / "mixed.kspec"
     spec.write_text(GEMM.read_text() + (ROOT / "specs" / "rmsnorm.kspec").read_text())
     env = {**os.environ, "KSPEC_CACHE_DIR": str(tmp_path / "cache")}
-    _kill_points(env, spec, None, tmp_path, points=20, seed=28, check_every=1)
+    _kill_points(env, spec, None, tmp_path, points=20, seed=28, check_every=1, settle=10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,12 +274,17 @@ def _old(p: Path) -> Path:
 def test_reclaim_takes_dead_builders_leftovers_only(tmp_path):
     root = tmp_path / "cache"
     (root / "ab").mkdir(parents=True)
-    dead = _old(entry._mkdir_private_name(root, "dead-"))
-    young = entry._mkdir_private_name(root, "young-")                  # (the moment before its lock)
+    dead, fd = entry._mkdir_private_name(root, "dead-")
+    os.close(fd)                                                       # its builder died
+    young = root / f"young-1234{entry.NEW_SUFFIX}"                    # a builder before its lock
+    young.mkdir()
+    stale = root / f"stale-1234{entry.NEW_SUFFIX}"                    # ... killed there a day ago
+    stale.mkdir()
+    t = time.time() - entry.UNLOCKED_S - 60
+    os.utime(stale, (t, t))
     (root / "ab" / f"{entry.DISCARD_PREFIX}abcd-1234").mkdir()
-    memo = root / ".x.json.123.abcd.tmp"
+    memo = root / ".x.json.123.abcd.tmp"                             # json_put's, its writer gone
     memo.write_text("{")
-    _old(memo)
     keep = [root / "ab" / ("a" * 64), root / "notes.tmp", root / "tuning.json"]
     keep[0].mkdir()
     for k in keep[1:]:
@@ -287,8 +292,8 @@ def test_reclaim_takes_dead_builders_leftovers_only(tmp_path):
         _old(k)
     with entry.workdir(root, "live-") as live:
         _old(live)
-        assert entry.reclaim_dir(root) == 3
-        assert live.is_dir() and young.is_dir() and not dead.exists() and not memo.exists()
+        assert entry.reclaim_dir(root) == 4
+        assert live.is_dir() and young.is_dir() and not dead.exists() and not memo.exists() and not stale.exists()
         assert not list((root / "ab").glob(".discard-*")) and all(k.exists() for k in keep)
     assert not live.exists()                          # its block removed it
     # an output directory: only work dirs, never the user's own files
@@ -298,7 +303,8 @@ def test_reclaim_takes_dead_builders_leftovers_only(tmp_path):
     user[0].write_text("x")
     _old(user[0])
     user[1].mkdir()
-    staging = _old(entry._mkdir_private_name(out, ".gemm."))
+    staging, fd = entry._mkdir_private_name(out, ".gemm.")
+    os.close(fd)
     assert entry.reclaim_dir(out, work_only=True) == 1 and not staging.exists() and all(u.exists() for u in user)
 
 
