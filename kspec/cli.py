@@ -270,7 +270,7 @@ def cmd_compile(args) -> int:
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
     if args.output is not None or not (args.emit_only and args.print):
-        prepare_output(args.output or "build")          # before anything is planned or built
+        prepare_output(args.output or "build", create=False)    # before anything is planned or built
     sm_counts = parse_sm_counts(args.sm_count, archs)
     if args.emit_only:
         emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,

@@ -301,8 +301,9 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     from kspec.backends.build import CompileCache, build_all
 
     cache = cache or CompileCache()
-    out = prepare_output(out_dir)
+    prepare_output(out_dir, create=False)
     emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned, sm_counts)
+    out = prepare_output(out_dir)
     cache.reclaim()
     build_jobs = _jobs(emitted)
     # nvcc is needed for CUTLASS C++ / plain CUDA jobs; otherwise the toolchain (cuobjdump, for the
@@ -332,30 +333,36 @@ def _write_error(e: OSError, target: Path) -> KspecError:
                       hint="check the output directory (-o): its permissions and free space")
 
 
-def prepare_output(out_dir: str | Path) -> Path:
-    """`out_dir`, created if needed and checked to take new files, before anything is built:
-    a KspecError naming the path and the problem otherwise (a file, /dev/null, a read-only or
-    special directory)."""
+def prepare_output(out_dir: str | Path, create: bool = True) -> Path:
+    """`out_dir`, checked to take new files: a KspecError naming the path and the problem
+    otherwise (a file, /dev/null, a read-only or special directory).  create=False checks without
+    creating anything (the nearest existing folder must take a new one): for before a spec is
+    planned, since a refused spec writes nothing."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         kind = "a file" if out.is_file() else "not a directory"
         raise KspecError(f"the output directory {out} is {kind}", hint="give -o a directory (it is created if needed)")
-    for up in out.parents:
+    base = out
+    for up in (out, *out.parents):
         if up.exists():
             if not up.is_dir():
                 raise KspecError(f"cannot create the output directory {out}: {up} is a file",
                                  hint="give -o a directory (it is created if needed)")
+            base = up
             break
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".probe-{os.getpid()}-{time.monotonic_ns()}{cache_entry.NEW_SUFFIX}"
+        if create:
+            out.mkdir(parents=True, exist_ok=True)
+            base = out
+        probe = base / f".probe-{os.getpid()}-{time.monotonic_ns()}{cache_entry.NEW_SUFFIX}"
         os.mkdir(probe)
         os.rmdir(probe)
     except OSError as e:
         why = e.strerror or str(e)
-        if isinstance(e, FileNotFoundError) and out.is_dir():
+        if isinstance(e, FileNotFoundError) and base.is_dir():
             why = f"it does not take new files ({why})"          # /proc/self and the like
-        raise KspecError(f"cannot write to the output directory {out}: {why}",
+        where = out if base == out else f"{out} ({base})"
+        raise KspecError(f"cannot write to the output directory {where}: {why}",
                          hint="give -o a writable directory") from None
     return out
 

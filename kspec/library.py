@@ -538,7 +538,7 @@ def build_library(library: Library, *, jobs: int | None = None, executor: str = 
     from kspec.backends.build import CompileCache
     from kspec.compile import prepare_output
     t0 = time.monotonic()
-    prepare_output(library.out)            # a bad output directory is found before any build
+    prepare_output(library.out, create=False)      # a bad output directory is found before any build
     cache = CompileCache(cache_root)
     root = str(cache.root.resolve())
     db = tuning_db or library.tuning_db
