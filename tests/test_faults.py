@@ -61,7 +61,7 @@ def leftovers(*dirs: Path) -> list[str]:
     for d in dirs:
         for p in d.rglob("*"):
             n = p.name
-            if n.endswith(entry.WORK_SUFFIX) or n.startswith(entry.DISCARD_PREFIX) or \
+            if n.endswith((entry.WORK_SUFFIX, entry.NEW_SUFFIX)) or n.startswith(entry.DISCARD_PREFIX) or \
                     (n.startswith(".") and n.endswith(".tmp")) or ".tmp" in n and p.is_dir():
                 out.append(str(p.relative_to(d)))
     return sorted(out)
