@@ -143,9 +143,13 @@ def test_manifest_round_trip_and_older_artifacts(tmp_path):
         del obj["kernels"][0]["index_ranges"][0][flag]
     (d / "manifest.json").write_text(json.dumps(obj))
     assert read_manifest(d).kernels[0].index_ranges == (LABEL,)
-    del obj["kernels"][0]["index_ranges"]            # written before kspec recorded them
+    # a manifest written before kspec recorded them parses as "not recorded"; here, where the host
+    # library records the ranges its plan was built with, dropping them is refused (test_manifest_tamper)
+    del obj["kernels"][0]["index_ranges"]
     (d / "manifest.json").write_text(json.dumps(obj))
-    assert read_manifest(d).kernels[0].index_ranges is None
+    assert read_manifest(d, verify=False).kernels[0].index_ranges is None
+    with pytest.raises(KspecArtifactError, match="index_ranges"):
+        read_manifest(d)
     assert read_manifest(_artifact(tmp_path / "none", ranges=())).kernels[0].index_ranges == ()
 
 
