@@ -265,7 +265,7 @@ def _mkdir_private_name(parent: Path, prefix: str) -> tuple[Path, int | None | b
         try:
             os.rename(new, work)
         except BaseException:
-            if isinstance(fd, int):
+            if type(fd) is int:
                 os.close(fd)
             shutil.rmtree(new, ignore_errors=True)
             raise
@@ -304,7 +304,7 @@ def workdir(parent: Path, prefix: str) -> Iterator[Path]:
             if work.exists():
                 shutil.rmtree(work, ignore_errors=True)
         finally:
-            if isinstance(fd, int):
+            if type(fd) is int:
                 os.close(fd)
 
 
@@ -334,7 +334,7 @@ def reclaim_dir(parent: Path, work_only: bool = False) -> int:
         if new or name.endswith(WORK_SUFFIX) or (not work_only and _MEMO_TMP.match(name)):
             fd = _try_lock(p)
             if fd is False or ((fd is None or new) and _age(p, now) < UNLOCKED_S):
-                if isinstance(fd, int):
+                if type(fd) is int:
                     os.close(fd)
                 continue
             try:                            # (holding its lock: no one else is in it)
@@ -346,7 +346,7 @@ def reclaim_dir(parent: Path, work_only: bool = False) -> int:
             except OSError:
                 pass
             finally:
-                if isinstance(fd, int):
+                if type(fd) is int:
                     os.close(fd)
         elif work_only:
             continue

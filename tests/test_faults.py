@@ -317,7 +317,9 @@ def test_a_live_builder_in_another_process_keeps_its_dir(tmp_path):
     try:
         work = Path(p.stdout.readline().strip())
         _old(work)
+        before = os.fstat(0)
         assert entry.reclaim_dir(root) == 0 and work.is_dir()
+        assert os.fstat(0) == before        # a lock held elsewhere (False) is no fd to close: not stdin
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert work.is_dir()                          # kill -9: nothing ran to delete it
