@@ -204,3 +204,50 @@ def test_non_portable_cluster_launch_refused_by_the_runtime():
     bad = SimpleNamespace(grid=(8, 4, 1), block=(384, 1, 1), cluster=(4, 4, 1))
     with pytest.raises(KspecRuntimeError, match=r"a cluster of \(4, 4, 1\) .* CUDA cannot launch"):
         _check_launch_shape(bad, plan, "sm100a", [1024, 512])
+
+
+@needs_dsl
+@pytest.mark.cute
+@pytest.mark.nvcc
+@pytest.mark.parametrize("stem", ["gemm_bias_relu", "cross_entropy", "attention", "gemm_rowmax"])
+def test_reductions_over_nothing_are_refused_before_any_launch(compiled, stem):
+    """Issue 22 item 3: a size that only inputs have (K of a GEMM, the vocabulary of a cross-entropy,
+    T of attention) at 0 with the outputs not empty would make every output value a reduction over
+    nothing: refused by name on the fake driver with zero launches, for every backend's kernel
+    (the rule is the runtime's, before any plan), and the numpy reference refuses the same call
+    with the same message.  An empty output (M = 0) is no error: nothing is launched."""
+    from conftest import SPECS
+
+    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.spec_lang import load_spec
+    mod = kspec.load(compiled(stem, ARCH))
+    ref = kspec.reference(load_spec(SPECS / f"{stem}.kspec"))
+    k = mod.manifest.kernels[0]
+    out_syms = {e for t in k.outputs for e in t.shape if isinstance(e, str)}
+    reduced = sorted({e for t in k.inputs for e in t.shape if isinstance(e, str)} - out_syms)
+    assert reduced, f"{stem}: no size that only inputs have"
+    for sym in reduced:
+        sizes = {**_sizes(k), sym: 0}
+        with FakeDriver((9, 0), sm_count=132) as fake:
+            args = {}
+            for t in (*k.inputs, *k.outputs):
+                shape = tuple(extent_value(e, sizes) for e in t.shape)
+                args[t.name] = _buffer(fake, shape, t.dtype, layout_strides(shape, t.layout))
+            msg = _refuses(mod, k.name, args, fake, f"{sym} = 0")
+            assert f"kernel '{k.name}'" in msg and "reductions over nothing" in msg, msg
+            assert fake.launches == [] and fake.fills == []
+        host = {t.name: np.zeros(tuple(extent_value(e, sizes) for e in t.shape), storage_dtype(t.dtype))
+                for t in k.inputs}
+        with pytest.raises(KspecRuntimeError) as e:
+            ref(**host)
+        assert str(e.value).splitlines()[0] == msg.splitlines()[0]
+    # an empty output launches nothing and is no error
+    first = sorted(out_syms)[0]
+    with FakeDriver((9, 0), sm_count=132) as fake:
+        sizes = {**_sizes(k), first: 0}
+        args = {}
+        for t in k.inputs:
+            shape = tuple(extent_value(e, sizes) for e in t.shape)
+            args[t.name] = _buffer(fake, shape, t.dtype, layout_strides(shape, t.layout))
+        mod[k.name](**args)
+        assert fake.launches == []

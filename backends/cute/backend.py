@@ -87,7 +87,7 @@ class CuteBackend:
             return SettingProblem("tile", f"tile K is {k} for {desc.a.dtype} operands (128 bytes per stage)")
         if h.cluster is not None and h.cluster[2] != 1:
             return SettingProblem("cluster", "the K cluster size must be 1")
-        return cute_gemm.config_problem(self._config(desc, ir, arch), arch, desc.b2 is not None)
+        return cute_gemm.config_problem(self._config(desc, ir, arch), arch, desc=desc)
 
     @staticmethod
     def _hinted(ir: KernelIR, arch: str) -> bool:

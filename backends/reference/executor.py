@@ -374,6 +374,11 @@ class ReferenceKernel:
 
     def __call__(self, **arrays) -> dict[str, np.ndarray]:
         inputs, params, sizes = self.bind(arrays)
+        # the runtime's rule: an output that is not empty never comes from a reduction over nothing
+        from kspec.runtime.emptycheck import check_no_empty_reduction
+        k = self.kernel
+        check_no_empty_reduction(k.name, ((t.name, t.shape, np.shape(arrays[t.name])) for t in k.inputs),
+                                 ((t.name, t.shape, tuple(extent_value(e, sizes) for e in t.shape)) for t in k.outputs))
         if self.count_ranges():
             from kspec.runtime.indexcheck import check_index_values
             check_index_values(self.kernel.name, self.count_ranges(), sizes,
