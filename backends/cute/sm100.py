@@ -212,7 +212,8 @@ class Sm100Gemm:
         shape = sync.cluster_vmn(self.cluster_shape_mn, self.use_2cta_instrs)
         cl = f"cluster {self.cluster_shape_mn[0]}x{self.cluster_shape_mn[1]}{' 2-CTA' if self.use_2cta_instrs else ''}"
         ab_empty = sync.check_count(
-            "sm_100a A/B ring, empty barrier arrive count", self.num_mcast_a + self.num_mcast_b - 1,
+            "sm_100a A/B ring, empty barrier arrive count",
+            sync.sm100_ab_empty_arrivals(self.cluster_shape_mn, self.use_2cta_instrs),
             sync.routed_arrivals(shape, sync.sm100_ab_empty_routes(shape), warps=1),
             f"one tcgen05.commit from each MMA leader whose multicast reaches the barrier's CTA ({cl})")
         acc_empty = sync.check_count(

@@ -64,11 +64,6 @@ def residual_start(tiles_done, n_sub):
     return tiles_done * n_sub
 
 
-def store_slot(tiles_done, n_sub, s, arch):
-    """The D/aux staging buffer of sub-tile `s` of a tile (the TMA store ring)."""
-    return ring_index(tiles_done * n_sub + s, EPI_STORE_STAGES[arch])
-
-
 # ------------------------------------------------------------------------------------------ clusters
 def mma_width(use_2cta: bool) -> int:
     """CTAs per MMA: 2 with sm_100a's 2-CTA UMMA, else 1."""
