@@ -72,6 +72,8 @@ def format_plan(sched: KernelSchedule) -> str:
         lines.extend(_group_desc(sched, p))
         for arch, ch in p.choices.items():
             lines.append(f"      {arch}: {ch.describe()}")
+            for name, why in ch.opt_in:
+                lines.append(f"        (not {name}: {why})")
     inter = sched.intermediates
     if inter:
         lines.append("  global intermediates:")

@@ -97,6 +97,19 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     return None
 
 
+def unvalidated(desc: GemmDesc, arch: str) -> str | None:
+    """Why a GEMM this backend can build is one nothing has validated on a GPU (None: it is not);
+    the planner then builds it here only when asked (registry.opt_in_reason)."""
+    a, b = desc.a.dtype, desc.b.dtype
+    if arch == "sm90a" and a == "tf32":
+        return ("tf32 WGMMA on sm90a is kspec's own MMA atom (f32 data truncated to tf32, not rounded), "
+                "not yet validated on any GPU")
+    if arch == "sm100a" and a in FP8_DTYPES and b in FP8_DTYPES and a != b:
+        return (f"{a} x {b} on tcgen05 (kind::f8f6f4 with mixed kinds, documented as unsupported by NVIDIA's "
+                "CuTe DSL example) is not yet validated on any GPU")
+    return None
+
+
 def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     """The configurations worth trying for autotuning (all compile; which is fastest needs a GPU)."""
     return [c for c in _candidates(arch) if valid_config(c, arch, desc=desc) is None]
