@@ -665,3 +665,13 @@ def test_a_wrong_count_fails_the_compile_with_the_arithmetic(monkeypatch, tmp_pa
         cbuild.build(d, arch, tmp_path / "cache", cfg)
     msg = str(e.value)
     assert "the kernel passes" in msg and ("arrive count" in msg or "transaction bytes" in msg), msg
+
+
+def test_two_cta_tiles_of_64_row_ctas_are_not_planned():
+    """Issue 22: 2-CTA tiles with 64-row CTAs (an MMA tile of 128 rows) were accepted by the
+    configuration check though nothing reached them and their epilogue's strided N sub-tile was never
+    checked against its buffer: refused at the tile; 256-row 2-CTA tiles stay."""
+    from kspec.backends.cute import gemm
+    p = gemm.config_problem(gemm.CuteConfig((128, 128), (2, 1), True), "sm100a")
+    assert p.setting == "tile" and "M 256" in p.reason
+    assert gemm.valid_config(gemm.CuteConfig((256, 128), (2, 1), True), "sm100a") is None
