@@ -14,7 +14,7 @@ reaches.  All of it lives here so that
 - `tests/test_sync_protocols.py` simulates every barrier the kernels create with these functions,
   without a GPU.
 
-Standard library only: importable without the DSL.
+Standard library and kspec.core only: importable without the DSL.
 """
 from __future__ import annotations
 
