@@ -36,9 +36,17 @@ from kspec.backends.cute import compat, sync
 
 ARCHS = ("sm90a", "sm100a")
 EPILOGUES = ("plain", "residual", "aux", "reduction")
-# the configuration both sides compile: sm_90a 128x256 (two consumer warpgroups, cooperative in
-# both), sm_100a 128x128 on one CTA; cluster 1x1, f16 operands and D, K-major A and B
+# the configurations both sides compile, f16 operands and D, K-major A and B: sm_90a 128x256 (two
+# consumer warpgroups, cooperative in both), sm_100a 128x128 on one CTA, cluster 1x1; and, for the
+# plain epilogue, the cluster paths: sm_90a with a 2x1 cluster (B multicast), sm_100a's 2-CTA MMA
+# (256x128 over a 2x1 cluster)
 TILE = {"sm90a": (128, 256), "sm100a": (128, 128)}
+CLUSTERED = {"sm90a": ((128, 256), (2, 1), False), "sm100a": ((256, 128), (2, 1), True)}
+
+
+def _config(arch, epi):
+    """(tile, cluster, 2-CTA) of a case: `epi` "plain+cluster" is the clustered plain case."""
+    return CLUSTERED[arch] if epi.endswith("+cluster") else (TILE[arch], (1, 1), False)
 
 _INSN_RE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 # synchronisation instruction kinds (SASS opcode with its modifiers, as cuobjdump prints them)
@@ -101,7 +109,7 @@ def kspec_kernel(arch: str, epi: str):
     else:
         out = Store("D", acc, "f16")
     d = GemmDesc("k_0", arch, Operand("A", "f16", "row"), Operand("B", "f16", "col"), "f32", out, **kw)
-    cfg = gemm.CuteConfig(TILE[arch], (1, 1))
+    cfg = gemm.CuteConfig(*_config(arch, epi))
     b = cbuild.build(d, arch, test_cache_root(), cfg)
     return Path(b.cubin), gemm.smem_budget(d, arch, cfg)
 
@@ -110,7 +118,8 @@ def kspec_kernel(arch: str, epi: str):
 def quack_kernel(arch: str, epi: str) -> tuple[Path, dict]:
     """(cubin, pipeline facts) of QuACK's kernel for the epilogue, compiled once into the cache."""
     from importlib.metadata import version
-    tag = f"quack{version('quack-kernels')}-dsl{compat.dsl_version()}-{arch}-{epi}-{TILE[arch][0]}x{TILE[arch][1]}"
+    (tm, tn), (cm, cn), _ = _config(arch, epi)
+    tag = f"quack{version('quack-kernels')}-dsl{compat.dsl_version()}-{arch}-{epi}-{tm}x{tn}-{cm}x{cn}"
     root = test_cache_root() / "upstream-sass" / tag
     facts_path = root / "facts.json"
     if facts_path.exists():
@@ -153,8 +162,10 @@ def _compile_quack(arch: str, epi: str, dump: Path) -> dict:
         caches = [f for f in vars(cute_dsl_utils).values() if hasattr(f, "cache_clear")]
         for f in caches:                             # QuACK caches the arch it read first
             f.cache_clear()
-        cfg = GemmConfig(tile_m=TILE[arch][0], tile_n=TILE[arch][1], pingpong=False, is_dynamic_persistent=False,
-                         cluster_m=1, cluster_n=1, device_capacity=9 if arch == "sm90a" else 10)
+        (tm, tn), (cm, cn), _ = _config(arch, epi)
+        # (QuACK takes an even cluster M with a 256-row tile on sm_100a as a 2-CTA MMA, like kspec)
+        cfg = GemmConfig(tile_m=tm, tile_n=tn, pingpong=False, is_dynamic_persistent=False,
+                         cluster_m=cm, cluster_n=cn, device_capacity=9 if arch == "sm90a" else 10)
         cute.compile = keep
         try:
             with FakeTensorMode():
@@ -163,7 +174,7 @@ def _compile_quack(arch: str, epi: str, dump: Path) -> dict:
                 A = torch.empty(M, K, **f16)
                 B = torch.empty_strided((K, N), (1, K), **f16)            # K-major, as kspec's B
                 D = torch.empty(M, N, **f16)
-                if epi == "plain":
+                if epi.startswith("plain"):
                     lib.identity_epi.plan(A, B, out={"D": D}, config=cfg)
                 elif epi == "residual":
                     lib.residual_epi.plan(A, B, out={"D": D}, res=torch.empty(M, N, **f16), config=cfg)
@@ -192,6 +203,8 @@ def kspec_barriers(arch, epi, budget) -> dict[str, int]:
     out = {"A/B ring": 2 * budget.stages}
     if arch == "sm100a":
         out["accumulator ring"] = 2 * sync.ACC_STAGES
+    if _config(arch, epi)[2]:
+        out["2-CTA TMEM release"] = 1        # the DSL's TmemAllocator: the peer's dealloc handshake
     if epi == "residual":
         out["residual ring"] = sync.RESIDUAL_STAGES
     return out
@@ -205,6 +218,8 @@ def quack_barriers(arch, epi, facts) -> dict[str, int]:
     if facts.get("epi_c_stage"):
         out["C load ring"] = 2 * facts["epi_c_stage"]
     out["tile scheduler ring"] = 2 * facts["sched_stage"]
+    if _config(arch, epi)[2]:
+        out["2-CTA TMEM release"] = 1
     return out
 
 
@@ -219,6 +234,10 @@ ONLY_QUACK = {
                    "load warp on another); kspec frees TMEM after the last accumulator-full wait, which the "
                    "last MMA's commit completes, and its epilogue loads residuals itself",
     },
+}
+ONLY_QUACK[("sm90a", "plain+cluster")] = {
+    "SYNCS.ARRIVE.TRANS64.RED": "QuACK's tile-scheduler pipeline is released into CTA 0's barrier from every CTA of "
+                                "the cluster (a remote arrive); kspec's warps each step their own static scheduler",
 }
 ONLY_KSPEC: dict = {}
 _C_LOAD = "QuACK's C tiles come from its load warp through a named barrier; kspec's epilogue warp 0 loads them"
@@ -248,7 +267,7 @@ def _pins(table, arch, epi):
 @needs_quack
 @pytest.mark.cute
 @pytest.mark.parametrize("epi", [e if e in ("plain", "residual") else pytest.param(e, marks=pytest.mark.slow)
-                                 for e in EPILOGUES])
+                                 for e in EPILOGUES] + ["plain+cluster"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sync_skeleton_matches_quack(arch, epi):
     kc, budget = kspec_kernel(arch, epi)
