@@ -404,9 +404,10 @@ N_SUB = (1, 2, 3, 4, 6, 8)
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_every_barrier_over_stages_clusters_and_tile_counts(arch):
     """The A/B ring (multicast, 2-CTA), the accumulator ring, the residual ring and the store ring
-    of one cluster, on random interleavings: 2-8 stages, 1-50 tiles per CTA, 1-3 K tiles."""
+    of one cluster, on random interleavings: 1-8 stages (2-8 on sm_90a, where one deadlocks: see
+    below; the planner never picks fewer than 2 on either arch), 1-50 tiles per CTA, 1-3 K tiles."""
     for ci, (cluster, two, wgs) in enumerate(CLUSTERS[arch]):
-        for stages in range(sync.MIN_AB_STAGES, 9):
+        for stages in range(1 if arch == "sm100a" else sync.MIN_AB_STAGES, 9):
             for tiles in (1, 2, 5) if stages % 3 else (1, 3, 50):
                 for k_tiles in (1, 3):
                     simulate(arch, seed=ci * 1000 + stages * 10 + tiles, cluster=cluster, use_2cta=two, wgs=wgs,
