@@ -401,6 +401,10 @@ def test_paths_nothing_validates_are_opt_in(tmp_path, capsys):
     assert ("(not cute: f8e4m3 x f8e5m2 on tcgen05 (kind::f8f6f4 with mixed kinds, documented as unsupported by "
             "NVIDIA's CuTe DSL example) is not yet validated on any GPU; built only when asked: `backend = cute` "
             "in the spec's schedule for sm100a, or --backend cute)") in out
+    rc, out, _ = run_cli(capsys, "graph", write(tmp_path, "mixed", MIXED_FP8), "--format", "json")
+    doc = json.loads(out)
+    assert doc["plans"][0]["backends"]["sm100a"]["opt_in"][0][0] == "cute"
+    assert doc["plans"][0]["backends"]["sm90a"]["opt_in"] == []
     # asked for: by the schedule (that arch) or by the command line (every kernel it can build)
     (p,) = plans(MIXED_FP8 + "schedule mixed for sm100a { backend = cute }\n")
     assert p.choices["sm100a"].backend == "cute" and not p.choices["sm100a"].opt_in
