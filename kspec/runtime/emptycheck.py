@@ -1,12 +1,12 @@
-"""Calls that would reduce over nothing are refused before any launch (the runtime and the numpy
-reference apply the same rule, so they refuse the same calls).
+"""Calls that would reduce over nothing are refused before any launch.
 
 An output that is not empty while an input is empty can only get its values from a reduction over
 that input's empty axis (a GEMM with K = 0, a row sum over N = 0, attention over T = 0 keys or a
-head dimension of 0): kspec's kernels do not define those.  A GEMM kernel never clears its
-accumulator without a K tile (sm_100a keeps it in tensor memory), a TMA descriptor with a zero
-extent is invalid, and an empty max has no value.  So such a call raises `KspecRuntimeError`
-naming the size that is 0.  A call whose outputs are all empty launches nothing and is fine.
+head dimension of 0).  The language defines those (a sum over nothing is 0, a max -inf, a
+logsumexp -inf; `kspec.reference` computes them), but kspec's kernels do not: a GEMM kernel never
+clears its accumulator without a K tile (sm_100a keeps it in tensor memory) and a TMA descriptor
+with a zero extent is invalid.  So such a call raises `KspecRuntimeError` naming the size that is
+0, for every backend alike.  A call whose outputs are all empty launches nothing and is fine.
 """
 from __future__ import annotations
 
