@@ -59,37 +59,49 @@ def _write(tmp_path, text, name="rope"):
     return p
 
 
-def _shim_run(emitted, lowered, arrays: dict, outs: dict, sizes: dict, tmp_path: Path):
-    """Compile a generic kernel's own text on the host and run every thread sequentially."""
+def _shim_build(emitted, tmp_path: Path):
+    """Compile a generic kernel's own text (device code and host glue) on the host with g++."""
     cuda_inc = None
     for base in (Path("/usr/local/cuda/include"), *sorted(Path("/usr/local").glob("cuda-*/include"))):
         if (base / "cuda_bf16.h").is_file():
             cuda_inc = base
     if shutil.which("g++") is None or cuda_inc is None:
         pytest.skip("no g++ or CUDA headers to run the generated kernel on the host")
+    # KSPEC_ASSUME (the compiler hints of the index decode and the 16-byte moves) is checked here
     shim = ("#include <vector_types.h>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda_fp8.h>\n"
             "#include <cmath>\nstatic uint3 blockIdx, threadIdx; static dim3 blockDim;\n"
+            "static long long emu_assume_failures = 0;\n"
+            "#define KSPEC_ASSUME(c) do { if (!(c)) ++emu_assume_failures; } while (0)\n"
             "#define __global__\n#define __launch_bounds__(n)\n")
     run = r"""
-extern "C" int emu_run(const int64_t* dims, void* const* ptrs, const double* sc, char* err) {
+extern "C" int emu_run(const int64_t* dims, void* const* ptrs, const double* sc, char* err, int64_t* info) {
   alignas(16) unsigned char blob[sizeof(Params)]; uint64_t ps = 0;
   uint32_t grid[3], block[3], cluster[3], smem = 0;
   int rc = kspec_prepare(dims, ptrs, sc, nullptr, 0, 132, blob, sizeof(blob), &ps, grid, block, cluster, &smem, err, 256);
   if (rc) return rc;
   Params p; std::memcpy(&p, blob, sizeof(p));
   blockDim.x = block[0]; blockDim.y = 1; blockDim.z = 1;
+  emu_assume_failures = 0;
   for (unsigned b = 0; b < grid[0]; ++b) for (unsigned t = 0; t < block[0]; ++t) {
     blockIdx.x = b; threadIdx.x = t; kspec_kernel(p);
   }
+  info[0] = p.vec; info[1] = grid[0]; info[2] = block[0]; info[3] = emu_assume_failures; info[4] = p.idx32;
   return 0;
 }
 """
-    cpp = tmp_path / "k.cpp"
-    so = tmp_path / "k.so"
+    key = abs(hash(emitted.source)) % 10 ** 12
+    cpp = tmp_path / f"k{key}.cpp"
+    so = tmp_path / f"k{key}.so"
     cpp.write_text(shim + emitted.source + run)
-    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-DKSPEC_HOST", "-DKSPEC_DEVICE",
-                    f"-I{cuda_inc}", str(cpp), "-o", str(so)], check=True, capture_output=True, text=True)
-    lib = ctypes.CDLL(str(so))
+    subprocess.run(["g++", "-std=c++17", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC", "-DKSPEC_HOST",
+                    "-DKSPEC_DEVICE", f"-I{cuda_inc}", str(cpp), "-o", str(so)], check=True, capture_output=True,
+                   text=True)
+    return ctypes.CDLL(str(so))
+
+
+def _shim_call(lib, lowered, arrays: dict, outs: dict, sizes: dict) -> dict:
+    """Run every thread of the kernel's launch (as its own kspec_prepare sets it up) sequentially;
+    returns the path taken (vec: 1 for the vector path), the grid and block."""
     desc, names = lowered.desc, lowered.names
     every = {**arrays, **outs}
     dims = [math.prod(x if isinstance(x, int) else sizes[x] for x in (v if isinstance(v, tuple) else (v,)))
@@ -98,7 +110,25 @@ extern "C" int emu_run(const int64_t* dims, void* const* ptrs, const double* sc,
     c_ptrs = (ctypes.c_void_p * max(1, len(desc.args)))(*[every[names[a]].ctypes.data for a in desc.args])
     c_sc = (ctypes.c_double * 1)()
     err = ctypes.create_string_buffer(256)
-    assert lib.emu_run(c_dims, c_ptrs, c_sc, err) == 0, err.value
+    info = (ctypes.c_int64 * 5)()
+    assert lib.emu_run(c_dims, c_ptrs, c_sc, err, info) == 0, err.value
+    assert info[3] == 0, f"{info[3]} KSPEC_ASSUME conditions failed"
+    return {"vec": info[0], "grid": info[1], "block": info[2], "idx32": info[4]}
+
+
+def _shim_run(emitted, lowered, arrays: dict, outs: dict, sizes: dict, tmp_path: Path) -> dict:
+    """Compile a generic kernel's own text on the host and run every thread sequentially."""
+    return _shim_call(_shim_build(emitted, tmp_path), lowered, arrays, outs, sizes)
+
+
+def _misaligned(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` whose data pointer is one element past a 16-byte boundary."""
+    raw = np.empty(a.size + 16, dtype=a.dtype)
+    skip = (-raw.ctypes.data % 16) // a.itemsize + 1
+    out = raw[skip:skip + a.size].reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 16 != 0
+    return out
 
 
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
@@ -141,10 +171,113 @@ def test_interleaved_pairs_reference_and_generated_text(tmp_path):
     y0 = np.full((T, 32), np.nan, dtype=storage_dtype("bf16"))
     y1 = np.full((T, 32), np.nan, dtype=storage_dtype("bf16"))
     (ep,) = [ep for ep in plist if ep.lowered.arch == "sm100a"]
-    _shim_run(ep.emitted, ep.lowered, {"X": x, "cos": cos, "sin": sin}, {"Y0": y0, "Y1": y1}, {"T": T}, tmp_path)
+    info = _shim_run(ep.emitted, ep.lowered, {"X": x, "cos": cos, "sin": sin}, {"Y0": y0, "Y1": y1}, {"T": T},
+                     tmp_path)
+    # the vector path (8 elements along i per thread: cos, sin, Y0, Y1 are contiguous along it); the
+    # gathers X[t, 2 * i] are not consecutive, so each of them falls back to 8 scalar loads
+    assert info["vec"] == 1 and info["grid"] == math.ceil(T * 32 / 8 / 256)
     for got, want in ((ref["Y0"], w0), (ref["Y1"], w1), (y0, w0), (y1, w1)):
         got = np.asarray(got, dtype=np.float64)
         assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-6
+
+
+def _rope_arrays(rng, shape, E):
+    q = rng.standard_normal(shape).astype(storage_dtype("bf16"))
+    cos = rng.standard_normal((shape[-3] if len(shape) == 4 else shape[0], E)).astype(np.float32)
+    sin = rng.standard_normal(cos.shape).astype(np.float32)
+    return q, cos, sin
+
+
+def _rope_any(q, cos, sin):
+    """float64 rotate-half RoPE of q [.., S or T, H, E] with cos/sin [S or T, E]."""
+    q = np.asarray(q, dtype=np.float64)
+    half = q.shape[-1] // 2
+    rot = np.concatenate([-q[..., half:], q[..., :half]], axis=-1)
+    c = cos.astype(np.float64)[:, None, :]
+    s = sin.astype(np.float64)[:, None, :]
+    return q * c + rot * s
+
+
+def _close(got, want):
+    got = np.asarray(got, dtype=np.float64)
+    assert not np.isnan(got).any(), "elements never written"
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-6
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_rope_vector_path_and_scalar_fallback(spelling, tmp_path):
+    """The kernel's vector path (8 elements per thread, 128-bit moves of Q, cos, sin, Y and of the
+    rotated half) runs where every pointer it moves is 16-byte aligned; a misaligned Q, cos or Y
+    takes the one-element-per-thread path.  Both match float64 numpy, every element written, the
+    grid sized to the path."""
+    path = _write(tmp_path, SPELLINGS[spelling])
+    (plist,) = emit_spec(path, ("sm90a",)).plans.values()
+    ep = plist[0]
+    assert ep.lowered.desc.vec == 8 and dict(ep.emitted.config)["vec"] == "8"
+    lib = _shim_build(ep.emitted, tmp_path)
+    B, S, H = 2, 3, 3
+    count = B * S * H * 128
+    q, cos, sin = _rope_arrays(np.random.default_rng(4), (B, S, H, 128), 128)
+    want = _rope64(q, cos, sin)
+    for case in ("aligned", "Q", "cos", "Y"):
+        args = {"Q": q, "cos": cos, "sin": sin}
+        y = np.full((B, S, H, 128), np.nan, dtype=storage_dtype("bf16"))
+        if case == "Y":
+            y = _misaligned(y)
+        elif case != "aligned":
+            args[case] = _misaligned(args[case])
+        info = _shim_call(lib, ep.lowered, args, {"Y": y}, {"B": B, "S": S, "H": H})
+        vec = 8 if case == "aligned" else 1
+        assert (info["vec"], info["grid"], info["block"]) == (int(vec == 8), math.ceil(count / vec / 256), 256), case
+        _close(y, want)
+
+
+ROPE_SYM = """kernel rope_sym {
+  in  Q : bf16[T, H, E]
+  in  cos : f32[T, E]
+  in  sin : f32[T, E]
+  out Y : bf16[T, H, E]
+  Y[t, h, e] = f32(Q[t, h, e]) * cos[t, e] + where(e < E / 2, -f32(Q[t, h, e + E / 2]), f32(Q[t, h, e - E / 2])) * sin[t, e]
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def rope_sym(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rope_sym")
+    (plist,) = emit_spec(_write(tmp, ROPE_SYM, "rope_sym"), ("sm100a",)).plans.values()
+    return plist[0], _shim_build(plist[0].emitted, tmp)
+
+
+@pytest.mark.parametrize("E, vec", [
+    (64, 1),     # vector path, each rotated half one aligned 128-bit load
+    (40, 1),     # vector path, the halves (20 elements) start off a 16-byte boundary: scalar gathers
+    (36, 0),     # E not a multiple of 8: one element per thread
+    (6, 0),      # E smaller than a vector
+])
+def test_rope_head_dim_as_a_size(rope_sym, E, vec):
+    ep, lib = rope_sym
+    T, H = 5, 3
+    q, cos, sin = _rope_arrays(np.random.default_rng(E), (T, H, E), E)
+    y = np.full((T, H, E), np.nan, dtype=storage_dtype("bf16"))
+    info = _shim_call(lib, ep.lowered, {"Q": q, "cos": cos, "sin": sin}, {"Y": y}, {"T": T, "H": H, "E": E})
+    assert info["vec"] == vec and info["grid"] == math.ceil(T * H * E / (8 if vec else 1) / 256)
+    _close(y, _rope_any(q, cos, sin))
+
+
+def test_literal_extent_no_multiple_of_the_vector_has_no_vector_path(tmp_path):
+    text = SPELLINGS["rotate_half_mod"].replace("128", "100").replace("64", "50")
+    (plist,) = emit_spec(_write(tmp_path, text), ("sm90a",)).plans.values()
+    ep = plist[0]
+    assert ep.lowered.desc.vec == 1 and "if (p.vec)" not in ep.emitted.source
+    assert "kspec_mod(v7, 100LL)" in ep.emitted.source          # literal extents are constants
+    B, S, H = 1, 2, 3
+    q, cos, sin = _rope_arrays(np.random.default_rng(5), (B, S, H, 100), 100)
+    y = np.full((B, S, H, 100), np.nan, dtype=storage_dtype("bf16"))
+    info = _shim_run(ep.emitted, ep.lowered, {"Q": q, "cos": cos, "sin": sin}, {"Y": y}, {"B": B, "S": S, "H": H},
+                     tmp_path)
+    assert info["vec"] == 0
+    _close(y, _rope_any(q[0], cos, sin)[None])
 
 
 def test_graph_strict_prints_what_compile_builds(tmp_path, capsys):

@@ -3,6 +3,11 @@ softmax, and contractions CUTLASS cannot take (several reduced indices, mixed or
 
 One thread per output element (per row for softmax); every node's value is rounded to its dtype,
 exactly as the numpy reference does, so these kernels match the reference to function accuracy.
+A pure elementwise kernel (gathers and index arithmetic included) also has a vector path (`_Vector`):
+VEC consecutive elements along the innermost axis per thread, indices decoded once per thread, and
+the tensors read or written contiguously along that axis moved as 128-bit loads and stores; the host
+glue takes it when the innermost extent is a multiple of VEC and those pointers are 16-byte aligned,
+else the one-element-per-thread path runs.  Literal extents are constants in the device code.
 The source follows backends/ABI.md: a `Params` struct by value, `kspec_kernel`, and host glue.
 Spec names never appear: buffers are `t0`, `t1`, ... and values `v0`, `v1`, ...
 """
@@ -42,8 +47,11 @@ class GenericDesc:
     args: tuple[str, ...]             # buffer identifiers in pointer order
     scalars: tuple[str, ...]
     dims: tuple[str, ...]             # d0, d1, ...: extents of the iteration space, then reduced axes
-    threads: str                      # C expression for the number of threads needed
-    arg_bytes: tuple[int, ...] = ()   # element size of each argument: the kernel's loads and stores are scalar
+    threads: str                      # C expression for the number of elements (threads of the scalar path)
+    arg_bytes: tuple[int, ...] = ()   # element size of each argument: the alignment the scalar path needs
+    vec: int = 1                      # elements per thread of the vector path (1: the kernel has none)
+    vec_dim: str = ""                 # the d<i> it runs along (its extent must be a multiple of vec)
+    vec_args: tuple[str, ...] = ()    # arguments it moves 16 bytes at a time (their pointers 16-byte aligned)
 
 
 def _round(dtype: str, expr: str) -> str:
@@ -64,10 +72,19 @@ def _load(dtype: str, ptr: str, offset: str) -> str:
     return f"(float)(((const {_CTYPE[dtype]}*){ptr})[{offset}])"
 
 
-def _store(dtype: str, ptr: str, offset: str, value: str) -> str:
+def _elem(dtype: str, ref: str) -> str:
+    """The value of element `ref` of a local array of `dtype` (the vector path's loaded words)."""
+    return f"(long long){ref}" if dtype in _INT else f"(float)({ref})"
+
+
+def _assign(dtype: str, lvalue: str, value: str) -> str:
     if dtype in _INT:
-        return f"(({_CTYPE[dtype]}*){ptr})[{offset}] = ({_CTYPE[dtype]}){value};"
-    return f"(({_CTYPE[dtype]}*){ptr})[{offset}] = {_CTYPE[dtype]}((float)({value}));"
+        return f"{lvalue} = ({_CTYPE[dtype]}){value};"
+    return f"{lvalue} = {_CTYPE[dtype]}((float)({value}));"
+
+
+def _store(dtype: str, ptr: str, offset: str, value: str) -> str:
+    return _assign(dtype, f"(({_CTYPE[dtype]}*){ptr})[{offset}]", value)
 
 
 _FN = {
@@ -101,6 +118,8 @@ class _Gen:
         self.dim_values: list[tuple[str, object]] = []
         self.lines: list[str] = []
         self.inline: set = set()            # in-group nodes recomputed where they are read
+        self.iover: dict[str, str] = {}     # d<i> -> the variable holding that index (the vector loop's own)
+        self.vector: _Vector | None = None  # set while the vector path's element body is generated
 
     def dim(self, label: str, extent) -> str:
         if label not in self.dim_of:
@@ -112,6 +131,23 @@ class _Gen:
     def ptr(self, buffer: str) -> str:
         return self.names(buffer)
 
+    def ivar(self, d: str) -> str:
+        """The C variable holding index d<i> where an element's value is computed."""
+        return self.iover.get(d, f"i_{d}")
+
+    def dimx(self, d: str) -> str:
+        """Extent of d<i> in device code: a literal extent is a constant (`% 128` compiles to a mask),
+        a symbolic one is read from the parameters."""
+        ext = dict(self.dim_values)[d]
+        return f"{ext}LL" if isinstance(ext, int) and not isinstance(ext, bool) else f"p.dim[{d[1:]}]"
+
+    def storage_last(self, buffer: str, labels: tuple[str, ...]) -> str | None:
+        """The label of buffer[labels]'s contiguous (storage-innermost) axis."""
+        if not labels:
+            return None
+        b = self.ir.buffer(buffer)
+        return labels[-2] if b.layout == "col" and len(labels) >= 2 else labels[-1]
+
     def offset(self, buffer: str, labels: tuple[str, ...]) -> str:
         """Element offset of buffer[labels] from the index variables i_<d>."""
         b = self.ir.buffer(buffer)
@@ -121,8 +157,8 @@ class _Gen:
         terms, stride = [], "1LL"
         for axis in reversed(order):
             d = self.dim_of[labels[axis]]
-            terms.append(f"i_{d} * {stride}")
-            stride = f"{stride} * p.dim[{d[1:]}]"
+            terms.append(f"{self.ivar(d)} * {stride}")
+            stride = f"{stride} * {self.dimx(d)}"
         return " + ".join(reversed(terms)) or "0"
 
     def value(self, n, labels: tuple[str, ...], local: dict) -> str:
@@ -145,12 +181,14 @@ class _Gen:
             return f"(float)p.scalar[{{{c}}}]" if o.dtype not in _INT else f"(long long)p.scalar[{{{c}}}]"
         if o.kind == "index":
             # the integer value of the loop index the reader names this axis by
-            return f"i_{self.dim_of[labels[0]]}"
+            return self.ivar(self.dim_of[labels[0]])
         if o.kind == "size":
-            return f"p.dim[{self.dim(f'#size:{o.fn}', o.fn)[1:]}]"
+            return self.dimx(self.dim(f'#size:{o.fn}', o.fn))
         if o.kind != "input":
             raise KspecInternalError(f"value {n} is neither computed in the kernel nor loaded")
         buf = o.buffer
+        if self.vector is not None and self.vector.contiguous(buf, labels):
+            return _elem(self.ir.buffer(buf).dtype, self.vector.load(buf, labels))
         return _load(self.ir.buffer(buf).dtype, f"p.ptr[{{{self.ptr(buf)}}}]", self.offset(buf, labels))
 
     def node_expr(self, n, local: dict) -> str:
@@ -158,9 +196,9 @@ class _Gen:
         if o.kind == "gather":
             return self.gather_expr(n, local)
         if o.kind == "index":
-            return f"i_{self.dim_of[o.axes[0]]}"
+            return self.ivar(self.dim_of[o.axes[0]])
         if o.kind == "size":
-            return f"p.dim[{self.dim(f'#size:{o.fn}', o.fn)[1:]}]"
+            return self.dimx(self.dim(f'#size:{o.fn}', o.fn))
         args = [self.value(u, labels, local) for u, labels in operands(self.g, n)]
         if o.kind in ("broadcast", "cast") or o.fn == "copy":
             return args[0]
@@ -172,6 +210,16 @@ class _Gen:
     def gather_expr(self, n, local: dict) -> str:
         """source[subscripts]: index names use the loop indices, literals and integer tensor values
         select directly; a value outside its dimension gives NaN (no out-of-bounds read)."""
+        if self.vector is not None and n in self.vector.gathered:
+            return self.vector.gathered[n]
+        buf, offset, conds = self.gather_parts(n, local)
+        load = _load(self.ir.buffer(buf).dtype, f"p.ptr[{{{self.ptr(buf)}}}]", offset)
+        if not conds:
+            return load
+        return f"(({' && '.join(conds)}) ? {load} : NAN)"
+
+    def gather_parts(self, n, local: dict) -> tuple[str, str, list[str]]:
+        """(source buffer, element offset, conditions for the subscripts being in range) of a gather."""
         o = op(self.g, n)
         ins = operands(self.g, n)
         src, src_labels = ins[0]
@@ -190,27 +238,37 @@ class _Gen:
                 u, labels = ins[int(x[1:])]
                 v = f"({self.value(u, labels, local)})"
                 idx.append(v)
-                conds.append(f"{v} >= 0 && {v} < p.dim[{d[1:]}]")
+                conds.append(f"{v} >= 0 && {v} < {self.dimx(d)}")
             else:
-                idx.append(f"i_{self.dim_of[x]}")
+                idx.append(self.ivar(self.dim_of[x]))
         order = list(range(len(idx)))
         if b.layout == "col" and len(order) >= 2:
             order[-1], order[-2] = order[-2], order[-1]
         terms, stride = [], "1LL"
         for axis in reversed(order):
             terms.append(f"{idx[axis]} * {stride}")
-            stride = f"{stride} * p.dim[{dims[axis][1:]}]"
-        load = _load(b.dtype, f"p.ptr[{{{self.ptr(buf)}}}]", " + ".join(reversed(terms)) or "0")
-        if not conds:
-            return load
-        return f"(({' && '.join(conds)}) ? {load} : NAN)"
+            stride = f"{stride} * {self.dimx(dims[axis])}"
+        return buf, " + ".join(reversed(terms)) or "0", conds
 
 
 def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str) -> list[str]:
-    out = [f"long long r_ = {linear};"]
-    for label in reversed(labels):
-        d = gen.dim_of[label]
-        out.append(f"long long i_{d} = r_ % p.dim[{d[1:]}]; r_ /= p.dim[{d[1:]}];")
+    """Index variables i_<d> of the row-major linear index `linear` over `labels`, decoded once per
+    thread: in 32-bit arithmetic when the host says the element count fits (`p.idx32`), the
+    outermost index without a division (linear < count), literal extents as constants."""
+    if not labels:
+        return []
+    ds = [gen.dim_of[label] for label in labels]
+    out = [f"long long {', '.join(f'i_{d}' for d in ds)};"]
+    for head, t in (("if (p.idx32) {", "unsigned int"), ("} else {", "long long")):
+        out.append(head)
+        out.append(f"  {t} r_ = ({t})({linear});")
+        for d in reversed(ds[1:]):
+            x = gen.dimx(d) if t == "long long" else f"(unsigned int){gen.dimx(d)}"
+            out.append(f"  i_{d} = r_ % {x}; r_ /= {x};")
+        out.append(f"  i_{ds[0]} = r_;")
+    out.append("}")
+    # what the decode guarantees, for the compiler's index arithmetic (floor %, bounds of gathers)
+    out += [f"KSPEC_ASSUME(i_{d} >= 0 && i_{d} < {gen.dimx(d)});" for d in ds]
     return out
 
 
@@ -240,7 +298,7 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
     body: list[str] = []
     threads = " * ".join(f"p.dim[{gen.dim_of[l][1:]}]" for l in space) or "1LL"
     body.append("long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
-    body.append(f"if (tid >= {threads}) return;")
+    body.append("if (tid >= p.count) return;")
     body += _index_decode(gen, space, "tid")
     kinds = {op(g, n).kind for n in nodes}
     loop_nodes = [n for n in nodes if op(g, n).kind in ("softmax", "reduction")]
@@ -250,6 +308,7 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
                                  "and a reduction as the kernel's only result", op(g, loop_nodes[0]).span)
     # elementwise nodes feeding a reduction/softmax are recomputed inside its loops
     gen.inline = set(nodes) - set(loop_nodes) - set(after) if loop_nodes else set()
+    vector = None
     if loop_nodes and op(g, loop_nodes[0]).kind == "softmax":
         root = loop_nodes[0]
         ro = op(g, root)
@@ -258,36 +317,217 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
         body.extend(_reduce_into(gen, root, "v0"))
         _stores(gen, root, "v0", body)
     else:
-        local: dict = {}
-        for n in nodes:
-            o = op(g, n)
-            v = f"v{len(local)}"
-            ctype = _ctype(o.dtype)
-            if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
-                body.extend(_reduce_into(gen, n, v))
-            elif o.kind in ("elementwise", "broadcast", "cast", "gather", "index", "size") and set(o.axes) <= set(space):
-                # (a value over fewer axes, e.g. a cast bias vector, is recomputed per element)
-                body.append(f"{ctype} {v} = {_round(o.dtype, gen.node_expr(n, local))};")
-            else:
-                raise KspecLoweringError(f"plan {plan_id}: the CUDA backend cannot run a "
-                                         f"{'+'.join(sorted(kinds))} group", o.span)
-            local[n] = v
-        for n in leaving:
-            _stores(gen, n, local[n], body)
+        body += _element(gen, nodes, leaving, space, kinds)
+        if space and "contraction" not in kinds:
+            vector = _vector_path(gen, nodes, leaving, space, kinds)
+            if vector is not None:
+                lines, _ = vector
+                body = ["if (p.vec) {"] + ["  " + x for x in lines] + ["}"] + body
     names = gen.names
     text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
     back = names.back()
+    vec, vec_dim, vec_args = 1, "", ()
+    if vector is not None:
+        vec, vec_dim, vec_args = vector[1].vec, vector[1].d, tuple(a for a in args if a in vector[1].ptrs)
     desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dim_values), threads=threads,
-                       arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args))
+                       arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args),
+                       vec=vec, vec_dim=vec_dim, vec_args=vec_args)
     return LoweredPlan(ir, arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
 
 
-def _stores(gen: _Gen, n, value: str, body: list[str]) -> None:
+def _element(gen: _Gen, nodes, leaving, space, kinds) -> list[str]:
+    """The code computing every node of an elementwise kernel at the current index and storing
+    the kernel's results there."""
+    g = gen.g
+    lines: list[str] = []
+    local: dict = {}
+    raw: dict = {}            # node -> its value before rounding (a store of its own dtype rounds once)
+    for n in nodes:
+        o = op(g, n)
+        v = f"v{len(local)}"
+        ctype = _ctype(o.dtype)
+        if o.kind in ("reduction", "contraction") and set(o.axes) == set(space):
+            lines.extend(_reduce_into(gen, n, v))
+        elif o.kind in ("elementwise", "broadcast", "cast", "gather", "index", "size") and set(o.axes) <= set(space):
+            # (a value over fewer axes, e.g. a cast bias vector, is recomputed per element)
+            expr = gen.node_expr(n, local)
+            if o.kind == "gather" and o.dtype == gen.ir.buffer(op(g, operands(g, n)[0][0]).buffer).dtype:
+                lines.append(f"{ctype} {v} = {expr};")     # an element of its own dtype: exact
+            else:
+                lines.append(f"{ctype} {v} = {_round(o.dtype, expr)};")
+                raw[n] = expr
+        else:
+            raise KspecLoweringError(f"plan {gen.ir.id}: the CUDA backend cannot run a "
+                                     f"{'+'.join(sorted(kinds))} group", o.span)
+        local[n] = v
+    for n in leaving:
+        _stores(gen, n, local[n], lines, raw.get(n))
+    return lines
+
+
+class _Vector:
+    """The vector path of an elementwise kernel: each thread computes VEC consecutive elements along
+    the innermost iteration axis (`label`).  An input read, or an output written, at the thread's own
+    positions with that axis contiguous in memory (a row tensor indexed by it last, broadcast or not)
+    is moved as 128-bit loads and stores through a local array; every other access (gathers with
+    transposed reads) stays a scalar access at the element's own index.  A gather is computed for
+    the VEC elements first: where its VEC offsets are consecutive, in range and 16-byte aligned
+    (rotate-half's `(e + 64) % 128`), it is one 128-bit load too, else VEC scalar loads.  VEC is 16
+    bytes of the narrowest tensor moved, so each of them moves whole 16-byte words."""
+
+    def __init__(self, gen: _Gen, label: str):
+        self.gen, self.label, self.d = gen, label, gen.dim_of[label]
+        self.loads: dict[tuple, str] = {}        # (buffer, labels) -> local array
+        self.stores: dict[str, tuple] = {}       # buffer -> (local array, labels)
+        self.ptrs: set[str] = set()              # arguments the path moves 16 bytes at a time
+        self.sizes: list[int] = []               # element bytes of those
+        self.gathered: dict = {}                 # gather node -> its element in the gathered array
+        self.vec = 1
+
+    def contiguous(self, buffer: str, labels: tuple[str, ...]) -> bool:
+        b = self.gen.ir.buffer(buffer)
+        return (b.packed is None and b.dtype in _CTYPE and tuple(labels).count(self.label) == 1
+                and self.gen.storage_last(buffer, labels) == self.label)
+
+    def _use(self, buffer: str) -> None:
+        self.ptrs.add(self.gen.ptr(buffer))
+        self.sizes.append(dtype_bytes(self.gen.ir.buffer(buffer).dtype))
+
+    def load(self, buffer: str, labels: tuple[str, ...]) -> str:
+        key = (buffer, tuple(labels))
+        if key not in self.loads:
+            self.loads[key] = f"x{len(self.loads)}"
+            self._use(buffer)
+        return f"{self.loads[key]}[j_]"
+
+    def store(self, buffer: str, labels: tuple[str, ...]) -> str:
+        if buffer not in self.stores:
+            self.stores[buffer] = (f"y{len(self.stores)}", tuple(labels))
+            self._use(buffer)
+        return f"{self.stores[buffer][0]}[j_]"
+
+
+def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _Vector] | None:
+    """The vector path's code (run when the host glue sets `p.vec`), or None when no tensor is read
+    or written contiguously along the innermost axis, or its literal extent is no multiple of VEC."""
+    label = space[-1]
+    d = gen.dim_of[label]
+    vec = _Vector(gen, label)
+    g = gen.g
+    gen.vector, gen.iover = vec, {d: f"i_{d}j"}
+    try:
+        blocks = []
+        for n in nodes:
+            if op(g, n).kind == "gather" and _vector_gather(gen, n, nodes):
+                lines, elem, nbytes = _gather_block(gen, n, nodes, f"g{len(vec.gathered)}")
+                blocks += lines
+                vec.gathered[n] = elem
+                vec.sizes.append(nbytes)
+        element = _element(gen, nodes, leaving, space, kinds)
+    finally:
+        gen.vector, gen.iover = None, {}
+    if not vec.ptrs and not vec.gathered:
+        return None
+    vec.vec = 16 // min(vec.sizes)
+    ext = dict(gen.dim_values)[d]
+    if isinstance(ext, int) and ext % vec.vec:
+        return None
+    ir = gen.ir
+    lines = [f"// {vec.vec} consecutive elements along i_{d} per thread: 128-bit loads and stores",
+             f"constexpr int VEC = {vec.vec};",
+             "long long lin = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;",
+             "if (lin >= p.count) return;"]
+    lines += _index_decode(gen, space, "lin")
+    lines.append(f"KSPEC_ASSUME(i_{d} % VEC == 0);")
+    for (buf, labels), a in vec.loads.items():
+        ct = _CTYPE[ir.buffer(buf).dtype]
+        lines.append(f"alignas(16) {ct} {a}[VEC];")
+        lines.append(f"kspec_ld128({a}, (const {ct}*)p.ptr[{{{gen.ptr(buf)}}}] + ({gen.offset(buf, labels)}));")
+    lines += blocks
+    for buf, (a, _) in vec.stores.items():
+        lines.append(f"alignas(16) {_CTYPE[ir.buffer(buf).dtype]} {a}[VEC];")
+    lines += _unrolled(d, element)
+    for buf, (a, labels) in vec.stores.items():
+        ct = _CTYPE[ir.buffer(buf).dtype]
+        lines.append(f"kspec_st128(({ct}*)p.ptr[{{{gen.ptr(buf)}}}] + ({gen.offset(buf, labels)}), {a});")
+    lines.append("return;")
+    return lines, vec
+
+
+def _unrolled(d: str, inner: list[str]) -> list[str]:
+    """`inner` for each of the thread's VEC elements, i_<d>j its index along the vector axis."""
+    return (["#pragma unroll", "for (int j_ = 0; j_ < VEC; ++j_) {", f"  const long long i_{d}j = i_{d} + j_;"]
+            + ["  " + x for x in inner] + ["}"])
+
+
+def _gather_sources(gen: _Gen, n, nodes) -> set:
+    """The kernel's nodes a gather's subscripts are computed from."""
+    return nx.ancestors(gen.g, n) & set(nodes)
+
+
+def _vector_gather(gen: _Gen, n, nodes) -> bool:
+    """A gather the vector path reads for its VEC elements at once: its source is a plain tensor and
+    its subscripts are computed without another gather."""
+    buf = op(gen.g, operands(gen.g, n)[0][0]).buffer
+    b = gen.ir.buffer(buf)
+    return (b.dtype in _CTYPE and b.packed is None
+            and not any(op(gen.g, m).kind == "gather" for m in _gather_sources(gen, n, nodes)))
+
+
+def _gather_block(gen: _Gen, n, nodes, name: str) -> tuple[list[str], str, int]:
+    """The code reading gather n for the thread's VEC elements into the array `name`: the VEC offsets
+    and range conditions first, then one 128-bit load where the offsets are consecutive, all in range
+    and the address 16-byte aligned, else a scalar load per element in range.  Returns the lines, the
+    element's value expression (NaN where out of range) and the source's element bytes."""
+    g = gen.g
+    srcs = _gather_sources(gen, n, nodes)
+    local: dict = {}
+    inner: list[str] = []
+    for m in nodes:
+        if m in srcs:
+            o = op(g, m)
+            v = f"v{len(local)}"
+            inner.append(f"{_ctype(o.dtype)} {v} = {_round(o.dtype, gen.node_expr(m, local))};")
+            local[m] = v
+    buf, offset, conds = gen.gather_parts(n, local)
+    b = gen.ir.buffer(buf)
+    ct = _CTYPE[b.dtype]
+    src = f"((const {ct}*)p.ptr[{{{gen.ptr(buf)}}}])"
+    inner.append(f"{name}o[j_] = {offset};")
+    if conds:
+        inner.append(f"if ({' && '.join(conds)}) {name}m |= 1u << j_;")
+    lines = [f"// gather {name}: consecutive, aligned offsets are one 128-bit load",
+             f"long long {name}o[VEC];", f"unsigned int {name}m = {'0u' if conds else '(1u << VEC) - 1u'};"]
+    lines += _unrolled(gen.dim_of[gen.vector.label], inner)
+    lines += [f"alignas(16) {ct} {name}[VEC];",
+              f"bool {name}v = {name}m == (1u << VEC) - 1u && ((uintptr_t)({src} + {name}o[0]) & 15) == 0;",
+              "#pragma unroll",
+              f"for (int j_ = 1; j_ < VEC; ++j_) {name}v = {name}v && {name}o[j_] == {name}o[0] + j_;",
+              f"if ({name}v) {{",
+              f"  kspec_ld128({name}, {src} + {name}o[0]);",
+              "} else {",
+              "  #pragma unroll",
+              f"  for (int j_ = 0; j_ < VEC; ++j_) if ({name}m >> j_ & 1u) {name}[j_] = {src}[{name}o[j_]];",
+              "}"]
+    elem = _elem(b.dtype, f"{name}[j_]")
+    if conds:
+        elem = f"(({name}m >> j_ & 1u) ? {elem} : NAN)"
+    return lines, elem, dtype_bytes(b.dtype)
+
+
+def _stores(gen: _Gen, n, value: str, body: list[str], raw: str | None = None) -> None:
+    """Store node n's value (variable `value`; `raw`: its expression before rounding) to each of its
+    buffers."""
     for t in gen.ir.stores_of(n):
         labels = gen.ir.store_labels(n, t)
         b = gen.ir.buffer(t)
-        body.append(_store(b.dtype, f"p.ptr[{{{gen.ptr(t)}}}]", gen.offset(t, labels), value))
+        if raw is not None and b.dtype == op(gen.g, n).dtype and b.dtype not in _INT:
+            value = raw
+        if gen.vector is not None and gen.vector.contiguous(t, labels):
+            body.append(_assign(b.dtype, gen.vector.store(t, labels), value))
+        else:
+            body.append(_store(b.dtype, f"p.ptr[{{{gen.ptr(t)}}}]", gen.offset(t, labels), value))
 
 
 def _reduce_into(gen: _Gen, n, var: str) -> list[str]:
@@ -314,7 +554,7 @@ def _reduce_into(gen: _Gen, n, var: str) -> list[str]:
     def loops(inner: list[str]) -> list[str]:
         for label in reversed(o.reduced):
             d = gen.dim_of[label]
-            head = f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{"
+            head = f"for (long long i_{d} = 0; i_{d} < {gen.dimx(d)}; ++i_{d}) {{"
             inner = [head] + ["  " + x for x in inner] + ["}"]
         return inner
 
@@ -330,7 +570,7 @@ def _reduce_into(gen: _Gen, n, var: str) -> list[str]:
     out = [f"{acc_t} {acc} = {init};"]
     out += loops([update.format(a=acc, t=term)])
     if o.kind == "reduction" and o.fn == "mean":
-        count = " * ".join(f"(float)p.dim[{gen.dim_of[l][1:]}]" for l in o.reduced)
+        count = " * ".join(f"(float){gen.dimx(gen.dim_of[l])}" for l in o.reduced)
         out.append(f"{acc} = {acc} / ({count});")
     out.append(f"{acc_t} {var} = {_round(o.dtype, acc)};")
     return out
@@ -348,7 +588,7 @@ def _softmax_body(gen: _Gen, n, body: list[str], after=(), stored=()) -> None:
     mask = ""
     if o.causal:
         mask = f"if (i_{d} > i_{gen.dim_of[o.causal]}) continue; "
-    loop = f"for (long long i_{d} = 0; i_{d} < p.dim[{d[1:]}]; ++i_{d}) {{ "
+    loop = f"for (long long i_{d} = 0; i_{d} < {gen.dimx(d)}; ++i_{d}) {{ "
     body.append("float mx = -INFINITY, sum = 0.0f;")
     body.append(loop + mask + f"mx = fmaxf(mx, {x}); }}")
     body.append("if (mx == -INFINITY) mx = 0.0f;")
@@ -383,6 +623,9 @@ struct Params {
   void* ptr[%(nptr)d];
   long long dim[%(ndim)d];
   double scalar[%(nscalar)d];
+  long long count;   // elements of the iteration space
+  int vec;           // 1: the vector path runs (%(vec)d elements per thread), 0: one element per thread
+  int idx32;         // 1: count fits 32 bits, indices are decoded in 32-bit arithmetic
 };
 """
 
@@ -405,6 +648,35 @@ __device__ __forceinline__ long long kspec_mod(long long a, long long b) { retur
 __device__ __forceinline__ long long kspec_sat(long long v, long long lo, long long hi) { return v < lo ? lo : v > hi ? hi : v; }
 __device__ __forceinline__ long long kspec_sat(float v, long long lo, long long hi) {
   return kspec_sat((long long)rintf(fminf(fmaxf(v, (float)lo), (float)hi)), lo, hi);
+}
+#ifndef KSPEC_ASSUME
+#if defined(__CUDA_ARCH__)
+#define KSPEC_ASSUME(c) __builtin_assume(c)
+#else
+#define KSPEC_ASSUME(c) ((void)0)
+#endif
+#endif
+// the vector path's 128-bit moves between a 16-byte aligned array and 16-byte aligned memory
+template <typename T, int N> __device__ __forceinline__ void kspec_ld128(T (&dst)[N], const T* src) {
+  static_assert(sizeof(dst) %% 16 == 0, "whole 16-byte words");
+  KSPEC_ASSUME(((uintptr_t)src & 15) == 0);
+#pragma unroll
+  for (int k = 0; k < (int)(sizeof(dst) / 16); ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
+}
+template <typename T, int N> __device__ __forceinline__ void kspec_st128(T* dst, const T (&src)[N]) {
+  static_assert(sizeof(src) %% 16 == 0, "whole 16-byte words");
+  KSPEC_ASSUME(((uintptr_t)dst & 15) == 0);
+#pragma unroll
+  for (int k = 0; k < (int)(sizeof(src) / 16); ++k) {
+    const uint4 w = reinterpret_cast<const uint4*>(src)[k];
+#if defined(__CUDA_ARCH__)
+    // spelt out: nvcc 13 splits a plain uint4 store of a local array into 32-bit stores on sm_90a
+    asm volatile("st.global.v4.b32 [%%0], {%%1, %%2, %%3, %%4};" :: "l"(__cvta_generic_to_global(reinterpret_cast<uint4*>(dst) + k)),
+                 "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w) : "memory");
+#else
+    reinterpret_cast<uint4*>(dst)[k] = w;
+#endif
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(%(block)d) kspec_kernel(const Params p) {
@@ -450,9 +722,14 @@ _HOST = r"""
 #if defined(KSPEC_HOST)
 """ + GLUE_ABI + r"""
 """ + GLUE_PREPARE_OPEN + r"""  if (params_cap < sizeof(Params)) { std::snprintf(err, err_cap, "parameter buffer too small"); return 1; }
+  p.count = %(threads)s;
+  p.idx32 = p.count <= 4294967295LL ? 1 : 0;
+  // the vector path when its innermost extent is a multiple of %(vec)d and every pointer it moves
+  // 16 bytes at a time is 16-byte aligned; otherwise one element per thread
+  p.vec = %(vec_ok)s;
   std::memcpy(params, &p, sizeof(Params));
   *params_size = sizeof(Params);
-  long long threads = %(threads)s;
+  long long threads = p.vec ? p.count / %(vec)d : p.count;
   long long blocks = (threads + %(block)d - 1) / %(block)d;
   if (blocks > 2147483647LL) { std::snprintf(err, err_cap, "problem too large for one launch"); return 1; }
   grid[0] = (uint32_t)(blocks > 0 ? blocks : 0); grid[1] = 1; grid[2] = 1;
@@ -465,18 +742,28 @@ _HOST = r"""
 """
 
 
+def _vector_legal(desc: GenericDesc) -> str:
+    """The host's test for the vector path (C, over the filled `p`)."""
+    if desc.vec == 1:
+        return "0"
+    conds = [f"p.dim[{desc.vec_dim[1:]}] % {desc.vec} == 0"]
+    conds += [f"((uintptr_t)p.ptr[{desc.args.index(a)}] & 15) == 0" for a in desc.vec_args]
+    return "(" + " && ".join(conds) + ") ? 1 : 0"
+
+
 def emit_generic(desc: GenericDesc) -> EmittedKernel:
     for name in (desc.name, *desc.args, *desc.scalars, *desc.dims):
         check_ident(name, "generated kernel")
     sizes = {"nptr": max(1, len(desc.args)), "ndim": max(1, len(desc.dims)), "nscalar": max(1, len(desc.scalars)),
              "nptr_real": len(desc.args), "ndim_real": len(desc.dims), "nscalar_real": len(desc.scalars),
-             "block": BLOCK, "body": desc.body, "threads": desc.threads, "abi": ABI_VERSION}
+             "block": BLOCK, "body": desc.body, "threads": desc.threads, "abi": ABI_VERSION,
+             "vec": desc.vec, "vec_ok": _vector_legal(desc)}
     source = (f"// Generated by kspec: plain CUDA kernel '{desc.name}' for {desc.arch}. Do not edit.\n"
               + _PRELUDE % sizes + _DEVICE % sizes + _HOST % sizes)
     return EmittedKernel(name=desc.name, arch=desc.arch, source=source, include_dirs=(),
                          flags=("-std=c++17", "-O3"), dims=desc.dims, args=desc.args, scalars=desc.scalars,
                          alignment=tuple(zip(desc.args, desc.arg_bytes or (1,) * len(desc.args))),
-                         config=(("kind", "generic"), ("block", str(BLOCK))))
+                         config=(("kind", "generic"), ("block", str(BLOCK)), ("vec", str(desc.vec))))
 
 
 class GenericBackend(NvccBuilt):
@@ -487,7 +774,7 @@ class GenericBackend(NvccBuilt):
                                 fallback_kinds=tuple(k for k in KINDS if k != "elementwise"))
 
     def identity(self) -> str:
-        return "kspec-generic 1"
+        return "kspec-generic 2"
 
     def can_implement(self, ir: KernelIR, arch: str) -> str | None:
         if arch not in ARCHS:
