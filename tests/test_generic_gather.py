@@ -173,9 +173,9 @@ def test_interleaved_pairs_reference_and_generated_text(tmp_path):
     (ep,) = [ep for ep in plist if ep.lowered.arch == "sm100a"]
     info = _shim_run(ep.emitted, ep.lowered, {"X": x, "cos": cos, "sin": sin}, {"Y0": y0, "Y1": y1}, {"T": T},
                      tmp_path)
-    # the vector path (8 elements along i per thread: cos, sin, Y0, Y1 are contiguous along it); the
-    # gathers X[t, 2 * i] are not consecutive, so each of them falls back to 8 scalar loads
-    assert info["vec"] == 1 and info["grid"] == math.ceil(T * 32 / 8 / 256)
+    # the vector path (16 elements along i per thread: cos, sin, Y0, Y1 are contiguous along it); the
+    # gathers X[t, 2 * i] are not consecutive, so each of them falls back to 16 scalar loads
+    assert info["vec"] == 16 and info["grid"] == math.ceil(T * 32 / 16 / 256)
     for got, want in ((ref["Y0"], w0), (ref["Y1"], w1), (y0, w0), (y1, w1)):
         got = np.asarray(got, dtype=np.float64)
         assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-6
@@ -206,14 +206,14 @@ def _close(got, want):
 
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
 def test_rope_vector_path_and_scalar_fallback(spelling, tmp_path):
-    """The kernel's vector path (8 elements per thread, 128-bit moves of Q, cos, sin, Y and of the
+    """The kernel's vector path (16 elements per thread, 128-bit moves of Q, cos, sin, Y and of the
     rotated half) runs where every pointer it moves is 16-byte aligned; a misaligned Q, cos or Y
     takes the one-element-per-thread path.  Both match float64 numpy, every element written, the
     grid sized to the path."""
     path = _write(tmp_path, SPELLINGS[spelling])
     (plist,) = emit_spec(path, ("sm90a",)).plans.values()
     ep = plist[0]
-    assert ep.lowered.desc.vec == 8 and dict(ep.emitted.config)["vec"] == "8"
+    assert ep.lowered.desc.vec == (16, 8) and dict(ep.emitted.config)["vec"] == "16,8"
     lib = _shim_build(ep.emitted, tmp_path)
     B, S, H = 2, 3, 3
     count = B * S * H * 128
@@ -227,8 +227,8 @@ def test_rope_vector_path_and_scalar_fallback(spelling, tmp_path):
         elif case != "aligned":
             args[case] = _misaligned(args[case])
         info = _shim_call(lib, ep.lowered, args, {"Y": y}, {"B": B, "S": S, "H": H})
-        vec = 8 if case == "aligned" else 1
-        assert (info["vec"], info["grid"], info["block"]) == (int(vec == 8), math.ceil(count / vec / 256), 256), case
+        vec = 16 if case == "aligned" else 0
+        assert (info["vec"], info["grid"], info["block"]) == (vec, math.ceil(count / (vec or 1) / 256), 256), case
         _close(y, want)
 
 
@@ -250,8 +250,10 @@ def rope_sym(tmp_path_factory):
 
 
 @pytest.mark.parametrize("E, vec", [
-    (64, 1),     # vector path, each rotated half one aligned 128-bit load
-    (40, 1),     # vector path, the halves (20 elements) start off a 16-byte boundary: scalar gathers
+    (64, 16),    # 16 elements per thread, each rotated half two aligned 128-bit loads
+    (48, 16),    # halves of 24: aligned where a vector lies within one half, scalar gathers where not
+    (40, 8),     # E a multiple of 8, not 16: 8 elements per thread; halves of 20 start off a 16-byte boundary
+    (72, 8),     # likewise, halves of 36
     (36, 0),     # E not a multiple of 8: one element per thread
     (6, 0),      # E smaller than a vector
 ])
@@ -261,7 +263,7 @@ def test_rope_head_dim_as_a_size(rope_sym, E, vec):
     q, cos, sin = _rope_arrays(np.random.default_rng(E), (T, H, E), E)
     y = np.full((T, H, E), np.nan, dtype=storage_dtype("bf16"))
     info = _shim_call(lib, ep.lowered, {"Q": q, "cos": cos, "sin": sin}, {"Y": y}, {"T": T, "H": H, "E": E})
-    assert info["vec"] == vec and info["grid"] == math.ceil(T * H * E / (8 if vec else 1) / 256)
+    assert info["vec"] == vec and info["grid"] == math.ceil(T * H * E / (vec or 1) / 256)
     _close(y, _rope_any(q, cos, sin))
 
 
@@ -269,7 +271,7 @@ def test_literal_extent_no_multiple_of_the_vector_has_no_vector_path(tmp_path):
     text = SPELLINGS["rotate_half_mod"].replace("128", "100").replace("64", "50")
     (plist,) = emit_spec(_write(tmp_path, text), ("sm90a",)).plans.values()
     ep = plist[0]
-    assert ep.lowered.desc.vec == 1 and "if (p.vec)" not in ep.emitted.source
+    assert ep.lowered.desc.vec == () and "kspec_vector" not in ep.emitted.source
     assert "kspec_mod(v7, 100LL)" in ep.emitted.source          # literal extents are constants
     B, S, H = 1, 2, 3
     q, cos, sin = _rope_arrays(np.random.default_rng(5), (B, S, H, 100), 100)

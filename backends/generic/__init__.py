@@ -49,9 +49,10 @@ class GenericDesc:
     dims: tuple[str, ...]             # d0, d1, ...: extents of the iteration space, then reduced axes
     threads: str                      # C expression for the number of elements (threads of the scalar path)
     arg_bytes: tuple[int, ...] = ()   # element size of each argument: the alignment the scalar path needs
-    vec: int = 1                      # elements per thread of the vector path (1: the kernel has none)
-    vec_dim: str = ""                 # the d<i> it runs along (its extent must be a multiple of vec)
+    vec: tuple[int, ...] = ()         # elements per thread of the vector path, widest first (): none)
+    vec_dim: str = ""                 # the d<i> it runs along (its extent a multiple of the width taken)
     vec_args: tuple[str, ...] = ()    # arguments it moves 16 bytes at a time (their pointers 16-byte aligned)
+    vec_body: str = ""                # the body of `template <int VEC> kspec_vector(const Params& p)`
 
 
 def _round(dtype: str, expr: str) -> str:
@@ -308,7 +309,7 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
                                  "and a reduction as the kernel's only result", op(g, loop_nodes[0]).span)
     # elementwise nodes feeding a reduction/softmax are recomputed inside its loops
     gen.inline = set(nodes) - set(loop_nodes) - set(after) if loop_nodes else set()
-    vector = None
+    vector, vbody = None, []
     if loop_nodes and op(g, loop_nodes[0]).kind == "softmax":
         root = loop_nodes[0]
         ro = op(g, root)
@@ -321,18 +322,21 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
         if space and "contraction" not in kinds:
             vector = _vector_path(gen, nodes, leaving, space, kinds)
             if vector is not None:
-                lines, _ = vector
-                body = ["if (p.vec) {"] + ["  " + x for x in lines] + ["}"] + body
+                vbody = vector[0]
+                body = [f"if (p.vec == {w}) {{ kspec_vector<{w}>(p); return; }}" for w in vector[1].widths] + body
     names = gen.names
-    text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
+    split = "\n//--vector--\n"
+    text, args, scalars = number_placeholders("\n".join("    " + line for line in body) + split
+                                              + "\n".join("  " + line for line in vbody), names, gen.scalars)
+    text, vtext = text.split(split)
     back = names.back()
-    vec, vec_dim, vec_args = 1, "", ()
+    vec, vec_dim, vec_args = (), "", ()
     if vector is not None:
-        vec, vec_dim, vec_args = vector[1].vec, vector[1].d, tuple(a for a in args if a in vector[1].ptrs)
+        vec, vec_dim, vec_args = vector[1].widths, vector[1].d, tuple(a for a in args if a in vector[1].ptrs)
     desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dim_values), threads=threads,
                        arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args),
-                       vec=vec, vec_dim=vec_dim, vec_args=vec_args)
+                       vec=vec, vec_dim=vec_dim, vec_args=vec_args, vec_body=vtext)
     return LoweredPlan(ir, arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
 
 
@@ -373,8 +377,9 @@ class _Vector:
     is moved as 128-bit loads and stores through a local array; every other access (gathers with
     transposed reads) stays a scalar access at the element's own index.  A gather is computed for
     the VEC elements first: where its VEC offsets are consecutive, in range and 16-byte aligned
-    (rotate-half's `(e + 64) % 128`), it is one 128-bit load too, else VEC scalar loads.  VEC is 16
-    bytes of the narrowest tensor moved, so each of them moves whole 16-byte words."""
+    (rotate-half's `(e + 64) % 128`), it is one 128-bit load too, else VEC scalar loads.  VEC is
+    two 16-byte words of the narrowest tensor moved (at most 16 elements), or one word where the
+    innermost extent is no multiple of that: each tensor moves whole 16-byte words."""
 
     def __init__(self, gen: _Gen, label: str):
         self.gen, self.label, self.d = gen, label, gen.dim_of[label]
@@ -383,7 +388,7 @@ class _Vector:
         self.ptrs: set[str] = set()              # arguments the path moves 16 bytes at a time
         self.sizes: list[int] = []               # element bytes of those
         self.gathered: dict = {}                 # gather node -> its element in the gathered array
-        self.vec = 1
+        self.widths: tuple[int, ...] = ()        # VEC values the path is instantiated for, widest first
 
     def contiguous(self, buffer: str, labels: tuple[str, ...]) -> bool:
         b = self.gen.ir.buffer(buffer)
@@ -409,8 +414,9 @@ class _Vector:
 
 
 def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _Vector] | None:
-    """The vector path's code (run when the host glue sets `p.vec`), or None when no tensor is read
-    or written contiguously along the innermost axis, or its literal extent is no multiple of VEC."""
+    """The vector path's code, the body of `kspec_vector<VEC>` (run when the host glue sets `p.vec`
+    to VEC), or None when no tensor is read or written contiguously along the innermost axis, or its
+    literal extent is no multiple of a vector."""
     label = space[-1]
     d = gen.dim_of[label]
     vec = _Vector(gen, label)
@@ -429,13 +435,14 @@ def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _V
         gen.vector, gen.iover = None, {}
     if not vec.ptrs and not vec.gathered:
         return None
-    vec.vec = 16 // min(vec.sizes)
+    narrow = min(vec.sizes)
     ext = dict(gen.dim_values)[d]
-    if isinstance(ext, int) and ext % vec.vec:
+    vec.widths = tuple(w for w in sorted({min(16, 32 // narrow), 16 // narrow}, reverse=True)
+                       if not (isinstance(ext, int) and ext % w))
+    if not vec.widths:
         return None
     ir = gen.ir
-    lines = [f"// {vec.vec} consecutive elements along i_{d} per thread: 128-bit loads and stores",
-             f"constexpr int VEC = {vec.vec};",
+    lines = [f"// the vector axis: i_{d}",
              "long long lin = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;",
              "if (lin >= p.count) return;"]
     lines += _index_decode(gen, space, "lin")
@@ -451,7 +458,6 @@ def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _V
     for buf, (a, labels) in vec.stores.items():
         ct = _CTYPE[ir.buffer(buf).dtype]
         lines.append(f"kspec_st128(({ct}*)p.ptr[{{{gen.ptr(buf)}}}] + ({gen.offset(buf, labels)}), {a});")
-    lines.append("return;")
     return lines, vec
 
 
@@ -624,7 +630,7 @@ struct Params {
   long long dim[%(ndim)d];
   double scalar[%(nscalar)d];
   long long count;   // elements of the iteration space
-  int vec;           // 1: the vector path runs (%(vec)d elements per thread), 0: one element per thread
+  int vec;           // elements per thread of the vector path (%(vec)s), 0: one element per thread
   int idx32;         // 1: count fits 32 bits, indices are decoded in 32-bit arithmetic
 };
 """
@@ -679,6 +685,7 @@ template <typename T, int N> __device__ __forceinline__ void kspec_st128(T* dst,
   }
 }
 
+%(vector)s
 extern "C" __global__ void __launch_bounds__(%(block)d) kspec_kernel(const Params p) {
 %(body)s
 }
@@ -724,12 +731,12 @@ _HOST = r"""
 """ + GLUE_PREPARE_OPEN + r"""  if (params_cap < sizeof(Params)) { std::snprintf(err, err_cap, "parameter buffer too small"); return 1; }
   p.count = %(threads)s;
   p.idx32 = p.count <= 4294967295LL ? 1 : 0;
-  // the vector path when its innermost extent is a multiple of %(vec)d and every pointer it moves
-  // 16 bytes at a time is 16-byte aligned; otherwise one element per thread
-  p.vec = %(vec_ok)s;
-  std::memcpy(params, &p, sizeof(Params));
+  // the widest vector path (%(vec)s elements per thread) the innermost extent is a multiple of, where
+  // every pointer it moves 16 bytes at a time is 16-byte aligned; otherwise one element per thread
+  p.vec = 0;
+%(vec_pick)s  std::memcpy(params, &p, sizeof(Params));
   *params_size = sizeof(Params);
-  long long threads = p.vec ? p.count / %(vec)d : p.count;
+  long long threads = p.vec ? p.count / p.vec : p.count;
   long long blocks = (threads + %(block)d - 1) / %(block)d;
   if (blocks > 2147483647LL) { std::snprintf(err, err_cap, "problem too large for one launch"); return 1; }
   grid[0] = (uint32_t)(blocks > 0 ? blocks : 0); grid[1] = 1; grid[2] = 1;
@@ -742,13 +749,23 @@ _HOST = r"""
 """
 
 
-def _vector_legal(desc: GenericDesc) -> str:
-    """The host's test for the vector path (C, over the filled `p`)."""
-    if desc.vec == 1:
-        return "0"
-    conds = [f"p.dim[{desc.vec_dim[1:]}] % {desc.vec} == 0"]
-    conds += [f"((uintptr_t)p.ptr[{desc.args.index(a)}] & 15) == 0" for a in desc.vec_args]
-    return "(" + " && ".join(conds) + ") ? 1 : 0"
+def _vector_pick(desc: GenericDesc) -> str:
+    """The host's choice of the vector width (C statements over the filled `p`)."""
+    if not desc.vec:
+        return ""
+    aligned = " && ".join(f"((uintptr_t)p.ptr[{desc.args.index(a)}] & 15) == 0" for a in desc.vec_args) or "true"
+    out = f"  if ({aligned}) {{\n"
+    for k, w in enumerate(desc.vec):
+        out += f"    {'if' if k == 0 else 'else if'} (p.dim[{desc.vec_dim[1:]}] % {w} == 0) p.vec = {w};\n"
+    return out + "  }\n"
+
+
+_VECTOR = r"""
+// the vector path: VEC consecutive elements along the innermost axis per thread, 128-bit moves
+template <int VEC> __device__ __forceinline__ void kspec_vector(const Params& p) {
+%s
+}
+"""
 
 
 def emit_generic(desc: GenericDesc) -> EmittedKernel:
@@ -757,13 +774,15 @@ def emit_generic(desc: GenericDesc) -> EmittedKernel:
     sizes = {"nptr": max(1, len(desc.args)), "ndim": max(1, len(desc.dims)), "nscalar": max(1, len(desc.scalars)),
              "nptr_real": len(desc.args), "ndim_real": len(desc.dims), "nscalar_real": len(desc.scalars),
              "block": BLOCK, "body": desc.body, "threads": desc.threads, "abi": ABI_VERSION,
-             "vec": desc.vec, "vec_ok": _vector_legal(desc)}
+             "vec": " or ".join(map(str, desc.vec)) or "none", "vec_pick": _vector_pick(desc),
+             "vector": _VECTOR % desc.vec_body if desc.vec else ""}
     source = (f"// Generated by kspec: plain CUDA kernel '{desc.name}' for {desc.arch}. Do not edit.\n"
               + _PRELUDE % sizes + _DEVICE % sizes + _HOST % sizes)
     return EmittedKernel(name=desc.name, arch=desc.arch, source=source, include_dirs=(),
                          flags=("-std=c++17", "-O3"), dims=desc.dims, args=desc.args, scalars=desc.scalars,
                          alignment=tuple(zip(desc.args, desc.arg_bytes or (1,) * len(desc.args))),
-                         config=(("kind", "generic"), ("block", str(BLOCK)), ("vec", str(desc.vec))))
+                         config=(("kind", "generic"), ("block", str(BLOCK)),
+                                 ("vec", ",".join(map(str, desc.vec)) or "-")))
 
 
 class GenericBackend(NvccBuilt):
