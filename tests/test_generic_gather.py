@@ -378,3 +378,54 @@ def test_no_ignore_index_unless_every_read_is_guarded(loss):
     text = CE_IGNORE.replace("where(label[m] == -100, 0.0, lse[m] - f32(logits[m, label[m]]))", loss)
     (r,) = _ranges(text)
     assert r.ignore is None and r.describe() == "0 <= label < V (logits axis 1)"
+
+
+# ---------------------------------------------------------------- the shipped spec, compiled
+
+@pytest.mark.nvcc
+def test_shipped_rope_sass_is_vectorised_and_launches_cover_the_elements(compiled):
+    """specs/rope.kspec compiles to one generic kernel per arch whose SASS moves Q, cos, sin, the
+    rotated half and Y with 128-bit loads and stores; through the fake driver the glue picks the
+    16-wide vector path for aligned tensors (grid = elements / 16 / 256) and one element per thread
+    for a misaligned Q (grid = elements / 256), the parameter blob saying which."""
+    import json
+    import struct
+
+    import kspec
+    from conftest import cubin_sass
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.runtime import dtypes
+    from kspec.runtime.tensors import DeviceBuffer
+    art = compiled("rope")
+    (plan,) = json.loads((art / "manifest.json").read_text())["kernels"][0]["plans"]
+    for arch in ("sm90a", "sm100a"):
+        b = plan["binaries"][arch]
+        assert b["backend"] == "generic" and b["config"]["vec"] == "16,8"
+        sass = cubin_sass(art / b["cubin"])
+        if sass is None:
+            pytest.skip("no cuobjdump")
+        # per width: Q, 4 words of each f32 table, the rotated half (fast case); stores of Y
+        assert sass.count("LDG.E.128") >= 2 * (1 + 4 + 4 + 1) - 4, f"{arch}: too few 128-bit loads"
+        assert sass.count("STG.E.128") >= 3, f"{arch}: Y is not stored 128 bits at a time"
+    mod = kspec.load(art)
+    B, S, H = 2, 64, 8
+    count = B * S * H * 128
+    for arch, cc in (("sm90a", (9, 0)), ("sm100a", (10, 0))):
+        with FakeDriver(cc, sm_count=132) as fake:
+            call = fake_call(mod, "rope", {"B": B, "S": S, "H": H}, fake)
+            assert check_call(call, arch, mod) == []
+            (rec,) = call.launches
+            assert len(rec.params) == 96
+            n, vec, idx32 = struct.unpack_from("<qii", rec.params, 80)
+            assert (n, vec, idx32) == (count, 16, 1)
+            assert rec.grid == (count // 16 // 256, 1, 1) and rec.block == (256, 1, 1)
+            # Q one element past a 16-byte boundary: the glue picks one element per thread
+            q = fake.alloc(count * 2 + 16, "Q")
+            args = {"Q": DeviceBuffer(q + 2, (B, S, H, 128), dtypes.storage("bf16")),
+                    "cos": DeviceBuffer(fake.alloc(S * 128 * 4), (S, 128), dtypes.storage("f32")),
+                    "sin": DeviceBuffer(fake.alloc(S * 128 * 4), (S, 128), dtypes.storage("f32"))}
+            before = len(fake.launches)
+            mod.rope(**args)
+            (rec,) = fake.launches[before:]
+            assert struct.unpack_from("<qii", rec.params, 80) == (count, 0, 1)
+            assert rec.grid == (count // 256, 1, 1)
