@@ -429,3 +429,42 @@ def test_shipped_rope_sass_is_vectorised_and_launches_cover_the_elements(compile
             (rec,) = fake.launches[before:]
             assert struct.unpack_from("<qii", rec.params, 80) == (count, 0, 1)
             assert rec.grid == (count // 256, 1, 1)
+
+
+MIXED = """kernel mix {
+  in  a : f8e4m3[N, C]
+  in  b : i8[N, C]
+  in  w : f16[C]
+  out y : f16[N, C]
+  out z : i32[N, C]
+  y[n, c] = f32(a[n, c]) * f32(w[c]) + f32(b[n, c])
+  z[n, c] = i32(b[n, c]) * 3 + c
+}
+"""
+
+
+@pytest.mark.parametrize("C, vec", [(48, 16), (40, 0)])
+def test_vector_path_over_one_byte_and_integer_tensors_matches_the_reference(C, vec, tmp_path):
+    """1-byte inputs (e4m3, i8) make the vector 16 elements (one word of them, two of f16 and four of
+    i32): only a multiple of 16 takes it.  Both kernels' generated text matches the reference."""
+    path = _write(tmp_path, MIXED, "mix")
+    em = emit_spec(path, ("sm100a",))
+    rng = np.random.default_rng(C)
+    N = 3
+    a = rng.standard_normal((N, C)).astype(storage_dtype("f8e4m3"))
+    b = rng.integers(-128, 128, (N, C)).astype(np.int8)
+    w = rng.standard_normal(C).astype(np.float16)
+    want = reference(path)(a=a, b=b, w=w)
+    y = np.full((N, C), np.nan, dtype=np.float16)
+    z = np.full((N, C), -1, dtype=np.int32)
+    for (ep,) in em.plans.values():
+        assert ep.lowered.desc.vec == (16,)
+        info = _shim_run(ep.emitted, ep.lowered, {"a": a, "b": b, "w": w}, {"y": y, "z": z}, {"N": N, "C": C},
+                         tmp_path)
+        assert info["vec"] == vec
+    np.testing.assert_array_equal(z, want["z"])
+    np.testing.assert_array_equal(y, want["y"])
+    zf = b.astype(np.int64) * 3 + np.arange(C)[None, :]
+    np.testing.assert_array_equal(z, zf)
+    yf = a.astype(np.float64) * w.astype(np.float64)[None, :] + b
+    np.testing.assert_allclose(y.astype(np.float64), yf, rtol=2 ** -10, atol=1e-3)

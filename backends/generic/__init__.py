@@ -463,7 +463,7 @@ def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _V
 
 def _unrolled(d: str, inner: list[str]) -> list[str]:
     """`inner` for each of the thread's VEC elements, i_<d>j its index along the vector axis."""
-    return (["#pragma unroll", "for (int j_ = 0; j_ < VEC; ++j_) {", f"  const long long i_{d}j = i_{d} + j_;"]
+    return (["#pragma unroll", "for (int j_ = 0; j_ < VEC; ++j_) {", f"  [[maybe_unused]] const long long i_{d}j = i_{d} + j_;"]
             + ["  " + x for x in inner] + ["}"])
 
 
