@@ -74,12 +74,14 @@ def _shim_build(emitted, tmp_path: Path):
             "#define KSPEC_ASSUME(c) do { if (!(c)) ++emu_assume_failures; } while (0)\n"
             "#define __global__\n#define __launch_bounds__(n)\n")
     run = r"""
-extern "C" int emu_run(const int64_t* dims, void* const* ptrs, const double* sc, char* err, int64_t* info) {
+extern "C" int emu_run(const int64_t* dims, void* const* ptrs, const double* sc, char* err, int64_t* info,
+                       int index64) {
   alignas(16) unsigned char blob[sizeof(Params)]; uint64_t ps = 0;
   uint32_t grid[3], block[3], cluster[3], smem = 0;
   int rc = kspec_prepare(dims, ptrs, sc, nullptr, 0, 132, blob, sizeof(blob), &ps, grid, block, cluster, &smem, err, 256);
   if (rc) return rc;
   Params p; std::memcpy(&p, blob, sizeof(p));
+  if (index64) p.idx32 = 0;      // the 64-bit index code, as for 2^32 elements or more
   blockDim.x = block[0]; blockDim.y = 1; blockDim.z = 1;
   emu_assume_failures = 0;
   for (unsigned b = 0; b < grid[0]; ++b) for (unsigned t = 0; t < block[0]; ++t) {
@@ -99,9 +101,10 @@ extern "C" int emu_run(const int64_t* dims, void* const* ptrs, const double* sc,
     return ctypes.CDLL(str(so))
 
 
-def _shim_call(lib, lowered, arrays: dict, outs: dict, sizes: dict) -> dict:
+def _shim_call(lib, lowered, arrays: dict, outs: dict, sizes: dict, index64: bool = False) -> dict:
     """Run every thread of the kernel's launch (as its own kspec_prepare sets it up) sequentially;
-    returns the path taken (vec: 1 for the vector path), the grid and block."""
+    returns the path taken (vec: the vector width, 0 for one element per thread), the grid and
+    block.  `index64` runs the 64-bit index code the kernel takes for 2^32 elements or more."""
     desc, names = lowered.desc, lowered.names
     every = {**arrays, **outs}
     dims = [math.prod(x if isinstance(x, int) else sizes[x] for x in (v if isinstance(v, tuple) else (v,)))
@@ -111,7 +114,7 @@ def _shim_call(lib, lowered, arrays: dict, outs: dict, sizes: dict) -> dict:
     c_sc = (ctypes.c_double * 1)()
     err = ctypes.create_string_buffer(256)
     info = (ctypes.c_int64 * 5)()
-    assert lib.emu_run(c_dims, c_ptrs, c_sc, err, info) == 0, err.value
+    assert lib.emu_run(c_dims, c_ptrs, c_sc, err, info, int(index64)) == 0, err.value
     assert info[3] == 0, f"{info[3]} KSPEC_ASSUME conditions failed"
     return {"vec": info[0], "grid": info[1], "block": info[2], "idx32": info[4]}
 
@@ -209,7 +212,7 @@ def test_rope_vector_path_and_scalar_fallback(spelling, tmp_path):
     """The kernel's vector path (16 elements per thread, 128-bit moves of Q, cos, sin, Y and of the
     rotated half) runs where every pointer it moves is 16-byte aligned; a misaligned Q, cos or Y
     takes the one-element-per-thread path.  Both match float64 numpy, every element written, the
-    grid sized to the path."""
+    grid sized to the path; each path also with its 64-bit index code (2^32 elements or more)."""
     path = _write(tmp_path, SPELLINGS[spelling])
     (plist,) = emit_spec(path, ("sm90a",)).plans.values()
     ep = plist[0]
@@ -219,14 +222,15 @@ def test_rope_vector_path_and_scalar_fallback(spelling, tmp_path):
     count = B * S * H * 128
     q, cos, sin = _rope_arrays(np.random.default_rng(4), (B, S, H, 128), 128)
     want = _rope64(q, cos, sin)
-    for case in ("aligned", "Q", "cos", "Y"):
+    for case, index64 in (("aligned", False), ("aligned", True), ("Q", False), ("Q", True), ("cos", False),
+                          ("Y", False)):
         args = {"Q": q, "cos": cos, "sin": sin}
         y = np.full((B, S, H, 128), np.nan, dtype=storage_dtype("bf16"))
         if case == "Y":
             y = _misaligned(y)
         elif case != "aligned":
             args[case] = _misaligned(args[case])
-        info = _shim_call(lib, ep.lowered, args, {"Y": y}, {"B": B, "S": S, "H": H})
+        info = _shim_call(lib, ep.lowered, args, {"Y": y}, {"B": B, "S": S, "H": H}, index64)
         vec = 16 if case == "aligned" else 0
         assert (info["vec"], info["grid"], info["block"]) == (vec, math.ceil(count / (vec or 1) / 256), 256), case
         _close(y, want)

@@ -52,7 +52,7 @@ class GenericDesc:
     vec: tuple[int, ...] = ()         # elements per thread of the vector path, widest first (): none)
     vec_dim: str = ""                 # the d<i> it runs along (its extent a multiple of the width taken)
     vec_args: tuple[str, ...] = ()    # arguments it moves 16 bytes at a time (their pointers 16-byte aligned)
-    vec_body: str = ""                # the body of `template <int VEC> kspec_vector(const Params& p)`
+    vec_body: str = ""                # the body of `template <int VEC, typename I> kspec_vector(const Params& p)`
 
 
 def _round(dtype: str, expr: str) -> str:
@@ -252,24 +252,25 @@ class _Gen:
         return buf, " + ".join(reversed(terms)) or "0", conds
 
 
-def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str) -> list[str]:
+def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str, itype: str | None = None) -> list[str]:
     """Index variables i_<d> of the row-major linear index `linear` over `labels`, decoded once per
-    thread: in 32-bit arithmetic when the host says the element count fits (`p.idx32`), the
-    outermost index without a division (linear < count), literal extents as constants."""
+    thread, the outermost without a division (linear < count), literal extents as constants: in
+    32-bit arithmetic when the host says the element count fits (`p.idx32`), or, given `itype`, in
+    that type (the vector path's template parameter `I`: the index variables are of that type too)."""
     if not labels:
         return []
     ds = [gen.dim_of[label] for label in labels]
-    out = [f"long long {', '.join(f'i_{d}' for d in ds)};"]
-    for head, t in (("if (p.idx32) {", "unsigned int"), ("} else {", "long long")):
+    out = [f"{itype or 'long long'} {', '.join(f'i_{d}' for d in ds)};"]
+    for head, t in ((("{", itype),) if itype else (("if (p.idx32) {", "unsigned int"), ("} else {", "long long"))):
         out.append(head)
         out.append(f"  {t} r_ = ({t})({linear});")
         for d in reversed(ds[1:]):
-            x = gen.dimx(d) if t == "long long" else f"(unsigned int){gen.dimx(d)}"
+            x = gen.dimx(d) if t == "long long" else f"({t}){gen.dimx(d)}"
             out.append(f"  i_{d} = r_ % {x}; r_ /= {x};")
         out.append(f"  i_{ds[0]} = r_;")
     out.append("}")
     # what the decode guarantees, for the compiler's index arithmetic (floor %, bounds of gathers)
-    out += [f"KSPEC_ASSUME(i_{d} >= 0 && i_{d} < {gen.dimx(d)});" for d in ds]
+    out += [f"KSPEC_ASSUME((long long)i_{d} >= 0 && (long long)i_{d} < {gen.dimx(d)});" for d in ds]
     return out
 
 
@@ -323,7 +324,8 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
             vector = _vector_path(gen, nodes, leaving, space, kinds)
             if vector is not None:
                 vbody = vector[0]
-                body = [f"if (p.vec == {w}) {{ kspec_vector<{w}>(p); return; }}" for w in vector[1].widths] + body
+                body = [f"if (p.vec == {w}) {{ if (p.idx32) kspec_vector<{w}, unsigned int>(p); "
+                        f"else kspec_vector<{w}, long long>(p); return; }}" for w in vector[1].widths] + body
     names = gen.names
     split = "\n//--vector--\n"
     text, args, scalars = number_placeholders("\n".join("    " + line for line in body) + split
@@ -421,7 +423,9 @@ def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _V
     d = gen.dim_of[label]
     vec = _Vector(gen, label)
     g = gen.g
-    gen.vector, gen.iover = vec, {d: f"i_{d}j"}
+    # the index variables are of the template's type I: read as long long (integer values are)
+    gen.vector, gen.iover = vec, {**{gen.dim_of[x]: f"(long long)i_{gen.dim_of[x]}" for x in space},
+                                  d: f"(long long)i_{d}j"}
     try:
         blocks = []
         for n in nodes:
@@ -445,7 +449,7 @@ def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _V
     lines = [f"// the vector axis: i_{d}",
              "long long lin = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;",
              "if (lin >= p.count) return;"]
-    lines += _index_decode(gen, space, "lin")
+    lines += _index_decode(gen, space, "lin", "I")
     lines.append(f"KSPEC_ASSUME(i_{d} % VEC == 0);")
     for (buf, labels), a in vec.loads.items():
         ct = _CTYPE[ir.buffer(buf).dtype]
@@ -463,7 +467,7 @@ def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _V
 
 def _unrolled(d: str, inner: list[str]) -> list[str]:
     """`inner` for each of the thread's VEC elements, i_<d>j its index along the vector axis."""
-    return (["#pragma unroll", "for (int j_ = 0; j_ < VEC; ++j_) {", f"  [[maybe_unused]] const long long i_{d}j = i_{d} + j_;"]
+    return (["#pragma unroll", "for (int j_ = 0; j_ < VEC; ++j_) {", f"  [[maybe_unused]] const I i_{d}j = i_{d} + (I)j_;"]
             + ["  " + x for x in inner] + ["}"])
 
 
@@ -761,8 +765,9 @@ def _vector_pick(desc: GenericDesc) -> str:
 
 
 _VECTOR = r"""
-// the vector path: VEC consecutive elements along the innermost axis per thread, 128-bit moves
-template <int VEC> __device__ __forceinline__ void kspec_vector(const Params& p) {
+// the vector path: VEC consecutive elements along the innermost axis per thread, 128-bit moves;
+// index variables of type I (unsigned int where the element count fits 32 bits)
+template <int VEC, typename I> __device__ __forceinline__ void kspec_vector(const Params& p) {
 %s
 }
 """
