@@ -213,14 +213,15 @@ class _Gen:
         select directly; a value outside its dimension gives NaN (no out-of-bounds read)."""
         if self.vector is not None and n in self.vector.gathered:
             return self.vector.gathered[n]
-        buf, offset, conds = self.gather_parts(n, local)
+        buf, offset, conds, _ = self.gather_parts(n, local)
         load = _load(self.ir.buffer(buf).dtype, f"p.ptr[{{{self.ptr(buf)}}}]", offset)
         if not conds:
             return load
         return f"(({' && '.join(conds)}) ? {load} : NAN)"
 
-    def gather_parts(self, n, local: dict) -> tuple[str, str, list[str]]:
-        """(source buffer, element offset, conditions for the subscripts being in range) of a gather."""
+    def gather_parts(self, n, local: dict) -> tuple[str, str, list[str], list[str]]:
+        """(source buffer, element offset, conditions for the subscripts being in range, the
+        subscripts' values) of a gather."""
         o = op(self.g, n)
         ins = operands(self.g, n)
         src, src_labels = ins[0]
@@ -249,7 +250,7 @@ class _Gen:
         for axis in reversed(order):
             terms.append(f"{idx[axis]} * {stride}")
             stride = f"{stride} * {self.dimx(dims[axis])}"
-        return buf, " + ".join(reversed(terms)) or "0", conds
+        return buf, " + ".join(reversed(terms)) or "0", conds, idx
 
 
 def _index_decode(gen: _Gen, labels: tuple[str, ...], linear: str, itype: str | None = None) -> list[str]:
@@ -500,20 +501,33 @@ def _gather_block(gen: _Gen, n, nodes, name: str) -> tuple[list[str], str, int]:
             v = f"v{len(local)}"
             inner.append(f"{_ctype(o.dtype)} {v} = {_round(o.dtype, gen.node_expr(m, local))};")
             local[m] = v
-    buf, offset, conds = gen.gather_parts(n, local)
+    buf, offset, conds, idx = gen.gather_parts(n, local)
     b = gen.ir.buffer(buf)
     ct = _CTYPE[b.dtype]
     src = f"((const {ct}*)p.ptr[{{{gen.ptr(buf)}}}])"
+    # where every subscript but the contiguous one is the same for the VEC elements (a literal, or an
+    # index other than the vector's) and that axis has a literal extent, the offsets are consecutive
+    # iff those subscripts are: compared in 32 bits, exact where all are in range (the mask)
+    subs = op(g, n).subscripts
+    ax = len(subs) - 2 if b.layout == "col" and len(subs) >= 2 else len(subs) - 1
+    narrow = (subs[ax].startswith("@") and bool(conds) and isinstance(b.shape[ax], int) and b.shape[ax] < 2 ** 31
+              and all(k == ax or x.startswith("#") or (not x.startswith("@") and x != gen.vector.label)
+                      for k, x in enumerate(subs)))
     inner.append(f"{name}o[j_] = {offset};")
+    if narrow:
+        inner.append(f"{name}x[j_] = (unsigned int){idx[ax]};")
     if conds:
         inner.append(f"if ({' && '.join(conds)}) {name}m |= 1u << j_;")
     lines = [f"// gather {name}: consecutive, aligned offsets are one 128-bit load",
              f"long long {name}o[VEC];", f"unsigned int {name}m = {'0u' if conds else '(1u << VEC) - 1u'};"]
+    if narrow:
+        lines.append(f"unsigned int {name}x[VEC];        // the contiguous axis' subscripts")
     lines += _unrolled(gen.dim_of[gen.vector.label], inner)
+    same = (f"{name}x[j_] == {name}x[0] + (unsigned int)j_" if narrow else f"{name}o[j_] == {name}o[0] + j_")
     lines += [f"alignas(16) {ct} {name}[VEC];",
               f"bool {name}v = {name}m == (1u << VEC) - 1u && ((uintptr_t)({src} + {name}o[0]) & 15) == 0;",
               "#pragma unroll",
-              f"for (int j_ = 1; j_ < VEC; ++j_) {name}v = {name}v && {name}o[j_] == {name}o[0] + j_;",
+              f"for (int j_ = 1; j_ < VEC; ++j_) {name}v &= {same};     // (no short circuit: no branches)",
               f"if ({name}v) {{",
               f"  kspec_ld128({name}, {src} + {name}o[0]);",
               "} else {",
