@@ -2,7 +2,7 @@
 against QuACK 0.6.5's `quack.rotary.apply_rotary` and a torch eager implementation, in one run.
 
     python bench/rope.py [--batches 1,8] [--seqlens 4096,16384] [--heads 32] [--peak-gbs N]
-                         [--reps 50] [--prebuilt DIR]
+                         [--reps 50] [--prebuilt DIR] [--no-compile]
 
 Shape: Q [B, S, H, 128] bf16 (head dim contiguous), angles in f32.  kspec's spec takes cos/sin as
 [S, 128] (each position's 64 angles over both halves), QuACK as [S, 64]; both are built from the same
@@ -11,7 +11,9 @@ written (2 * B * S * H * 128 * 2) plus kspec's cos/sin tables (2 * S * 128 * 4) 
 every column, so the GB/s columns compare like the times; the fraction is of the device's peak (a
 table of known SKUs, or --peak-gbs).  Ratios are the others' time over kspec's (> 1: kspec faster).
 Times: CUDA events, an L2 flush before each call, median of --reps.  `--prebuilt DIR` loads
-bench/prebuild.py's artifact (DIR/rope) instead of compiling.  Without torch or a CUDA device it
+bench/prebuild.py's artifact (DIR/rope) instead of compiling.  QuACK JIT-compiles its kernel with
+the CuTe DSL on first use (seconds; no QuACK column where it does not import); `--no-compile` leaves
+out torch.compile (tens of seconds of compiling).  Without torch or a CUDA device it
 prints kspec's plan for the spec (one vectorised kernel per arch, its modelled traffic) and says
 there is nothing to measure; it exits 0.  Nothing here asserts a speed.
 """
@@ -85,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--prebuilt", metavar="DIR", help="load the artifact bench/prebuild.py wrote (DIR/rope) "
                     "instead of compiling specs/rope.kspec")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile column")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     try:
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
                     print(f"  QuACK B={B} S={S}: {type(e).__name__}: {e}")
                     err_q = None
             t_e = timer(lambda: rope_torch(torch, q, cos, sin))
-            comp = _compiled(torch, lambda: rope_torch(torch, q, cos, sin))
+            comp = None if args.no_compile else _compiled(torch, lambda: rope_torch(torch, q, cos, sin))
             t_c = timer(comp) if comp else None
             r_q = f"{t_q / t_k:11.2f}" if t_q else "          -"
             print(f"{f'B={B} S={S}':24s} {col(t_k):>18s} {col(t_q):>18s} {col(t_e):>18s} {col(t_c):>18s}"
