@@ -27,6 +27,9 @@ from kspec.compiler.kir import KINDS, KernelIR
 from kspec.core import ABI_VERSION, ARCHS, INT_DTYPES, KspecError, KspecInternalError, check_ident, dtype_bytes
 
 BLOCK = 256
+# an elementwise kernel of more ops keeps one element per thread: its vector path is instantiated four
+# times (two widths, 32- and 64-bit indices) and unrolled, which would multiply nvcc's time on it
+VECTOR_MAX_OPS = 1000
 
 
 class KspecLoweringError(KspecError):
@@ -321,7 +324,7 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
         _stores(gen, root, "v0", body)
     else:
         body += _element(gen, nodes, leaving, space, kinds)
-        if space and "contraction" not in kinds:
+        if space and "contraction" not in kinds and len(nodes) <= VECTOR_MAX_OPS:
             vector = _vector_path(gen, nodes, leaving, space, kinds)
             if vector is not None:
                 vbody = vector[0]
@@ -377,8 +380,8 @@ class _Vector:
     """The vector path of an elementwise kernel: each thread computes VEC consecutive elements along
     the innermost iteration axis (`label`).  An input read, or an output written, at the thread's own
     positions with that axis contiguous in memory (a row tensor indexed by it last, broadcast or not)
-    is moved as 128-bit loads and stores through a local array; every other access (gathers with
-    transposed reads) stays a scalar access at the element's own index.  A gather is computed for
+    is moved as 128-bit loads and stores through a local array; every other access (a transposed
+    read, a strided one) stays a scalar access at the element's own index.  A gather is computed for
     the VEC elements first: where its VEC offsets are consecutive, in range and 16-byte aligned
     (rotate-half's `(e + 64) % 128`), it is one 128-bit load too, else VEC scalar loads.  VEC is
     two 16-byte words of the narrowest tensor moved (at most 16 elements), or one word where the
@@ -440,9 +443,9 @@ def _vector_path(gen: _Gen, nodes, leaving, space, kinds) -> tuple[list[str], _V
         gen.vector, gen.iover = None, {}
     if not vec.ptrs and not vec.gathered:
         return None
-    narrow = min(vec.sizes)
+    smallest = min(vec.sizes)
     ext = dict(gen.dim_values)[d]
-    vec.widths = tuple(w for w in sorted({min(16, 32 // narrow), 16 // narrow}, reverse=True)
+    vec.widths = tuple(w for w in sorted({min(16, 32 // smallest), 16 // smallest}, reverse=True)
                        if not (isinstance(ext, int) and ext % w))
     if not vec.widths:
         return None
