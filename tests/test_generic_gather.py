@@ -286,6 +286,48 @@ def test_literal_extent_no_multiple_of_the_vector_has_no_vector_path(tmp_path):
     _close(y, _rope_any(q[0], cos, sin)[None])
 
 
+GPTJ = """kernel rope_gptj {
+  in  Q : bf16[B, S, H, 128]
+  in  cos : f32[S, 64]
+  in  sin : f32[S, 64]
+  out Y : bf16[B, S, H, 128]
+  Y[b, s, h, e] = f32(Q[b, s, h, e]) * cos[s, e / 2]
+                + where(e % 2 == 0, -f32(Q[b, s, h, e + 1]), f32(Q[b, s, h, e - 1])) * sin[s, e / 2]
+}
+"""
+
+
+def test_interleaved_rope_over_half_tables_is_one_kernel(tmp_path):
+    """GPT-J's interleaved RoPE written over one output, the angle tables [S, 64] read at `e / 2`: the
+    table gathers (over s, e) join the kernel over (b, s, h, e) instead of running as kernels of
+    their own; the vector path reads Q and writes Y 128 bits at a time, the pair and table gathers
+    element by element; both paths match float64 numpy."""
+    path = _write(tmp_path, GPTJ, "rope_gptj")
+    em = emit_spec(path, ("sm90a", "sm100a"))
+    assert len(em.plans) == 1, f"{len(em.plans)} kernels"
+    (plist,) = em.plans.values()
+    assert {ep.lowered.backend for ep in plist} == {"generic"}
+    ep = plist[0]
+    assert ep.lowered.desc.vec == (16, 8)
+    rng = np.random.default_rng(6)
+    B, S, H = 2, 3, 2
+    q = rng.standard_normal((B, S, H, 128)).astype(storage_dtype("bf16"))
+    cos = rng.standard_normal((S, 64)).astype(np.float32)
+    sin = rng.standard_normal((S, 64)).astype(np.float32)
+    x = np.asarray(q, dtype=np.float64)
+    c, sn = cos.astype(np.float64)[None, :, None, :], sin.astype(np.float64)[None, :, None, :]
+    want = np.empty_like(x)
+    want[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * sn
+    want[..., 1::2] = x[..., 1::2] * c + x[..., 0::2] * sn
+    _close(reference(path)(Q=q, cos=cos, sin=sin)["Y"], want)
+    lib = _shim_build(ep.emitted, tmp_path)
+    for qq, vec in ((q, 16), (_misaligned(q), 0)):
+        y = np.full((B, S, H, 128), np.nan, dtype=storage_dtype("bf16"))
+        info = _shim_call(lib, ep.lowered, {"Q": qq, "cos": cos, "sin": sin}, {"Y": y}, {"B": B, "S": S, "H": H})
+        assert info["vec"] == vec
+        _close(y, want)
+
+
 def test_graph_strict_prints_what_compile_builds(tmp_path, capsys):
     """`kspec graph --strict` and `kspec compile --emit-only` agree on RoPE: both succeed, one kernel."""
     from kspec.cli import main
