@@ -381,9 +381,12 @@ class _Vector:
     the innermost iteration axis (`label`).  An input read, or an output written, at the thread's own
     positions with that axis contiguous in memory (a row tensor indexed by it last, broadcast or not)
     is moved as 128-bit loads and stores through a local array; every other access (a transposed
-    read, a strided one) stays a scalar access at the element's own index.  A gather is computed for
-    the VEC elements first: where its VEC offsets are consecutive, in range and 16-byte aligned
-    (rotate-half's `(e + 64) % 128`), it is one 128-bit load too, else VEC scalar loads.  VEC is
+    read, a strided one) stays a scalar access at the element's own index.  A gather is read for the
+    VEC elements first (`_gather_block`): where its contiguous subscript is an affine function of
+    the vector index (`e + 1`, `e / 2`, `2 * i`, rotate-half's `(e + 64) % 128`: `_affine`), as the
+    16-byte words of a window each element is taken from at a compile-time position; otherwise as
+    one 128-bit load where its VEC offsets turn out consecutive, in range and aligned, else as VEC
+    scalar loads.  VEC is
     two 16-byte words of the narrowest tensor moved (at most 16 elements), or one word where the
     innermost extent is no multiple of that: each tensor moves whole 16-byte words."""
 
@@ -505,6 +508,8 @@ def _gather_block(gen: _Gen, n, nodes, name: str) -> tuple[list[str], str, int]:
             inner.append(f"{_ctype(o.dtype)} {v} = {_round(o.dtype, gen.node_expr(m, local))};")
             local[m] = v
     buf, offset, conds, idx = gen.gather_parts(n, local)
+    dims = [gen.dim(src_label if not src_label.startswith("~") else f"{buf}{src_label}", ext)
+            for src_label, ext in zip(operands(g, n)[0][1], gen.ir.buffer(buf).shape)]
     b = gen.ir.buffer(buf)
     ct = _CTYPE[b.dtype]
     src = f"((const {ct}*)p.ptr[{{{gen.ptr(buf)}}}])"
@@ -522,25 +527,130 @@ def _gather_block(gen: _Gen, n, nodes, name: str) -> tuple[list[str], str, int]:
     if conds:
         inner.append(f"if ({' && '.join(conds)}) {name}m |= 1u << j_;")
     lines = [f"// gather {name}: consecutive, aligned offsets are one 128-bit load",
-             f"long long {name}o[VEC];", f"unsigned int {name}m = {'0u' if conds else '(1u << VEC) - 1u'};"]
+             f"alignas(16) {ct} {name}[VEC];",
+             f"unsigned int {name}m = {'0u' if conds else '(1u << VEC) - 1u'};"]
+    d = gen.dim_of[gen.vector.label]
+    window = _window(gen, n, b, ax, subs, idx, dims) if conds else None
+    if window is not None:
+        # the element read for vector index j is floor((A j + C) / D) past a base that is a whole
+        # number of 16-byte words (A * VEC a multiple of D words): the words covering those elements
+        # are read whole, each where one of its elements is in range (so within the tensor), and
+        # each element taken from them at a compile-time position
+        (a_, c_, d_), cond, base = window
+        w_ = 16 // dtype_bytes(b.dtype)
+        lines[0] = f"// gather {name}: element floor(({a_} j + {c_}) / {d_}) of a window of 16-byte words"
+        lines += [f"constexpr int {name}A = {a_}, {name}C = {c_}, {name}D = {d_}, {name}W = {w_};",
+                  f"if constexpr ({cond}) {{"]
+        lines += ["  " + x for x in _unrolled(d, [x for x in inner if not x.startswith(f"{name}o[") and
+                                                  not x.startswith(f"{name}x[")])]
+        lines += [f"  constexpr int r0 = kspec_fdiv({name}C, {name}D), r1 = kspec_fdiv({name}A * (VEC - 1) + {name}C, {name}D);",
+                  f"  constexpr int k0 = kspec_fdiv(r0 < r1 ? r0 : r1, {name}W), k1 = kspec_fdiv(r0 < r1 ? r1 : r0, {name}W);",
+                  f"  const long long b_ = {base};",
+                  f"  alignas(16) {ct} w_[(k1 - k0 + 1) * {name}W];",
+                  "  #pragma unroll",
+                  "  for (int k = 0; k <= k1 - k0; ++k)",
+                  f"    if ({name}m & kspec_word_mask(VEC, {name}A, {name}C, {name}D, {name}W, k0 + k)) "
+                  f"kspec_ldw(w_ + k * {name}W, {src} + b_ + (k0 + k) * {name}W);",
+                  "  #pragma unroll",
+                  f"  for (int j_ = 0; j_ < VEC; ++j_) {name}[j_] = w_[kspec_fdiv({name}A * j_ + {name}C, {name}D) - k0 * {name}W];",
+                  "} else {"]
+    body = [f"long long {name}o[VEC];"]
     if narrow:
-        lines.append(f"unsigned int {name}x[VEC];        // the contiguous axis' subscripts")
-    lines += _unrolled(gen.dim_of[gen.vector.label], inner)
+        body.append(f"unsigned int {name}x[VEC];        // the contiguous axis' subscripts")
+    body += _unrolled(d, inner)
     same = (f"{name}x[j_] == {name}x[0] + (unsigned int)j_" if narrow else f"{name}o[j_] == {name}o[0] + j_")
-    lines += [f"alignas(16) {ct} {name}[VEC];",
-              f"bool {name}v = {name}m == (1u << VEC) - 1u && ((uintptr_t)({src} + {name}o[0]) & 15) == 0;",
-              "#pragma unroll",
-              f"for (int j_ = 1; j_ < VEC; ++j_) {name}v &= {same};     // (no short circuit: no branches)",
-              f"if ({name}v) {{",
-              f"  kspec_ld128({name}, {src} + {name}o[0]);",
-              "} else {",
-              "  #pragma unroll",
-              f"  for (int j_ = 0; j_ < VEC; ++j_) if ({name}m >> j_ & 1u) {name}[j_] = {src}[{name}o[j_]];",
-              "}"]
+    body += [f"bool {name}v = {name}m == (1u << VEC) - 1u && ((uintptr_t)({src} + {name}o[0]) & 15) == 0;",
+             "#pragma unroll",
+             f"for (int j_ = 1; j_ < VEC; ++j_) {name}v &= {same};     // (no short circuit: no branches)",
+             f"if ({name}v) {{",
+             f"  kspec_ld128({name}, {src} + {name}o[0]);",
+             "} else {",
+             "  #pragma unroll",
+             f"  for (int j_ = 0; j_ < VEC; ++j_) if ({name}m >> j_ & 1u) {name}[j_] = {src}[{name}o[j_]];",
+             "}"]
+    if window is not None:
+        lines += ["  " + x for x in body] + ["}"]
+        gen.vector.ptrs.add(gen.ptr(buf))       # the window's base: 16-byte aligned at launch
+    else:
+        lines += body
     elem = _elem(b.dtype, f"{name}[j_]")
     if conds:
         elem = f"(({name}m >> j_ & 1u) ? {elem} : NAN)"
     return lines, elem, dtype_bytes(b.dtype)
+
+
+def _affine(gen: _Gen, u, labels, label: str, ext: int) -> tuple[int, int, int, int] | None:
+    """(A, C, D, M) where integer value u, read under `labels`, is floor((A * i + C) / D) for the index
+    i along `label` (of literal extent `ext`), taken modulo M > 0 where M is not 0 (a modulus only
+    last, of a D = 1 value: rotate-half's `(e + 64) % 128`), every value on the way within 32 bits (no
+    saturation); None where it is not (another index, a tensor value, ..)."""
+    g = gen.g
+    o = op(g, u)
+    if o.kind == "index":
+        return (1, 0, 1, 0) if labels and labels[0] == label else None
+    if o.kind == "const":
+        return (0, int(o.value), 1, 0) if o.dtype in _INT else None
+    if o.kind not in ("cast", "elementwise") or o.dtype not in _INT or tuple(labels) != tuple(o.axes) and o.axes:
+        return None
+    ins = [_affine(gen, x, lab, label, ext) for x, lab in operands(g, u)]
+    if None in ins:
+        return None
+    if o.kind == "cast" or o.fn == "copy":
+        return ins[0]
+    if any(m for *_, m in ins):
+        return None                                   # nothing but a cast after a modulus
+    (a0, c0, d0, _), *rest = ins
+    if o.fn in ("add", "sub") and d0 == rest[0][2] == 1:
+        sign = 1 if o.fn == "add" else -1
+        out = (a0 + sign * rest[0][0], c0 + sign * rest[0][1], 1, 0)
+    elif o.fn == "mul" and d0 == rest[0][2] == 1 and (a0 == 0 or rest[0][0] == 0):
+        a1, c1 = rest[0][:2]
+        out = (a0 * c1 + a1 * c0, c0 * c1, 1, 0)
+    elif o.fn == "floordiv" and rest[0][0] == 0 and rest[0][2] == 1 and rest[0][1] > 0:
+        out = (a0, c0, d0 * rest[0][1], 0)
+    elif o.fn == "mod" and d0 == 1 and a0 > 0 and rest[0][0] == 0 and rest[0][2] == 1 and rest[0][1] > 0:
+        out = (a0, c0, 1, rest[0][1])
+    else:
+        return None
+    a, c, d, _ = out
+    return out if abs(a) * ext + abs(c) < 2 ** 31 and d < 2 ** 16 else None
+
+
+def _window(gen: _Gen, n, b, ax: int, subs, idx, dims) -> tuple[tuple[int, int, int], str, str] | None:
+    """((A, C, D), the condition on VEC, the element offset of the window's base) for a gather whose
+    contiguous subscript is floor((A j + C) / D) for vector index j past a base set by the thread's
+    first index (`_affine`; a modulus that no vector straddles when the condition holds), every
+    other subscript the same for the vector, in a row tensor whose contiguous extent is a literal
+    multiple of a 16-byte word; None otherwise."""
+    v = gen.vector
+    ext = dict(gen.dim_values)[v.d]
+    w = 16 // dtype_bytes(b.dtype)
+    if b.layout == "col" or not isinstance(ext, int) or not subs[ax].startswith("@"):
+        return None
+    if not (isinstance(b.shape[ax], int) and b.shape[ax] % w == 0):
+        return None
+    if not all(k == ax or x.startswith("#") or (not x.startswith("@") and x != v.label) for k, x in enumerate(subs)):
+        return None
+    u, labels = operands(gen.g, n)[int(subs[ax][1:])]
+    aff = _affine(gen, u, labels, v.label, ext)
+    if aff is None:
+        return None
+    a, c, d, m = aff
+    first = list(idx)
+    if m:
+        # the A * VEC values of a vector start at a multiple of A * VEC, as do C and M: no vector
+        # wraps around M, so element j is the first one's + A j
+        cond = f"{m} % ({a} * VEC) == 0 && {c} % ({a} * VEC) == 0 && ({a} * VEC) % {w} == 0"
+        first[ax] = f"kspec_mod({a}LL * (long long)i_{v.d} + {c}LL, {m}LL)"
+        a, c, d = a, 0, 1
+    else:
+        cond = f"({a} * VEC) % ({d} * {w}) == 0"
+        first[ax] = f"({a}LL * (long long)i_{v.d} / {d}LL)"     # exact: A * VEC is a multiple of D
+    terms, stride = [], "1LL"
+    for axis in reversed(range(len(first))):
+        terms.append(f"{first[axis]} * {stride}")
+        stride = f"{stride} * {gen.dimx(dims[axis])}"
+    return (a, c, d), cond, " + ".join(reversed(terms))
 
 
 def _stores(gen: _Gen, n, value: str, body: list[str], raw: str | None = None) -> None:
@@ -689,6 +799,19 @@ template <typename T, int N> __device__ __forceinline__ void kspec_ld128(T (&dst
   KSPEC_ASSUME(((uintptr_t)src & 15) == 0);
 #pragma unroll
   for (int k = 0; k < (int)(sizeof(dst) / 16); ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(src)[k];
+}
+// one 16-byte word (a gather's window)
+template <typename T> __device__ __forceinline__ void kspec_ldw(T* dst, const T* src) {
+  KSPEC_ASSUME(((uintptr_t)src & 15) == 0);
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+// floor division and, for a window gather reading element floor((a j + c) / d) for j < n in words
+// of w elements, the elements j that lie in word k (compile-time constants once unrolled)
+__host__ __device__ constexpr int kspec_fdiv(int a, int b) { return a / b - ((a %% b != 0) && ((a < 0) != (b < 0))); }
+__host__ __device__ constexpr unsigned int kspec_word_mask(int n, int a, int c, int d, int w, int k) {
+  unsigned int m = 0;
+  for (int j = 0; j < n; ++j) if (kspec_fdiv(kspec_fdiv(a * j + c, d), w) == k) m |= 1u << j;
+  return m;
 }
 template <typename T, int N> __device__ __forceinline__ void kspec_st128(T* dst, const T (&src)[N]) {
   static_assert(sizeof(src) %% 16 == 0, "whole 16-byte words");
