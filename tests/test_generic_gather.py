@@ -124,6 +124,27 @@ def _shim_run(emitted, lowered, arrays: dict, outs: dict, sizes: dict, tmp_path:
     return _shim_call(_shim_build(emitted, tmp_path), lowered, arrays, outs, sizes)
 
 
+_GUARDED: list = []
+
+
+def _guarded(a: np.ndarray, where: str) -> np.ndarray:
+    """A copy of `a` that starts right after (where="start") or ends right before (where="end") an
+    inaccessible page: a read of any byte outside it, a 16-byte word included, faults."""
+    import mmap
+    page = mmap.PAGESIZE
+    body = -(-a.nbytes // page) * page
+    buf = mmap.mmap(-1, body + 2 * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for at in (base, base + page + body):
+        assert libc.mprotect(ctypes.c_void_p(at), ctypes.c_size_t(page), 0) == 0, ctypes.get_errno()
+    offset = page if where == "start" else page + body - a.nbytes
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=offset).reshape(a.shape)
+    out[...] = a
+    _GUARDED.append(buf)                # (the mapping outlives the call)
+    return out
+
+
 def _misaligned(a: np.ndarray) -> np.ndarray:
     """A copy of `a` whose data pointer is one element past a 16-byte boundary."""
     raw = np.empty(a.size + 16, dtype=a.dtype)
@@ -222,16 +243,18 @@ def test_rope_vector_path_and_scalar_fallback(spelling, tmp_path):
     count = B * S * H * 128
     q, cos, sin = _rope_arrays(np.random.default_rng(4), (B, S, H, 128), 128)
     want = _rope64(q, cos, sin)
-    for case, index64 in (("aligned", False), ("aligned", True), ("Q", False), ("Q", True), ("cos", False),
-                          ("Y", False)):
+    for case, index64 in (("aligned", False), ("aligned", True), ("start", False), ("end", False), ("Q", False),
+                          ("Q", True), ("cos", False), ("Y", False)):
         args = {"Q": q, "cos": cos, "sin": sin}
         y = np.full((B, S, H, 128), np.nan, dtype=storage_dtype("bf16"))
         if case == "Y":
             y = _misaligned(y)
+        elif case in ("start", "end"):  # nothing outside Q is read (e + 64 where e >= 64: masked)
+            args["Q"] = _guarded(q, case)
         elif case != "aligned":
             args[case] = _misaligned(args[case])
         info = _shim_call(lib, ep.lowered, args, {"Y": y}, {"B": B, "S": S, "H": H}, index64)
-        vec = 16 if case == "aligned" else 0
+        vec = 16 if case in ("aligned", "start", "end") else 0
         assert (info["vec"], info["grid"], info["block"]) == (vec, math.ceil(count / (vec or 1) / 256), 256), case
         _close(y, want)
 
@@ -321,7 +344,8 @@ def test_interleaved_rope_over_half_tables_is_one_kernel(tmp_path):
     want[..., 1::2] = x[..., 1::2] * c + x[..., 0::2] * sn
     _close(reference(path)(Q=q, cos=cos, sin=sin)["Y"], want)
     lib = _shim_build(ep.emitted, tmp_path)
-    for qq, vec in ((q, 16), (_misaligned(q), 0)):
+    # (Q between inaccessible pages: the words around its first and last elements are not read)
+    for qq, vec in ((q, 16), (_guarded(q, "start"), 16), (_guarded(q, "end"), 16), (_misaligned(q), 0)):
         y = np.full((B, S, H, 128), np.nan, dtype=storage_dtype("bf16"))
         info = _shim_call(lib, ep.lowered, {"Q": qq, "cos": cos, "sin": sin}, {"Y": y}, {"B": B, "S": S, "H": H})
         assert info["vec"] == vec
