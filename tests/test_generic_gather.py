@@ -474,9 +474,12 @@ def test_shipped_rope_sass_is_vectorised_and_launches_cover_the_elements(compile
         sass = cubin_sass(art / b["cubin"])
         if sass is None:
             pytest.skip("no cuobjdump")
-        # per width: Q, 4 words of each f32 table, the rotated half (fast case); stores of Y
-        assert sass.count("LDG.E.128") >= 2 * (1 + 4 + 4 + 1) - 4, f"{arch}: too few 128-bit loads"
-        assert sass.count("STG.E.128") >= 3, f"{arch}: Y is not stored 128 bits at a time"
+        # the 16-wide path: Q, the rotated half (2 words each), cos and sin (4 each), Y (2); the
+        # 8-wide one half that; each for 32- and 64-bit indices.  The only 2-byte loads are the
+        # one-element-per-thread path's Q and rotated Q: the vector paths read nothing element-wise
+        assert sass.count("LDG.E.128") >= 2 * (12 + 6) - 4, f"{arch}: too few 128-bit loads"
+        assert sass.count("STG.E.128") >= 2 * (2 + 1) - 1, f"{arch}: Y is not stored 128 bits at a time"
+        assert sass.count("LDG.E.U16") <= 2, f"{arch}: element-wise loads of Q in a vector path"
     mod = kspec.load(art)
     B, S, H = 2, 64, 8
     count = B * S * H * 128
