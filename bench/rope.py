@@ -1,21 +1,23 @@
-"""Rotary position embedding (RoPE, rotate-half, bound by HBM bandwidth): kspec's specs/rope.kspec
+"""Rotary position embedding (RoPE, bound by HBM bandwidth): kspec's specs/rope.kspec (rotate-half)
 against QuACK 0.6.5's `quack.rotary.apply_rotary` and a torch eager implementation, in one run.
 
     python bench/rope.py [--batches 1,8] [--seqlens 4096,16384] [--heads 32] [--peak-gbs N]
-                         [--reps 50] [--prebuilt DIR] [--no-compile]
+                         [--reps 50] [--prebuilt DIR] [--no-compile] [--interleaved]
 
 Shape: Q [B, S, H, 128] bf16 (head dim contiguous), angles in f32.  kspec's spec takes cos/sin as
 [S, 128] (each position's 64 angles over both halves), QuACK as [S, 64]; both are built from the same
-angles and the outputs are compared before anything is timed.  HBM bytes per call: Q read and Y
-written (2 * B * S * H * 128 * 2) plus kspec's cos/sin tables (2 * S * 128 * 4) — the same count for
-every column, so the GB/s columns compare like the times; the fraction is of the device's peak (a
-table of known SKUs, or --peak-gbs).  Ratios are the others' time over kspec's (> 1: kspec faster).
-Times: CUDA events, an L2 flush before each call, median of --reps.  `--prebuilt DIR` loads
-bench/prebuild.py's artifact (DIR/rope) instead of compiling.  QuACK JIT-compiles its kernel with
-the CuTe DSL on first use (seconds; no QuACK column where it does not import); `--no-compile` leaves
-out torch.compile (tens of seconds of compiling).  Without torch or a CUDA device it
-prints kspec's plan for the spec (one vectorised kernel per arch, its modelled traffic) and says
-there is nothing to measure; it exits 0.  Nothing here asserts a speed.
+angles and the outputs are compared before anything is timed.  `--interleaved` also times GPT-J's
+layout (pairs (x[2i], x[2i+1]) rotated by angle i: GPTJ below, cos/sin [S, 64] read at `e / 2`,
+compiled here, so it needs nvcc) against QuACK's `interleaved=True`.  HBM bytes per call: Q read and
+Y written (2 * B * S * H * 128 * 2) plus kspec's cos/sin tables (2 * S * 128 * 4, or * 64) — the same
+count for every column of a row, so the GB/s columns compare like the times; the fraction is of the
+device's peak (a table of known SKUs, or --peak-gbs).  Ratios are the others' time over kspec's
+(> 1: kspec faster).  Times: CUDA events, an L2 flush before each call, median of --reps.
+`--prebuilt DIR` loads bench/prebuild.py's artifact (DIR/rope) instead of compiling.  QuACK
+JIT-compiles its kernel with the CuTe DSL on first use (seconds; no QuACK column where it does not
+import); `--no-compile` leaves out torch.compile (tens of seconds of compiling).  Without torch or a
+CUDA device it prints kspec's plan for the spec (one vectorised kernel per arch, its modelled
+traffic) and says there is nothing to measure; it exits 0.  Nothing here asserts a speed.
 """
 from __future__ import annotations
 
@@ -33,9 +35,21 @@ SPEC = ROOT / "specs" / "rope.kspec"
 D = 128
 
 
-def rope_bytes(B: int, S: int, H: int) -> int:
-    """HBM bytes one call must move: Q read, Y written (bf16), kspec's f32 cos and sin [S, 128]."""
-    return 2 * B * S * H * D * 2 + 2 * S * D * 4
+GPTJ = f"""kernel rope_gptj {{
+  in  Q   : bf16[B, S, H, {D}]
+  in  cos : f32[S, {D // 2}]
+  in  sin : f32[S, {D // 2}]
+  out Y   : bf16[B, S, H, {D}]
+
+  Y[b, s, h, e] = f32(Q[b, s, h, e]) * cos[s, e / 2]
+                + where(e % 2 == 0, -f32(Q[b, s, h, e + 1]), f32(Q[b, s, h, e - 1])) * sin[s, e / 2]
+}}
+"""
+
+
+def rope_bytes(B: int, S: int, H: int, table: int = D) -> int:
+    """HBM bytes one call must move: Q read, Y written (bf16), the f32 cos and sin [S, table]."""
+    return 2 * B * S * H * D * 2 + 2 * S * table * 4
 
 
 def plan_summary(archs=("sm90a", "sm100a"), sizes=None) -> list[str]:
@@ -78,6 +92,15 @@ def rope_torch(torch, q, cos, sin):
     return (x * cos[:, None, :] + rot * sin[:, None, :]).to(q.dtype)
 
 
+def rope_torch_interleaved(torch, q, cos, sin):
+    """Torch eager interleaved (GPT-J) RoPE of q [B, S, H, 128] with cos/sin [S, 64]: each pair
+    (x[2i], x[2i+1]) rotated by angle i; f32 math, q's dtype out."""
+    x = q.float().unflatten(-1, (D // 2, 2))
+    x0, x1 = x[..., 0], x[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2).to(q.dtype)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8")
@@ -88,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prebuilt", metavar="DIR", help="load the artifact bench/prebuild.py wrote (DIR/rope) "
                     "instead of compiling specs/rope.kspec")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile column")
+    ap.add_argument("--interleaved", action="store_true", help="also time GPT-J's interleaved RoPE (GPTJ, compiled "
+                    "here: needs nvcc) against QuACK's interleaved=True")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     try:
@@ -100,6 +125,7 @@ def main(argv=None) -> int:
         print(f"{'torch is not installed' if torch is None else 'no CUDA device'}: nothing to benchmark")
         return 0
     from bench import Prebuilt, Timer, _compiled, _device_arch, _load
+    from kspec import load as kspec_load
     arch = _device_arch(torch)
     if arch is None:
         print(f"device {torch.cuda.get_device_name()} is not an arch kspec compiles for")
@@ -107,50 +133,57 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name()
     peak = peak_gbs(name, args.peak_gbs)
     H = args.heads
-    print(f"device {name} ({arch}), HBM peak {peak or '?'} GB/s; RoPE rotate-half, H={H} d={D} bf16, f32 angles")
+    print(f"device {name} ({arch}), HBM peak {peak or '?'} GB/s; RoPE, H={H} d={D} bf16, f32 angles")
     try:
         from quack.rotary import apply_rotary
     except Exception as e:                       # noqa: BLE001  (report and go on without it)
         print(f"note: QuACK not importable here ({type(e).__name__}: {e}); no QuACK column")
         apply_rotary = None
     out = Prebuilt(args.prebuilt) if args.prebuilt else Path(tempfile.mkdtemp(prefix="kspec-rope-bench-"))
-    rope = _load("rope", arch, out)
+    kernels = {"rotate-half": _load("rope", arch, out)}
+    if args.interleaved:
+        from kspec.compile import compile_spec
+        tmp = Path(tempfile.mkdtemp(prefix="kspec-rope-bench-"))
+        (tmp / "rope_gptj.kspec").write_text(GPTJ)
+        kernels["interleaved"] = kspec_load(compile_spec(tmp / "rope_gptj.kspec", (arch,), tmp / "out")).rope_gptj
     timer = Timer(torch, args.reps)
-    print(f"{'case':24s} {'kspec':>18s} {'QuACK':>18s} {'torch eager':>18s} {'torch.compile':>18s}"
+    print(f"{'case':32s} {'kspec':>18s} {'QuACK':>18s} {'torch eager':>18s} {'torch.compile':>18s}"
           "  QuACK/kspec eager/kspec  (ms, GB/s, % peak)")
-    for B in (int(x) for x in args.batches.split(",")):
-        for S in (int(x) for x in args.seqlens.split(",")):
-            q = torch.randn(B, S, H, D, dtype=torch.bfloat16, device="cuda")
-            (cos64, sin64), (cos, sin) = tables(torch, S, "cuda")
-            y = torch.empty_like(q)
-            nbytes = rope_bytes(B, S, H)
+    for layout, kern in kernels.items():
+        interleaved = layout == "interleaved"
+        eager = rope_torch_interleaved if interleaved else rope_torch
+        for B in (int(x) for x in args.batches.split(",")):
+            for S in (int(x) for x in args.seqlens.split(",")):
+                q = torch.randn(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+                (cos64, sin64), (cos128, sin128) = tables(torch, S, "cuda")
+                cos, sin = (cos64, sin64) if interleaved else (cos128, sin128)
+                y = torch.empty_like(q)
+                nbytes = rope_bytes(B, S, H, cos.shape[1])
 
-            def col(ms):
-                if ms is None:
-                    return "-"
-                gbs = nbytes / ms / 1e6
-                return f"{ms:.3f} {gbs:5.0f}" + (f" {100 * gbs / peak:3.0f}%" if peak else "")
-            want = rope_torch(torch, q, cos, sin)
-            rope(Q=q, cos=cos, sin=sin, Y=y)
-            err = (y.float() - want.float()).abs().max().item()
-            t_k = timer(lambda: rope(Q=q, cos=cos, sin=sin, Y=y))
-            t_q = None
-            if apply_rotary is not None:
-                try:
-                    got = apply_rotary(q, cos64, sin64)
-                    err_q = (got.float() - want.float()).abs().max().item()
-                    t_q = timer(lambda: apply_rotary(q, cos64, sin64))
-                except Exception as e:           # noqa: BLE001
-                    print(f"  QuACK B={B} S={S}: {type(e).__name__}: {e}")
-                    err_q = None
-            t_e = timer(lambda: rope_torch(torch, q, cos, sin))
-            comp = None if args.no_compile else _compiled(torch, lambda: rope_torch(torch, q, cos, sin))
-            t_c = timer(comp) if comp else None
-            r_q = f"{t_q / t_k:11.2f}" if t_q else "          -"
-            print(f"{f'B={B} S={S}':24s} {col(t_k):>18s} {col(t_q):>18s} {col(t_e):>18s} {col(t_c):>18s}"
-                  f"  {r_q} {t_e / t_k:11.2f}", flush=True)
-            print(f"{'':24s} max |kspec - torch| {err:.3g}"
-                  + (f", |QuACK - torch| {err_q:.3g}" if t_q is not None and err_q is not None else ""))
+                def col(ms):
+                    if ms is None:
+                        return "-"
+                    gbs = nbytes / ms / 1e6
+                    return f"{ms:.3f} {gbs:5.0f}" + (f" {100 * gbs / peak:3.0f}%" if peak else "")
+                want = eager(torch, q, cos, sin)
+                kern(Q=q, cos=cos, sin=sin, Y=y)
+                errs = [f"max |kspec - torch| {(y.float() - want.float()).abs().max().item():.3g}"]
+                t_k = timer(lambda: kern(Q=q, cos=cos, sin=sin, Y=y))
+                t_q = None
+                if apply_rotary is not None:
+                    try:
+                        got = apply_rotary(q, cos64, sin64, interleaved=interleaved)
+                        errs.append(f"|QuACK - torch| {(got.float() - want.float()).abs().max().item():.3g}")
+                        t_q = timer(lambda: apply_rotary(q, cos64, sin64, interleaved=interleaved))
+                    except Exception as e:       # noqa: BLE001
+                        print(f"  QuACK {layout} B={B} S={S}: {type(e).__name__}: {e}")
+                t_e = timer(lambda: eager(torch, q, cos, sin))
+                comp = None if args.no_compile else _compiled(torch, lambda: eager(torch, q, cos, sin))
+                t_c = timer(comp) if comp else None
+                r_q = f"{t_q / t_k:11.2f}" if t_q else "          -"
+                print(f"{f'{layout} B={B} S={S}':32s} {col(t_k):>18s} {col(t_q):>18s} {col(t_e):>18s} "
+                      f"{col(t_c):>18s}  {r_q} {t_e / t_k:11.2f}", flush=True)
+                print(f"{'':32s} {', '.join(errs)}")
     return 0
 
 

@@ -24,7 +24,8 @@ def _module():
 
 def test_help_and_a_gpu_less_run():
     r = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and all(o in r.stdout for o in ("--prebuilt", "--peak-gbs", "--no-compile"))
+    assert r.returncode == 0 and all(o in r.stdout for o in ("--prebuilt", "--peak-gbs", "--no-compile",
+                                                             "--interleaved"))
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: run the benchmark itself")
@@ -62,3 +63,33 @@ def test_tables_and_the_torch_baseline_against_float64_numpy():
     # rotate-half as QuACK's non-interleaved kernel states it: (x1 c - x2 s, x2 c + x1 s)
     want = np.concatenate([x[..., :64] * c - x[..., 64:] * s, x[..., 64:] * c + x[..., :64] * s], -1)
     np.testing.assert_allclose(got.float().numpy(), want, rtol=2 ** -7, atol=2 ** -7)
+    # GPT-J's interleaved layout: pair (x[2i], x[2i+1]) rotated by angle i, tables [S, 64]
+    got = m.rope_torch_interleaved(torch, q, cos64, sin64)
+    want = np.empty_like(x)
+    want[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
+    want[..., 1::2] = x[..., 1::2] * c + x[..., 0::2] * s
+    np.testing.assert_allclose(got.float().numpy(), want, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_the_interleaved_spec_is_one_vectorised_kernel_matching_the_torch_baseline():
+    """The bench's GPT-J spec plans as one generic kernel with a vector path on both archs, and its
+    reference agrees with the torch eager baseline the bench times it against."""
+    torch = pytest.importorskip("torch")
+    m = _module()
+    from kspec.backends.reference import reference
+    from kspec.backends.registry import Planner, get
+    from kspec.compiler import plan_kernel
+    from kspec.spec_lang import load_spec
+    sched = plan_kernel(load_spec(m.GPTJ, is_text=True).kernels[0], ("sm90a", "sm100a"), Planner())
+    (p,) = sched.plans
+    for arch in ("sm90a", "sm100a"):
+        assert p.choices[arch].backend == "generic"
+        assert get("generic").lower(p.ir, arch).desc.vec == (16, 8)
+    S, B, H = 5, 2, 3
+    (cos64, sin64), _ = m.tables(torch, S)
+    q = torch.randn(B, S, H, 128).to(torch.bfloat16)
+    want = m.rope_torch_interleaved(torch, q, cos64, sin64).float().numpy()
+    import ml_dtypes
+    got = reference(m.GPTJ)(Q=q.float().numpy().astype(ml_dtypes.bfloat16), cos=cos64.numpy(),
+                            sin=sin64.numpy())["Y"]
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=2 ** -7, atol=2 ** -7)

@@ -9,7 +9,6 @@ import ctypes
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
