@@ -191,17 +191,20 @@ def test_interleaved_pairs_reference_and_generated_text(tmp_path):
     w0 = xf[:, 0::2] * cos - xf[:, 1::2] * sin
     w1 = xf[:, 0::2] * sin + xf[:, 1::2] * cos
     ref = reference(path)(X=x, cos=cos, sin=sin)
-    y0 = np.full((T, 32), np.nan, dtype=storage_dtype("bf16"))
-    y1 = np.full((T, 32), np.nan, dtype=storage_dtype("bf16"))
+    for got, want in ((ref["Y0"], w0), (ref["Y1"], w1)):
+        _close(got, want)
     (ep,) = [ep for ep in plist if ep.lowered.arch == "sm100a"]
-    info = _shim_run(ep.emitted, ep.lowered, {"X": x, "cos": cos, "sin": sin}, {"Y0": y0, "Y1": y1}, {"T": T},
-                     tmp_path)
-    # the vector path (16 elements along i per thread: cos, sin, Y0, Y1 are contiguous along it); the
-    # gathers X[t, 2 * i] are not consecutive, so each of them falls back to 16 scalar loads
-    assert info["vec"] == 16 and info["grid"] == math.ceil(T * 32 / 16 / 256)
-    for got, want in ((ref["Y0"], w0), (ref["Y1"], w1), (y0, w0), (y1, w1)):
-        got = np.asarray(got, dtype=np.float64)
-        assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-6
+    lib = _shim_build(ep.emitted, tmp_path)
+    # the vector path: 16 elements along i per thread, cos, sin, Y0, Y1 contiguous along it, and the
+    # pairs X[t, 2 * i], X[t, 2 * i + 1] read as the 4 words of a window (A = 2); with X between
+    # inaccessible pages, and one element per thread where X is misaligned
+    for xx, vec in ((x, 16), (_guarded(x, "start"), 16), (_guarded(x, "end"), 16), (_misaligned(x), 0)):
+        y0 = np.full((T, 32), np.nan, dtype=storage_dtype("bf16"))
+        y1 = np.full((T, 32), np.nan, dtype=storage_dtype("bf16"))
+        info = _shim_call(lib, ep.lowered, {"X": xx, "cos": cos, "sin": sin}, {"Y0": y0, "Y1": y1}, {"T": T})
+        assert info["vec"] == vec and info["grid"] == math.ceil(T * 32 / (vec or 1) / 256)
+        _close(y0, w0)
+        _close(y1, w1)
 
 
 def _rope_arrays(rng, shape, E):
