@@ -543,3 +543,32 @@ def test_vector_path_over_one_byte_and_integer_tensors_matches_the_reference(C, 
     np.testing.assert_array_equal(z, zf)
     yf = a.astype(np.float64) * w.astype(np.float64)[None, :] + b
     np.testing.assert_allclose(y.astype(np.float64), yf, rtol=2 ** -10, atol=1e-3)
+
+
+AFFINE = """kernel aff {
+  in  X : f32[T, 256]
+  out Y : f32[T, 64]
+  Y[t, i] = X[t, (3 * i + 1) / 2] + X[t, 2 * i + 3] * 2.0 + X[t, 191 - i] * 3.0
+}
+"""
+
+
+def test_window_gathers_with_odd_slopes_offsets_and_a_reversal(tmp_path):
+    """Gathers at floor((3 i + 1) / 2), 2 i + 3 and 191 - i (a negative slope) are windows of whole
+    words at compile-time positions: the same values as float64 numpy, X between inaccessible
+    pages."""
+    path = _write(tmp_path, AFFINE, "aff")
+    (plist,) = emit_spec(path, ("sm90a",)).plans.values()
+    ep = plist[0]
+    assert ep.lowered.desc.vec == (8, 4) and ep.emitted.source.count("of a window of 16-byte words") == 3
+    rng = np.random.default_rng(7)
+    T = 3
+    x = rng.standard_normal((T, 256)).astype(np.float32)
+    i = np.arange(64)
+    want = x[:, (3 * i + 1) // 2] + x[:, 2 * i + 3] * 2.0 + x[:, 191 - i] * 3.0
+    _close(reference(path)(X=x)["Y"], want)
+    lib = _shim_build(ep.emitted, tmp_path)
+    for xx in (x, _guarded(x, "start"), _guarded(x, "end")):
+        y = np.full((T, 64), np.nan, dtype=np.float32)
+        assert _shim_call(lib, ep.lowered, {"X": xx}, {"Y": y}, {"T": T})["vec"] == 8
+        np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
