@@ -360,7 +360,7 @@ def test_graph_strict_prints_what_compile_builds(tmp_path, capsys):
     path = _write(tmp_path, SPELLINGS["rotate_half_mod"])
     assert main(["graph", "--strict", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "1 fused kernel" in out and "generic elementwise" in out
+    assert "1 fused kernel" in out and "generic elementwise (block=256 vec=16,8)" in out
     assert main(["compile", "--emit-only", "-o", str(tmp_path / "out"), str(path)]) == 0
     srcs = list((tmp_path / "out").rglob("*.cu"))
     assert srcs and all("kspec_mod(" in s.read_text() for s in srcs)

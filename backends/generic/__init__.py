@@ -954,10 +954,18 @@ class GenericBackend(NvccBuilt):
         # what its code generator cannot express is refused here, when the kernel is planned, so
         # `kspec graph` never plans a kernel that `kspec compile` then rejects (generation is cheap)
         try:
-            lower_generic(ir, arch)
+            self._remember(ir, arch, lower_generic(ir, arch))
         except KspecLoweringError as e:
             return e.message.split(": ", 1)[1] if e.message.startswith(f"plan {ir.id}: ") else e.message
         return None
+
+    def _remember(self, ir: KernelIR, arch: str, lowered: LoweredPlan) -> None:
+        """The vector widths of a kernel just lowered, for default_config (which the registry asks
+        right after can_implement: the kernel is not generated twice)."""
+        memo = self.__dict__.setdefault("_widths", {})
+        if len(memo) > 256:
+            memo.clear()
+        memo[(id(ir), arch)] = (ir, lowered.desc.vec)
 
     def setting_problem(self, ir: KernelIR, arch: str) -> None:
         return None          # loop kernels take no tile, cluster or stage settings: they ignore them
@@ -972,7 +980,19 @@ class GenericBackend(NvccBuilt):
                     ir.kind, f"a loop {ir.kind} kernel")
 
     def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
-        return (("block", str(BLOCK)),)
+        """The block size, and for an elementwise kernel with a vector path its widths (`vec`: what
+        `kspec graph` prints is what the kernel does; the host glue picks one at launch)."""
+        if ir.kind != "elementwise":
+            return (("block", str(BLOCK)),)
+        hit = self.__dict__.get("_widths", {}).get((id(ir), arch))
+        if hit is None or hit[0] is not ir:
+            try:
+                self._remember(ir, arch, lower_generic(ir, arch))
+            except KspecLoweringError:
+                return (("block", str(BLOCK)),)
+            hit = self._widths[(id(ir), arch)]
+        vec = hit[1]
+        return (("block", str(BLOCK)),) + ((("vec", ",".join(map(str, vec))),) if vec else ())
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
         return [self.default_config(ir, arch)]
