@@ -99,6 +99,19 @@ def test_bad_output_paths_are_exit_1_before_anything_is_built(tmp_path, capsys, 
     assert rc == 1 and f"cannot write {a_file / 'g.txt'}: Not a directory" in err, err
 
 
+def test_a_library_build_into_a_file_is_exit_1_before_any_task(tmp_path, fake, capsys, monkeypatch):
+    from library_fixtures import write_library
+    env, _, ctl = fake
+    for k in ("KSPEC_NVCC", "KSPEC_FAKE_NVCC_CTL", "KSPEC_CACHE_DIR"):
+        monkeypatch.setenv(k, env[k])
+    manifest = write_library(tmp_path / "lib", buckets=False)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    rc, err = _main(["build", manifest, "-o", a_file / "lib", "-q"], capsys)
+    assert rc == 1 and f"cannot create the output directory {a_file / 'lib'}: {a_file} is a file" in err, err
+    assert not (ctl / "count").exists()               # no task ran
+
+
 def test_an_unwritable_cache_falls_back_to_a_temporary_one(tmp_path, fake, capsys):
     """A cache directory under a file (root cannot make it writable either); the read-only
     directory itself is in test_read_only_directories."""
