@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import kspec
 from kspec.backends import cache as cache_entry
@@ -32,6 +32,9 @@ from kspec.compiler import KernelSchedule, plan_kernel
 from kspec.compiler.indices import guarded_sentinels, index_ranges, merge_index_ranges, with_sentinels
 from kspec.core import ARCHS, DEFAULT_OUT_DIR, KspecInternalError, file_stem, packed_rows_symbol
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
+
+if TYPE_CHECKING:
+    from kspec.artifact import TensorSpec
 
 
 @dataclass(frozen=True)

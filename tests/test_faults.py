@@ -347,7 +347,7 @@ def test_a_live_builder_in_another_process_keeps_its_dir(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
-def test_cache_entries_follow_the_umask(tmp_path, umask, fake_tc):
+def test_cache_entries_follow_the_umask(tmp_path, umask, fake_tc):  # noqa: F811 (the fixture)
     """Entries were 0700 (mkdtemp): a cache shared by a team could not be read."""
     from kspec.backends.build import BuildJob, CompileCache
     old = os.umask(umask)
