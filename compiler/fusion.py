@@ -359,6 +359,25 @@ def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo
             depth[s] = d
             group = trial
             changed = True
+    return _no_condition_leaves(g, group, {c, gi.anchor2} - {None})
+
+
+def _no_condition_leaves(g: nx.DiGraph, group: set, anchors: set) -> set:
+    """The group without the conditions (bool values) that a consumer outside it would read: a
+    condition is never stored (it is recomputed by the kernel that uses it), so it stays with its
+    consumer; so do the ops that then feed only such conditions."""
+    group = set(group)
+    changed = True
+    while changed:
+        changed = False
+        for n in sorted(group, key=_node_order):
+            if n in anchors:
+                continue
+            o = op(g, n)
+            outside = [s for s in g.successors(n) if s not in group and op(g, s).kind != "output"]
+            if o.dtype == "bool" and outside:
+                group.discard(n)
+                changed = True
     return group
 
 

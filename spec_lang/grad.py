@@ -186,7 +186,7 @@ class _Grad:
         name, n = base, 1
         while name in self.used:
             n += 1
-            name = f"{base}{n}"
+            name = f"{base}_{n}"
         self.used.add(name)
         return name
 
@@ -312,9 +312,14 @@ class _Grad:
         self.defn = {s.target: s for s in stmts}
         active = self.activity(stmts)
         self.active = active
+        for name in self._explicit:
+            if name not in active:
+                raise KspecError(f"input '{name}' does not reach any output of kernel {k.name}: its gradient "
+                                 "is zero", self.infos[name].span, "leave it out of --wrt")
         outs = [t for t in k.outputs if t.name in active]
         if not outs:
-            raise KspecError(f"no output of kernel {k.name} depends on {', '.join(self.wrt)}", k.span)
+            raise KspecError(f"no output of kernel {k.name} depends on {', '.join(self.wrt)}", k.name_span if
+                             hasattr(k, "name_span") else k.span)
         for t in outs:
             st = self.defn[t.name]
             d = access(self.dname(t.name), st.indices)
@@ -329,10 +334,7 @@ class _Grad:
         grads = []
         for name in self.wrt:
             terms = self.adj_terms.get(name)
-            if not terms:
-                if len(self.wrt) == 1 or name in self._explicit:
-                    raise KspecError(f"input '{name}' does not reach any output of kernel {k.name}: its gradient "
-                                     "is zero", self.infos[name].span)
+            if not terms:           # not on any path to an output (or only through conditions)
                 continue
             self.bwd.append(ast.Stmt(self.dname(name), self.canon[name], None, total(terms)))
             grads.append(name)
@@ -483,8 +485,13 @@ class _Grad:
             else:
                 first = self._first_plain_read(x)
                 names = []
-                for a, ix in enumerate(first or pattern):
-                    ix = ix if isinstance(ix, str) and ix not in names else self.fresh(f"i{a}")
+                for a, (ix, dim) in enumerate(zip(first or pattern, self.infos[x].shape)):
+                    if not isinstance(ix, str) or ix in names:
+                        base = dim.lower() if isinstance(dim, str) and dim.isidentifier() else f"i{a}"
+                        ix, n = base, 1
+                        while ix in names or ix in self.infos or ix in self.k.symbols or ix in self.dnames.values():
+                            n += 1
+                            ix = f"{base}_{n}"
                     names.append(ix)
                 self.canon[x] = tuple(names)
         return self.canon[x]
