@@ -22,7 +22,8 @@ The transform:
    this way; `mean` divides by the reduced extent; `logsumexp` multiplies by exp(x - lse);
    `max`/`min` send the gradient to the first arg-extremum (row-major over the reduced indices; a
    `U_arg` statement finds it: the smallest position whose value equals the stored extremum);
-   `softmax` gives dx = p (dp - sum_j dp p), and when p's one use is `O = sum(j) p * V` with O an
+   `softmax` gives dx = p (dp - sum_j dp p), and a log-sum-exp written out with its max shift
+   (`log(sum(v) exp(x - M)) + M`) sends no gradient through the shift M; and when p's one use is `O = sum(j) p * V` with O an
    output, sum_j dp p is computed as sum_e dO * O (FlashAttention's dO·O preprocess); a read at
    computed subscripts (a gather, `logits[m, label[m]]`, `K[b, h / 4, j, e]`) is adjoint to a
    scatter-add, written as a sum over the statement's indices of `where(subscript == v, .., 0)`
@@ -302,7 +303,49 @@ class _Grad:
         for st in reversed(stmts):
             if st.target in useful:
                 useful |= tensors_read(st.value)
-        return active & useful
+        return (active & useful) - self._shifts(stmts)
+
+    def _shifts(self, stmts: list[NStmt]) -> set[str]:
+        """Maxima that only shift a log-sum-exp written out by hand, `M = max(v) x`, `Z = x - M`,
+        `S = sum(v) exp(Z)`, `L = log(S) + M`: L does not depend on M, so M gets no gradient (its
+        derivative terms would cancel to rounding, through an arg-max pass)."""
+        uses: dict[str, list[NStmt]] = {}
+        for st in stmts:
+            for t in tensors_read(st.value):
+                uses.setdefault(t, []).append(st)
+
+        def only(name):
+            u = uses.get(name, [])
+            return u[0] if len(u) == 1 and self.infos[name].role == "temp" else None
+
+        out = set()
+        for st in stmts:
+            v = st.value
+            if not (isinstance(v, TReduce) and v.op in ("max", "min")) or self.infos[st.target].role != "temp":
+                continue
+            users = uses.get(st.target, [])
+            if len(users) != 2:
+                continue
+            z = next((u for u in users if isinstance(u.value, TBinary) and u.value.op == "-" and
+                      isinstance(u.value.rhs, TAccess) and u.value.rhs.tensor == st.target), None)
+            ssum = only(z.target) if z else None
+            if ssum is None or not (isinstance(ssum.value, TReduce) and ssum.value.op == "sum" and
+                                    set(ssum.value.indices) == set(v.indices) and isinstance(ssum.value.operand, TCall)
+                                    and ssum.value.operand.fn == "exp" and
+                                    isinstance(ssum.value.operand.args[0], TAccess) and
+                                    ssum.value.operand.args[0].tensor == z.target):
+                continue
+            lse = only(ssum.target)
+            other = next((u for u in users if u is not z), None)
+            if lse is None or lse is not other or not (isinstance(lse.value, TBinary) and lse.value.op == "+"):
+                continue
+            sides = (lse.value.lhs, lse.value.rhs)
+            has_log = any(isinstance(x, TCall) and x.fn == "log" and isinstance(x.args[0], TAccess) and
+                          x.args[0].tensor == ssum.target for x in sides)
+            has_m = any(isinstance(x, TAccess) and x.tensor == st.target for x in sides)
+            if has_log and has_m:
+                out.add(st.target)
+        return out
 
     # ---- 3. reverse pass ----
     def run(self):
@@ -345,7 +388,7 @@ class _Grad:
         if len(terms) == 1 and (isinstance(tot, ast.Access) or
                                 (isinstance(tot, ast.Cast) and isinstance(tot.operand, ast.Access))):
             return tot
-        if plain_indices(tot) >= set(st.indices):
+        if plain_indices(tot) >= set(st.indices) and self._worth_a_name(st, tot):
             name = self.dname(st.target) if st.target not in self.infos or self.infos[st.target].role != "out" \
                 else self.fresh("d" + st.target + "_t")
             dtype = None
@@ -357,6 +400,30 @@ class _Grad:
             self.bwd.append(ast.Stmt(name, st.indices, dtype, tot))
             return access(name, st.indices)
         return rename(tot, {f: f for f in st.extents}, self.fresh)
+
+    def _worth_a_name(self, st: NStmt, tot) -> bool:
+        """Whether the adjoint of st's target is written as a statement of its own (else it is inlined
+        where it is used): when it holds a reduction, feeds a backward GEMM or a softmax's row sum,
+        or is shared by several reads; a row statistic's adjoint (`dlse_r[m] = dloss[m] / lse_r[m]`)
+        is inlined into the row-wide terms that broadcast it."""
+        if _has_reduce(tot):
+            return True
+        v = st.value
+        if is_contraction(v) or isinstance(v, TSoftmax):
+            return True
+        if isinstance(v, TReduce):
+            return False
+        reads = set()
+
+        def visit(e):
+            if isinstance(e, (TAccess, TGather)) and e.tensor in self.active:
+                reads.add((e.tensor, e.indices if isinstance(e, TAccess) else e))
+            kids = e.args[1:] if isinstance(e, TCall) and e.fn == "where" else texpr_children(e)
+            for c in kids:
+                if not isinstance(e, TGather):
+                    visit(c)
+        visit(v)
+        return len(reads) >= 2
 
     def differentiate(self, st: NStmt, adj) -> None:
         v, out, J = st.value, {}, st.indices
@@ -650,6 +717,14 @@ def _own_extents(ext: dict, lhs, value: TExpr) -> dict:
     """The extents of the indices a (normalised) statement itself uses, in the statement's order."""
     mine = set(lhs) | _all_indices(value)
     return {i: d for i, d in ext.items() if i in mine}
+
+
+def _has_reduce(e) -> bool:
+    if isinstance(e, ast.Reduce):
+        return True
+    return any(_has_reduce(c) for c in ((e.operand,) if isinstance(e, (ast.Unary, ast.Cast)) else
+                                        (e.lhs, e.rhs) if isinstance(e, ast.Binary) else
+                                        e.args if isinstance(e, ast.Call) else ()))
 
 
 _NAMED_ARGUMENT = ("gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt")
