@@ -777,6 +777,35 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
             res.groups.append(Group(f"g{len(res.groups)}", "elementwise", {n}, n))
 
 
+def absorb_elementwise_producers(g: nx.DiGraph, res: FusionResult) -> None:
+    """An elementwise kernel whose values only one other elementwise kernel reads, over a subset of
+    that kernel's axes, joins it: its values are recomputed per element there instead of going
+    through memory (`dloss[m] / lse_r[m]` or a broadcast `label[m]` read by an [m, v] kernel)."""
+    changed = True
+    while changed:
+        changed = False
+        for grp in [x for x in res.groups if x.kind == "elementwise"]:
+            if any(op(g, s).kind == "output" for n in grp.nodes for s in g.successors(n)):
+                continue
+            readers = {id(r): r for r in (res.group_of(s) for n in grp.nodes for s in g.successors(n)
+                                          if s not in grp.nodes)}
+            if len(readers) != 1:
+                continue
+            (other,) = readers.values()
+            if other is None or other.kind != "elementwise" or other is grp:
+                continue
+            axes = set(op(g, other.anchor).axes)
+            if any(not set(op(g, n).axes) <= axes for n in grp.nodes):
+                continue
+            merged = other.nodes | grp.nodes
+            if legal_group(g, merged):
+                continue
+            other.nodes = merged
+            res.groups.remove(grp)
+            changed = True
+            break
+
+
 def fuse_reduction_prologues(g: nx.DiGraph, res: FusionResult) -> None:
     """A standalone reduction or softmax absorbs the elementwise kernel that computes its operand
     (e.g. `mean(c) f32(x[n, c])`), recomputing it per element inside its loops, when nothing else
@@ -843,6 +872,7 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     fuse_reduction_prologues(g, res)
     fuse_softmax_epilogues(g, res)
     attach_scalars(g, res)
+    absorb_elementwise_producers(g, res)
     order = _group_order(g, res.groups)
     for i, grp in enumerate(order):
         grp.id = f"g{i}"
