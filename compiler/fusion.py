@@ -99,6 +99,27 @@ def _not_fused(res: FusionResult, g: nx.DiGraph, sm, why: str) -> None:
     res.unfused_attention.append((op(g, sm).span, why))
 
 
+def note_attention_backward(g: nx.DiGraph, res: FusionResult) -> None:
+    """An attention backward (what `kspec grad` derives: probabilities recomputed as exp(s - lse)
+    from a contraction's scores, multiplied into the dV contraction) has no fused kernel yet: it is
+    noted, with the reason, and refused by --strict like an unfused forward attention."""
+    for n in nx.topological_sort(g):
+        o = op(g, n)
+        if o.kind != "elementwise" or o.fn != "exp":
+            continue
+        ((u, _),) = operands(g, n)
+        if op(g, u).fn != "sub" or not any(op(g, a).kind == "contraction" for a in nx.ancestors(g, u)):
+            continue
+        users = [s for s in g.successors(n)]
+        users += [t for s in users if op(g, s).kind == "cast" for t in g.successors(s)]
+        if not any(op(g, s).kind == "contraction" for s in users):
+            continue
+        _not_fused(res, g, n, "it is an attention backward (probabilities recomputed as exp(s - lse) feed the dV "
+                   "contraction); kspec has no fused attention-backward kernel yet (FlashAttention-4's backward "
+                   "kernels are not wired in), so the scores and probabilities go through memory")
+        return
+
+
 def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
     """contraction(e) -> [scale] -> [score modification] -> softmax(j) -> contraction(j) becomes one
     attention group; the modification (bias, ALiBi, softcap, a `where(.., -inf)` mask) is lifted
@@ -861,6 +882,7 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     ctx = ctx or FusionContext()
     res = FusionResult([])
     fuse_attention(g, res, ctx)
+    note_attention_backward(g, res)
     fuse_epilogues(g, res, ctx)
     from .rowwise import fuse_rowwise      # row reductions, softmax, norms: one kernel per row chain
     fuse_rowwise(g, res)

@@ -597,6 +597,25 @@ class _Grad:
                     dst.append(canon[a])
                 else:
                     conds.append((a, s))
+            # sum first over the indices no subscript mentions (a GQA read K[b, h / 4, j, e]: dK per query
+            # head, sum(i) ds * Q, is a batched GEMM), then scatter over the rest (sum(h) where(h / 4 == kh, ..))
+            inner = set()
+            for _, sx in conds:
+                if isinstance(sx, TExpr):
+                    inner |= set(sx.free)
+            keep = []
+            for sx in g.subscripts:          # in the order of x's axes: dK_part[b, h, j, e]
+                for f in ((sx,) if isinstance(sx, str) else sx.free if isinstance(sx, TExpr) else ()):
+                    if f in F and f not in keep:
+                        keep.append(f)
+            others = [f for f in F if f not in keep]
+            if others and plain_indices(t) >= set(keep):
+                part = self.fresh("d" + x + "_part")
+                self.generated.add(part)
+                self.infos[part] = TensorInfo(part, "temp", "f32", (), "row")
+                self.bwd.append(ast.Stmt(part, tuple(keep), None, ast.Reduce("sum", tuple(others), t)))
+                t = access(part, keep)
+                F = tuple(keep)
             cond = None
             for a, s in conds:
                 lhs = num(s) if isinstance(s, int) else ast.Name(s) if isinstance(s, str) else decompile(s)
