@@ -135,3 +135,34 @@ def test_gemm_backward_compiles_with_tensor_cores(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kspec", "inspect", str(out / "g")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("tensor core: HGMMA") == 3 and r.stdout.count("tensor core: UTCHMMA") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", ["rmsnorm", "layernorm"])
+def test_norm_backward_row_kernel_runs_on_the_cpu_emulator(stem):
+    """The generated dX row kernel (CUDA text, compiled with g++ against tests/rowwise_emu.h) gives
+    the reference's dX: mean's 1/N is the row length read as a launch size."""
+    import numpy as np
+
+    import kspec
+    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.spec_lang import parse, print_program
+    from rowwise_harness import EmuKernel, available
+    if available():
+        pytest.skip(f"cannot emulate row kernels here: {available()}")
+    text = grad_program(load_spec(SPECS / f"{stem}.kspec"))
+    prog = parse(text)
+    bwd_only = print_program(type(prog)(tuple(k for k in prog.kernels if k.name.endswith("_bwd"))))
+    kern = EmuKernel(bwd_only, is_text=True, plan=0)
+    rng = np.random.default_rng(0)
+    M, N = 5, 40
+    g = load_spec(text, is_text=True)
+    fwd_k = g.kernel(f"{stem}_fwd")
+    xs = {t.name: rng.standard_normal(tuple(M if d == "M" else N for d in t.shape)).astype(storage_dtype(t.dtype))
+          for t in fwd_k.inputs}
+    fwd = kspec.reference(g, f"{stem}_fwd")(**xs)
+    arrays = {**xs, **fwd, "dy": rng.standard_normal((M, N)).astype(storage_dtype("bf16"))}
+    scratch = {n: np.full((M, N), np.nan, np.float32) for n in kern.lowered.names.values() if n.startswith("tmp_")}
+    got, _ = kern(arrays, outputs=scratch)
+    want = kspec.reference(g, f"{stem}_bwd")(**arrays)["dx"]
+    np.testing.assert_allclose(got["dx"].astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)

@@ -627,6 +627,12 @@ namespace cg = cooperative_groups;
 #if defined(KSPEC_DEVICE) || defined(KSPEC_EMULATE)
 template <int N> struct kspec_w { static constexpr int value = N; };
 __device__ __forceinline__ long long kspec_minll(long long a, long long b) { return a < b ? a : b; }
+// an integer-valued node (a size read as a value, an integer cast) rounded and saturated like the
+// generic kernels do; the row kernel carries it as a float
+__device__ __forceinline__ long long kspec_sat(long long v, long long lo, long long hi) { return v < lo ? lo : v > hi ? hi : v; }
+__device__ __forceinline__ long long kspec_sat(float v, long long lo, long long hi) {
+  return kspec_sat((long long)rintf(fminf(fmaxf(v, (float)lo), (float)hi)), lo, hi);
+}
 __device__ __forceinline__ float kspec_f(float x) { return x; }
 __device__ __forceinline__ float kspec_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float kspec_f(__nv_bfloat16 x) { return __bfloat162float(x); }
