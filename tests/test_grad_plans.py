@@ -272,3 +272,12 @@ def test_column_reductions_of_the_norm_backward_run_on_the_cpu(tmp_path):
         ins = [x.astype(np.float64) for x in ins]
         want = (ins[0] * ins[1] if len(ins) == 2 else ins[0]).sum(axis=0)
         np.testing.assert_allclose(arrays[out], want, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_model_part_runs(capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import importlib
+    grad_bench = importlib.import_module("grad")
+    assert grad_bench.main(["--rows", "512", "--cols", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "cross_entropy                  1         0" in out and "(attention backward unfused)" in out
