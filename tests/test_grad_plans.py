@@ -281,3 +281,25 @@ def test_bench_model_part_runs(capsys):
     assert grad_bench.main(["--rows", "512", "--cols", "256"]) == 0
     out = capsys.readouterr().out
     assert "cross_entropy                  1         0" in out and "(attention backward unfused)" in out
+
+
+@pytest.mark.parametrize("stem", ["gemm_bias_gelu_residual", "layernorm", "rmsnorm", "add_rmsnorm", "cross_entropy",
+                                  "swiglu_mlp", "mlp2", "row_softmax"])
+def test_forward_with_saved_values_plans_like_the_spec(stem):
+    """NAME_fwd (the forward plus its saved statistics) is as many kernels as the shipped spec: the
+    saved row statistics are stored by the kernels that compute them."""
+    g = load_spec(grad_program(load_spec(SPECS / f"{stem}.kspec")), is_text=True)
+    (fwd,) = plan_spec(g, ARCHS, f"{stem}_fwd", strict=True)
+    (orig,) = plan_spec(load_spec(SPECS / f"{stem}.kspec"), ARCHS, strict=True)
+    assert [p.kind for p in fwd.plans] == [p.kind for p in orig.plans]
+    written = {w for p in fwd.plans for w in p.writes}
+    assert {t.name for t in g.kernel(f"{stem}_fwd").outputs} <= written
+
+
+@pytest.mark.skipif(__import__("conftest").FA4_MISSING is not None, reason="FlashAttention-4 unavailable")
+@pytest.mark.parametrize("stem", ["attention_causal", "attention_gqa", "attention_varlen_padded", "attention_alibi"])
+def test_attention_forward_saves_its_lse_from_the_fused_kernel(stem):
+    g = load_spec(grad_program(load_spec(SPECS / f"{stem}.kspec")), is_text=True)
+    (fwd,) = plan_spec(g, ARCHS, f"{stem}_fwd", strict=True)
+    (p,) = fwd.plans
+    assert p.kind == "attention" and p.ir.attention.lse == "p_lse"
