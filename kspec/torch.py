@@ -175,7 +175,7 @@ class Trainable:
     def _launch(self, kernel, tensors, params):
         if self.module is None:
             raise KspecError(f"{self.name}: CUDA tensors need the compiled pair",
-                             hint=f"kspec compile the grad spec and pass artifact=DIR to kspec.torch.trainable")
+                             hint="kspec compile the grad spec and pass artifact=DIR to kspec.torch.trainable")
         k = getattr(self.module, kernel.name)
         got = k(**dict(zip([t.name for t in kernel.inputs], tensors)), **params)
         res = tuple(got[t.name] for t in kernel.outputs)

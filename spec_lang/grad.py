@@ -10,10 +10,13 @@ imports no later stage).
 
 The transform:
 
-1. Normalise: every reduction or softmax nested inside a statement is lifted into a temporary of
-   its own (`lse[m] = log(sum(v) ..) + mx[m]` becomes `lse_r1[m] = sum(v) ..` and `lse[m] =
-   log(lse_r1[m]) + mx[m]`); a `softmax(j, causal=i)` is written with its mask explicit
-   (`where(j <= i, s, -inf)`, what FlashAttention's causal flag is) and an operand of its own.
+1. Normalise (grad_normal.py): every reduction or softmax nested inside a statement is lifted into
+   a temporary of its own (`lse[m] = log(sum(v) ..) + mx[m]` becomes `lse_r[m] = sum(v) ..` and
+   `lse[m] = log(lse_r[m]) + mx[m]`), and so is the argument of a nonlinear function (its
+   derivative reads it again, and every gradient through it shares one adjoint: GEMM + bias + gelu
+   gets one d(pre-activation) for the bias sum and the backward GEMMs); a `softmax(j, causal=i)` is
+   written with its mask explicit (`where(j <= i, s, -inf)`, what FlashAttention's causal flag is)
+   and an operand of its own.
 2. Activity: the floating-point tensors that depend on a differentiated input and reach an output.
 3. Reverse pass, statement by statement from the last: the adjoint of a statement's target (a sum
    of the contributions of its uses, over the target's own indices) is pushed into the statement's
@@ -22,15 +25,19 @@ The transform:
    this way; `mean` divides by the reduced extent; `logsumexp` multiplies by exp(x - lse);
    `max`/`min` send the gradient to the first arg-extremum (row-major over the reduced indices; a
    `U_arg` statement finds it: the smallest position whose value equals the stored extremum);
-   `softmax` gives dx = p (dp - sum_j dp p), and a log-sum-exp written out with its max shift
-   (`log(sum(v) exp(x - M)) + M`) sends no gradient through the shift M; and when p's one use is `O = sum(j) p * V` with O an
-   output, sum_j dp p is computed as sum_e dO * O (FlashAttention's dO·O preprocess); a read at
-   computed subscripts (a gather, `logits[m, label[m]]`, `K[b, h / 4, j, e]`) is adjoint to a
-   scatter-add, written as a sum over the statement's indices of `where(subscript == v, .., 0)`
-   into dX[.., v, ..] (cross-entropy's gather becomes `where(v == label[m], ..)`: softmax minus
-   one-hot; a GQA read sums the query heads of each K/V head); integer values, conditions and
-   index arithmetic get no gradient, and a float value converted to an integer on the way to an
-   output is refused (not differentiable).
+   `softmax` gives dx = p (dp - sum_j dp p), and when p's one use is `O = sum(j) p * V` with O an
+   output, sum_j dp p is computed as sum_e dO * O (FlashAttention's dO·O preprocess); a log-sum-exp
+   written out with its max shift (`log(sum(v) exp(x - M)) + M`) sends no gradient through the
+   shift M (it would cancel to rounding, through an arg-max pass); a read at computed subscripts
+   (a gather, `logits[m, label[m]]`, `K[b, h / 4, j, e]`) is adjoint to a scatter-add, written as
+   a sum over the statement's indices of `where(subscript == v, .., 0)` into dX[.., v, ..]
+   (cross-entropy's gather becomes `where(v == label[m], ..)`: softmax minus one-hot), the indices
+   no subscript mentions summed first (a GQA read: dK per query head is a batched GEMM, then each
+   K/V head sums its query heads); integer values, conditions and index arithmetic get no
+   gradient, and a float value converted to an integer on the way to an output is refused (not
+   differentiable).  An adjoint gets a statement of its own (`dT[..] = ..`) when it holds a
+   reduction, feeds a backward GEMM or a softmax's row sum, or is shared by several reads; else it
+   is inlined where it is used (a row statistic's adjoint is computed per element of the row).
 4. Saved versus recomputed (what the backward reads from NAME_fwd and what it computes again):
    - row statistics (a reduction that is not a GEMM-like contraction: mean, variance, max, sum of
      exp, logsumexp) are saved: NAME_fwd writes them as extra outputs;
@@ -49,28 +56,17 @@ Scalar params get no gradient.  Packed (varlen) tensors are not differentiated y
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 
 from kspec.core import FLOAT_DTYPES, split_offset_dim
 
 from . import ast
-from .check import (BOOL, CheckedKernel, CheckedProgram, TAccess, TBinary, TCall, TCast, TConst, TExpr, TGather,
-                    TIndex, TReduce, TSoftmax, TUnary, TensorInfo, texpr_children)
+from .check import (CheckedKernel, CheckedProgram, TAccess, TBinary, TCall, TExpr, TGather,
+                    TReduce, TSoftmax, TensorInfo, texpr_children)
 from .errors import KspecError, KspecInternalError
-from .grad_rules import (SIXTEEN_BIT, access, add, backprop, cast, decompile, div, f32, mul, num, plain_indices,
+from .grad_normal import NStmt, Normaliser
+from .grad_rules import (SIXTEEN_BIT, access, backprop, cast, decompile, div, f32, mul, num, plain_indices,
                          rename, sub, tensors_read, total, where)
 from .printer import print_program
-
-
-@dataclass
-class NStmt:
-    """A normalised statement: its value is pointwise, or one reduction or softmax at the top."""
-    target: str
-    indices: tuple[str, ...]
-    dtype: str
-    value: TExpr
-    extents: dict
-    span: object = None
 
 
 def grad_program(program: CheckedProgram, kernel: str | None = None, wrt: list[str] | None = None) -> str:
@@ -230,62 +226,9 @@ class _Grad:
                                  f"floating-point inputs: {', '.join(floats) or 'none'}")
         return list(dict.fromkeys(wrt))
 
-    # ---- 1. normalise ----
+    # ---- 1. normalise (grad_normal.py) ----
     def normalise(self) -> list[NStmt]:
-        out: list[NStmt] = []
-        for st in self.k.stmts:
-            ext = dict(st.extents)
-            value = self._lift(st.value, True, ext, out, st.target, st.span)
-            self._push(NStmt(st.target, st.indices, st.dtype, value, _own_extents(ext, st.indices, value), st.span),
-                       out)
-        return out
-
-    def _push(self, ns: NStmt, out: list[NStmt]) -> None:
-        v = ns.value
-        if isinstance(v, TSoftmax):
-            operand = v.operand
-            if v.causal:
-                cond = TBinary(BOOL, (v.axis, v.causal), None, "<=", TIndex("i32", (v.axis,), None, v.axis),
-                               TIndex("i32", (v.causal,), None, v.causal))
-                operand = TCall(operand.dtype, operand.free, None, "where", (cond, operand, TConst("f32", (), None, float("-inf"), True)))
-            if not isinstance(operand, TAccess) or v.causal:
-                operand = self._temp(operand, ns.target + "_in", ns.extents, out, ns.span)
-            ns = replace(ns, value=replace(v, causal=None, operand=operand))
-        out.append(ns)
-
-    def _temp(self, e: TExpr, base: str, ext: dict, out: list, span) -> TAccess:
-        name = self.fresh(base)
-        idx = tuple(e.free)
-        missing = [i for i in idx if i not in _plain_typed(e)]
-        if missing:
-            raise KspecError(f"kspec grad cannot name this value on its own: index '{missing[0]}' is used only as a "
-                             "value inside it", e.span or span, "write the reduction as a statement of its own")
-        info = TensorInfo(name, "temp", e.dtype, tuple(ext[i] for i in idx), "row", None, span)
-        self.infos[name] = info
-        self._push(NStmt(name, idx, e.dtype, e, _own_extents(ext, idx, e), span), out)
-        return TAccess(e.dtype, idx, e.span, name, idx)
-
-    def _lift(self, e: TExpr, top: bool, ext, out, base, span) -> TExpr:
-        if isinstance(e, (TReduce, TSoftmax)):
-            e = replace(e, operand=self._lift(e.operand, False, ext, out, base, span))
-            return e if top else self._temp(e, base + "_r", ext, out, span)
-        if isinstance(e, TUnary):
-            return replace(e, operand=self._lift(e.operand, False, ext, out, base, span))
-        if isinstance(e, TCast):
-            return replace(e, operand=self._lift(e.operand, False, ext, out, base, span))
-        if isinstance(e, TBinary):
-            return replace(e, lhs=self._lift(e.lhs, False, ext, out, base, span),
-                           rhs=self._lift(e.rhs, False, ext, out, base, span))
-        if isinstance(e, TCall):
-            args = tuple(self._lift(a, False, ext, out, base, span) for a in e.args)
-            if e.fn in _NAMED_ARGUMENT and not _simple(args[0]) and args[0].free and \
-                    set(args[0].free) <= _plain_typed(args[0]):
-                # the argument of a nonlinear function gets a name: its derivative reads it again, and
-                # every gradient flowing through it shares one adjoint (GEMM + bias + gelu: dbias and
-                # the backward GEMMs' operand are both computed from the one d(pre-activation))
-                args = (self._temp(args[0], base + "_z", ext, out, span),) + args[1:]
-            return replace(e, args=args)
-        return e
+        return Normaliser(self.k, self.infos, self.fresh).run()
 
     # ---- 2. activity ----
     def activity(self, stmts: list[NStmt]) -> set[str]:
@@ -721,46 +664,9 @@ class _Grad:
         return name
 
 
-def _all_indices(e: TExpr) -> set[str]:
-    out = set(e.free)
-    if isinstance(e, TReduce):
-        out |= set(e.indices)
-    if isinstance(e, TSoftmax):
-        out.add(e.axis)
-    for c in texpr_children(e):
-        out |= _all_indices(c)
-    return out
-
-
-def _own_extents(ext: dict, lhs, value: TExpr) -> dict:
-    """The extents of the indices a (normalised) statement itself uses, in the statement's order."""
-    mine = set(lhs) | _all_indices(value)
-    return {i: d for i, d in ext.items() if i in mine}
-
-
 def _has_reduce(e) -> bool:
     if isinstance(e, ast.Reduce):
         return True
     return any(_has_reduce(c) for c in ((e.operand,) if isinstance(e, (ast.Unary, ast.Cast)) else
                                         (e.lhs, e.rhs) if isinstance(e, ast.Binary) else
                                         e.args if isinstance(e, ast.Call) else ()))
-
-
-_NAMED_ARGUMENT = ("gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt")
-
-
-def _simple(e: TExpr) -> bool:
-    while isinstance(e, TCast):
-        e = e.operand
-    return isinstance(e, (TAccess, TConst)) or not e.free
-
-
-def _plain_typed(e: TExpr) -> set[str]:
-    out: set[str] = set()
-    if isinstance(e, TAccess):
-        out.update(e.indices)
-    if isinstance(e, TGather):
-        out.update(s for s in e.subscripts if isinstance(s, str))
-    for c in texpr_children(e):
-        out |= _plain_typed(c)
-    return out

@@ -380,13 +380,13 @@ def _lower_column(gen: _Gen, r, space, plan_id) -> LoweredPlan:
             "const long long cb_ = (long long)blockIdx.x % cblocks_, split_ = (long long)blockIdx.x / cblocks_;",
             "const long long nsplit_ = (long long)gridDim.x / cblocks_;",
             "const long long col_ = cb_ * 32 + (threadIdx.x & 31);",
-            f"const int warp_ = threadIdx.x >> 5;",
+            "const int warp_ = threadIdx.x >> 5;",
             "const long long chunk_ = (nred_ + nsplit_ - 1) / nsplit_;",
             "const long long r0_ = split_ * chunk_, r1_ = r0_ + chunk_ < nred_ ? r0_ + chunk_ : nred_;",
             f"float acc_ = {init};",
             "if (col_ < ncols_) {"]
     body += ["  " + x for x in _index_decode(gen, space, "col_")]
-    body.append(f"  #pragma unroll 4")
+    body.append("  #pragma unroll 4")
     body.append(f"  for (long long q_ = r0_ + warp_; q_ < r1_; q_ += {COL_WARPS}) {{")
     body.append("    long long s_ = q_;")
     for label in reversed(o.reduced):
