@@ -747,6 +747,19 @@ def _add_epilogue_loads(g: nx.DiGraph, res: FusionResult, group: set) -> None:
                 group |= set(chain)
 
 
+def _broadcast_gather(g: nx.DiGraph, grp: Group, n) -> bool:
+    """A broadcast n of a gather's kernel over fewer axes (RoPE's `cos[s, e / 2]` over b and h): n
+    joins it, the gather then being read per element of n's space (loads, not a kernel and an
+    intermediate of its own), when n is the group's only reader and the group holds nothing but
+    the gather and the index arithmetic of its subscripts."""
+    if op(g, n).kind != "broadcast" or not set(op(g, grp.anchor).axes) <= set(op(g, n).axes):
+        return False
+    kinds = {op(g, x).kind for x in grp.nodes}
+    if "gather" not in kinds or not kinds <= {"gather", "elementwise", "cast", "index", "size", "const"}:
+        return False
+    return all(s in grp.nodes or s == n for x in grp.nodes for s in g.successors(x))
+
+
 def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
     """Group remaining elementwise/broadcast/cast nodes that share one iteration space."""
     scalar_memo: dict = {}
@@ -772,8 +785,8 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         candidates: list[Group] = []
         for u, labels in operands(g, n):
             grp = res.group_of(u)
-            if grp is not None and grp.kind == "elementwise" and set(op(g, grp.anchor).axes) == set(o.axes) \
-                    and grp not in candidates and same_point(g, u, labels):
+            if grp is not None and grp.kind == "elementwise" and grp not in candidates and same_point(g, u, labels) \
+                    and (set(op(g, grp.anchor).axes) == set(o.axes) or _broadcast_gather(g, grp, n)):
                 candidates.append(grp)
         for grp in candidates:
             # n joins its producers' groups; where it reads several (e.g. a chain and a broadcast

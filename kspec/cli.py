@@ -6,7 +6,7 @@ import sys
 import traceback
 
 import kspec
-from kspec.core import REPORT_HINT, KspecError, KspecInternalError, parse_sizes, select_archs  # noqa: F401
+from kspec.core import DEFAULT_OUT_DIR, REPORT_HINT, KspecError, KspecInternalError, parse_sizes, select_archs  # noqa: F401
 
 ISSUE_HINT = REPORT_HINT
 
@@ -250,7 +250,7 @@ def _register_run(sub) -> None:
                    help="symbol sizes for the random inputs, e.g. M=256,N=512,K=128 (default 64 each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", help="archs to compile for when FILE is a spec")
-    p.add_argument("-o", "--output", default=None, help="artifact directory when FILE is a spec (default: build)")
+    p.add_argument("-o", "--output", default=None, help=f"artifact directory when FILE is a spec (default: {DEFAULT_OUT_DIR})")
     p.set_defaults(func=cmd_run)
 
 
@@ -279,7 +279,7 @@ def cmd_compile(args) -> int:
                     print(f"// ===== {ep.label} =====")
                     print(ep.emitted.source)
             return 0
-        for p in write_emitted(emitted, args.output or "build", Path(args.file).stem):
+        for p in write_emitted(emitted, args.output or DEFAULT_OUT_DIR, Path(args.file).stem):
             print(f"wrote {p}")
         return 0
     import time
@@ -295,7 +295,7 @@ def cmd_compile(args) -> int:
             for arch, ch in p.choices.items():
                 if ch.fallback:
                     print(f"kspec: note: kernel {p.id} on {arch} runs as {ch.fallback}", file=sys.stderr)
-    out = compile_spec(args.file, archs, args.output or "build", args.kernel, args.jobs, cache=cache,
+    out = compile_spec(args.file, archs, args.output or DEFAULT_OUT_DIR, args.kernel, args.jobs, cache=cache,
                        progress=Progress(enabled=not args.quiet), emitted=emitted, sm_counts=sm_counts)
     print(f"wrote {out}  ({time.monotonic() - t0:.1f}s)")
     return 0
@@ -358,7 +358,7 @@ def _register_compile(sub) -> None:
                                    "and in parallel) into OUT/<spec stem>/ with a manifest.json.")
     p.add_argument("file", metavar="FILE")
     _planning_options(p)
-    p.add_argument("-o", "--output", metavar="OUT", help="output directory (default: build)")
+    p.add_argument("-o", "--output", metavar="OUT", help=f"output directory (default: {DEFAULT_OUT_DIR})")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="parallel nvcc processes (default: cores, bounded by free memory)")
     p.add_argument("--emit-only", action="store_true",

@@ -24,7 +24,7 @@ from kspec.backends.api import LoweredPlan, SettingError
 from kspec.backends.desc import EmittedKernel
 from kspec.compiler import KernelSchedule, plan_kernel
 from kspec.compiler.indices import guarded_sentinels, index_ranges, merge_index_ranges, with_sentinels
-from kspec.core import ARCHS, KspecInternalError, file_stem, packed_rows_symbol
+from kspec.core import ARCHS, DEFAULT_OUT_DIR, KspecInternalError, file_stem, packed_rows_symbol
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
 
 
@@ -284,7 +284,7 @@ def _jobs(emitted: EmittedSpec):
     return jobs
 
 
-def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = "build",
+def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = DEFAULT_OUT_DIR,
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None, backend: str | None = None, strict: bool = False,
                  emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None,

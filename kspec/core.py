@@ -265,6 +265,11 @@ def name_problem(name: object, what: str) -> str | None:
     return None
 
 
+# Where `kspec compile`, `kspec run FILE` and `kspec build DIR` write when no -o is given: not
+# `build/`, which setuptools and most build systems own.
+DEFAULT_OUT_DIR = "out"
+
+
 def file_stem(name: str, limit: int = 64) -> str:
     """`name` as the start of a file name: unchanged up to `limit` characters, else cut and followed
     by a hash of the whole name (file systems cap a name at 255 bytes; distinct names stay distinct)."""

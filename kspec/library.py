@@ -3,7 +3,7 @@
 A library manifest (TOML, or JSON with the same structure) lists what to build:
 
     [library]
-    out = "build/lib"                 # relative to the manifest (default: build)
+    out = "out/lib"                   # relative to the manifest (default: out)
     archs = ["sm90a", "sm100a"]       # default for every spec (else the spec's target, else all)
     tuning_db = "kspec-tuning.json"   # optional: winners per kernel, arch and bucket (kspec tune)
     tune = true                       # rank missing tuning entries with the cost model first
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kspec.core import KspecError, KspecInternalError, normalize_arch
+from kspec.core import DEFAULT_OUT_DIR, KspecError, KspecInternalError, normalize_arch
 
 INDEX_FORMAT = 1
 
@@ -103,7 +103,7 @@ def load_library(path: str | os.PathLike, out: str | None = None) -> Library:
         specs = sorted(p.glob("*.kspec"))
         if not specs:
             raise KspecError(f"{p}: no .kspec files in this directory")
-        return Library(str(p), str(Path(out) if out else Path("build")),
+        return Library(str(p), str(Path(out) if out else Path(DEFAULT_OUT_DIR)),
                        tuple(SpecEntry(str(s.resolve()), None) for s in specs))
     try:
         text = p.read_text()
@@ -194,7 +194,7 @@ def load_library(path: str | os.PathLike, out: str | None = None) -> Library:
     dup = sorted({x for x in stems if stems.count(x) > 1})
     if dup:
         raise _fail(str(p), f"two specs named {dup[0]}.kspec would write the same artifact folder")
-    out_dir = Path(out) if out else base / str(lib.get("out", "build"))
+    out_dir = Path(out) if out else base / str(lib.get("out", DEFAULT_OUT_DIR))
     db = lib.get("tuning_db")
     return Library(str(p), str(out_dir), tuple(specs), str(base / db) if db else None, bool(lib.get("tune", False)))
 

@@ -559,10 +559,13 @@ class _Grad:
                 self.bwd.append(ast.Stmt(part, tuple(keep), None, ast.Reduce("sum", tuple(others), t)))
                 t = access(part, keep)
                 F = tuple(keep)
-            cond = None
+            # `subscript == v` with v dX's own index: a placeholder for v until the statement's
+            # indices are renamed (so no renaming reaches it), then v
+            cond, hold = None, {}
             for a, s in conds:
                 lhs = num(s) if isinstance(s, int) else ast.Name(s) if isinstance(s, str) else decompile(s)
-                c = ast.Binary("==", lhs, ast.Name(canon[a]))
+                hold[f"__v{a}"] = canon[a]
+                c = ast.Binary("==", lhs, ast.Name(f"__v{a}"))
                 cond = c if cond is None else ast.Binary("and", cond, c)
             # rename the summed indices away from the canonical names first, then transport
             clash = {f: self.fresh(f) for f in F if f not in src and f in canon}
@@ -571,6 +574,7 @@ class _Grad:
             F = tuple(clash.get(f, f) for f in F)
             ext = {clash.get(f, f): v for f, v in st.extents.items()}
             term = self._transport(where(cond, t, None), F, tuple(src), tuple(dst), ext, reserved=set(canon))
+            term = rename(term, hold, self.fresh)
         self.adj_terms.setdefault(x, []).append(term)
 
     # ---- 4. saved and recomputed; 5. the two kernels ----

@@ -129,6 +129,12 @@ def _gemm_rowmax(p, t):
     return {"D": y, "rowmax": y.amax(-1)}
 
 
+def _rope(p, t):
+    q = t["Q"]
+    rot = torch.cat([-q[..., 64:], q[..., :64]], -1)
+    return {"Y": q * t["cos"][None, :, None, :] + rot * t["sin"][None, :, None, :]}
+
+
 def _swiglu(p, t):
     X = t["X"]
     h = F.silu(X @ t["Wg"].T) * (X @ t["Wu"].T)
@@ -170,6 +176,7 @@ CASES = {
              lambda p, t: {"Y": F.gelu(0.5 * t["X"] @ t["W1"].T, approximate="tanh") @ t["W2"].T}),
     "rmsnorm": (dict(M=5, N=16), {"eps": 1e-6}, {}, lambda p, t: {"y": _rms(t["x"], t["w"], p["eps"])}),
     "row_softmax": (dict(M=4, N=9), {}, {}, lambda p, t: {"y": torch.softmax(t["x"], -1)}),
+    "rope": (dict(B=1, S=3, H=2), {}, {}, _rope),
     "swiglu_mlp": (dict(M=4, K=6, F=7, N=5), {}, {}, _swiglu),
 }
 # shipped specs kspec grad refuses, with the reason it gives
