@@ -529,7 +529,30 @@ def _register_selftest(sub) -> None:
     register(sub)
 
 
-_EXTRA_COMMANDS: list = [_register_graph, _register_lower, _register_compile, _register_run,
+def cmd_grad(args) -> int:
+    from kspec.spec_lang.grad import grad_program
+    prog = load_spec(args.file)
+    wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
+    text = grad_program(prog, args.kernel, wrt)       # fails before anything is written
+    _emit(text, args.output)
+    return 0
+
+
+def _register_grad(sub) -> None:
+    g = sub.add_parser("grad", help="derive the backward of a kernel: NAME_fwd and NAME_bwd as spec text",
+                       description="Reverse-mode differentiation of a spec kernel.  Writes an ordinary spec with "
+                       "NAME_fwd (the forward plus the values the backward reads: row statistics, a softmax's "
+                       "log-sum-exp) and NAME_bwd (inputs: the forward's inputs and params, NAME_fwd's outputs and "
+                       "d<OUT> per output; outputs: d<IN> per floating-point input).")
+    g.add_argument("file", metavar="FILE")
+    g.add_argument("--kernel", help="the kernel to differentiate (default: every kernel of FILE)")
+    g.add_argument("--wrt", metavar="X,W,...", help="the inputs to differentiate with respect to "
+                   "(default: every floating-point input)")
+    g.add_argument("-o", "--output", metavar="OUT.kspec", help="write the spec here (default: stdout)")
+    g.set_defaults(func=cmd_grad)
+
+
+_EXTRA_COMMANDS: list = [_register_grad, _register_graph, _register_lower, _register_compile, _register_run,
                          _register_doctor, _register_selftest, _register_build, _register_tune]
 
 

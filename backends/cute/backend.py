@@ -34,8 +34,7 @@ class CuteBackend:
                     "sliding window, score_mod/mask_mod, GQA/MQA, LSE, paged KV, packed (cu_seqlens) batches")),
         gemm_operands=(("f16", "f16"), ("bf16", "bf16"), ("f8e4m3", "f8e4m3"), ("f8e5m2", "f8e5m2"),
                        ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
-        epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
-                                "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs", "clamp")),
+        epilogue_fns=frozenset(cute_epi.UNARY + cute_epi.BINARY + cute_epi.TERNARY),
         epilogue_reductions=frozenset(cute_epi.REDUCTION_OPS),
         epilogue_loads=frozenset(("row", "col", "row_batched", "col_batched", "full", "scalar")))
 

@@ -12,7 +12,8 @@ The source follows backends/ABI.md: a `Params` struct by value, `kspec_kernel`, 
 Spec names never appear: buffers are `t0`, `t1`, ... and values `v0`, `v1`, ...
 
 This module plans a kernel's code (`lower_generic`) and is the backend; gen.py holds the per-element
-generator, vector.py the vector path, source.py the CUDA text and host glue.
+generator, vector.py the vector path, column.py column reductions (no fallback: 32 columns and a
+share of the rows per CTA), source.py the CUDA text and host glue.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import networkx as nx
 from kspec.backends.api import Capabilities, LoweredPlan
 from kspec.backends.build import NvccBuilt
 from kspec.backends.desc import EmittedKernel
+from kspec.backends.generic.column import column_reduction, lower_column
 from kspec.backends.generic.gen import (_CTYPE, _FN, BLOCK, VECTOR_MAX_OPS, GenericDesc, KspecLoweringError, _element,
                                         _Gen, _index_decode, _reduce_into, _round, _softmax_body, _stores)
 from kspec.backends.generic.source import GLUE_ABI, GLUE_PREPARE_OPEN, emit_generic
@@ -71,6 +73,9 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
                                  "and a reduction as the kernel's only result", op(g, loop_nodes[0]).span)
     # elementwise nodes feeding a reduction/softmax are recomputed inside its loops
     gen.inline = set(nodes) - set(loop_nodes) - set(after) if loop_nodes else set()
+    column = column_reduction(ir)
+    if column is not None:
+        return lower_column(gen, column, space, plan_id)
     vector, vbody = None, []
     if loop_nodes and op(g, loop_nodes[0]).kind == "softmax":
         root = loop_nodes[0]
@@ -144,7 +149,7 @@ class GenericBackend(NvccBuilt):
         return None          # loop kernels take no tile, cluster or stage settings: they ignore them
 
     def is_fallback(self, ir: KernelIR) -> str | None:
-        if ir.kind == "elementwise":
+        if ir.kind == "elementwise" or (ir.kind in ("reduction", "contraction") and column_reduction(ir) is not None):
             return None
         return {"gemm": "a naive loop GEMM (one thread per output element, no tensor cores)",
                 "contraction": "a naive loop contraction (one thread per output element)",

@@ -42,6 +42,7 @@ class GenericDesc:
     vec_dim: str = ""                 # the d<i> it runs along (its extent a multiple of the width taken)
     vec_args: tuple[str, ...] = ()    # arguments it moves 16 bytes at a time (their pointers 16-byte aligned)
     vec_body: str = ""                # the body of `template <int VEC, typename I> kspec_vector(const Params& p)`
+    init: tuple[tuple[str, str], ...] = ()   # outputs filled before launch (column sums added atomically)
 
 
 def _round(dtype: str, expr: str) -> str:

@@ -188,5 +188,6 @@ def emit_generic(desc: GenericDesc) -> EmittedKernel:
     return EmittedKernel(name=desc.name, arch=desc.arch, source=source, include_dirs=(),
                          flags=("-std=c++17", "-O3"), dims=desc.dims, args=desc.args, scalars=desc.scalars,
                          alignment=tuple(zip(desc.args, desc.arg_bytes or (1,) * len(desc.args))),
+                         init=desc.init,
                          config=(("kind", "generic"), ("block", str(BLOCK)),
                                  ("vec", ",".join(map(str, desc.vec)) or "-")))

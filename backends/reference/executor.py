@@ -121,7 +121,8 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int],
         if o.kind == "broadcast" or o.fn == "copy" or o.kind == "cast":
             out = args[0]
         elif o.fn == "div":
-            out = divide(*args)
+            with np.errstate(divide="ignore", invalid="ignore"):    # inf and NaN, as on the GPU
+                out = divide(*args)
         elif o.fn in ("floordiv", "mod"):
             if np.any(np.asarray(args[1]) == 0):
                 raise KspecRuntimeError(f"integer division by zero in an index expression ('{o.fn}' over "
