@@ -120,6 +120,45 @@ def merge_common_subexpressions(g: nx.DiGraph) -> int:
     return count
 
 
+def _exact_widening(src: str, dst: str) -> bool:
+    """Every value of dtype `src` is a value of `dst`, and a product of two of them is exact in a f32
+    (or i32 -> int64) sum: float -> wider float (not tf32, which rounds), int -> wider int."""
+    from kspec.core import DTYPE_TABLE
+    a, b = DTYPE_TABLE.get(src), DTYPE_TABLE.get(dst)
+    if a is None or b is None or a.kind != b.kind or b.bits <= a.bits or dst == "tf32" or src == "tf32":
+        return False
+    return a.storage == src or a.kind == "float"
+
+
+def absorb_operand_casts(g: nx.DiGraph) -> int:
+    """`sum(k) f32(A[m, k]) * f32(B[n, k])` is the contraction of A and B themselves: a conversion of a
+    contraction operand that widens exactly (f8/f16/bf16 -> f32, i8 -> i32) changes no product and
+    no sum, so the contraction reads the narrow operand (a GEMM on its tensor cores, not on f32
+    copies).  The cast stays for any other reader."""
+    count = 0
+    for c in list(g.nodes):
+        if op(g, c).kind != "contraction":
+            continue
+        for x in list(g.predecessors(c)):
+            xo = op(g, x)
+            if xo.kind != "cast":
+                continue
+            (src, read_labels), = operands(g, x)
+            if not _exact_widening(op(g, src).dtype, xo.dtype):
+                continue
+            pos_in_x = {a: i for i, a in enumerate(xo.axes)}
+            moved = tuple((pos, tuple(labels[pos_in_x[r]] for r in read_labels)) for pos, labels in uses(g, x, c))
+            if g.has_edge(src, c):
+                g.edges[src, c]["uses"] += moved
+            else:
+                g.add_edge(src, c, uses=moved)
+            g.remove_edge(x, c)
+            count += 1
+    if count:
+        remove_dead(g)
+    return count
+
+
 def remove_dead(g: nx.DiGraph) -> int:
     """Remove nodes that no output depends on (inputs and params are kept: they are the signature)."""
     live: set = set()
@@ -607,6 +646,7 @@ def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     """Run every canonicalisation pass; returns how much each one changed."""
     stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
              "dead": remove_dead(g)}
+    stats["operand_casts"] = absorb_operand_casts(g)
     stats["softmax"] = recognise_softmax(g)
     stats["commuted"] = order_commutative_operands(g)
     stats["masks"] = normalise_masks(g)

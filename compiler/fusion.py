@@ -436,6 +436,8 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
         ((src, labels),) = operands(g, s)
         if set(labels) != gemm_axes:
             return "the reduction's operand is not the full GEMM result"
+        if is_full_reduction(so, gi):
+            return None     # e.g. an FP8 recipe's amax: one value per batch entry, atomics across CTAs
         if len(so.reduced) != 1 or so.reduced[0] not in (gi.m, gi.n) or \
                 labels.index(so.reduced[0]) < len(labels) - 2:
             return "an epilogue reduction must reduce over the GEMM's row or column axis"
@@ -446,6 +448,10 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
         return None
     if so.kind not in ("elementwise", "broadcast", "cast"):
         return f"{so.kind} ops cannot be fused into an epilogue"
+    if so.kind == "broadcast" and is_reduction_store_view(g, s, gi):
+        if any(u not in group for u, _ in operands(g, s)):
+            return "it broadcasts a full reduction that is not fused"
+        return None         # `amax[z] = max(m, n) ..` with z of extent 1: the reduction's store
     why = _store_order_reject(g, s, gi)
     if why:
         return why
@@ -478,6 +484,28 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
             return f"operand {uo.name or u} is read with its axes in another order than the GEMM result's"
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
     return None
+
+
+def is_full_reduction(so, gi: GemmInfo) -> bool:
+    """A reduction over every non-batch axis of the GEMM result (`max(m, n) abs(y[m, n])`): one
+    value per batch entry, combined across the CTAs of the GEMM with atomics."""
+    return so.kind == "reduction" and not gi.m_fold and len(so.reduced) == 2 and \
+        set(so.reduced) == {gi.m, gi.n} and tuple(so.axes) == tuple(gi.batch)
+
+
+def is_reduction_store_view(g, s, gi: GemmInfo) -> bool:
+    """s broadcasts a full epilogue reduction into an output over the batch axes plus axes of extent
+    1 (`out amax : f32[1]`, `amax[z] = max(m, n) ..`): how the spec stores it, not a computation."""
+    so = op(g, s)
+    if so.kind != "broadcast":
+        return False
+    (src, labels), = operands(g, s)
+    if not is_full_reduction(op(g, src), gi) or tuple(labels) != tuple(gi.batch):
+        return False
+    extra = [e for a, e in zip(so.axes, so.shape) if a not in labels]
+    if any(e != 1 for e in extra) or [a for a in so.axes if a in labels] != list(labels):
+        return False
+    return bool(list(g.successors(s))) and all(op(g, v).kind == "output" for v in g.successors(s))
 
 
 def _vector_reject(g, src, labels, gi: GemmInfo, ctx: FusionContext = FusionContext()) -> str | None:
@@ -620,6 +648,8 @@ def _without_reductions(g: nx.DiGraph, group: set, anchor) -> set:
     """The group less its epilogue reductions and the epilogue ops that only fed them, down to the
     value the reductions read (which the GEMM then stores for the reduction kernels)."""
     reductions = {n for n in group if op(g, n).kind == "reduction"}
+    # a full reduction's store view (a broadcast into its output) leaves with it
+    reductions |= {s for r in reductions for s in g.successors(r) if s in group}
     keep = group - reductions
     while True:
         dead = {n for n in keep if n != anchor and not any(s in keep for s in g.successors(n))

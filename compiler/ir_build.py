@@ -198,9 +198,12 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
     for n, b in stores:
         o = op(g, n)
         dtype = bufs[b].dtype
+        if o.kind == "broadcast":       # a full reduction stored through its view (fusion.is_reduction_store_view)
+            (n, _), = operands(g, n)
+            o = op(g, n)
         if o.kind == "reduction":
             (src, _), = operands(g, n)
-            axis = "n" if o.reduced == (gi.n,) else "m"
+            axis = "mn" if len(o.reduced) == 2 else "n" if o.reduced == (gi.n,) else "m"
             reductions.append(ReductionStore(b, o.fn, axis, expr(src), dtype))
             continue
         out_stores.append(Store(b, expr(n), dtype, _store_layout(g, n, b, gi)))

@@ -124,10 +124,11 @@ class Store:
 @dataclass(frozen=True)
 class ReductionStore:
     """A reduction of an epilogue value along one axis: axis 'n' gives a vector over m (row
-    reduction, e.g. a row max), axis 'm' a vector over n."""
+    reduction, e.g. a row max), axis 'm' a vector over n; 'mn' reduces over both, one value per
+    batch entry (an FP8 recipe's amax), stored into a buffer of the batch axes and axes of extent 1."""
     name: str
     op: Literal["max", "sum"]
-    axis: Literal["m", "n"]
+    axis: Literal["m", "n", "mn"]
     value: EpiExpr
     dtype: str
 

@@ -82,7 +82,7 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
                     f"got A {desc.a.layout} / B {desc.b.layout}")
     if desc.output.dtype not in _D_DTYPES:
         return f"output dtype {desc.output.dtype} is not supported by the CuTe DSL backend"
-    if (desc.output.dtype == "i32") != (desc.acc_dtype == "i32"):
+    if desc.output.dtype == "i32" and desc.acc_dtype != "i32":
         return f"output dtype {desc.output.dtype} with accumulator {desc.acc_dtype}"
     for e in (x for st in (desc.output, *desc.aux_stores, *desc.reductions) for x in epilogue._walk(st.value)):
         if isinstance(e, epilogue.Load) and e.kind != "scalar" and e.dtype not in ("f16", "bf16", "f32", "i32", "i8"):
@@ -262,11 +262,15 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
             out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, nb + j))
     for k, st in enumerate(desc.aux_stores):
         out.append(TensorABI(f"x{k}", st.dtype, ("M", "N", "L"), d_stride, True, nb + 1 + n_in + k))
-    # reduction outputs: one contiguous vector per batch, (M, L) for a reduction along n, (N, L) along m
+    # reduction outputs: one contiguous vector per batch, (M, L) for a reduction along n, (N, L) along
+    # m; a full reduction (along m and n) one value per batch entry, (L,)
     for k, r in enumerate(desc.reductions):
+        pos = nb + 1 + n_in + len(desc.aux_stores) + k
+        if r.axis == "mn":
+            out.append(TensorABI(f"r{k}", r.dtype, ("L",), (1,), False, pos))
+            continue
         ext = "M" if r.axis == "n" else "N"
-        out.append(TensorABI(f"r{k}", r.dtype, (ext, "L"), (1, (ext,)), False,
-                             nb + 1 + n_in + len(desc.aux_stores) + k))
+        out.append(TensorABI(f"r{k}", r.dtype, (ext, "L"), (1, (ext,)), False, pos))
     return out
 
 
@@ -291,6 +295,8 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     kinds = repr(code.input_kinds)
     ns = len(code.scalars)
     dual = ", dual=True" if desc.b2 is not None else ""
+    if epilogue.compute_dtype(desc) != desc.acc_dtype:     # a float epilogue on an i32 accumulator
+        dual += f", epi_dtype=cutlass.{_DSL_TYPES[epilogue.compute_dtype(desc)]}"
     reds = repr(code.reductions)
     if arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "

@@ -61,8 +61,11 @@ class Sm90Gemm:
     cluster_mn: cluster shape (TMA multicast of A along N, of B along M)."""
 
     def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None,
-                 reductions=(), dual=False):
+                 reductions=(), dual=False, epi_dtype=None):
         self.acc_dtype = acc_dtype
+        # the epilogue's arithmetic type: the accumulator's, or f32 for a float epilogue on an i32
+        # accumulator (the generated function converts the accumulator; inputs are staged as f32)
+        self.epi_dtype = acc_dtype if epi_dtype is None else epi_dtype
         self.tile_shape_mnk = (tile_mn[0], tile_mn[1], 1)
         self.cluster_shape_mn = tuple(cluster_mn)
         self.epi_fn = epi_fn
@@ -126,7 +129,7 @@ class Sm90Gemm:
             else:
                 in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
         for _op, axis in self.reductions:          # one f32 per tile row (column) per reduction
-            in_bytes += (tm if axis == "n" else tn) * 4 + 128
+            in_bytes += (tm if axis != "m" else tn) * 4 + 128
         stages = (SMEM_CAPACITY - 1024 - epi_bytes - in_bytes) // ab_bytes
         if self.stages_override is not None:
             stages = min(stages, self.stages_override)
@@ -250,9 +253,9 @@ class Sm90Gemm:
         full_bytes = 0
         for j, kind in enumerate(self.input_kinds):
             if cutlass.const_expr(kind in ROW_KINDS):
-                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tn,)), 128))
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((tn,)), 128))
             elif cutlass.const_expr(kind in COL_KINDS):
-                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((tm,)), 128))
             else:
                 # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
                 sIn.append(smem.allocate_tensor(inputs[j].element_type, cute.make_layout(
@@ -260,7 +263,7 @@ class Sm90Gemm:
                 n_full += 1
                 full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
         # reductions: one f32 per tile row (column), combined into global memory once per tile
-        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((tm if axis == "n" else tn,)), 128)
+        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((tm if axis != "m" else tn,)), 128)
                 for _op, axis in self.reductions]
         in_bar = smem.allocate_array(cutlass.Int64, 2)
         if cutlass.const_expr(n_full > 0):
@@ -362,7 +365,7 @@ class Sm90Gemm:
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             tRS_rD2 = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in acc2]
             tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
-            rIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in self.input_kinds]
+            rIn = [cute.make_rmem_tensor(rD_shape, self.epi_dtype) for _ in self.input_kinds]
             tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
             n_v = cute.size(tRS_rD)
             epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
@@ -376,7 +379,7 @@ class Sm90Gemm:
                     cute.make_identity_tensor(self.epi_tile)), red.plan_threads(self.num_mma_threads))
                 plans = [red.make_plan(op, axis, coords) for op, axis in self.reductions]
                 self.traced.update(red_plans=plans, red_coords=coords)      # for tests
-                rRed = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+                rRed = cute.make_rmem_tensor(rD_shape, self.epi_dtype)
                 for r in cutlass.range_constexpr(len(self.reductions)):
                     red.fill(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads, plans[r])
                 epi_bar.arrive_and_wait()
@@ -430,11 +433,11 @@ class Sm90Gemm:
                         if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(epi_tidx, tn, self.num_mma_threads):
                                 sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), tc[2])].to(
-                                    self.acc_dtype)
+                                    self.epi_dtype)
                         elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(epi_tidx, tm, self.num_mma_threads):
                                 sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), tc[2])].to(
-                                    self.acc_dtype)
+                                    self.epi_dtype)
                     epi_bar.arrive_and_wait()
                 full_src = []
                 k = 0
@@ -479,13 +482,13 @@ class Sm90Gemm:
                                 elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
-                                    rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)
+                                    rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.epi_dtype)
                     values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars,
                                          *(r.load() for r in tRS_rD2))
                     for r in cutlass.range_constexpr(len(self.reductions)):
                         rRed.store(values[1 + self.num_aux + r])
                         red.reduce_subtile(rRed, tRS_cL, m0 + ec[0] * self.epi_tile[0], n0 + ec[1] * self.epi_tile[1],
-                                           M, N, m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
+                                           M, N, m0 if self.reductions[r][1] != "m" else n0, sRed[r], plans[r])
                     tRS_rOut.store(values[0].to(self.d_dtype))
                     buf = (prev + e) % self.epi_stage
                     cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
@@ -504,7 +507,7 @@ class Sm90Gemm:
                 if cutlass.const_expr(len(self.reductions) > 0):
                     # every sub-tile's shared-memory atomics are done (the barrier above)
                     for r in cutlass.range_constexpr(len(self.reductions)):
-                        along_n = self.reductions[r][1] == "n"
+                        along_n = self.reductions[r][1] != "m"
                         red.flush(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads,
                                   m0 if along_n else n0, M if along_n else N, reds[r], tc[2], plans[r])
                     epi_bar.arrive_and_wait()

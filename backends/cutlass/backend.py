@@ -163,6 +163,8 @@ class CutlassBackend(NvccBuilt):
         for r in ir.epilogue.reductions:
             if r.op not in EPILOGUE_REDUCTIONS:
                 return f"epilogue reduction {r.op} has no EVT equivalent (max, sum)"
+            if r.axis not in ("m", "n"):
+                return f"epilogue reduction '{r.name}' over both m and n: the EVT reduces rows or columns only"
         return None
 
     def _attention_reason(self, ir: KernelIR, arch: str) -> str | None:
