@@ -213,13 +213,16 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             rd = sum(max(loop.get(b, 0), _buffer_bytes(sched.buffers[b], sizes)) for b in p.reads)
             plans.append(PlanCost(p.id, p.kind, flops, rd, wr, ideal, False))
     minimum = sum(_buffer_bytes(b, sizes) for b in sched.buffers.values() if b.kind in ("input", "output"))
-    # unfused: every op (not a broadcast, constant or scalar-only expression) is one kernel
+    # unfused: every op (not a constant, a scalar-only expression or a broadcast no output stores) is
+    # one kernel (a reduction to a scalar is one)
     n_kernels = ubytes = uflops = 0
     memo: dict = {}
     for n in nx.topological_sort(g):
         o = op(g, n)
-        if o.kind in ("input", "param", "const", "output", "broadcast") or not o.axes:
+        if o.kind in ("input", "param", "const", "output") or (not o.axes and o.kind != "reduction"):
             continue
+        if o.kind == "broadcast" and not any(op(g, v).kind == "output" for v in g.successors(n)):
+            continue            # a broadcast is read where it is needed, unless an output stores it
         uflops += _node_flops(g, n, sizes)
         if is_recomputed(g, n, memo):
             continue            # index arithmetic and conditions are computed by the kernel that reads them
@@ -227,7 +230,7 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
         # each kernel reads each of its inputs once (x * x reads x once)
         for node in {x: None for u, _ in operands(g, n) for x in _read_sources(g, u, memo)}:
             src = op(g, node)
-            if src.kind in ("param", "const") or not src.axes:
+            if src.kind in ("param", "const") or (not src.axes and src.kind != "reduction"):
                 continue
             ubytes += _numel(src.shape, sizes) * value_bytes(src.dtype)
         ubytes += _numel(o.shape, sizes) * value_bytes(o.dtype)
