@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from kspec.core import split_offset_dim
+from kspec.core import split_offset_dim, split_quotient_dim
 
 from .canon import is_recomputed, value_bytes
 from .graph import op, operands
@@ -89,6 +89,9 @@ def _extent(d, sizes: dict) -> int:
     off = split_offset_dim(d)
     if off is not None and d not in sizes:   # `B+1` offsets
         return _extent(off[0], sizes) + off[1]
+    quo = split_quotient_dim(d)
+    if quo is not None and d not in sizes:   # `K/32` block scales
+        return max(1, _extent(quo[0], sizes) // quo[1])
     return d if isinstance(d, int) else int(sizes.get(d, DEFAULT_SIZE))
 
 

@@ -74,7 +74,7 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
     import numpy as np
 
     from kspec.backends.reference.numerics import is_int, to_storage
-    from kspec.core import split_offset_dim
+    from kspec.core import split_offset_dim, split_quotient_dim
     from kspec.spec_lang.check import index_bounds
     rng = np.random.default_rng(seed)
     out = {}
@@ -84,6 +84,9 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
         if isinstance(d, int):
             return d
         off = split_offset_dim(d)
+        quo = split_quotient_dim(d)
+        if quo is not None:
+            return extent(quo[0]) // quo[1]
         return extent(off[0]) + off[1] if off else fixed.get(d, sizes.get(d, 64))
 
     # varlen: each packing's offsets from random lengths (the first sequence the longest), and the

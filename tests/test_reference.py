@@ -508,6 +508,10 @@ def test_gemm_tf32_rounds_operands_to_tf32():
     assert np.abs(f64(A) @ f64(B) - want).max() > 1e-4
 
 
+# shipped specs whose reference tests live in tests/test_quant_gemm.py
+QUANT_TESTED = {"gemm_int8_dequant", "fp8_gemm_amax"}
+
+
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
@@ -516,7 +520,9 @@ def test_every_shipped_spec_has_a_reference_test():
               "attention_softcap", "attention_decode", "attention_paged", "attention_varlen",
               "attention_varlen_padded", "attention_lse",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
-              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
+              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy",
+              # quantized GEMMs: tests/test_quant_gemm.py (against float64 numpy)
+              *QUANT_TESTED}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
 
 

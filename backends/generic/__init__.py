@@ -225,6 +225,15 @@ def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
 
 
 def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
+    for b in ir.buffers:
+        if b.dtype not in _CTYPE:
+            # FP4 data (two values a byte) and E8M0 scales: block-scaled GEMMs on tensor cores only
+            raise KspecLoweringError(f"plan {ir.id}: {b.name} is {b.dtype}, which the plain CUDA kernels do not "
+                                     "read or write (block-scaled formats: tensor-core GEMMs only)", ir.span)
+    for o in ir.ops:
+        if o.dtype not in _CTYPE and o.dtype != "bool":
+            raise KspecLoweringError(f"plan {ir.id}: a {o.dtype} value, which the plain CUDA kernels do not "
+                                     "compute with", ir.span)
     gen = _Gen(ir, arch)
     g = gen.g
     plan_id = ir.id
