@@ -52,6 +52,9 @@ class GemmDesc:
     # a dual GEMM: a second B operand (same dtype, layout and extents as b) whose product with A is
     # the epilogue's Accum(1) (SwiGLU's up projection beside the gate projection)
     b2: Operand | None = None
+    # a block-scaled GEMM (compiler.kir.BlockScale, with C identifiers as buffer names): factors
+    # read at blocks of K inside the sum
+    scales: tuple = ()
 
     def reduction_init(self) -> tuple[tuple[str, str], ...]:
         """What the loader fills each epilogue reduction output with before the launch (the

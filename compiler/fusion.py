@@ -18,7 +18,7 @@ from kspec.core import dtype_bytes  # noqa: F401
 
 from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, paged_kv_read,
                         score_path)
-from .canon import GemmInfo, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
+from .canon import GemmInfo, block_scaled_gemm_info, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_addition, legal_group, same_point  # noqa: F401
 from .kir import format_epi
@@ -315,6 +315,13 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             continue
         gi = gemm_info(g, c)
         if isinstance(gi, str):
+            bs = block_scaled_gemm_info(g, c)
+            if isinstance(bs, GemmInfo):
+                group = _block_scaled_group(g, res, c, bs, ctx)
+                if group is not None:
+                    _add_epilogue_loads(g, res, group)
+                    res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, bs))
+                continue
             res.notes.append(f"contraction {c}: not a GEMM ({gi}); it runs as a separate generic kernel")
             continue
         group, gi = _dual_or_single(g, res, c, gi, ctx)
@@ -323,6 +330,33 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         _add_epilogue_loads(g, res, group)
         group = _split_unbuildable_reductions(g, res, group, c, gi, ctx)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
+
+
+def _block_scaled_group(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: FusionContext) -> set | None:
+    """The group of a block-scaled GEMM (block_scaled_gemm_info): the contraction, the product inside
+    its sum (the scale gathers and their `k / bk` subscripts included) and its epilogue, when a GEMM
+    backend builds it on every arch (asked through the oracle); else None, with a note (the ops then
+    run as the kernels they are, each with its reason)."""
+    core = {c, *gi.inner}
+    for sc in gi.scales:
+        core.add(sc.gather)
+        core |= {u for u, _ in operands(g, sc.gather)[1:] if op(g, u).kind == "elementwise"}
+    if any(res.group_of(n) for n in core) or legal_group(g, core):
+        return None
+    group = _grow_epilogue(g, res, core, c, gi, ctx)
+    group = _without_reductions(g, group, c) if any(op(g, n).kind == "reduction" for n in group) else group
+    desc = ", ".join(f"{op(g, sc.source).name}[{sc.operand}: {sc.block_mn}x{sc.block_k}]" for sc in gi.scales)
+    if ctx.oracle is not None:
+        from .ir_build import candidate_ir
+        scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, gi), ctx.kernel,
+                                               ctx.hints), ctx.archs)
+        if why is not None:
+            res.notes.append(f"contraction {c}: a block-scaled GEMM ({desc}) that no GEMM backend builds on "
+                             f"{', '.join(ctx.archs)} ({why}); its ops run as separate kernels")
+            return None
+    res.notes.append(f"contraction {c}: a block-scaled GEMM, scales {desc} applied inside the sum")
+    return group
 
 
 def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo, ctx: FusionContext) -> set:

@@ -219,6 +219,8 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
         m_fold=tuple(gi.m_fold), k_fold=tuple(gi.k_fold),
         anchor2=None if gi.anchor2 is None else ident(gi.anchor2), b2=None if gi.b2 is None else ident(gi.b2),
         b2_buffer=None if gi.b2 is None else buffer_of(gi.b2),
+        scales=tuple((buffer_of(sc.source), sc.operand, op(g, sc.source).dtype, sc.block_k, sc.block_mn, sc.order)
+                     for sc in gi.scales),
         dims=(("M", _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
               ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
     return structure, Epilogue(tuple(out_stores), tuple(reductions))

@@ -321,7 +321,8 @@ def _fake_tensors(tensors: list[gemm.TensorABI]):
     out = []
     for t in tensors:
         div = 16 // dtype_bytes(t.dtype) if t.tma else 1
-        shape = tuple(syms[s] for s in t.shape)
+        # derived extents (a block-scale tensor's `(K / 128)`) are runtime values of their own
+        shape = tuple(syms[s] if s in syms else syms.setdefault(s, cute.sym_int32()) for s in t.shape)
         stride = tuple(1 if s == 1 else cute.sym_int64(divisibility=div) for s in t.stride)
         out.append(make_fake_tensor(dsl_type(t.dtype), shape, stride=stride, assumed_align=16 if t.tma else
                                     dtype_bytes(t.dtype)))

@@ -80,6 +80,10 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
             # PTX wgmma transposes (MN-major operands) only 16-bit types
             return (f"{a} WGMMA on sm90a needs K-major operands (A row-major, B column-major); "
                     f"got A {desc.a.layout} / B {desc.b.layout}")
+    if desc.scales:
+        why = _block_scale_problem(desc, arch)
+        if why:
+            return why
     if desc.output.dtype not in _D_DTYPES:
         return f"output dtype {desc.output.dtype} is not supported by the CuTe DSL backend"
     if desc.output.dtype == "i32" and desc.acc_dtype != "i32":
@@ -93,8 +97,39 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     return None
 
 
+# Block-scaled FP8 (blockscale.py): the K tile is the scale block; one CTA tile has one B scale.
+BLOCK_SCALED_TILE = (128, 128)
+
+
+def _block_scale_problem(desc: GemmDesc, arch: str) -> str | None:
+    if arch != "sm90a":
+        return ("block-scaled GEMMs with f32 scales per K block are built on sm90a (scales applied to the "
+                "accumulator per K block); on sm100a they need the tcgen05 block-scaled MMA, not written yet")
+    a = desc.a.dtype
+    if a not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES or desc.acc_dtype != "f32":
+        return f"block-scaled GEMMs take fp8 operands (got {a} x {desc.b.dtype})"
+    if desc.b2 is not None or desc.batched:
+        return "block-scaled dual or batched GEMMs are not implemented"
+    if len({sc.operand for sc in desc.scales}) != len(desc.scales):
+        return "more than one block scale of one operand"
+    for sc in desc.scales:
+        if sc.dtype != "f32":
+            return f"block scale {sc.buffer} is {sc.dtype}; the sm90a block-scaled GEMM reads f32 scales"
+        if sc.block_k != k_tile(a):
+            return f"blocks of {sc.block_k} along K (the sm90a kernel's K tile, and so its scale block, is {k_tile(a)})"
+        if sc.operand == "a" and sc.block_mn not in (1, 128):
+            return f"A's scales cover {sc.block_mn} rows (1 or 128)"
+        if sc.operand == "b" and sc.block_mn % BLOCK_SCALED_TILE[1]:
+            return (f"B's scales cover {sc.block_mn} columns: one scale per CTA tile needs a multiple of "
+                    f"{BLOCK_SCALED_TILE[1]}")
+    return None
+
+
 def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     """The configurations worth trying for autotuning (all compile; which is fastest needs a GPU)."""
+    if desc.scales:
+        return [c for c in (CuteConfig(BLOCK_SCALED_TILE), CuteConfig(BLOCK_SCALED_TILE, (2, 1)),
+                            CuteConfig(BLOCK_SCALED_TILE, (1, 2))) if valid_config(c, arch) is None]
     return [c for c in _candidates(arch) if valid_config(c, arch, desc.b2 is not None) is None]
 
 
@@ -181,6 +216,8 @@ def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None
     dims = dims or {}
     m, n = dims.get("M"), dims.get("N")
     dual = desc.b2 is not None
+    if desc.scales:
+        return CuteConfig(BLOCK_SCALED_TILE)
     if desc.tile is not None:
         cfg = hint_config(desc, arch)
         if valid_config(cfg, arch, dual) is None:
@@ -238,7 +275,8 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
     b_row = desc.b.layout == "row"
     d_row = desc.output.layout == "row"
     n_in = len(code.inputs)
-    nb = 2 if desc.b2 is None else 3            # pointers before the epilogue inputs: A, B (, B2)
+    # pointers before the epilogue inputs: A, B (, B2), the block scales
+    nb = (2 if desc.b2 is None else 3) + len(desc.scales)
     d_stride = (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N"))
     b_stride = (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N"))
     out = [
@@ -250,6 +288,13 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
     ]
     if desc.b2 is not None:
         out.insert(2, TensorABI("b2", desc.b2.dtype, ("N", "K", "L"), b_stride, True, 2))
+    for j, sc in enumerate(desc.scales):
+        # [mn blocks, k blocks] ("mk") or [k blocks, mn blocks], row-major, read element by element
+        mn = ("M" if sc.operand == "a" else "N") if sc.block_mn == 1 else \
+            f"({'M' if sc.operand == 'a' else 'N'} / {sc.block_mn})"
+        kb = f"(K / {sc.block_k})"
+        shape = (mn, kb) if sc.order == "mk" else (kb, mn)
+        out.append(TensorABI(f"q{j}", sc.dtype, shape, ((shape[1],), 1), False, 2 + (desc.b2 is not None) + j))
     for j, ld in enumerate(code.inputs):
         if ld.kind in ("row", "col"):
             out.append(TensorABI(f"i{j}", ld.dtype, (VECTOR_AXIS[ld.kind].upper(),), (1,), False, nb + j))
@@ -279,7 +324,8 @@ def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
     first-use order, D, the auxiliary outputs, the reduction outputs -- the same order as the
     CUTLASS C++ backend, so one plan may use either backend per arch under one manifest signature."""
     b2 = (desc.b2.name,) if desc.b2 is not None else ()
-    return (desc.a.name, desc.b.name, *b2, *(l.name for l in code.inputs), desc.output.name,
+    return (desc.a.name, desc.b.name, *b2, *(sc.buffer for sc in desc.scales), *(l.name for l in code.inputs),
+            desc.output.name,
             *(st.name for st in desc.aux_stores), *(r.name for r in desc.reductions))
 
 
@@ -297,6 +343,8 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     dual = ", dual=True" if desc.b2 is not None else ""
     if epilogue.compute_dtype(desc) != desc.acc_dtype:     # a float epilogue on an i32 accumulator
         dual += f", epi_dtype=cutlass.{_DSL_TYPES[epilogue.compute_dtype(desc)]}"
+    if desc.scales:
+        dual += f", scales={tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)!r}"
     reds = repr(code.reductions)
     if arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
@@ -314,6 +362,7 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     auxes += "".join(f"r{k}, " for k in range(len(desc.reductions)))       # reduction outputs follow
     scs = "".join(f"s{k}, " for k in range(ns))
     b2 = "b2, " if desc.b2 is not None else ""
+    qs = "".join(f"q{j}, " for j in range(len(desc.scales)))
     return (f'"""Generated by kspec (CuTe DSL backend) for GEMM {desc.name} on {arch}; do not edit."""\n'
             "import cuda.bindings.driver as cuda\n"
             "import cutlass\n"
@@ -324,4 +373,4 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
             f"GEMM = {ctor}\n\n\n"
             "@cute.jit\n"
             f"def kspec_entry({params}):\n"
-            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream, ({b2}))\n")
+            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream, ({b2}){', (' + qs + ')' if qs else ''})\n")

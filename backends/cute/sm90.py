@@ -61,7 +61,7 @@ class Sm90Gemm:
     cluster_mn: cluster shape (TMA multicast of A along N, of B along M)."""
 
     def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None,
-                 reductions=(), dual=False, epi_dtype=None):
+                 reductions=(), dual=False, epi_dtype=None, scales=()):
         self.acc_dtype = acc_dtype
         # the epilogue's arithmetic type: the accumulator's, or f32 for a float epilogue on an i32
         # accumulator (the generated function converts the accumulator; inputs are staged as f32)
@@ -79,6 +79,11 @@ class Sm90Gemm:
         # two consumer warpgroups share an M=128 tile when N is wide ("cooperative"), and in a dual
         # GEMM (each holds half of both accumulators)
         self.atom_layout_mnk = (2, 1, 1) if tile_mn[0] > 64 and (tile_mn[1] > 128 or dual) else (1, 1, 1)
+        # block scales (blockscale.py): (operand, block_mn, order) per scale tensor; the promotion
+        # keeps a second register accumulator, so 128-row tiles are split over two warpgroups
+        self.scales = tuple(scales)
+        if self.scales and tile_mn[0] > 64:
+            self.atom_layout_mnk = (2, 1, 1)
         self.num_mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_wg
@@ -160,7 +165,7 @@ class Sm90Gemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream, b2s=()):
+                 max_active_clusters: cutlass.Int32, stream, b2s=(), scale_ts=()):
         # kspec's tf32 operands are f32 in memory, multiplied as tf32
         self.a_dtype = cutlass.TFloat32 if a.element_type is cutlass.Float32 else a.element_type
         self.b_dtype = cutlass.TFloat32 if b.element_type is cutlass.Float32 else b.element_type
@@ -216,9 +221,49 @@ class Sm90Gemm:
                     tuple(full_atoms), tuple(full_tmas), scalars, tuple(x[0] for x in b2_loads),
                     tuple(x[1] for x in b2_loads),
                     self.tiled_mma, self.cta_layout_mnk,
-                    self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched).launch(
+                    self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched, scale_ts).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1, stream=stream)
+
+    @cute.jit
+    def _block_scaled_mainloop(self, tiled_mma, acc, tmp, tRS_rAcc, tRS_rTmp, tCrA, tCrB, ab_pipe, read, k_tiles,
+                               k_blocks: cutlass.Constexpr, scale_ts, plan: cutlass.Constexpr, tc, row0, M):
+        """One output tile's mainloop with block scales (blockscale.py): per K tile (= scale block),
+        tmp = A_kt B_kt on the tensor cores, then acc += tmp * sa[rows, kt] * sb[n block, kt]."""
+        tm, tn, _ = self.tile_shape_mnk
+        m0 = tc[0] * tm
+        n0 = tc[1] * tn
+        n_v = cute.size(tRS_rTmp) // len(plan.slot)
+        for k in range(k_tiles):
+            ab_pipe.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb > 0)
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, tmp, tCrA[crd], tCrB[crd], tmp)
+            cute.nvgpu.warpgroup.commit_group()
+            # the scales of this K block, loaded while the WGMMAs run
+            sb = cutlass.Float32(1.0)
+            rs = cute.make_rmem_tensor(len(plan.deltas), cutlass.Float32)
+            for i in cutlass.range_constexpr(len(plan.deltas)):
+                rs[i] = cutlass.Float32(1.0)
+            for j in cutlass.range_constexpr(len(self.scales)):
+                operand, block_mn, order = self.scales[j]
+                if cutlass.const_expr(operand == "b"):
+                    blk = n0 // block_mn
+                    sb = sb * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+                else:
+                    for i in cutlass.range_constexpr(len(plan.deltas)):
+                        blk = cutlass.min(m0 + row0 + plan.deltas[i], M - 1) // block_mn
+                        rs[i] = rs[i] * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(read)
+            read.advance()
+            for e in cutlass.range_constexpr(len(plan.slot)):
+                for v in cutlass.range_constexpr(n_v):
+                    x = e * n_v + v
+                    tRS_rAcc[x] = tRS_rAcc[x] + tRS_rTmp[x] * (rs[plan.slot[e][v]] * sb)
+        return read
 
     # ------------------------------------------------------------------ device code
     @cute.kernel
@@ -227,7 +272,7 @@ class Sm90Gemm:
                full_atoms, full_tmas, scalars, b2_atoms, b2_tmas,
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
-               sched_params: utils.PersistentTileSchedulerParams):
+               sched_params: utils.PersistentTileSchedulerParams, scale_ts):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -373,6 +418,19 @@ class Sm90Gemm:
                 num_stages=self.epi_stage,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
             M, N, L = mD.shape
+            tmp = tRS_rTmp = bs_plan = bs_row0 = None
+            if cutlass.const_expr(len(self.scales) > 0):
+                # block scales: the K tile's product goes into tmp, then acc += tmp * scales
+                from . import blockscale as bsc
+                tmp = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+                tRS_rTmp = copy_r2s.retile(tmp)
+                ident = cute.make_identity_tensor(self.epi_tile)
+                bs_plan = bsc.row_plan(lambda t: copy_r2s.get_slice(t).partition_S(ident),
+                                       red.plan_threads(self.num_mma_threads), self.epi_tile,
+                                       (self.tile_shape_mnk[0] // self.epi_tile[0],
+                                        self.tile_shape_mnk[1] // self.epi_tile[1]))
+                self.traced.update(bs_plan=bs_plan)                       # for tests
+                bs_row0 = tRS_cL[0][0]
             plans = []
             if cutlass.const_expr(len(self.reductions) > 0):
                 coords = red.static_coords(lambda t: copy_r2s.get_slice(t).partition_S(
@@ -390,10 +448,14 @@ class Sm90Gemm:
                 acc.fill(0)
                 for x in cutlass.range_constexpr(len(acc2)):
                     acc2[x].fill(0)
+                if cutlass.const_expr(len(self.scales) > 0):
+                    # (the pipeline state comes back: a loop in a called function rebinds its own name)
+                    read = self._block_scaled_mainloop(tiled_mma, acc, tmp, tRS_rAcc, tRS_rTmp, tCrA, tCrB, ab_pipe,
+                                                       read, k_tiles, k_blocks, scale_ts, bs_plan, tc, bs_row0, M)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 # keep one WGMMA batch in flight: release a stage only after the next one issued
-                for k in range(k_tiles):
+                for k in range(0 if cutlass.const_expr(len(self.scales) > 0) else k_tiles):
                     ab_pipe.consumer_wait(read)
                     for kb in cutlass.range_constexpr(k_blocks):
                         crd = (None, None, kb, read.index)
@@ -407,7 +469,7 @@ class Sm90Gemm:
                         ab_pipe.consumer_release(release)
                         release.advance()
                 cute.nvgpu.warpgroup.wait_group(0)
-                if k_tiles > 0:
+                if k_tiles > 0 and cutlass.const_expr(len(self.scales) == 0):
                     ab_pipe.consumer_release(release)
                     release.advance()
 

@@ -141,6 +141,8 @@ class CutlassBackend(NvccBuilt):
         a, b = s.a_dtype, s.b_dtype
         if s.dual:
             return "dual GEMMs (two B operands sharing the A tiles) are not implemented by the CUTLASS backend"
+        if s.scales:
+            return "block-scaled GEMMs (scales read at blocks of K inside the sum) are not implemented by the CUTLASS backend"
         if (a, b) not in GEMM_OPERANDS:
             if a == "f32" or b == "f32":
                 return f"operands {a} x {b}: CUTLASS tensor cores multiply f32 data as tf32 (declare it tf32)"
@@ -302,8 +304,11 @@ def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = No
         tile = tuple(int(x) for x in cfg["tile"].split("x"))
         cluster = tuple(int(x) for x in cfg["cluster"].split("x"))
         hinted = cfg.get("source") == "hint"
+    from dataclasses import replace
+    scales = tuple(replace(sc, buffer=names(sc.buffer)) for sc in s.block_scales)
     desc = GemmDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, a=a, b=b, acc_dtype=s.acc_dtype,
                     output=stores[-1], aux_stores=tuple(stores[:-1]), reductions=tuple(reds),
-                    batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None, b2=b2)
+                    batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None, b2=b2,
+                    scales=scales)
     return LoweredPlan(ir, arch, backend, desc, names.back(), s.dims, scalars)
 

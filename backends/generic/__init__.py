@@ -503,6 +503,8 @@ class GenericBackend(NvccBuilt):
             return f"the generic backend does not target {arch}"
         if ir.kind == "attention":
             return "fused attention has no loop-kernel form (the unfused plan is used instead)"
+        if ir.kind == "gemm" and ir.gemm.scales:
+            return "a block-scaled GEMM has no loop-kernel form (its unfused ops run as separate kernels instead)"
         if ir.kind == "gemm" and ir.epilogue.reductions:
             return (f"it cannot fuse the epilogue reduction into {ir.epilogue.reductions[0].name} (use operand "
                     "dtypes a tensor-core backend takes, or reduce a stored result in a statement of its own)")
