@@ -632,7 +632,6 @@ class _KernelScope:
         self.params = {p.name for p in self.param_specs}
         self.bindable = {e for t in (*self.inputs, *self.outputs) for e in t.shape if isinstance(e, str)}
         self.bindable |= {split_offset_dim(e)[0] for e in self.bindable if split_offset_dim(e)}
-        self.bindable -= {e for e in self.bindable if split_quotient_dim(e)}    # K/32 binds nothing: K does
 
 
 def _as_tuple(kind) -> tuple:
