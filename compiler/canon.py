@@ -314,6 +314,22 @@ def block_scaled_gemm_info(g: nx.DiGraph, c) -> GemmInfo | str:
                     scales=tuple(scales), inner=tuple(dict.fromkeys(inner)))
 
 
+def block_scale_nodes(g: nx.DiGraph, gi: GemmInfo) -> set:
+    """The nodes of a block-scaled GEMM's group that form the product inside its sum (the mul and
+    broadcast nodes, the scale gathers and their `k / bk` subscripts): the MMA and the per-block
+    scaling compute them, not the epilogue.  Empty for any other GEMM."""
+    out = set(gi.inner)
+    for sc in gi.scales:
+        out.add(sc.gather)
+        stack = [u for u, _ in operands(g, sc.gather)[1:]]
+        while stack:
+            u = stack.pop()
+            if op(g, u).kind in ("elementwise", "index", "const") and u not in out:
+                out.add(u)
+                stack.extend(x for x, _ in operands(g, u))
+    return out
+
+
 def _product_leaves(g: nx.DiGraph, n, labels: tuple, inner: list, out: list) -> bool:
     """Flatten the product feeding a contraction through `mul` and broadcast nodes used only there:
     `out` gets (leaf, the contraction's labels for its axes), `inner` the nodes passed through."""

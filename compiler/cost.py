@@ -21,7 +21,7 @@ import networkx as nx
 
 from kspec.core import split_offset_dim, split_quotient_dim
 
-from .canon import is_recomputed, value_bytes
+from .canon import block_scale_nodes, is_recomputed, value_bytes
 from .graph import op, operands
 from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
 
@@ -200,7 +200,9 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
     g = sched.graph
     plans = []
     for p in sched.plans:
-        flops = sum(_node_flops(g, n, sizes) for n in p.group.nodes)
+        # a block-scaled GEMM's product nodes are the MMA's operands, not [M, K, N] elementwise work
+        inside = block_scale_nodes(g, p.group.info) if p.kind == "gemm" and p.group.info is not None else set()
+        flops = sum(_node_flops(g, n, sizes) for n in p.group.nodes if n not in inside)
         ideal = sum(_buffer_bytes(sched.buffers[b], sizes) for b in p.reads)
         wr = sum(_buffer_bytes(sched.buffers[b], sizes) for b in p.writes)
         if tiled is not None:

@@ -10,6 +10,7 @@ import networkx as nx
 
 from kspec.spec_lang.errors import KspecError
 
+from .canon import block_scale_nodes
 from .cost import CostReport
 from .graph import op
 from .schedule import KernelSchedule
@@ -41,8 +42,13 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
             if info.b2 is not None else ""
         out.append(f"      GEMM {batch}A={op(g, info.a).name or info.a} ({info.a_layout}), "
                    f"B={op(g, info.b).name or info.b} ({info.b_layout}){dual}, m={info.m} n={info.n} k={info.k}")
+        inside = block_scale_nodes(g, info)
+        if info.scales:
+            out.append("      block scales (inside the sum): " + "; ".join(
+                f"{op(g, sc.source).name} of {sc.operand.upper()} per {sc.block_mn}x{sc.block_k}"
+                f"{' [k blocks, mn blocks]' if sc.order == 'km' else ''}" for sc in info.scales))
         epi = sorted((n for n in plan.group.nodes if n not in (plan.group.anchor, info.anchor2)
-                      and op(g, n).kind != "const"), key=_order)
+                      and op(g, n).kind != "const" and n not in inside), key=_order)
         if epi:
             out.append("      epilogue: " + "; ".join(op(g, n).label() for n in epi))
     elif plan.kind == "attention":

@@ -246,7 +246,11 @@ def test_unfused_schedule_costs_the_unfused_baseline(spec):
     flat = cost(plan_kernel(k, fuse_ops=False), sizes)
     assert flat.ideal_bytes == base.unfused_bytes      # (the baseline reads each operand once)
     assert len(flat.plans) == base.unfused_kernels
-    assert flat.fused_flops == base.fused_flops
+    if spec == "fp8_gemm_blockwise":
+        # the unfused product A*sa*B*sb is [M, K, N] elementwise work; the block-scaled GEMM's MMA is not
+        assert base.fused_flops < flat.fused_flops
+    else:
+        assert flat.fused_flops == base.fused_flops
     # a scalar expression (fp8's scale_a * scale_b) is one FLOP inside a kernel, not a kernel of its own
     g = plan_kernel(k).graph
     scalar_ops = sum(1 for n in g if op(g, n).kind == "elementwise" and not op(g, n).axes)
