@@ -392,3 +392,120 @@ def test_fp8_blockwise_launch_abi_and_scale_checks_through_the_fake_driver(quant
         with pytest.raises(KspecRuntimeError, match=r"argument 'sa': dimension 1 \(K/128\): K = 200 .* not a multiple of 128"):
             fake_call(mod, "fp8_gemm_blockwise", {"M": 64, "N": 128, "K": 200}, fake)
         assert len(fake.launches) == n
+
+
+@needs_dsl
+def test_block_scale_row_plan_promotes_every_thread_like_float64_numpy():
+    """The promotion's row bookkeeping (blockscale.row_plan): on a WGMMA-like epilogue partition of a
+    128x128 tile over two warpgroups (sub-tiles 128x32), every thread's rows from its first row plus
+    the plan's offsets are the rows it holds, and acc += tmp * sa[row, kt] * sb[kt] over four K blocks
+    gives the block-scaled product (float64 numpy)."""
+    from kspec.backends.cute import blockscale as bsc
+    from kspec.core import KspecInternalError
+    et, grid = (128, 32), (1, 4)
+
+    def coords(t):          # 256 threads: warpgroup t // 128 holds rows 64 * wg .. + 63 of each sub-tile
+        wg, lt = divmod(t, 128)
+        return [(64 * wg + 16 * (lt // 32) + (lt % 32) // 4 + 8 * ((v // 2) % 2), 2 * (lt % 4) + v % 2 + 8 * (v // 4))
+                for v in range(8)]
+    plan = bsc.row_plan(coords, list(range(256)), et, grid)
+    assert plan.deltas == (0, 8)
+    rng = np.random.default_rng(8)
+    M0, KB = 1000, 4
+    A = rng.standard_normal((128, 128 * KB))
+    B = rng.standard_normal((128, 128 * KB))
+    sa = rng.random((M0 + 128, KB)) + 0.5
+    sb = rng.random(KB) + 0.5
+    tile = np.zeros((128, 128))
+    for t in range(256):
+        c = coords(t)
+        acc = np.zeros((len(plan.slot), len(c)))
+        for kt in range(KB):
+            ks = slice(128 * kt, 128 * (kt + 1))
+            rs = [sa[M0 + c[0][0] + d, kt] for d in plan.deltas]
+            for e in range(len(plan.slot)):
+                for v, (lm, ln) in enumerate(c):
+                    m, n = (e // grid[1]) * et[0] + lm, (e % grid[1]) * et[1] + ln
+                    assert c[0][0] + plan.deltas[plan.slot[e][v]] == m
+                    acc[e, v] += (A[m, ks] @ B[n, ks]) * rs[plan.slot[e][v]] * sb[kt]
+        for e in range(len(plan.slot)):
+            for v, (lm, ln) in enumerate(c):
+                tile[(e // grid[1]) * et[0] + lm, (e % grid[1]) * et[1] + ln] = acc[e, v]
+    want = sum((A[:, 128 * kt:128 * (kt + 1)] * sa[M0:M0 + 128, kt:kt + 1]) @ B[:, 128 * kt:128 * (kt + 1)].T * sb[kt]
+               for kt in range(KB))
+    covered = np.zeros((128, 128), bool)
+    for t in range(256):
+        for e in range(len(plan.slot)):
+            for lm, ln in coords(t):
+                covered[(e // grid[1]) * et[0] + lm, (e % grid[1]) * et[1] + ln] = True
+    np.testing.assert_allclose(tile[covered], want[covered], rtol=1e-9, atol=1e-9)
+    # a layout whose threads hold different row offsets is refused (the kernel relies on it)
+    with pytest.raises(KspecInternalError, match="thread 1"):
+        bsc.row_plan(lambda t: [(t, 0), (t + 8 + 8 * (t == 1), 0)], [0, 1], et, grid)
+
+
+# ------------------------------------------------------------------ MoE grouped GEMMs (item 5: reference level)
+
+MOE_GROUPED = """kernel moe {
+  in  X    : bf16[E, T, D] packed(off)
+  in  off  : i32[E + 1]
+  in  W    : bf16[E, F, D]
+  in  bias : bf16[E, F]
+  in  rw   : f32[E, T] packed(off)
+  out Y    : bf16[E, T, F] packed(off)
+  Y[e, t, f] = rw[e, t] * silu(sum(d) X[e, t, d] * W[e, f, d] + f32(bias[e, f]))
+}"""
+
+MOE_GATHER = """kernel moe_gather {
+  in  X    : bf16[N, D]
+  in  idx  : i32[E, T] packed(off)
+  in  off  : i32[E + 1]
+  in  W    : bf16[E, F, D]
+  out Y    : bf16[E, T, F] packed(off)
+  Y[e, t, f] = sum(d) X[idx[e, t], d] * W[e, f, d]
+}"""
+
+
+def test_moe_grouped_and_gather_references_match_float64_numpy_and_check_offsets_and_indices():
+    """Tokens stored back to back by expert (`packed(off)`, one group empty), per-expert weights
+    W[e, f, d], bias, SiLU and a per-row routing weight; and the gathered variant X[idx[e, t], d].
+    The reference refuses decreasing offsets and out-of-range token indices, naming the tensor."""
+    from kspec.backends.reference import KspecReferenceError
+    from kspec.core import KspecRuntimeError
+    BF = ml_dtypes.bfloat16
+    rng = np.random.default_rng(9)
+    E, D, F, N = 3, 32, 24, 10
+    off = np.array([0, 5, 5, 12], np.int32)
+    R = int(off[-1])
+    X = rng.standard_normal((R, D)).astype(BF)
+    W = rng.standard_normal((E, F, D)).astype(BF)
+    bias = rng.standard_normal((E, F)).astype(BF)
+    rw = rng.random(R).astype(np.float32)
+    got = reference(MOE_GROUPED)(X=X, off=off, W=W, bias=bias, rw=rw)["Y"].astype(np.float64)
+    want = np.zeros((R, F))
+    for e in range(E):
+        r = slice(off[e], off[e + 1])
+        h = X[r].astype(np.float64) @ W[e].astype(np.float64).T + bias[e].astype(np.float64)
+        want[r] = rw[r, None] * h / (1 + np.exp(-h))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    Xg = rng.standard_normal((N, D)).astype(BF)
+    idx = rng.integers(0, N, R).astype(np.int32)
+    got = reference(MOE_GATHER)(X=Xg, idx=idx, off=off, W=W)["Y"].astype(np.float64)
+    want = np.concatenate([Xg[idx[off[e]:off[e + 1]]].astype(np.float64) @ W[e].astype(np.float64).T
+                           for e in range(E)])
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    with pytest.raises(KspecReferenceError, match="'off'.*must not decrease"):
+        reference(MOE_GROUPED)(X=X, off=np.array([0, 7, 5, 12], np.int32), W=W, bias=bias, rw=rw)
+    bad = idx.copy()
+    bad[3] = N
+    with pytest.raises(KspecRuntimeError, match=r"idx\[e, t\] of 'X'.* is 10"):
+        reference(MOE_GATHER)(X=Xg, idx=bad, off=off, W=W)
+
+
+def test_moe_grouped_gemm_plans_one_gemm_that_no_backend_builds_yet():
+    """Planned as one batched GEMM over the experts (bias per expert, routing weight per row in the
+    epilogue); no GEMM backend reads packed operands yet, and the error says so for each backend."""
+    from kspec.core import NoBackendError
+    with pytest.raises(NoBackendError) as ei:
+        _plans(MOE_GROUPED, ("sm90a",))
+    assert ei.value.kind == "gemm" and "packed(off)" in str(ei.value)

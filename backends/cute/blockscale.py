@@ -38,7 +38,7 @@ def row_plan(partition, threads, epi_tile, epi_grid) -> RowPlan:
     for t in threads:
         c = partition(t)
         vals = []
-        for v in range(cute.size(c)):
+        for v in range(len(c) if isinstance(c, (list, tuple)) else cute.size(c)):
             x = c[v]
             if not isinstance(x[0], int):
                 raise KspecInternalError("block scales: a thread's accumulator rows are not static")
