@@ -55,6 +55,9 @@ class GemmDesc:
     # a block-scaled GEMM (compiler.kir.BlockScale, with C identifiers as buffer names): factors
     # read at blocks of K inside the sum
     scales: tuple = ()
+    # a grouped GEMM: A's and D's rows packed by group (`packed(off)`), B one matrix per group; the
+    # offsets tensor's C name (i32 [L + 1]); its per-row epilogue vectors are packed the same way
+    grouped: str | None = None
 
     def reduction_init(self) -> tuple[tuple[str, str], ...]:
         """What the loader fills each epilogue reduction output with before the launch (the

@@ -10,7 +10,7 @@ from typing import Callable
 
 import networkx as nx
 
-from kspec.core import KspecError, KspecInternalError
+from kspec.core import KspecError, KspecInternalError, packed_rows_symbol
 
 from .attention import attention_scale, is_top_left_causal, lift_mods, score_path
 from .canon import GemmInfo
@@ -221,7 +221,9 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
         b2_buffer=None if gi.b2 is None else buffer_of(gi.b2),
         scales=tuple((buffer_of(sc.source), sc.operand, op(g, sc.source).dtype, sc.block_k, sc.block_mn, sc.order)
                      for sc in gi.scales),
-        dims=(("M", _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
+        # a grouped GEMM (A packed by group, `packed(off)`): M is the packed array's row count
+        dims=(("M", packed_rows_symbol(bufs[a_buf].packed) if bufs[a_buf].packed and len(gi.batch) == 1
+               else _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
               ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
     return structure, Epilogue(tuple(out_stores), tuple(reductions))
 

@@ -60,8 +60,9 @@ class CuteBackend:
             return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
         packed = [b for b in ir.buffers if b.packed]
         if packed:
-            return (f"{packed[0].name} is packed({packed[0].packed}); the CuTe DSL GEMMs read dense tensors "
-                    "(packed sequences: attention only)")
+            why = cute_gemm.grouped_problem(ir, arch)
+            if why:
+                return why
         desc = self._gemm_desc(ir, arch).desc
         return cute_gemm.can_implement(desc, arch)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kspec.backends.api import MAX_CLUSTER_CTAS, SettingProblem
 from kspec.backends.desc import GemmDesc
-from kspec.compiler.kir import VECTOR_AXIS
+from kspec.compiler.kir import VECTOR_AXIS, Load, epi_nodes
 from kspec.core import FP8_DTYPES, dtype_bytes
 
 from . import epilogue
@@ -84,6 +84,8 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
         why = _block_scale_problem(desc, arch)
         if why:
             return why
+    if desc.grouped and (desc.a.dtype not in _FLOAT16 + FP8_DTYPES or desc.acc_dtype != "f32"):
+        return f"the grouped GEMM takes f16, bf16 or fp8 operands (got {desc.a.dtype})"
     if desc.output.dtype not in _D_DTYPES:
         return f"output dtype {desc.output.dtype} is not supported by the CuTe DSL backend"
     if desc.output.dtype == "i32" and desc.acc_dtype != "i32":
@@ -94,6 +96,41 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     why = epilogue.unsupported(desc)
     if why:
         return why
+    return None
+
+
+GROUPED_TILE = (128, 128)
+
+
+def grouped_problem(ir, arch: str) -> str | None:
+    """None when a GEMM IR with packed buffers is a grouped GEMM the sm90a grouped kernel builds
+    (sm90_grouped.py): A and D packed by one offsets tensor over the GEMM's one batch axis (the
+    group), B dense per group, epilogue vectors per group or per packed row (same offsets)."""
+    s = ir.gemm
+    a, b = ir.buffer(s.a_buffer), ir.buffer(s.b_buffer)
+    off = a.packed
+    if off is None:
+        p = next(x for x in ir.buffers if x.packed)
+        return f"{p.name} is packed({p.packed}); a grouped GEMM packs its A operand (the tokens) by group"
+    if arch != "sm90a":
+        return (f"grouped GEMMs ({s.a_buffer} packed({off})) are built on sm90a; the sm100a grouped kernel is "
+                "not written yet")
+    if len(s.batch) != 1 or s.m_fold or s.k_fold or b.packed or s.dual or s.scales:
+        return f"a grouped GEMM packs A ({s.a_buffer}) by one group axis and reads B per group, dense"
+    if (s.a_layout, s.b_layout) != ("row", "col"):
+        return f"the grouped GEMM reads K-major A and B (A row-major, B [group, n, k]); got {s.a_layout}/{s.b_layout}"
+    stores = ir.epilogue.stores
+    if len(stores) != 1 or ir.epilogue.reductions or ir.buffer(stores[0].name).packed != off or \
+            stores[0].layout != "row":
+        return f"the grouped GEMM stores one row-major output packed({off}), with no reductions"
+    for ld in (x for x in epi_nodes(stores[0].value) if isinstance(x, Load)):
+        buf = ir.buffer(ld.name)
+        if ld.kind == "col_batched" and buf.packed == off:
+            continue
+        if ld.kind in ("row", "row_batched", "scalar") and buf.packed is None:
+            continue
+        return (f"epilogue input {ld.name} ({ld.kind}{', packed' if buf.packed else ''}): the grouped GEMM reads "
+                f"vectors over n (per group or shared), per-row vectors packed({off}) and scalars")
     return None
 
 
@@ -127,6 +164,9 @@ def _block_scale_problem(desc: GemmDesc, arch: str) -> str | None:
 
 def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     """The configurations worth trying for autotuning (all compile; which is fastest needs a GPU)."""
+    if desc.grouped:
+        return [c for c in (CuteConfig((64, 128)), CuteConfig((128, 128)), CuteConfig((128, 256)))
+                if valid_config(c, arch) is None]
     if desc.scales:
         return [c for c in (CuteConfig(BLOCK_SCALED_TILE), CuteConfig(BLOCK_SCALED_TILE, (2, 1)),
                             CuteConfig(BLOCK_SCALED_TILE, (1, 2))) if valid_config(c, arch) is None]
@@ -218,6 +258,8 @@ def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None
     dual = desc.b2 is not None
     if desc.scales:
         return CuteConfig(BLOCK_SCALED_TILE)
+    if desc.grouped:
+        return CuteConfig(GROUPED_TILE)
     if desc.tile is not None:
         cfg = hint_config(desc, arch)
         if valid_config(cfg, arch, dual) is None:
@@ -270,7 +312,26 @@ class TensorABI:
         return self.shape[self.stride.index(1)]
 
 
+def _grouped_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]:
+    """A (M = all rows, K), B (N, K, L), the offsets (L + 1), the epilogue vectors, D (M, N): the
+    order of abi_names."""
+    out = [TensorABI("a", desc.a.dtype, ("M", "K"), (("K",), 1), True, 0),
+           TensorABI("b", desc.b.dtype, ("N", "K", "L"), (("K",), 1, ("K", "N")), True, 1),
+           TensorABI("off", "i32", ("(L + 1)",), (1,), False, 2)]
+    for j, ld in enumerate(code.inputs):
+        if ld.kind == "col_batched":          # per packed row
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, 3 + j))
+        elif ld.kind == "row_batched":
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N", "L"), (1, ("N",)), False, 3 + j))
+        else:
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, 3 + j))
+    out.append(TensorABI("d", desc.output.dtype, ("M", "N"), (("N",), 1), True, 3 + len(code.inputs)))
+    return out
+
+
 def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]:
+    if desc.grouped:
+        return _grouped_abi(desc, code)
     a_row = desc.a.layout == "row"
     b_row = desc.b.layout == "row"
     d_row = desc.output.layout == "row"
@@ -324,6 +385,8 @@ def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
     first-use order, D, the auxiliary outputs, the reduction outputs -- the same order as the
     CUTLASS C++ backend, so one plan may use either backend per arch under one manifest signature."""
     b2 = (desc.b2.name,) if desc.b2 is not None else ()
+    if desc.grouped:
+        return (desc.a.name, desc.b.name, desc.grouped, *(l.name for l in code.inputs), desc.output.name)
     return (desc.a.name, desc.b.name, *b2, *(sc.buffer for sc in desc.scales), *(l.name for l in code.inputs),
             desc.output.name,
             *(st.name for st in desc.aux_stores), *(r.name for r in desc.reductions))
@@ -346,7 +409,12 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     if desc.scales:
         dual += f", scales={tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)!r}"
     reds = repr(code.reductions)
-    if arch == "sm90a":
+    if desc.grouped:
+        # per-row vectors of a grouped GEMM are packed by its offsets ("col_packed")
+        gkinds = tuple("col_packed" if k == "col_batched" else k for k in code.input_kinds)
+        ctor = f"Sm90GroupedGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r})"
+        imp = "from kspec.backends.cute.sm90_grouped import Sm90GroupedGemm"
+    elif arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
                 f"{cfg.stages!r}, {reds}{dual})")
         imp = "from kspec.backends.cute.sm90 import Sm90Gemm"
@@ -363,6 +431,8 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     scs = "".join(f"s{k}, " for k in range(ns))
     b2 = "b2, " if desc.b2 is not None else ""
     qs = "".join(f"q{j}, " for j in range(len(desc.scales)))
+    call = (f"    GEMM(a, b, d, off, ({ins}), ({scs}), max_clusters, stream)\n" if desc.grouped else
+            f"{call}")
     return (f'"""Generated by kspec (CuTe DSL backend) for GEMM {desc.name} on {arch}; do not edit."""\n'
             "import cuda.bindings.driver as cuda\n"
             "import cutlass\n"
@@ -373,4 +443,4 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
             f"GEMM = {ctor}\n\n\n"
             "@cute.jit\n"
             f"def kspec_entry({params}):\n"
-            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream, ({b2}){', (' + qs + ')' if qs else ''})\n")
+            f"{call}")

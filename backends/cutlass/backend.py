@@ -309,6 +309,6 @@ def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = No
     desc = GemmDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, a=a, b=b, acc_dtype=s.acc_dtype,
                     output=stores[-1], aux_stores=tuple(stores[:-1]), reductions=tuple(reds),
                     batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None, b2=b2,
-                    scales=scales)
+                    scales=scales, grouped=names(ir.buffer(s.a_buffer).packed) if ir.buffer(s.a_buffer).packed else None)
     return LoweredPlan(ir, arch, backend, desc, names.back(), s.dims, scalars)
 
