@@ -36,7 +36,8 @@ def planned(spec: str, fuse_ops: bool = True):
             # backend refuses when planning, as its code generator would when compiling
             assert "generic: the CUDA backend cannot run a" in str(e) and "index" in str(e), e
             return [p for k in prog.kernels for p in plan_kernel(k, fuse_ops=False).plans]   # no backend chosen
-    return [p for k in prog.kernels for p in plan_kernel(k, ("sm90a", "sm100a"), Planner(), fuse_ops=fuse_ops).plans]
+    archs = prog.targets or ("sm90a", "sm100a")          # a `target` line: its archs only
+    return [p for k in prog.kernels for p in plan_kernel(k, archs, Planner(), fuse_ops=fuse_ops).plans]
 
 
 def _walk(x):

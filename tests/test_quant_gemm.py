@@ -446,15 +446,7 @@ def test_block_scale_row_plan_promotes_every_thread_like_float64_numpy():
 
 # ------------------------------------------------------------------ MoE grouped GEMMs (item 5: reference level)
 
-MOE_GROUPED = """kernel moe {
-  in  X    : bf16[E, T, D] packed(off)
-  in  off  : i32[E + 1]
-  in  W    : bf16[E, F, D]
-  in  bias : bf16[E, F]
-  in  rw   : f32[E, T] packed(off)
-  out Y    : bf16[E, T, F] packed(off)
-  Y[e, t, f] = rw[e, t] * silu(sum(d) X[e, t, d] * W[e, f, d] + f32(bias[e, f]))
-}"""
+MOE_GROUPED = SPECS / "moe_grouped_gemm.kspec"
 
 MOE_GATHER = """kernel moe_gather {
   in  X    : bf16[N, D]
@@ -482,6 +474,7 @@ def test_moe_grouped_and_gather_references_match_float64_numpy_and_check_offsets
     bias = rng.standard_normal((E, F)).astype(BF)
     rw = rng.random(R).astype(np.float32)
     got = reference(MOE_GROUPED)(X=X, off=off, W=W, bias=bias, rw=rw)["Y"].astype(np.float64)
+    assert got.shape == (R, F)
     want = np.zeros((R, F))
     for e in range(E):
         r = slice(off[e], off[e + 1])
@@ -502,10 +495,57 @@ def test_moe_grouped_and_gather_references_match_float64_numpy_and_check_offsets
         reference(MOE_GATHER)(X=Xg, idx=bad, off=off, W=W)
 
 
-def test_moe_grouped_gemm_plans_one_gemm_that_no_backend_builds_yet():
-    """Planned as one batched GEMM over the experts (bias per expert, routing weight per row in the
-    epilogue); no GEMM backend reads packed operands yet, and the error says so for each backend."""
+def test_moe_grouped_gemm_plans_one_grouped_gemm_on_sm90a():
+    """One GEMM batched over the experts, A and D packed by `off` (M = the packed row count), bias
+    per expert and routing weight per row in the epilogue: the sm90a grouped kernel; sm100a says why
+    not, and so does the gathered variant (no kernel gathers A rows yet)."""
+    (p,) = _plans(MOE_GROUPED, ("sm90a",)).plans
+    assert p.kind == "gemm" and p.choices["sm90a"].backend == "cute" and p.choices["sm90a"].fallback is None
+    assert dict(p.ir.gemm.dims)["M"] == "off_rows" and dict(p.ir.gemm.dims)["L"] == "E"
+    from kspec.backends.cute.backend import CuteBackend
+    assert "sm100a grouped kernel is not written yet" in CuteBackend().can_implement(p.ir, "sm100a")
     from kspec.core import NoBackendError
-    with pytest.raises(NoBackendError) as ei:
-        _plans(MOE_GROUPED, ("sm90a",))
-    assert ei.value.kind == "gemm" and "packed(off)" in str(ei.value)
+    with pytest.raises(NoBackendError):
+        _plans(MOE_GATHER, ("sm90a",))
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_moe_grouped_gemm_builds_and_launches_over_every_group(quant_artifacts):
+    """HGMMA from TMA-loaded A rows (2-D descriptor) and per-expert B (3-D), D through the ragged 3-D
+    store descriptor; launches for several packings (an empty expert, a single row, ragged ends) match
+    the cubin and the tensors (Y's descriptor starts 2^30 rows before Y: the ragged view); decreasing
+    offsets or a last offset other than the row count are refused before any launch."""
+    import kspec
+    from kspec.core import KspecRuntimeError
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    from kspec.runtime.tensors import DeviceBuffer
+    art = quant_artifacts("moe_grouped_gemm")
+    m = json.loads((art / "manifest.json").read_text())
+    (plan,) = m["kernels"][0]["plans"]
+    assert plan["args"] == ["X", "W", "off", "rw", "bias", "Y"]
+    sass = cubin_sass(art / plan["binaries"]["sm90a"]["cubin"])
+    if sass is not None:
+        assert "HGMMA.64x128x16.F32.BF16" in sass and "UTMALDG.2D" in sass and "UTMASTG.3D" in sass
+    mod = kspec.load(art)
+    with FakeDriver((9, 0), sm_count=132) as fake:
+        for sz in ({"E": 4, "D": 256, "F": 384}, {"E": 8, "D": 64, "F": 128, "off_rows": 8},
+                   {"E": 3, "D": 128, "F": 136, "off_rows": 300}):
+            call = fake_call(mod, "moe_grouped_gemm", sz, fake)
+            assert check_call(call, "sm90a", mod) == []
+            rows = call.sizes["off_rows"]
+            tiles = (-(-rows // 128) + sz["E"]) * -(-sz["F"] // 128)
+            assert call.launches[0].grid[0] * call.launches[0].grid[1] * call.launches[0].grid[2] == min(tiles, 132)
+        E, D, F, R = 3, 64, 128, 40
+        bufs = {}
+        for name, shape, dt, size in (("X", (R, D), "bf16", 2), ("W", (E, F, D), "bf16", 2), ("bias", (E, F), "bf16", 2),
+                                      ("rw", (R,), "f32", 4)):
+            bufs[name] = DeviceBuffer(fake.alloc(int(np.prod(shape)) * size, name), shape, dt)
+        n = len(fake.launches)
+        for offs, msg in (([0, 30, 20, 40], r"off\[2\] = 20 .*off\[1\] = 30|decrease"),
+                          ([0, 10, 20, 39], r"the last offset off\[3\] = 39 must be the row count")):
+            o = fake.alloc(16, "off")
+            fake.upload(o, np.array(offs, np.int32).tobytes())
+            with pytest.raises(KspecRuntimeError, match=msg):
+                mod.moe_grouped_gemm(off=DeviceBuffer(o, (4,), "i32"), **bufs)
+        assert len(fake.launches) == n

@@ -277,7 +277,8 @@ def test_cost_uses_literal_bindings_and_default_sizes():
 
 REALISTIC = {"M": 4096, "N": 4096, "K": 4096, "F": 4096, "B": 4, "H": 16, "S": 4096, "T": 4096, "L": 8, "V": 32000,
              "NP": 1024, "P": 16, "MP": 256,      # a paged KV cache: 4 sequences of 4096 keys in 16-row pages
-             "KH": 4}                            # GQA: 16 query heads over 4 K/V heads
+             "KH": 4,                            # GQA: 16 query heads over 4 K/V heads
+             "E": 8, "D": 4096, "off_rows": 16384}   # MoE: 8 experts, 16384 routed token rows
 
 
 @pytest.mark.parametrize("spec", shipped_params(sorted(p.stem for p in SPECS.glob("*.kspec"))))
