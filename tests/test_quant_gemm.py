@@ -497,13 +497,17 @@ def test_moe_grouped_and_gather_references_match_float64_numpy_and_check_offsets
 
 def test_moe_grouped_gemm_plans_one_grouped_gemm_on_sm90a():
     """One GEMM batched over the experts, A and D packed by `off` (M = the packed row count), bias
-    per expert and routing weight per row in the epilogue: the sm90a grouped kernel; sm100a says why
-    not, and so does the gathered variant (no kernel gathers A rows yet)."""
-    (p,) = _plans(MOE_GROUPED, ("sm90a",)).plans
-    assert p.kind == "gemm" and p.choices["sm90a"].backend == "cute" and p.choices["sm90a"].fallback is None
+    per expert and routing weight per row in the epilogue: the grouped kernels on both archs; the
+    gathered variant says why not (no kernel gathers A rows yet)."""
+    (p,) = _plans(MOE_GROUPED).plans
+    for arch in ARCHS:
+        assert p.kind == "gemm" and p.choices[arch].backend == "cute" and p.choices[arch].fallback is None
     assert dict(p.ir.gemm.dims)["M"] == "off_rows" and dict(p.ir.gemm.dims)["L"] == "E"
     from kspec.backends.cute.backend import CuteBackend
-    assert "sm100a grouped kernel is not written yet" in CuteBackend().can_implement(p.ir, "sm100a")
+    q = p.ir.buffer("rw")
+    from dataclasses import replace
+    bad = replace(p.ir, buffers=tuple(replace(b, packed=None) if b is q else b for b in p.ir.buffers))
+    assert "epilogue input rw (col_batched)" in CuteBackend().can_implement(bad, "sm90a")
     from kspec.core import NoBackendError
     with pytest.raises(NoBackendError):
         _plans(MOE_GATHER, ("sm90a",))
@@ -524,18 +528,21 @@ def test_moe_grouped_gemm_builds_and_launches_over_every_group(quant_artifacts):
     m = json.loads((art / "manifest.json").read_text())
     (plan,) = m["kernels"][0]["plans"]
     assert plan["args"] == ["X", "W", "off", "rw", "bias", "Y"]
-    sass = cubin_sass(art / plan["binaries"]["sm90a"]["cubin"])
-    if sass is not None:
-        assert "HGMMA.64x128x16.F32.BF16" in sass and "UTMALDG.2D" in sass and "UTMASTG.3D" in sass
+    for arch, mma in (("sm90a", "HGMMA.64x128x16.F32.BF16"), ("sm100a", "UTCHMMA")):
+        sass = cubin_sass(art / plan["binaries"][arch]["cubin"])
+        if sass is not None:
+            assert mma in sass and "UTMALDG.2D" in sass and "UTMASTG.3D" in sass, arch
     mod = kspec.load(art)
+    for arch, cc in (("sm90a", (9, 0)), ("sm100a", (10, 0))):
+        with FakeDriver(cc, sm_count=132) as fake:
+            for sz in ({"E": 4, "D": 256, "F": 384}, {"E": 8, "D": 64, "F": 128, "off_rows": 8},
+                       {"E": 3, "D": 128, "F": 136, "off_rows": 300}):
+                call = fake_call(mod, "moe_grouped_gemm", sz, fake)
+                assert check_call(call, arch, mod) == []
+                rows = call.sizes["off_rows"]
+                tiles = (-(-rows // 128) + sz["E"]) * -(-sz["F"] // 128)
+                assert call.launches[0].grid[0] * call.launches[0].grid[1] * call.launches[0].grid[2] == min(tiles, 132)
     with FakeDriver((9, 0), sm_count=132) as fake:
-        for sz in ({"E": 4, "D": 256, "F": 384}, {"E": 8, "D": 64, "F": 128, "off_rows": 8},
-                   {"E": 3, "D": 128, "F": 136, "off_rows": 300}):
-            call = fake_call(mod, "moe_grouped_gemm", sz, fake)
-            assert check_call(call, "sm90a", mod) == []
-            rows = call.sizes["off_rows"]
-            tiles = (-(-rows // 128) + sz["E"]) * -(-sz["F"] // 128)
-            assert call.launches[0].grid[0] * call.launches[0].grid[1] * call.launches[0].grid[2] == min(tiles, 132)
         E, D, F, R = 3, 64, 128, 40
         bufs = {}
         for name, shape, dt, size in (("X", (R, D), "bf16", 2), ("W", (E, F, D), "bf16", 2), ("bias", (E, F), "bf16", 2),

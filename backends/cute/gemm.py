@@ -112,9 +112,6 @@ def grouped_problem(ir, arch: str) -> str | None:
     if off is None:
         p = next(x for x in ir.buffers if x.packed)
         return f"{p.name} is packed({p.packed}); a grouped GEMM packs its A operand (the tokens) by group"
-    if arch != "sm90a":
-        return (f"grouped GEMMs ({s.a_buffer} packed({off})) are built on sm90a; the sm100a grouped kernel is "
-                "not written yet")
     if len(s.batch) != 1 or s.m_fold or s.k_fold or b.packed or s.dual or s.scales:
         return f"a grouped GEMM packs A ({s.a_buffer}) by one group axis and reads B per group, dense"
     if (s.a_layout, s.b_layout) != ("row", "col"):
@@ -412,8 +409,9 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     if desc.grouped:
         # per-row vectors of a grouped GEMM are packed by its offsets ("col_packed")
         gkinds = tuple("col_packed" if k == "col_batched" else k for k in code.input_kinds)
-        ctor = f"Sm90GroupedGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r})"
-        imp = "from kspec.backends.cute.sm90_grouped import Sm90GroupedGemm"
+        cls = "Sm90GroupedGemm" if arch == "sm90a" else "Sm100GroupedGemm"
+        ctor = f"{cls}(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r})"
+        imp = f"from kspec.backends.cute.{'sm90' if arch == 'sm90a' else 'sm100'}_grouped import {cls}"
     elif arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
                 f"{cfg.stages!r}, {reds}{dual})")
