@@ -243,9 +243,46 @@ def bench_int8_dequant(torch, timer, arch, out, quick):
         _report(f"int8 dequant {m}x{n}x{k}", 2 * m * n * k, m * k + n * k + 2 * m * n, ms)
 
 
+def bench_moe(torch, timer, arch, out, quick):
+    """moe_grouped_gemm (one persistent kernel over every expert, bias + SiLU + routing weight fused)
+    against a loop of per-expert torch GEMMs with the same epilogue, and torch's grouped matmul
+    (torch._grouped_mm) where this torch has it.  Mixtral-like (8 experts, d=4096, f=14336) and
+    DeepSeek-V3-like (256 experts, d=7168, f=2048) routings of T tokens x top-k."""
+    import torch.nn.functional as F
+    f = _load("moe_grouped_gemm", arch, out)
+    cases = [(8, 4096, 14336, 4096 * 2)] if quick else [(8, 4096, 14336, 4096 * 2), (256, 7168, 2048, 4096 * 8)]
+    for E, D, Fd, rows in cases:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        counts = torch.multinomial(torch.ones(E, device="cuda"), rows, replacement=True, generator=g).bincount(
+            minlength=E)
+        off = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        off[1:] = counts.cumsum(0)
+        x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(E, Fd, D, device="cuda", dtype=torch.bfloat16) * D ** -0.5
+        bias = torch.randn(E, Fd, device="cuda", dtype=torch.bfloat16)
+        rw = torch.rand(rows, device="cuda")
+        y = torch.empty(rows, Fd, device="cuda", dtype=torch.bfloat16)
+        bounds = off.tolist()
+
+        def loop():
+            for e in range(E):
+                a, b = bounds[e], bounds[e + 1]
+                if b > a:
+                    h = torch.matmul(x[a:b], w[e].t()).float() + bias[e].float()
+                    y[a:b] = (rw[a:b, None] * F.silu(h)).to(torch.bfloat16)
+        ms = {"kspec": timer(lambda: f(X=x, off=off, W=w, bias=bias, rw=rw, Y=y)), "per-expert loop": timer(loop)}
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                offs = off[1:].contiguous()
+                ms["torch._grouped_mm (GEMM only)"] = timer(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+            except Exception as e:  # noqa: BLE001
+                print(f"    (torch._grouped_mm unavailable: {str(e)[:80]})")
+        _report(f"moe grouped E{E} D{D} F{Fd} rows{rows}", 2 * rows * D * Fd, 2 * (rows * (D + Fd) + E * Fd * D), ms)
+
+
 CASES = {"gemm": bench_gemm, "epilogue": bench_epilogue, "batched": bench_batched, "fp8": bench_fp8,
          "attention": bench_attention, "fp8_amax": bench_fp8_amax, "fp8_blockwise": bench_fp8_blockwise,
-         "int8_dequant": bench_int8_dequant}
+         "int8_dequant": bench_int8_dequant, "moe": bench_moe}
 
 
 def main(argv=None) -> int:
