@@ -201,12 +201,9 @@ def bench_fp8_amax(torch, timer, arch, out, quick):
 
 
 def bench_fp8_blockwise(torch, timer, arch, out, quick):
-    """fp8_gemm_blockwise (DeepSeek-V3: 1x128 activation and 128x128 weight scales, sm_90a) against
+    """fp8_gemm_blockwise (DeepSeek-V3: 1x128 activation and 128x128 weight scales) against
     torch._scaled_mm with the same block scales where this torch supports them, else against the
     bf16 GEMM of the dequantised operands."""
-    if arch != "sm90a":
-        print("  fp8_blockwise: the block-scaled kernel is sm_90a only; skipped")
-        return
     f = _load("fp8_gemm_blockwise", arch, out)
     for m, n, k in QUICK_SHAPES if quick else QUANT_SHAPES:
         a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)

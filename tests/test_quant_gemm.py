@@ -327,9 +327,9 @@ def test_reference_checks_block_scale_extents():
 # ------------------------------------------------------------------ block-scaled GEMMs (item 4)
 
 def test_block_scales_are_recognised_with_their_block_sizes():
-    sched = _plans(SPECS / "fp8_gemm_blockwise.kspec", ("sm90a",))
+    sched = _plans(SPECS / "fp8_gemm_blockwise.kspec")
     (p,) = sched.plans
-    assert p.kind == "gemm" and p.choices["sm90a"].backend == "cute"
+    assert p.kind == "gemm" and all(p.choices[a].backend == "cute" for a in ARCHS)
     assert [(s.buffer, s.operand, s.block_k, s.block_mn, s.order) for s in p.ir.gemm.block_scales] == \
         [("sa", "a", 128, 1, "mk"), ("sb", "b", 128, 128, "mk")]
     # the weight scales written [k blocks, n blocks] (the issue's `sb[k / 128, n / 128]`)
@@ -342,14 +342,15 @@ def test_block_scales_are_recognised_with_their_block_sizes():
 
 
 def test_block_scaled_gemms_no_backend_builds_stay_separate_ops_with_a_note():
-    sched = _plans(SPECS / "fp8_gemm_blockwise.kspec", ("sm100a",))
-    assert all(p.kind != "gemm" for p in sched.plans)
-    assert any("block-scaled GEMM" in n and "no GEMM backend builds" in n and "sm100a" in n
-               for n in sched.fusion.notes)
-    # blocks of 64 along K: not the sm90a kernel's scale block
+    # blocks of 64 along K: not the kernels' scale block (their K tile)
     src = (SPECS / "fp8_gemm_blockwise.kspec").read_text().replace("128", "64")
     sched = _plans(src, ("sm90a",))
-    assert any("blocks of 64 along K" in n for n in sched.fusion.notes)
+    assert all(p.kind != "gemm" for p in sched.plans)
+    assert any("block-scaled GEMM" in n and "no GEMM backend builds" in n and "blocks of 64 along K" in n
+               for n in sched.fusion.notes)
+    # f16 operands: the block-scaled kernels take fp8
+    src = (SPECS / "fp8_gemm_blockwise.kspec").read_text().replace("f8e4m3", "f16")
+    assert any("take fp8 operands" in n for n in _plans(src, ("sm100a",)).fusion.notes)
 
 
 @needs_dsl
@@ -360,14 +361,18 @@ def test_fp8_blockwise_builds_qgmma_with_a_per_k_block_promotion(quant_artifacts
     art = quant_artifacts("fp8_gemm_blockwise")
     m = json.loads((art / "manifest.json").read_text())
     (plan,) = m["kernels"][0]["plans"]
-    assert list(plan["binaries"]) == ["sm90a"] and plan["args"] == ["A", "B", "sa", "sb", "D"]
+    assert list(plan["binaries"]) == list(ARCHS) and plan["args"] == ["A", "B", "sa", "sb", "D"]
     sass = cubin_sass(art / plan["binaries"]["sm90a"]["cubin"])
     if sass is None:
         pytest.skip("no cuobjdump for the SASS check")
-    # one K tile (= one 128 scale block) of WGMMAs per loop trip; per thread 64 accumulator values
-    # (128x128 over two warpgroups) each promoted by one FFMA; 2 rows of A scales + 1 B scale loaded
+    # sm90a: one K tile (= one 128 scale block) of WGMMAs per loop trip; per thread 64 accumulator
+    # values (128x128 over two warpgroups) each promoted by one FFMA; 2 rows of A scales + 1 B scale
     assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4
     assert sass.count("FFMA ") >= 64 and sass.count("LDG.E ") + sass.count("LDG.E.CONSTANT") >= 3
+    # sm100a: one K tile of UMMAs per accumulation, then 4 TMEM loads of 32 columns and 128 FFMA
+    # promotions per thread (the whole 128x128 tile in the epilogue warps' registers)
+    sass = cubin_sass(art / plan["binaries"]["sm100a"]["cubin"])
+    assert sass.count("UTCQMMA") == 4 and sass.count("LDTM.x32") == 4 and sass.count("FFMA ") >= 128
     del CompileCache, compile_spec
 
 
@@ -378,20 +383,23 @@ def test_fp8_blockwise_launch_abi_and_scale_checks_through_the_fake_driver(quant
     from kspec.core import KspecRuntimeError
     from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
     mod = kspec.load(quant_artifacts("fp8_gemm_blockwise"))
-    with FakeDriver((9, 0), sm_count=132) as fake:
-        for sz in ({"M": 256, "N": 256, "K": 512}, {"M": 200, "N": 384, "K": 128}):
-            call = fake_call(mod, "fp8_gemm_blockwise", sz, fake)
-            assert check_call(call, "sm90a", mod) == []
-            args = {a.name: a for a in call.plan_args[0]}
-            assert args["sa"].shape == (sz["M"], sz["K"] // 128) and args["sb"].shape == (sz["N"] // 128, sz["K"] // 128)
-            blob = call.launches[0].params
-            words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
-            assert args["sa"].ptr in words and args["sb"].ptr in words          # read directly, not by TMA
-        n = len(fake.launches)
-        # K = 200 is not a multiple of the scale block: refused before any launch, naming sa and K
-        with pytest.raises(KspecRuntimeError, match=r"argument 'sa': dimension 1 \(K/128\): K = 200 .* not a multiple of 128"):
-            fake_call(mod, "fp8_gemm_blockwise", {"M": 64, "N": 128, "K": 200}, fake)
-        assert len(fake.launches) == n
+    for arch, cc in (("sm100a", (10, 0)), ("sm90a", (9, 0))):
+        with FakeDriver(cc, sm_count=132) as fake:
+            for sz in ({"M": 256, "N": 256, "K": 512}, {"M": 200, "N": 384, "K": 128}):
+                call = fake_call(mod, "fp8_gemm_blockwise", sz, fake)
+                assert check_call(call, arch, mod) == []
+                args = {a.name: a for a in call.plan_args[0]}
+                assert args["sa"].shape == (sz["M"], sz["K"] // 128)
+                assert args["sb"].shape == (sz["N"] // 128, sz["K"] // 128)
+                blob = call.launches[0].params
+                words = set(struct.unpack_from(f"<{len(blob) // 8}Q", blob[:len(blob) // 8 * 8]))
+                assert args["sa"].ptr in words and args["sb"].ptr in words      # read directly, not by TMA
+            n = len(fake.launches)
+            # K = 200 is not a multiple of the scale block: refused before any launch, naming sa and K
+            with pytest.raises(KspecRuntimeError,
+                               match=r"argument 'sa': dimension 1 \(K/128\): K = 200 .* not a multiple of 128"):
+                fake_call(mod, "fp8_gemm_blockwise", {"M": 64, "N": 128, "K": 200}, fake)
+            assert len(fake.launches) == n
 
 
 @needs_dsl

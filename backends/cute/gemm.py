@@ -136,9 +136,6 @@ BLOCK_SCALED_TILE = (128, 128)
 
 
 def _block_scale_problem(desc: GemmDesc, arch: str) -> str | None:
-    if arch != "sm90a":
-        return ("block-scaled GEMMs with f32 scales per K block are built on sm90a (scales applied to the "
-                "accumulator per K block); on sm100a they need the tcgen05 block-scaled MMA, not written yet")
     a = desc.a.dtype
     if a not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES or desc.acc_dtype != "f32":
         return f"block-scaled GEMMs take fp8 operands (got {a} x {desc.b.dtype})"
@@ -164,9 +161,9 @@ def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     if desc.grouped:
         return [c for c in (CuteConfig((64, 128)), CuteConfig((128, 128)), CuteConfig((128, 256)))
                 if valid_config(c, arch) is None]
-    if desc.scales:
-        return [c for c in (CuteConfig(BLOCK_SCALED_TILE), CuteConfig(BLOCK_SCALED_TILE, (2, 1)),
-                            CuteConfig(BLOCK_SCALED_TILE, (1, 2))) if valid_config(c, arch) is None]
+    if desc.scales:            # (the sm100a block-scaled kernel runs 1x1 clusters)
+        cls = ((1, 1),) if arch == "sm100a" else ((1, 1), (2, 1), (1, 2))
+        return [c for c in (CuteConfig(BLOCK_SCALED_TILE, cl) for cl in cls) if valid_config(c, arch) is None]
     return [c for c in _candidates(arch) if valid_config(c, arch, desc.b2 is not None) is None]
 
 
@@ -412,6 +409,11 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
         cls = "Sm90GroupedGemm" if arch == "sm90a" else "Sm100GroupedGemm"
         ctor = f"{cls}(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r})"
         imp = f"from kspec.backends.cute.{'sm90' if arch == 'sm90a' else 'sm100'}_grouped import {cls}"
+    elif desc.scales and arch == "sm100a":
+        scales = tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)
+        ctor = (f"Sm100BlockScaledGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {kinds}, {ns}, {cfg.stages!r}, "
+                f"{scales!r})")
+        imp = "from kspec.backends.cute.sm100_blockscaled import Sm100BlockScaledGemm"
     elif arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
                 f"{cfg.stages!r}, {reds}{dual})")
