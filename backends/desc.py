@@ -58,6 +58,9 @@ class GemmDesc:
     # a grouped GEMM: A's and D's rows packed by group (`packed(off)`), B one matrix per group; the
     # offsets tensor's C name (i32 [L + 1]); its per-row epilogue vectors are packed the same way
     grouped: str | None = None
+    # a grouped GEMM whose A rows are gathered: the index tensor's C name (i32 [M], packed by the
+    # offsets): GEMM row r is row a_rows[r] of A ([R, K], R its own row count)
+    a_rows: str | None = None
 
     def reduction_init(self) -> tuple[tuple[str, str], ...]:
         """What the loader fills each epilogue reduction output with before the launch (the

@@ -191,6 +191,7 @@ class GemmInfo:
     b2: str | None = None            # ... with this second B operand (same dtype, layout and shape)
     scales: tuple = ()               # a block-scaled GEMM: ScaleInfo per factor read at K blocks
     inner: tuple = ()                # ... and the nodes forming the product inside the sum
+    gather: tuple = ()               # A's rows gathered (set by fusion): (gather node, index input node)
 
     @property
     def m_labels(self) -> tuple[str, ...]:
@@ -262,6 +263,22 @@ class ScaleInfo:
     block_k: int
     block_mn: int
     order: str
+
+
+def gathered_a(g: nx.DiGraph, gi: GemmInfo) -> GemmInfo | None:
+    """`sum(d) X[idx[e, t], d] * W[e, f, d]`: A's rows are rows of an input X selected by an integer
+    input idx over the GEMM's batch and m axes (MoE tokens gathered by routing index).  The GemmInfo
+    with A = X itself and `gather` = (the gather node, idx), or None when A is not such a gather."""
+    o = op(g, gi.a)
+    if o.kind != "gather" or len(o.subscripts) != 2 or o.subscripts[0] != "@1" or o.subscripts[1] != gi.k:
+        return None
+    (x, _), (ix, ilabels) = operands(g, gi.a)
+    if op(g, x).kind != "input" or op(g, x).layout != "row" or op(g, ix).kind != "input" or \
+            op(g, ix).dtype not in INT_DTYPES or tuple(ilabels) != (*gi.batch, gi.m) or gi.m_fold or gi.k_fold:
+        return None
+    if len(list(g.successors(gi.a))) != 1:
+        return None
+    return replace(gi, a=x, a_layout="row", gather=(gi.a, ix))
 
 
 def block_scaled_gemm_info(g: nx.DiGraph, c) -> GemmInfo | str:

@@ -18,7 +18,7 @@ from kspec.core import dtype_bytes  # noqa: F401
 
 from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, paged_kv_read,
                         score_path)
-from .canon import GemmInfo, block_scaled_gemm_info, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
+from .canon import GemmInfo, block_scaled_gemm_info, gathered_a, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_addition, legal_group, same_point  # noqa: F401
 from .kir import format_epi
@@ -324,12 +324,41 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                 continue
             res.notes.append(f"contraction {c}: not a GEMM ({gi}); it runs as a separate generic kernel")
             continue
+        ga = gathered_a(g, gi)
+        if ga is not None:
+            group = _gathered_group(g, res, c, ga, ctx)
+            if group is not None:
+                _add_epilogue_loads(g, res, group)
+                res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, ga))
+                continue
         group, gi = _dual_or_single(g, res, c, gi, ctx)
         group = _recompute_cheap_values(g, res, group, c)
         group = _keep_a_stored_result(g, res, group, c)
         _add_epilogue_loads(g, res, group)
         group = _split_unbuildable_reductions(g, res, group, c, gi, ctx)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
+
+
+def _gathered_group(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: FusionContext) -> set | None:
+    """The group of a GEMM whose A rows are gathered (canon.gathered_a): the gather joins it (the
+    kernel loads A's rows through the index), when a GEMM backend builds that on every arch; else
+    None, with a note (the gather then runs as a kernel of its own)."""
+    core = {c, gi.gather[0]}
+    if res.group_of(gi.gather[0]) or legal_group(g, core):
+        return None
+    group = _grow_epilogue(g, res, core, c, gi, ctx)
+    group = _without_reductions(g, group, c) if any(op(g, n).kind == "reduction" for n in group) else group
+    if ctx.oracle is not None:
+        from .ir_build import candidate_ir
+        scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, gi), ctx.kernel,
+                                               ctx.hints), ctx.archs)
+        if why is not None:
+            res.notes.append(f"contraction {c}: A's rows gathered through {op(g, gi.gather[1]).name}, which no GEMM "
+                             f"backend loads on {', '.join(ctx.archs)} ({why}); the gather runs as a kernel of its own")
+            return None
+    res.notes.append(f"contraction {c}: A's rows gathered through {op(g, gi.gather[1]).name} inside the GEMM")
+    return group
 
 
 def _block_scaled_group(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: FusionContext) -> set | None:

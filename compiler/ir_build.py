@@ -211,6 +211,8 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
         fail("a GEMM whose only results are reductions has no output to store",
              hint="also write the full result to an output")
     a_buf, b_buf = buffer_of(gi.a), buffer_of(gi.b)
+    rows_buf = buffer_of(gi.gather[1]) if gi.gather else None
+    m_buf = rows_buf if rows_buf is not None else a_buf
     acc = op(g, anchor).dtype
     structure = GemmStructure(
         anchor=ident(anchor), a=ident(gi.a), b=ident(gi.b), a_buffer=a_buf, b_buffer=b_buf,
@@ -221,10 +223,13 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
         b2_buffer=None if gi.b2 is None else buffer_of(gi.b2),
         scales=tuple((buffer_of(sc.source), sc.operand, op(g, sc.source).dtype, sc.block_k, sc.block_mn, sc.order)
                      for sc in gi.scales),
-        # a grouped GEMM (A packed by group, `packed(off)`): M is the packed array's row count
-        dims=(("M", packed_rows_symbol(bufs[a_buf].packed) if bufs[a_buf].packed and len(gi.batch) == 1
+        a_rows=rows_buf,
+        # a grouped GEMM (A, or the index its rows are gathered by, packed by group, `packed(off)`):
+        # M is the packed array's row count; a gathered A's own row count is R
+        dims=(("M", packed_rows_symbol(bufs[m_buf].packed) if bufs[m_buf].packed and len(gi.batch) == 1
                else _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
-              ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
+              ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch)),
+              *((("R", op(g, gi.a).shape[0]),) if gi.gather else ())))
     return structure, Epilogue(tuple(out_stores), tuple(reductions))
 
 

@@ -292,6 +292,9 @@ class GemmStructure:
     # (buffer, operand "a"|"b", dtype, block_k, block_mn, order), order "mk": the scale tensor is
     # [mn blocks, k blocks], "km": [k blocks, mn blocks]; block_mn 1 = one scale per row (column)
     scales: tuple[tuple[str, str, str, int, int, str], ...] = ()
+    # A's rows gathered: GEMM row r (of the packed rows) is row a_rows[r] of a_buffer (an integer
+    # buffer packed like the output; MoE tokens read through their routing index)
+    a_rows: str | None = None
 
     @property
     def dual(self) -> bool:
@@ -702,6 +705,8 @@ def format_ir(ir: KernelIR) -> str:
                      f"{s.b_layout}) -> acc {s.acc_dtype}{b2}; m={m} n={s.n} k={k}; {dims}")
         for sc in s.block_scales:
             lines.append(f"  block scale of {sc.operand.upper()}: {sc.describe()} (block {sc.block_k} along k)")
+        if s.a_rows is not None:
+            lines.append(f"  A rows gathered: row r of the GEMM is row {s.a_rows}[r] of {s.a_buffer}")
     if ir.epilogue is not None:
         lines.append("  epilogue:")
         for st in ir.epilogue.stores:
@@ -829,6 +834,8 @@ def _gemm_to_json(s: GemmStructure, plain) -> dict:
             del d[k]
     if not s.scales:
         del d["scales"]
+    if s.a_rows is None:
+        del d["a_rows"]
     return d
 
 

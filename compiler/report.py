@@ -42,7 +42,9 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
             if info.b2 is not None else ""
         out.append(f"      GEMM {batch}A={op(g, info.a).name or info.a} ({info.a_layout}), "
                    f"B={op(g, info.b).name or info.b} ({info.b_layout}){dual}, m={info.m} n={info.n} k={info.k}")
-        inside = block_scale_nodes(g, info)
+        inside = block_scale_nodes(g, info) | ({info.gather[0]} if info.gather else set())
+        if info.gather:
+            out.append(f"      A rows gathered through {op(g, info.gather[1]).name} (inside the GEMM's loads)")
         if info.scales:
             out.append("      block scales (inside the sum): " + "; ".join(
                 f"{op(g, sc.source).name} of {sc.operand.upper()} per {sc.block_mn}x{sc.block_k}"

@@ -1150,6 +1150,28 @@ SHIPPED = {
          (10, 11, ((1, ('e', 't', 'f')),)),
          (11, 12, ((0, ('e', 't', 'f')),)),
          (12, 13, ((0, ('e', 't', 'f')),))]),
+    # the MoE GEMM over gathered token rows (issue 24)
+    "moe_gather_gemm": (
+        [('input X[d0, d1] : bf16', ('N', 'D')),
+         ('input idx[d0, d1] : i32', ('E', 'T')),
+         ('input off[d0] : i32', ('E+1',)),
+         ('input W[d0, d1, d2] : bf16', ('E', 'F', 'D')),
+         ('input rw[d0, d1] : f32', ('E', 'T')),
+         ('broadcast broadcast[e, t, f] : f32', ('E', 'T', 'F')),
+         ('gather [@1, d][e, t, d] : bf16', ('E', 'T', 'D')),
+         ('contraction sum(d)[e, t, f] : f32', ('E', 'T', 'F')),
+         ('elementwise mul[e, t, f] : f32', ('E', 'T', 'F')),
+         ('cast cast:bf16[e, t, f] : bf16 =Y', ('E', 'T', 'F')),
+         ('output Y[d0, d1, d2] : bf16', ('E', 'T', 'F'))],
+        [(0, 6, ((0, ('~0', 'd')),)),
+         (1, 6, ((1, ('e', 't')),)),
+         (3, 7, ((1, ('e', 'f', 'd')),)),
+         (4, 5, ((0, ('e', 't')),)),
+         (5, 8, ((0, ('e', 't', 'f')),)),
+         (6, 7, ((0, ('e', 't', 'd')),)),
+         (7, 8, ((1, ('e', 't', 'f')),)),
+         (8, 9, ((0, ('e', 't', 'f')),)),
+         (9, 10, ((0, ('e', 't', 'f')),))]),
 }
 
 

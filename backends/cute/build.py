@@ -189,6 +189,12 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
         "        KS_FAIL(\"sizes must fit in 32 bits (M=%lld N=%lld K=%lld L=%lld)\", (long long)M, (long long)N, (long long)K, (long long)L);",
         "    if (M == 0 || N == 0 || L == 0) KS_EMPTY();   /* empty output: nothing to launch */",
     ]
+    if any("R" in t.shape for t in tensors):      # a gathered A's own row count
+        checks.insert(1, "    const int64_t R = dims[4];")
+        # its rows are read in whole 128-byte K tiles by cp.async (no K-tail predication)
+        kt = 128 // dtype_bytes(tensors[0].dtype)
+        checks.append(f"    if (K % {kt} != 0) KS_FAIL(\"K = %lld: a GEMM whose A rows are gathered needs K to be a "
+                      f"multiple of {kt}\", (long long)K);")
     for t in tensors:
         if t.tma:
             lead = t.leading()
@@ -317,7 +323,7 @@ def _fake_tensors(tensors: list[gemm.TensorABI]):
 
     from .dslops import dsl_type
     from kspec.core import dtype_bytes
-    syms = {d: cute.sym_int32() for d in ("M", "N", "K", "L")}
+    syms = {d: cute.sym_int32() for d in ("M", "N", "K", "L", "R")}
     out = []
     for t in tensors:
         div = 16 // dtype_bytes(t.dtype) if t.tma else 1
@@ -394,7 +400,8 @@ def _result(desc: GemmDesc, cfg: gemm.CuteConfig, key: str, code: epilogue.Epilo
                      host=str(entry_dir / "kernel.so"), symbol=meta["symbol"],
                      param_offsets=tuple(meta["param_offsets"]), param_sizes=tuple(meta["param_sizes"]),
                      config=tuple(cfg.as_dict().items()), args=gemm.abi_names(desc, code),
-                     scalars=tuple(l.name for l in code.scalars), dims=("M", "N", "K", "L"),
+                     scalars=tuple(l.name for l in code.scalars),
+                     dims=("M", "N", "K", "L", *(("R",) if desc.a_rows else ())),
                      alignment=alignment, seconds=seconds, cached=cached)
 
 

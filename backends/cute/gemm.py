@@ -108,10 +108,13 @@ def grouped_problem(ir, arch: str) -> str | None:
     group), B dense per group, epilogue vectors per group or per packed row (same offsets)."""
     s = ir.gemm
     a, b = ir.buffer(s.a_buffer), ir.buffer(s.b_buffer)
-    off = a.packed
-    if off is None:
+    off = a.packed if s.a_rows is None else ir.buffer(s.a_rows).packed
+    if off is None or (s.a_rows is not None and a.packed):
         p = next(x for x in ir.buffers if x.packed)
-        return f"{p.name} is packed({p.packed}); a grouped GEMM packs its A operand (the tokens) by group"
+        return (f"{p.name} is packed({p.packed}); a grouped GEMM packs its A operand (the tokens), or the index "
+                "its rows are gathered by, by group")
+    if s.a_rows is not None and arch != "sm90a":
+        return "gathered A rows (cp.async gathers) are implemented on sm90a; the sm100a gather is not written yet"
     if len(s.batch) != 1 or s.m_fold or s.k_fold or b.packed or s.dual or s.scales:
         return f"a grouped GEMM packs A ({s.a_buffer}) by one group axis and reads B per group, dense"
     if (s.a_layout, s.b_layout) != ("row", "col"):
@@ -309,17 +312,22 @@ class TensorABI:
 def _grouped_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]:
     """A (M = all rows, K), B (N, K, L), the offsets (L + 1), the epilogue vectors, D (M, N): the
     order of abi_names."""
-    out = [TensorABI("a", desc.a.dtype, ("M", "K"), (("K",), 1), True, 0),
+    # (A: TMA rows; gathered A: R rows read by 16-byte cp.async, the same alignment rule)
+    out = [TensorABI("a", desc.a.dtype, ("R" if desc.a_rows else "M", "K"), (("K",), 1), True, 0),
            TensorABI("b", desc.b.dtype, ("N", "K", "L"), (("K",), 1, ("K", "N")), True, 1),
            TensorABI("off", "i32", ("(L + 1)",), (1,), False, 2)]
+    nb = 3
+    if desc.a_rows:
+        out.append(TensorABI("rows", "i32", ("M",), (1,), False, 3))
+        nb = 4
     for j, ld in enumerate(code.inputs):
         if ld.kind == "col_batched":          # per packed row
-            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, 3 + j))
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, nb + j))
         elif ld.kind == "row_batched":
-            out.append(TensorABI(f"i{j}", ld.dtype, ("N", "L"), (1, ("N",)), False, 3 + j))
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N", "L"), (1, ("N",)), False, nb + j))
         else:
-            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, 3 + j))
-    out.append(TensorABI("d", desc.output.dtype, ("M", "N"), (("N",), 1), True, 3 + len(code.inputs)))
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, nb + j))
+    out.append(TensorABI("d", desc.output.dtype, ("M", "N"), (("N",), 1), True, nb + len(code.inputs)))
     return out
 
 
@@ -380,7 +388,8 @@ def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
     CUTLASS C++ backend, so one plan may use either backend per arch under one manifest signature."""
     b2 = (desc.b2.name,) if desc.b2 is not None else ()
     if desc.grouped:
-        return (desc.a.name, desc.b.name, desc.grouped, *(l.name for l in code.inputs), desc.output.name)
+        rows = (desc.a_rows,) if desc.a_rows else ()
+        return (desc.a.name, desc.b.name, desc.grouped, *rows, *(l.name for l in code.inputs), desc.output.name)
     return (desc.a.name, desc.b.name, *b2, *(sc.buffer for sc in desc.scales), *(l.name for l in code.inputs),
             desc.output.name,
             *(st.name for st in desc.aux_stores), *(r.name for r in desc.reductions))
@@ -407,7 +416,8 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
         # per-row vectors of a grouped GEMM are packed by its offsets ("col_packed")
         gkinds = tuple("col_packed" if k == "col_batched" else k for k in code.input_kinds)
         cls = "Sm90GroupedGemm" if arch == "sm90a" else "Sm100GroupedGemm"
-        ctor = f"{cls}(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r})"
+        gather = ", gather=True" if desc.a_rows else ""
+        ctor = f"{cls}(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r}{gather})"
         imp = f"from kspec.backends.cute.{'sm90' if arch == 'sm90a' else 'sm100'}_grouped import {cls}"
     elif desc.scales and arch == "sm100a":
         scales = tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)
@@ -431,7 +441,8 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     scs = "".join(f"s{k}, " for k in range(ns))
     b2 = "b2, " if desc.b2 is not None else ""
     qs = "".join(f"q{j}, " for j in range(len(desc.scales)))
-    call = (f"    GEMM(a, b, d, off, ({ins}), ({scs}), max_clusters, stream)\n" if desc.grouped else
+    rows = ", rows" if desc.a_rows else ""
+    call = (f"    GEMM(a, b, d, off, ({ins}), ({scs}), max_clusters, stream{rows})\n" if desc.grouped else
             f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream, ({b2})"
             f"{', (' + qs + ')' if qs else ''})\n")
     return (f'"""Generated by kspec (CuTe DSL backend) for GEMM {desc.name} on {arch}; do not edit."""\n'

@@ -53,8 +53,14 @@ def group_rows(t_tma: cute.Tensor, offset, length) -> cute.Tensor:
 class Sm90GroupedGemm(Sm90Gemm):
     """tile_mn: CTA tile; input_kinds: GROUPED_KINDS or "scalar"-free vector kinds of the epilogue."""
 
-    def __init__(self, acc_dtype, tile_mn, epi_fn, input_kinds, num_scalars, stages=None):
+    def __init__(self, acc_dtype, tile_mn, epi_fn, input_kinds, num_scalars, stages=None, gather=False):
         super().__init__(acc_dtype, tile_mn, (1, 1), epi_fn, input_kinds, num_scalars, stages)
+        # gathered A rows (row r of the GEMM is row rows[r] of A): all four warps of the producer
+        # warpgroup load A by 16-byte cp.async (TMA cannot gather rows on sm_90a), warp 0 also B by TMA
+        self.gather = gather
+        if gather:
+            self.load_regs = 56
+            self.mma_regs = 224
 
     def _vector_coord(self, j, i, batch):
         return (i, batch) if self.input_kinds[j] == "row_batched" else i
@@ -76,7 +82,7 @@ class Sm90GroupedGemm(Sm90Gemm):
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream):
+                 max_active_clusters: cutlass.Int32, stream, rows=None):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.d_dtype = d.element_type
@@ -87,14 +93,17 @@ class Sm90GroupedGemm(Sm90Gemm):
         self.num_aux = 0
         self._setup()
         tm, tn, tk = self.tile_shape_mnk
-        tma_a, gA = self._tma_load(a, self.a_smem_staged, (tm, tk), 1)
+        if cutlass.const_expr(self.gather):
+            tma_a, gA = None, a                  # rows gathered by cp.async from A itself
+        else:
+            tma_a, gA = self._tma_load(a, self.a_smem_staged, (tm, tk), 1)
         tma_b, gB = self._tma_load(b, self.b_smem_staged, (tn, tk), 1)
         tma_d, gD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), ragged_rows(d),
             cute.slice_(self.d_smem_staged, (None, None, 0)), self.epi_tile)
-        rows, n = d.shape
+        rows_n, n = d.shape
         num_groups = b.shape[2]
-        ntiles = ((rows + tm - 1) // tm + num_groups, (n + tn - 1) // tn, 1)
+        ntiles = ((rows_n + tm - 1) // tm + num_groups, (n + tn - 1) // tn, 1)
         sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
 
@@ -109,24 +118,82 @@ class Sm90GroupedGemm(Sm90Gemm):
                                   self.buffer_align_bytes]
         self.shared_storage = SharedStorage
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, offsets, inputs, scalars, self.tiled_mma,
-                    self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched, rows, n).launch(
+                    self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched, rows_n, n, rows).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    @cute.jit
+    def _gather_producer(self, mA: cute.Tensor, a_rows: cute.Tensor, sA: cute.Tensor, tma_b, tBsB, tBgB, ab_pipe,
+                         offsets, sched_params, num_groups, k_tiles, tidx, warp_idx):
+        """The producer warpgroup of a gathered A: per tile, per K tile, warp 0 waits for the stage and
+        loads B by TMA (arming the barrier with B's bytes), the other warps wait for the stage too,
+        then every thread copies its 16-byte chunks of the tile's A rows, each row read at
+        A[a_rows[off[group] + m], k], by cp.async, and arrives on the stage's barrier when they land
+        (cp.async.mbarrier.arrive.noinc: the barrier counts 1 + 128 arrivals)."""
+        tm, tn, tk = self.tile_shape_mnk
+        epc = 128 // self.a_dtype.width                    # elements per 16-byte chunk
+        cpr = tk // epc                                    # chunks per row of a K tile
+        per_thread = tm * cpr // self.threads_per_wg
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.a_dtype, num_bits_per_copy=128)
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        while work.is_valid_tile:
+            tc = work.tile_idx
+            grp, mt = self._locate(offsets, tc[0], num_groups)
+            if grp >= 0:
+                row0 = offsets[grp] + mt * tm
+                limit = offsets[grp + 1] - row0               # rows of this tile inside the group
+                tBgB_t = tBgB[None, tc[1], None, grp]
+                # the A row each of this thread's chunks reads (rows past the group read row 0 of A:
+                # their accumulator rows are never stored)
+                src_rows = cute.make_rmem_tensor(per_thread, cutlass.Int32)
+                for j in cutlass.range_constexpr(per_thread):
+                    r = (tidx + j * self.threads_per_wg) // cpr
+                    src_rows[j] = 0
+                    if r < limit:
+                        src_rows[j] = a_rows[row0 + r]
+                prod.reset_count()
+                for k in range(k_tiles):
+                    if warp_idx == self.load_warp_id:
+                        ab_pipe.producer_acquire(prod)
+                        cute.copy(tma_b, tBgB_t[None, prod.count], tBsB[None, prod.index],
+                                  tma_bar_ptr=ab_pipe.producer_get_barrier(prod))
+                    else:
+                        ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+                    sA_s = sA[None, None, prod.index]
+                    for j in cutlass.range_constexpr(per_thread):
+                        c = tidx + j * self.threads_per_wg
+                        r = c // cpr
+                        col = (c % cpr) * epc
+                        src = cute.local_tile(mA[src_rows[j], None], (epc,), (k * cpr + c % cpr,))
+                        dst = cute.local_tile(sA_s[r, None], (epc,), (c % cpr,))
+                        cute.copy(atom, src, dst)
+                        del col
+                    cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod))
+                    prod.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        if warp_idx == self.load_warp_id:
+            ab_pipe.producer_tail(prod)
 
     # ------------------------------------------------------------------ device code
     @cute.kernel
-    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+    def kernel(self, tma_a, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_d: cute.CopyAtom, mD_tma: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
                tiled_mma: cute.TiledMma, a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout,
                d_smem_staged: cute.ComposedLayout, sched_params: utils.PersistentTileSchedulerParams,
-               rows: cutlass.Int32, n_cols: cutlass.Int32):
+               rows: cutlass.Int32, n_cols: cutlass.Int32, a_rows):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            if cutlass.const_expr(not self.gather):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
-        tx_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
-                    + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0))))
+        b_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        # a gathered A arrives by cp.async: one mbarrier arrival per producer thread, no bytes to expect
+        tx_bytes = b_bytes if cutlass.const_expr(self.gather) else (
+            b_bytes + cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0))))
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         tm, tn, tk = self.tile_shape_mnk
@@ -135,7 +202,8 @@ class Sm90GroupedGemm(Sm90Gemm):
             sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((tn if "row" in kind else tm,)), 128))
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(), num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 1 + (self.threads_per_wg if cutlass.const_expr(self.gather) else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
             tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
@@ -159,7 +227,11 @@ class Sm90GroupedGemm(Sm90Gemm):
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
-        if warp_idx == self.load_warp_id:
+        if cutlass.const_expr(self.gather):
+            if wg_idx == 0:
+                self._gather_producer(mA, a_rows, sA, tma_b, tBsB, tBgB, ab_pipe, offsets, sched_params, num_groups,
+                                      k_tiles, tidx, warp_idx)
+        elif warp_idx == self.load_warp_id:
             # producer: TMA loads of the A rows of the tile's group and of the group's B tiles
             sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                                cute.arch.grid_dim())

@@ -143,6 +143,8 @@ class CutlassBackend(NvccBuilt):
             return "dual GEMMs (two B operands sharing the A tiles) are not implemented by the CUTLASS backend"
         if s.scales:
             return "block-scaled GEMMs (scales read at blocks of K inside the sum) are not implemented by the CUTLASS backend"
+        if s.a_rows is not None:
+            return "GEMMs whose A rows are gathered through an index are not implemented by the CUTLASS backend"
         if (a, b) not in GEMM_OPERANDS:
             if a == "f32" or b == "f32":
                 return f"operands {a} x {b}: CUTLASS tensor cores multiply f32 data as tf32 (declare it tf32)"
@@ -273,6 +275,12 @@ class CutlassBackend(NvccBuilt):
         return emit_attention(lowered.desc)
 
 
+def _packing(ir: KernelIR) -> str | None:
+    """The offsets a grouped GEMM's rows are packed by: A's, or the gathering index's."""
+    s = ir.gemm
+    return ir.buffer(s.a_rows if s.a_rows is not None else s.a_buffer).packed
+
+
 def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = None) -> LoweredPlan:
     """A GEMM kernel IR as a `GemmDesc` with C identifiers (shared by the CUTLASS and CuTe DSL
     backends, which use one argument order).  cfg: the CUTLASS configuration to record in it
@@ -309,6 +317,7 @@ def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = No
     desc = GemmDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, a=a, b=b, acc_dtype=s.acc_dtype,
                     output=stores[-1], aux_stores=tuple(stores[:-1]), reductions=tuple(reds),
                     batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None, b2=b2,
-                    scales=scales, grouped=names(ir.buffer(s.a_buffer).packed) if ir.buffer(s.a_buffer).packed else None)
+                    scales=scales, grouped=names(_packing(ir)) if _packing(ir) else None,
+                    a_rows=names(s.a_rows) if s.a_rows is not None else None)
     return LoweredPlan(ir, arch, backend, desc, names.back(), s.dims, scalars)
 

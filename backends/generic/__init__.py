@@ -503,6 +503,8 @@ class GenericBackend(NvccBuilt):
             return f"the generic backend does not target {arch}"
         if ir.kind == "attention":
             return "fused attention has no loop-kernel form (the unfused plan is used instead)"
+        if ir.kind == "gemm" and ir.gemm.a_rows is not None:
+            return "a GEMM with gathered A rows has no loop-kernel form (the gather runs as a kernel of its own instead)"
         if ir.kind == "gemm" and ir.gemm.scales:
             return "a block-scaled GEMM has no loop-kernel form (its unfused ops run as separate kernels instead)"
         if ir.kind == "gemm" and ir.epilogue.reductions:
