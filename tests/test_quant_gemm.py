@@ -499,7 +499,7 @@ def test_moe_grouped_and_gather_references_match_float64_numpy_and_check_offsets
 def test_moe_grouped_gemm_plans_one_grouped_gemm_on_sm90a():
     """One GEMM batched over the experts, A and D packed by `off` (M = the packed row count), bias
     per expert and routing weight per row in the epilogue: the grouped kernels on both archs; the
-    gathered variant is one grouped GEMM whose A rows are read through idx (sm90a)."""
+    gathered variant is one grouped GEMM whose A rows are read through idx."""
     (p,) = _plans(MOE_GROUPED).plans
     for arch in ARCHS:
         assert p.kind == "gemm" and p.choices[arch].backend == "cute" and p.choices[arch].fallback is None
@@ -509,17 +509,12 @@ def test_moe_grouped_gemm_plans_one_grouped_gemm_on_sm90a():
     from dataclasses import replace
     bad = replace(p.ir, buffers=tuple(replace(b, packed=None) if b is q else b for b in p.ir.buffers))
     assert "epilogue input rw (col_batched)" in CuteBackend().can_implement(bad, "sm90a")
-    (p,) = _plans(MOE_GATHER, ("sm90a",)).plans
-    assert p.kind == "gemm" and p.choices["sm90a"].backend == "cute"
+    (p,) = _plans(MOE_GATHER).plans
+    assert p.kind == "gemm" and all(p.choices[a].backend == "cute" for a in ARCHS)
     assert (p.ir.gemm.a_buffer, p.ir.gemm.a_rows) == ("X", "idx")
     assert dict(p.ir.gemm.dims) == {"M": "off_rows", "N": "F", "K": "D", "L": "E", "R": "N"}
     from kspec.compiler.kir import ir_from_json, ir_to_json
     assert ir_from_json(ir_to_json(p.ir)) == p.ir
-    # sm100a: no kernel gathers A rows yet; the gather runs as a kernel of its own (which no backend
-    # builds over packed rows either), said by name
-    from kspec.core import NoBackendError
-    with pytest.raises(NoBackendError):
-        _plans(MOE_GATHER, ("sm100a",))
 
 
 @needs_dsl
@@ -570,9 +565,9 @@ def test_moe_grouped_gemm_builds_and_launches_over_every_group(quant_artifacts):
 @needs_dsl
 @pytest.mark.cute
 def test_moe_gather_gemm_gathers_a_rows_by_cp_async_and_checks_indices(quant_artifacts):
-    """sm90a: A rows by 16-byte cp.async (LDGSTS) with mbarrier arrivals, B by TMA, D by the ragged
-    store; launches match the cubin; a token index out of [0, N) and a K that is not a multiple of 64
-    are refused before any launch."""
+    """Both archs: A rows by 16-byte cp.async (LDGSTS) with mbarrier arrivals, B by TMA, D by the
+    ragged store; launches match the cubin; a token index out of [0, N) and a K that is not a
+    multiple of 64 are refused before any launch."""
     import kspec
     from kspec.core import KspecRuntimeError
     from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
@@ -582,17 +577,20 @@ def test_moe_gather_gemm_gathers_a_rows_by_cp_async_and_checks_indices(quant_art
     (plan,) = m["kernels"][0]["plans"]
     assert plan["args"] == ["X", "W", "off", "idx", "rw", "Y"]
     assert [d[0] for d in plan["dims"]] == ["M", "N", "K", "L", "R"]
-    sass = cubin_sass(art / plan["binaries"]["sm90a"]["cubin"])
-    if sass is not None:
-        assert "LDGSTS.E.128" in sass and "ARRIVES.LDGSTSBAR" in sass and "HGMMA.64x128x16.F32.BF16" in sass
-        assert "UTMASTG.3D" in sass and "UTMALDG.3D" in sass
+    for arch, mma in (("sm90a", "HGMMA.64x128x16.F32.BF16"), ("sm100a", "UTCHMMA")):
+        sass = cubin_sass(art / plan["binaries"][arch]["cubin"])
+        if sass is not None:
+            assert "LDGSTS.E" in sass and ".128" in sass and "ARRIVES.LDGSTSBAR" in sass and mma in sass, arch
+            assert "UTMASTG.3D" in sass and "UTMALDG.3D" in sass and "UTMALDG.2D" not in sass, arch
     ranges = {(r["tensor"], r["target"]) for r in m["kernels"][0]["index_ranges"]}
     assert ("idx", "X") in ranges and {("off", "idx"), ("off", "rw")} & ranges
     mod = kspec.load(art)
+    for arch, cc in (("sm100a", (10, 0)), ("sm90a", (9, 0))):
+        with FakeDriver(cc, sm_count=132) as fake:
+            for sz in ({"E": 4, "D": 256, "F": 384, "N": 1000}, {"E": 8, "D": 64, "F": 128, "N": 10, "off_rows": 8}):
+                call = fake_call(mod, "moe_gather_gemm", sz, fake)
+                assert check_call(call, arch, mod) == []
     with FakeDriver((9, 0), sm_count=132) as fake:
-        for sz in ({"E": 4, "D": 256, "F": 384, "N": 1000}, {"E": 8, "D": 64, "F": 128, "N": 10, "off_rows": 8}):
-            call = fake_call(mod, "moe_gather_gemm", sz, fake)
-            assert check_call(call, "sm90a", mod) == []
         E, D, F, N, R = 2, 64, 128, 10, 12
         def buf(shape, dt, size, data=None):
             p = fake.alloc(int(np.prod(shape)) * size, "t")

@@ -113,8 +113,6 @@ def grouped_problem(ir, arch: str) -> str | None:
         p = next(x for x in ir.buffers if x.packed)
         return (f"{p.name} is packed({p.packed}); a grouped GEMM packs its A operand (the tokens), or the index "
                 "its rows are gathered by, by group")
-    if s.a_rows is not None and arch != "sm90a":
-        return "gathered A rows (cp.async gathers) are implemented on sm90a; the sm100a gather is not written yet"
     if len(s.batch) != 1 or s.m_fold or s.k_fold or b.packed or s.dual or s.scales:
         return f"a grouped GEMM packs A ({s.a_buffer}) by one group axis and reads B per group, dense"
     if (s.a_layout, s.b_layout) != ("row", "col"):

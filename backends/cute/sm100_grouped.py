@@ -25,9 +25,14 @@ from .sm100 import Sm100Gemm
 class Sm100GroupedGemm(Sm100Gemm):
     """mma_tiler_mn: the UMMA tile (M 64 or 128); input_kinds: "row", "row_batched", "col_packed"."""
 
-    def __init__(self, acc_dtype, mma_tiler_mn, epi_fn, input_kinds, num_scalars, stages=None):
+    def __init__(self, acc_dtype, mma_tiler_mn, epi_fn, input_kinds, num_scalars, stages=None, gather=False):
         super().__init__(acc_dtype, mma_tiler_mn, (1, 1), False, epi_fn, input_kinds, num_scalars, stages)
         self.epi_dtype = acc_dtype
+        # gathered A rows: four more warps (6..9) read them by 16-byte cp.async (as sm90_grouped.py)
+        self.gather = gather
+        self.gather_warps = (6, 7, 8, 9)
+        if gather:
+            self.threads_per_cta = 32 * 10
 
     def _vector_coord(self, j, i, batch):
         return (i, batch) if self.input_kinds[j] == "row_batched" else i
@@ -49,7 +54,7 @@ class Sm100GroupedGemm(Sm100Gemm):
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream):
+                 max_active_clusters: cutlass.Int32, stream, rows=None):
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = c.element_type
@@ -62,34 +67,89 @@ class Sm100GroupedGemm(Sm100Gemm):
         self._setup()
         a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
         b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
-        tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100_utils.cluster_shape_to_tma_atom_A((1, 1), tiled_mma.thr_id), a, a_smem, self.mma_tiler, tiled_mma,
-            self.cluster_layout_vmnk.shape)
+        if cutlass.const_expr(self.gather):
+            tma_a, gA = None, a                  # rows gathered by cp.async from A itself
+        else:
+            tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
+                sm100_utils.cluster_shape_to_tma_atom_A((1, 1), tiled_mma.thr_id), a, a_smem, self.mma_tiler,
+                tiled_mma, self.cluster_layout_vmnk.shape)
         tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
             sm100_utils.cluster_shape_to_tma_atom_B((1, 1), tiled_mma.thr_id), b, b_smem, self.mma_tiler, tiled_mma,
             self.cluster_layout_vmnk.shape)
-        self.num_tma_load_bytes = cute.size_in_bytes(self.a_dtype, a_smem) + cute.size_in_bytes(self.b_dtype, b_smem)
+        self.num_tma_load_bytes = cute.size_in_bytes(self.b_dtype, b_smem) + (
+            0 if cutlass.const_expr(self.gather) else cute.size_in_bytes(self.a_dtype, a_smem))
         tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), ragged_rows(c),
                                                 cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
-        rows, n = c.shape
+        rows_n, n = c.shape
         num_groups = b.shape[2]
         tm, tn = self.mma_tiler[0], self.mma_tiler[1]
-        ntiles = ((rows + tm - 1) // tm + num_groups, (n + tn - 1) // tn, 1)
+        ntiles = ((rows_n + tm - 1) // tm + num_groups, (n + tn - 1) // tn, 1)
         sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
         self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, offsets, inputs, scalars, self.cluster_layout_vmnk,
-                    self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched, rows, n).launch(
+                    self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched, rows_n, n,
+                    rows).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), stream=stream)
 
+    @cute.jit
+    def _gather_a(self, mA: cute.Tensor, a_rows: cute.Tensor, sA: cute.Tensor, ab_pipe, offsets, sched_params,
+                  num_groups, k_tiles, tidx):
+        """Warps 6..9: per tile and K tile, wait for the stage to be empty, copy this thread's 16-byte
+        chunks of the tile's A rows (row r read at A[a_rows[off[group] + m0 + r]]) by cp.async into
+        the UMMA's smem layout, and arrive on the stage's full barrier when they land."""
+        tm, tk = self.mma_tiler[0], self.mma_tiler[2]
+        nthr = 32 * len(self.gather_warps)
+        gtid = tidx - 32 * self.gather_warps[0]
+        epc = 128 // self.a_dtype.width
+        cpr = tk // epc
+        per_thread = tm * cpr // nthr
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.a_dtype, num_bits_per_copy=128)
+        # the UMMA A stage layout is ((rows, inst_k), 1, k blocks, stage): element (r, k) of a K tile
+        # is sA[((r, k % inst_k), 0, k // inst_k, stage)]
+        kblocks = cute.size(sA, mode=[2])
+        inst_k = tk // kblocks
+        self.traced.update(gather_sA_shape=str(sA.shape))                  # for tests
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
+        while work.is_valid_tile:
+            tc = work.tile_idx
+            grp, mt = self._locate(offsets, tc[0], num_groups)
+            if grp >= 0:
+                row0 = offsets[grp] + mt * tm
+                limit = offsets[grp + 1] - row0
+                src_rows = cute.make_rmem_tensor(per_thread, cutlass.Int32)
+                for j in cutlass.range_constexpr(per_thread):
+                    r = (gtid + j * nthr) // cpr
+                    src_rows[j] = 0
+                    if r < limit:
+                        src_rows[j] = a_rows[row0 + r]
+                for k in range(k_tiles):
+                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                    for j in cutlass.range_constexpr(per_thread):
+                        c = gtid + j * nthr
+                        r = c // cpr
+                        src = cute.local_tile(mA[src_rows[j], None], (epc,), (k * cpr + c % cpr,))
+                        k0 = (c % cpr) * epc
+                        dst = cute.local_tile(sA[((r, None), 0, k0 // inst_k, state.index)], (epc,),
+                                              ((k0 % inst_k) // epc,))
+                        cute.copy(atom, src, dst)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(state))
+                    state.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
                cluster_layout_vmnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
-               sched_params: utils.PersistentTileSchedulerParams, rows: cutlass.Int32, n_cols: cutlass.Int32):
+               sched_params: utils.PersistentTileSchedulerParams, rows: cutlass.Int32, n_cols: cutlass.Int32,
+               a_rows):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.tma_warp_id:
-            cpasync.prefetch_descriptor(tma_a)
+            if cutlass.const_expr(not self.gather):
+                cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
         tidx, _, _ = cute.arch.thread_idx()
@@ -103,12 +163,15 @@ class Sm100GroupedGemm(Sm100Gemm):
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+        # a gathered A: the full barrier also counts one cp.async arrival per gather thread
+        ab_pipe = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 1 + (32 * len(self.gather_warps) if cutlass.const_expr(self.gather) else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True).make_participants()
+            defer_sync=True)
+        ab_producer, ab_consumer = ab_pipe.make_participants()
         acc_pipe = pipeline.PipelineUmmaAsync.create(
             barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -142,21 +205,27 @@ class Sm100GroupedGemm(Sm100Gemm):
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                            cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
+        if cutlass.const_expr(self.gather):
+            if warp_idx >= self.gather_warps[0]:
+                self._gather_a(mA, a_rows, sA, ab_pipe, offsets, sched_params, num_groups, k_tiles, tidx)
         if warp_idx == self.tma_warp_id:
             while work.is_valid_tile:
                 tc = work.tile_idx
                 grp, mt = self._locate(offsets, tc[0], num_groups)
                 if grp >= 0:
-                    gA = cute.local_tile(cute.domain_offset((offsets[grp], None), mA),
-                                         cute.slice_(self.mma_tiler, (None, 0, None)), (mt, None))
-                    tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
-                                                       cute.group_modes(thr_mma.partition_A(gA), 0, 3))
+                    tAsA = tAgA = None
+                    if cutlass.const_expr(not self.gather):
+                        gA = cute.local_tile(cute.domain_offset((offsets[grp], None), mA),
+                                             cute.slice_(self.mma_tiler, (None, 0, None)), (mt, None))
+                        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
+                                                           cute.group_modes(thr_mma.partition_A(gA), 0, 3))
                     tBgB_t = tBgB[None, tc[1], None, grp]
                     ab_producer.reset()
                     peek = ab_producer.try_acquire()
                     for k in cutlass.range(0, k_tiles, 1, unroll=1):
                         h = ab_producer.acquire_and_advance(peek)
-                        cute.copy(tma_a, tAgA[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier)
+                        if cutlass.const_expr(not self.gather):
+                            cute.copy(tma_a, tAgA[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier)
                         cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier)
                         peek = cutlass.Boolean(1)
                         if h.count + 1 < k_tiles:
