@@ -37,7 +37,9 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
     out = []
     info = plan.info
     if plan.kind == "gemm":
-        batch = f"batched over [{', '.join(info.batch)}], " if info.batch else ""
+        packing = getattr(op(g, info.gather[1] if info.gather else info.a), "packed", None)
+        batch = (f"grouped over [{', '.join(info.batch)}] (rows packed by {packing}), " if packing else
+                 f"batched over [{', '.join(info.batch)}], " if info.batch else "")
         dual = f" and B2={op(g, info.b2).name or info.b2} (a dual GEMM: one A tile feeds two accumulators)" \
             if info.b2 is not None else ""
         out.append(f"      GEMM {batch}A={op(g, info.a).name or info.a} ({info.a_layout}), "
