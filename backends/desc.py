@@ -30,7 +30,7 @@ class Operand:
 
 
 # The epilogue expression DAG belongs to the kernel IR; descriptors reuse it with C identifiers as names.
-from kspec.compiler.kir import Accum, Const, EpiExpr, Load, Op, ReductionStore, Store  # noqa: E402,F401
+from kspec.compiler.kir import Accum, BlockScale, Const, EpiExpr, Load, Op, ReductionStore, Store  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

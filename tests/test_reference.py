@@ -510,7 +510,7 @@ def test_gemm_tf32_rounds_operands_to_tf32():
 
 # shipped specs whose reference tests live in tests/test_quant_gemm.py
 QUANT_TESTED = {"gemm_int8_dequant", "fp8_gemm_amax", "fp8_gemm_blockwise", "moe_grouped_gemm",
-                "moe_gather_gemm"}
+                "moe_gather_gemm", "mxfp8_gemm"}
 
 
 def test_every_shipped_spec_has_a_reference_test():

@@ -147,7 +147,7 @@ class CuteBackend:
             name=desc.name, arch=lowered.arch, source=cute_gemm.entry_source(desc, lowered.arch, cfg, code),
             include_dirs=(), flags=(), dims=("M", "N", "K", "L", *(("R",) if desc.a_rows else ())), args=names,
             scalars=tuple(l.name for l in code.scalars), init=desc.reduction_init(),
-            alignment=tuple((names[t.ptr_index], 16 if t.tma else dtype_bytes(t.dtype)) for t in tensors),
+            alignment=tuple((names[t.ptr_index], t.alignment) for t in tensors),
             config=tuple(cfg.as_dict().items()))
 
     def build_jobs(self, emitted, label: str) -> list:

@@ -136,7 +136,23 @@ def grouped_problem(ir, arch: str) -> str | None:
 BLOCK_SCALED_TILE = (128, 128)
 
 
+def is_mx(desc: GemmDesc) -> bool:
+    """MX block scales (E8M0 per 32 values along K, per row of A and column of B): tcgen05's
+    block-scaled MMA on sm100a (sm100_mx.py)."""
+    return len(desc.scales) == 2 and {sc.operand for sc in desc.scales} == {"a", "b"} and all(
+        (sc.dtype, sc.block_k, sc.block_mn, sc.order) == ("f8e8m0", 32, 1, "mk") for sc in desc.scales)
+
+
 def _block_scale_problem(desc: GemmDesc, arch: str) -> str | None:
+    if is_mx(desc):
+        if arch != "sm100a":
+            return "MX block-scaled GEMMs (E8M0 scales per 32 values) use tcgen05's block-scaled MMA: sm100a only"
+        if desc.a.dtype not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES:
+            return (f"MX operands {desc.a.dtype} x {desc.b.dtype}: the sm100a MX kernel takes fp8 (MXFP8); "
+                    "MXFP4 / NVFP4 are not written yet")
+        if (desc.a.layout, desc.b.layout) != ("row", "col") or desc.batched or desc.b2 is not None:
+            return "the MX kernel reads K-major A and B, not batched"
+        return None
     a = desc.a.dtype
     if a not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES or desc.acc_dtype != "f32":
         return f"block-scaled GEMMs take fp8 operands (got {a} x {desc.b.dtype})"
@@ -293,6 +309,11 @@ class TensorABI:
     stride: tuple[object, ...]
     tma: bool
     ptr_index: int = 0
+    align: int = 0                 # bytes the base must be aligned to besides TMA's 16 (0: the element)
+
+    @property
+    def alignment(self) -> int:
+        return 16 if self.tma else max(self.align, dtype_bytes(self.dtype))
 
     @property
     def dynamic_shapes(self) -> tuple[str, ...]:
@@ -355,7 +376,9 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
             f"({'M' if sc.operand == 'a' else 'N'} / {sc.block_mn})"
         kb = f"(K / {sc.block_k})"
         shape = (mn, kb) if sc.order == "mk" else (kb, mn)
-        out.append(TensorABI(f"q{j}", sc.dtype, shape, ((shape[1],), 1), False, 2 + (desc.b2 is not None) + j))
+        # (MX scales: each row's 4 scales of a K tile by one 4-byte cp.async)
+        out.append(TensorABI(f"q{j}", sc.dtype, shape, ((shape[1],), 1), False, 2 + (desc.b2 is not None) + j,
+                             4 if sc.dtype == "f8e8m0" else 0))
     for j, ld in enumerate(code.inputs):
         if ld.kind in ("row", "col"):
             out.append(TensorABI(f"i{j}", ld.dtype, (VECTOR_AXIS[ld.kind].upper(),), (1,), False, nb + j))
@@ -417,6 +440,9 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
         gather = ", gather=True" if desc.a_rows else ""
         ctor = f"{cls}(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r}{gather})"
         imp = f"from kspec.backends.cute.{'sm90' if arch == 'sm90a' else 'sm100'}_grouped import {cls}"
+    elif desc.scales and arch == "sm100a" and is_mx(desc):
+        ctor = f"Sm100MxGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {kinds}, {ns}, {cfg.stages!r})"
+        imp = "from kspec.backends.cute.sm100_mx import Sm100MxGemm"
     elif desc.scales and arch == "sm100a":
         scales = tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)
         ctor = (f"Sm100BlockScaledGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {kinds}, {ns}, {cfg.stages!r}, "
