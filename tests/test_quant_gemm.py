@@ -647,3 +647,17 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
         with pytest.raises(KspecRuntimeError, match=r"a multiple of 4"):
             fake_call(mod, "mxfp8_gemm", {"M": 64, "N": 128, "K": 96}, fake)
         assert len(fake.launches) == n
+
+
+def test_e8m0_host_arrays_round_trip_through_the_device():
+    """E8M0 scales go to the device and back as ml_dtypes arrays (the fake driver's memory here);
+    FP4 host arrays are refused by name (device memory packs two values a byte)."""
+    from kspec.core import KspecRuntimeError
+    from kspec.runtime import transfer
+    from kspec.runtime.fakedriver import FakeDriver
+    with FakeDriver((10, 0)):
+        a = (2.0 ** np.arange(-3, 5)).astype(np.float32).astype(ml_dtypes.float8_e8m0fnu).reshape(2, 4)
+        back = transfer.from_device(transfer.from_numpy(a, "f8e8m0"))
+        assert back.dtype == a.dtype and np.array_equal(back.astype(np.float32), a.astype(np.float32))
+        with pytest.raises(KspecRuntimeError, match="f4e2m1"):
+            transfer.from_numpy(np.zeros((2, 4), ml_dtypes.float4_e2m1fn), "f4e2m1")
