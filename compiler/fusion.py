@@ -800,6 +800,28 @@ def _add_epilogue_loads(g: nx.DiGraph, res: FusionResult, group: set) -> None:
                 group |= set(chain)
 
 
+def _legal_merge(g: nx.DiGraph, a: Group, b: Group, n, order: dict, span_of) -> str | None:
+    """legal_group(g, a | b | {n}) for two legal groups and n: legal_addition with the larger as
+    the base, in time that grows with the smaller (the same answer: see legal_addition)."""
+    base, other = (a, b) if len(a.nodes) >= len(b.nodes) else (b, a)
+    (alo, ahi), (blo, bhi) = span_of(a), span_of(b)
+    bounds = (min(alo, blo, order[n]), max(ahi, bhi, order[n]))
+    return legal_addition(g, base.nodes, other.nodes | {n}, order, bounds)
+
+
+def _broadcast_gather(g: nx.DiGraph, grp: Group, n) -> bool:
+    """A broadcast n of a gather's kernel over fewer axes (RoPE's `cos[s, e / 2]` over b and h): n
+    joins it, the gather then being read per element of n's space (loads, not a kernel and an
+    intermediate of its own), when n is the group's only reader and the group holds nothing but
+    the gather and the index arithmetic of its subscripts."""
+    if op(g, n).kind != "broadcast" or not set(op(g, grp.anchor).axes) <= set(op(g, n).axes):
+        return False
+    kinds = {op(g, x).kind for x in grp.nodes}
+    if "gather" not in kinds or not kinds <= {"gather", "elementwise", "cast", "index", "size", "const"}:
+        return False
+    return all(s in grp.nodes or s == n for x in grp.nodes for s in g.successors(x))
+
+
 def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
     """Group remaining elementwise/broadcast/cast nodes that share one iteration space."""
     scalar_memo: dict = {}
@@ -825,8 +847,8 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         candidates: list[Group] = []
         for u, labels in operands(g, n):
             grp = res.group_of(u)
-            if grp is not None and grp.kind == "elementwise" and set(op(g, grp.anchor).axes) == set(o.axes) \
-                    and grp not in candidates and same_point(g, u, labels):
+            if grp is not None and grp.kind == "elementwise" and grp not in candidates and same_point(g, u, labels) \
+                    and (set(op(g, grp.anchor).axes) == set(o.axes) or _broadcast_gather(g, grp, n)):
                 candidates.append(grp)
         for grp in candidates:
             # n joins its producers' groups; where it reads several (e.g. a chain and a broadcast
@@ -835,7 +857,7 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
                 lo, hi = span_of(grp)
                 if legal_addition(g, grp.nodes, {n}, order, (min(lo, order[n]), max(hi, order[n]))) is None:
                     merged = grp
-            elif legal_group(g, merged.nodes | grp.nodes | {n}) is None:
+            elif _legal_merge(g, merged, grp, n, order, span_of) is None:
                 merged.nodes |= grp.nodes
                 res.groups.remove(grp)
                 bounds.pop(id(grp), None)

@@ -508,6 +508,23 @@ def test_gemm_tf32_rounds_operands_to_tf32():
     assert np.abs(f64(A) @ f64(B) - want).max() > 1e-4
 
 
+def test_rope_rotates_each_half_by_the_position_angles():
+    """specs/rope.kspec against an independent float64 rotate-half (the generated kernel's own text:
+    tests/test_generic_gather.py)."""
+    rng = np.random.default_rng(23)
+    B, S, H = 2, 5, 3
+    q = rand(rng, (B, S, H, 128), BF16)
+    ang = np.arange(S)[:, None] * 10000.0 ** (-np.arange(64) / 64)[None, :]
+    cos = np.concatenate([np.cos(ang)] * 2, -1).astype(np.float32)
+    sin = np.concatenate([np.sin(ang)] * 2, -1).astype(np.float32)
+    out = run_both(SPECS / "rope.kspec", Q=q, cos=cos, sin=sin)
+    x = f64(q)
+    c, s = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+    want = np.concatenate([x[..., :64] * c - x[..., 64:] * s, x[..., 64:] * c + x[..., :64] * s], -1)
+    assert out["Y"].dtype == BF16
+    np.testing.assert_allclose(f64(out["Y"]), want, rtol=2 ** -7, atol=2 ** -7)
+
+
 # shipped specs whose reference tests live in tests/test_quant_gemm.py
 QUANT_TESTED = {"gemm_int8_dequant", "fp8_gemm_amax", "fp8_gemm_blockwise", "moe_grouped_gemm",
                 "moe_gather_gemm", "mxfp8_gemm"}
@@ -521,7 +538,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "attention_softcap", "attention_decode", "attention_paged", "attention_varlen",
               "attention_varlen_padded", "attention_lse",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
-              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy",
+              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy", "rope",
               # quantized GEMMs: tests/test_quant_gemm.py (against float64 numpy)
               *QUANT_TESTED}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested

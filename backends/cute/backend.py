@@ -69,6 +69,12 @@ class CuteBackend:
     def is_fallback(self, ir: KernelIR) -> str | None:
         return None
 
+    def needs_opt_in(self, ir: KernelIR, arch: str) -> str | None:
+        """tf32 on sm90a and mixed fp8 kinds on sm100a: built here only when asked (gemm.unvalidated)."""
+        if ir.kind != "gemm":
+            return None
+        return cute_gemm.unvalidated(self._gemm_desc(ir, arch).desc, arch)
+
     def setting_problem(self, ir: KernelIR, arch: str) -> SettingProblem | None:
         """GEMMs: the spec's tile/cluster/stages must be a configuration the kernels take (K is
         the kernel's own, 128 bytes of operand per stage).  FlashAttention-4 chooses its tiles
@@ -88,7 +94,7 @@ class CuteBackend:
             return SettingProblem("tile", f"tile K is {k} for {desc.a.dtype} operands (128 bytes per stage)")
         if h.cluster is not None and h.cluster[2] != 1:
             return SettingProblem("cluster", "the K cluster size must be 1")
-        return cute_gemm.config_problem(self._config(desc, ir, arch), arch, desc.b2 is not None)
+        return cute_gemm.config_problem(self._config(desc, ir, arch), arch, desc=desc)
 
     @staticmethod
     def _hinted(ir: KernelIR, arch: str) -> bool:

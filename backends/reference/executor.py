@@ -100,6 +100,12 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int],
         x = to_compute(values[u])
         x = np.ascontiguousarray(_align(x, labels, o.axes + o.reduced))
         red = tuple(range(len(o.axes), len(o.axes) + len(o.reduced)))
+        if o.fn in ("max", "min") and any(x.shape[a] == 0 for a in red):
+            # over nothing: max is -inf and min +inf (as logsumexp is -inf and sum 0); the compiled
+            # kernels refuse such a call (kspec.runtime.emptycheck)
+            if is_int(o.dtype):
+                raise KspecReferenceError(f"{o.fn} over an empty axis of integers has no value")
+            return to_storage(np.full(x.shape[:len(o.axes)], -np.inf if o.fn == "max" else np.inf), o.dtype)
         fn = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean, "logsumexp": _logsumexp}[o.fn]
         out = fn(x, axis=red)
         return to_storage(out, o.dtype)
