@@ -489,7 +489,7 @@ def test_moe_grouped_and_gather_references_match_float64_numpy_and_check_offsets
         reference(MOE_GATHER)(X=Xg, idx=bad, off=off, W=W, rw=rw)
 
 
-def test_moe_grouped_gemm_plans_one_grouped_gemm_on_sm90a():
+def test_moe_grouped_and_gathered_gemms_plan_one_grouped_gemm_on_both_archs():
     """One GEMM batched over the experts, A and D packed by `off` (M = the packed row count), bias
     per expert and routing weight per row in the epilogue: the grouped kernels on both archs; the
     gathered variant is one grouped GEMM whose A rows are read through idx."""
