@@ -30,7 +30,7 @@ class Operand:
 
 
 # The epilogue expression DAG belongs to the kernel IR; descriptors reuse it with C identifiers as names.
-from kspec.compiler.kir import Accum, Const, EpiExpr, Load, Op, ReductionStore, Store  # noqa: E402,F401
+from kspec.compiler.kir import Accum, BlockScale, Const, EpiExpr, Load, Op, ReductionStore, Store  # noqa: E402,F401
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,15 @@ class GemmDesc:
     # a dual GEMM: a second B operand (same dtype, layout and extents as b) whose product with A is
     # the epilogue's Accum(1) (SwiGLU's up projection beside the gate projection)
     b2: Operand | None = None
+    # a block-scaled GEMM (compiler.kir.BlockScale, with C identifiers as buffer names): factors
+    # read at blocks of K inside the sum
+    scales: tuple = ()
+    # a grouped GEMM: A's and D's rows packed by group (`packed(off)`), B one matrix per group; the
+    # offsets tensor's C name (i32 [L + 1]); its per-row epilogue vectors are packed the same way
+    grouped: str | None = None
+    # a grouped GEMM whose A rows are gathered: the index tensor's C name (i32 [M], packed by the
+    # offsets): GEMM row r is row a_rows[r] of A ([R, K], R its own row count)
+    a_rows: str | None = None
 
     def reduction_init(self) -> tuple[tuple[str, str], ...]:
         """What the loader fills each epilogue reduction output with before the launch (the

@@ -187,8 +187,118 @@ def bench_attention(torch, timer, arch, out, quick):
     _report(f"attention f16 B{B} H{H} S{S} E{E}", 4 * B * H * S * S * E, 4 * B * H * S * E * 2, ms)
 
 
+# (M, N, K) of Llama-3-70B's and DeepSeek-V3's projections at a 4096-token batch (issue 24's sweep)
+QUANT_SHAPES = [(4096, 8192, 8192), (4096, 28672, 8192), (4096, 8192, 28672),       # Llama-70B qkv-ish, up, down
+                (4096, 7168, 2048), (4096, 24576, 1536), (4096, 7168, 18432)]       # DeepSeek-V3 o, q_b, down
+QUICK_SHAPES = QUANT_SHAPES[:1] + QUANT_SHAPES[3:4]
+
+
+def bench_fp8_amax(torch, timer, arch, out, quick):
+    """fp8_gemm_amax (one kernel: GEMM, scales, bf16 D and the amax of the scaled result) against
+    torch._scaled_mm followed by torch.amax (two kernels), as an FP8 training step needs both."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        print("  fp8: this torch has no float8_e4m3fn; skipped")
+        return
+    f = _load("fp8_gemm_amax", arch, out)
+    for m, n, k in QUICK_SHAPES if quick else QUANT_SHAPES:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        amax = torch.empty(1, device="cuda", dtype=torch.float32)
+        one = torch.ones((), device="cuda")
+        ms = {"kspec": timer(lambda: f(A=a, B=b, D=d, amax=amax, scale_a=1.0, scale_b=1.0))}
+        try:
+            def torch_pair():
+                y = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                return torch.amax(y.abs())
+            ms["_scaled_mm + amax"] = timer(torch_pair)
+            ms["_scaled_mm alone"] = timer(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                                    out_dtype=torch.bfloat16))
+        except Exception as e:  # noqa: BLE001
+            print(f"    (torch._scaled_mm unavailable: {str(e)[:80]})")
+        _report(f"fp8 gemm + amax {m}x{n}x{k}", 2 * m * n * k, m * k + n * k + 2 * m * n, ms)
+
+
+def bench_fp8_blockwise(torch, timer, arch, out, quick):
+    """fp8_gemm_blockwise (DeepSeek-V3: 1x128 activation and 128x128 weight scales) against
+    torch._scaled_mm with the same block scales where this torch supports them, else against the
+    bf16 GEMM of the dequantised operands."""
+    f = _load("fp8_gemm_blockwise", arch, out)
+    for m, n, k in QUICK_SHAPES if quick else QUANT_SHAPES:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        sa = torch.rand(m, k // 128, device="cuda") + 0.5
+        sb = torch.rand(n // 128, k // 128, device="cuda") + 0.5
+        d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        ms = {"kspec": timer(lambda: f(A=a, B=b, sa=sa, sb=sb, D=d))}
+        try:     # torch's blockwise scaled_mm takes A's scales M-major and B's [K/128, N/128]
+            sa_t = sa.t().contiguous().t()
+            ms["_scaled_mm (blockwise)"] = timer(lambda: torch._scaled_mm(a, b.t(), scale_a=sa_t, scale_b=sb.t(),
+                                                                          out_dtype=torch.bfloat16))
+        except Exception as e:  # noqa: BLE001
+            print(f"    (blockwise torch._scaled_mm unavailable: {str(e)[:80]})")
+            ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+            ms["bf16 matmul (dequantised)"] = timer(lambda: torch.matmul(ab, bb.t()))
+        _report(f"fp8 blockwise {m}x{n}x{k}", 2 * m * n * k, m * k + n * k + 2 * m * n, ms)
+
+
+def bench_int8_dequant(torch, timer, arch, out, quick):
+    """gemm_int8_dequant (SmoothQuant W8A8, one kernel) against torch._int_mm then the scaling."""
+    f = _load("gemm_int8_dequant", arch, out)
+    for m, n, k in QUICK_SHAPES if quick else QUANT_SHAPES:
+        a = torch.randint(-127, 128, (m, k), device="cuda", dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+        sa, sb = torch.rand(m, device="cuda"), torch.rand(n, device="cuda")
+        d = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        ms = {"kspec": timer(lambda: f(A=a, B=b, sa=sa, sb=sb, D=d))}
+        try:
+            ms["_int_mm + scale (eager)"] = timer(
+                lambda: (torch._int_mm(a, b.t()).float() * sa[:, None] * sb[None, :]).half())
+        except Exception as e:  # noqa: BLE001
+            print(f"    (torch._int_mm unavailable: {str(e)[:80]})")
+        _report(f"int8 dequant {m}x{n}x{k}", 2 * m * n * k, m * k + n * k + 2 * m * n, ms)
+
+
+def bench_moe(torch, timer, arch, out, quick):
+    """moe_grouped_gemm (one persistent kernel over every expert, bias + SiLU + routing weight fused)
+    against a loop of per-expert torch GEMMs with the same epilogue, and torch's grouped matmul
+    (torch._grouped_mm) where this torch has it.  Mixtral-like (8 experts, d=4096, f=14336) and
+    DeepSeek-V3-like (256 experts, d=7168, f=2048) routings of T tokens x top-k."""
+    import torch.nn.functional as F
+    f = _load("moe_grouped_gemm", arch, out)
+    cases = [(8, 4096, 14336, 4096 * 2)] if quick else [(8, 4096, 14336, 4096 * 2), (256, 7168, 2048, 4096 * 8)]
+    for E, D, Fd, rows in cases:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        counts = torch.multinomial(torch.ones(E, device="cuda"), rows, replacement=True, generator=g).bincount(
+            minlength=E)
+        off = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        off[1:] = counts.cumsum(0)
+        x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(E, Fd, D, device="cuda", dtype=torch.bfloat16) * D ** -0.5
+        bias = torch.randn(E, Fd, device="cuda", dtype=torch.bfloat16)
+        rw = torch.rand(rows, device="cuda")
+        y = torch.empty(rows, Fd, device="cuda", dtype=torch.bfloat16)
+        bounds = off.tolist()
+
+        def loop():
+            for e in range(E):
+                a, b = bounds[e], bounds[e + 1]
+                if b > a:
+                    h = torch.matmul(x[a:b], w[e].t()).float() + bias[e].float()
+                    y[a:b] = (rw[a:b, None] * F.silu(h)).to(torch.bfloat16)
+        ms = {"kspec": timer(lambda: f(X=x, off=off, W=w, bias=bias, rw=rw, Y=y)), "per-expert loop": timer(loop)}
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                offs = off[1:].contiguous()
+                ms["torch._grouped_mm (GEMM only)"] = timer(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+            except Exception as e:  # noqa: BLE001
+                print(f"    (torch._grouped_mm unavailable: {str(e)[:80]})")
+        _report(f"moe grouped E{E} D{D} F{Fd} rows{rows}", 2 * rows * D * Fd, 2 * (rows * (D + Fd) + E * Fd * D), ms)
+
+
 CASES = {"gemm": bench_gemm, "epilogue": bench_epilogue, "batched": bench_batched, "fp8": bench_fp8,
-         "attention": bench_attention}
+         "attention": bench_attention, "fp8_amax": bench_fp8_amax, "fp8_blockwise": bench_fp8_blockwise,
+         "int8_dequant": bench_int8_dequant, "moe": bench_moe}
 
 
 def main(argv=None) -> int:

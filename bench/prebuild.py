@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from kspec.compile import compile_spec
     from kspec.core import NoBackendError, normalize_arch
+    from kspec.spec_lang import load_spec
     archs = tuple(normalize_arch(a) for a in args.arch.split(","))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,14 @@ def main(argv=None) -> int:
     for stem in stems:
         t0 = time.time()
         try:
-            art = compile_spec(sources[stem], archs, out, jobs=args.jobs)
+            # a spec's `target` line limits its archs (mxfp8_gemm: sm100a only)
+            targets = load_spec(sources[stem]).targets
+            spec_archs = tuple(a for a in archs if not targets or a in targets)
+            if not spec_archs:
+                lines.append(f"{stem:<28} skipped: targets {', '.join(targets)} only")
+                print(lines[-1], flush=True)
+                continue
+            art = compile_spec(sources[stem], spec_archs, out, jobs=args.jobs)
         except NoBackendError as e:
             # a shipped spec no backend builds yet (language + reference only): said, not hidden
             lines.append(f"{stem:<28} skipped: {e.message}")

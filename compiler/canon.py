@@ -120,6 +120,45 @@ def merge_common_subexpressions(g: nx.DiGraph) -> int:
     return count
 
 
+def _exact_widening(src: str, dst: str) -> bool:
+    """Every value of dtype `src` is a value of `dst`, and a product of two of them is exact in a f32
+    (or i32 -> int64) sum: float -> wider float (not tf32, which rounds), int -> wider int."""
+    from kspec.core import DTYPE_TABLE
+    a, b = DTYPE_TABLE.get(src), DTYPE_TABLE.get(dst)
+    if a is None or b is None or a.kind != b.kind or b.bits <= a.bits or dst == "tf32" or src == "tf32":
+        return False
+    return a.storage == src or a.kind == "float"
+
+
+def absorb_operand_casts(g: nx.DiGraph) -> int:
+    """`sum(k) f32(A[m, k]) * f32(B[n, k])` is the contraction of A and B themselves: a conversion of a
+    contraction operand that widens exactly (f8/f16/bf16 -> f32, i8 -> i32) changes no product and
+    no sum, so the contraction reads the narrow operand (a GEMM on its tensor cores, not on f32
+    copies).  The cast stays for any other reader."""
+    count = 0
+    for c in list(g.nodes):
+        if op(g, c).kind != "contraction":
+            continue
+        for x in list(g.predecessors(c)):
+            xo = op(g, x)
+            if xo.kind != "cast":
+                continue
+            (src, read_labels), = operands(g, x)
+            if not _exact_widening(op(g, src).dtype, xo.dtype):
+                continue
+            pos_in_x = {a: i for i, a in enumerate(xo.axes)}
+            moved = tuple((pos, tuple(labels[pos_in_x[r]] for r in read_labels)) for pos, labels in uses(g, x, c))
+            if g.has_edge(src, c):
+                g.edges[src, c]["uses"] += moved
+            else:
+                g.add_edge(src, c, uses=moved)
+            g.remove_edge(x, c)
+            count += 1
+    if count:
+        remove_dead(g)
+    return count
+
+
 def remove_dead(g: nx.DiGraph) -> int:
     """Remove nodes that no output depends on (inputs and params are kept: they are the signature)."""
     live: set = set()
@@ -150,6 +189,9 @@ class GemmInfo:
     k_fold: tuple[str, ...] = ()     # reduced labels folded into K before k (e.g. heads and head dim)
     anchor2: str | None = None       # a dual GEMM (set by fusion): the second contraction of A ...
     b2: str | None = None            # ... with this second B operand (same dtype, layout and shape)
+    scales: tuple = ()               # a block-scaled GEMM: ScaleInfo per factor read at K blocks
+    inner: tuple = ()                # ... and the nodes forming the product inside the sum
+    gather: tuple = ()               # A's rows gathered (set by fusion): (gather node, index input node)
 
     @property
     def m_labels(self) -> tuple[str, ...]:
@@ -209,6 +251,160 @@ def gemm_info(g: nx.DiGraph, n) -> GemmInfo | str:
     a_layout = "row" if sa[-1] == k else "col"
     b_layout = "row" if sb[-1] == nn else "col"
     return GemmInfo(ua, ub, m, nn, k, tuple(batch), a_layout, b_layout)
+
+
+@dataclass(frozen=True)
+class ScaleInfo:
+    """A block-scale factor inside a GEMM's sum: the gather node reading the scale tensor `source`
+    at [mn / block_mn, k / block_k] (order "mk") or [k / block_k, mn / block_mn] ("km")."""
+    gather: object
+    source: object
+    operand: str                 # "a" (indexed by m) | "b" (by n)
+    block_k: int
+    block_mn: int
+    order: str
+
+
+def gathered_a(g: nx.DiGraph, gi: GemmInfo) -> GemmInfo | None:
+    """`sum(d) X[idx[e, t], d] * W[e, f, d]`: A's rows are rows of an input X selected by an integer
+    input idx over the GEMM's batch and m axes (MoE tokens gathered by routing index).  The GemmInfo
+    with A = X itself and `gather` = (the gather node, idx), or None when A is not such a gather."""
+    o = op(g, gi.a)
+    if o.kind != "gather" or len(o.subscripts) != 2 or o.subscripts[0] != "@1" or o.subscripts[1] != gi.k:
+        return None
+    (x, _), (ix, ilabels) = operands(g, gi.a)
+    if op(g, x).kind != "input" or op(g, x).layout != "row" or op(g, ix).kind != "input" or \
+            op(g, ix).dtype not in INT_DTYPES or tuple(ilabels) != (*gi.batch, gi.m) or gi.m_fold or gi.k_fold:
+        return None
+    if len(list(g.successors(gi.a))) != 1:
+        return None
+    return replace(gi, a=x, a_layout="row", gather=(gi.a, ix))
+
+
+def block_scaled_gemm_info(g: nx.DiGraph, c) -> GemmInfo | str:
+    """`sum(k) A[m, k] * sa[m, k / 128] * B[n, k] * sb[n / 128, k / 128]`: a contraction whose product
+    is two GEMM operands times factors read at blocks of k (block scales, each indexed by m or n, whole
+    or in blocks, and by k / bk with one bk for all): a block-scaled GEMM whose block sizes come from
+    the subscripts.  The reason when it is not one."""
+    o = op(g, c)
+    if o.kind != "contraction" or len(o.axes) != 2 or len(o.reduced) != 1:
+        return "not a contraction of two free axes over one reduced axis"
+    m, nn = o.axes
+    k = o.reduced[0]
+    inner: list = []
+    leaves: list = []
+    for u, labels in operands(g, c):
+        if not _product_leaves(g, u, tuple(labels), inner, leaves):
+            return "its product goes through values used elsewhere"
+    operands_, scales = [], []
+    for leaf, labels in leaves:
+        lo = op(g, leaf)
+        if lo.kind == "gather":
+            sc = _block_scale(g, leaf, labels, m, nn, k)
+            if isinstance(sc, str):
+                return sc
+            scales.append(sc)
+        elif lo.kind == "input" or (lo.kind == "cast" and is_input_view(g, leaf) and
+                                    _exact_widening(op(g, operands(g, leaf)[0][0]).dtype, lo.dtype)):
+            operands_.append((leaf, labels))
+        else:
+            return f"a factor of its product is a {lo.kind} value"
+    if not scales:
+        return "no factor is read at blocks of k"
+    if len(operands_) != 2:
+        return "its product does not have exactly two full operands"
+    (ua, la), (ub, lb) = operands_
+    if set(la) == {nn, k} and set(lb) == {m, k}:
+        (ua, la), (ub, lb) = (ub, lb), (ua, la)
+    if set(la) != {m, k} or set(lb) != {nn, k}:
+        return "its operands are not [m, k] and [k, n]"
+    if len({sc.block_k for sc in scales}) != 1:
+        return "its block scales use different blocks of k"
+    for x in (ua, ub):                   # a cast of an input: the GEMM reads the input itself
+        while op(g, x).kind == "cast":
+            x = operands(g, x)[0][0]
+    sa, sb = _storage_order(g, ua, la), _storage_order(g, ub, lb)
+    for x in (ua, ub):
+        if op(g, x).kind == "cast":
+            inner.append(x)
+    return GemmInfo(ua, ub, m, nn, k, (), "row" if sa[-1] == k else "col", "row" if sb[-1] == nn else "col",
+                    scales=tuple(scales), inner=tuple(dict.fromkeys(inner)))
+
+
+def block_scale_nodes(g: nx.DiGraph, gi: GemmInfo) -> set:
+    """The nodes of a block-scaled GEMM's group that form the product inside its sum (the mul and
+    broadcast nodes, the scale gathers and their `k / bk` subscripts): the MMA and the per-block
+    scaling compute them, not the epilogue.  Empty for any other GEMM."""
+    out = set(gi.inner)
+    for sc in gi.scales:
+        out.add(sc.gather)
+        stack = [u for u, _ in operands(g, sc.gather)[1:]]
+        while stack:
+            u = stack.pop()
+            if op(g, u).kind in ("elementwise", "index", "const") and u not in out:
+                out.add(u)
+                stack.extend(x for x, _ in operands(g, u))
+    return out
+
+
+def _product_leaves(g: nx.DiGraph, n, labels: tuple, inner: list, out: list) -> bool:
+    """Flatten the product feeding a contraction through `mul` and broadcast nodes used only there:
+    `out` gets (leaf, the contraction's labels for its axes), `inner` the nodes passed through."""
+    o = op(g, n)
+    if (o.kind == "elementwise" and o.fn == "mul") or o.kind == "broadcast":
+        if len(list(g.successors(n))) != 1 or o.kind == "broadcast" and not operands(g, n):
+            return False
+        inner.append(n)
+        amap = dict(zip(o.axes, labels))
+        return all(_product_leaves(g, u, tuple(amap.get(x, x) for x in ul), inner, out) for u, ul in operands(g, n))
+    if not o.axes:
+        return False                     # a scalar factor is moved out of sums by the checker
+    out.append((n, labels))
+    return True
+
+
+def _block_scale(g: nx.DiGraph, n, labels: tuple, m: str, nn: str, k: str) -> ScaleInfo | str:
+    """The block-scale factor a gather node is, or why it is not one."""
+    o = op(g, n)
+    args = operands(g, n)
+    src = args[0][0]
+    if op(g, src).kind != "input" or len(o.subscripts) != 2:
+        return "a factor of its product is a gather that is not a block scale [mn, k / bk] of an input"
+    amap = dict(zip(o.axes, labels))
+    subs = []
+    for sub in o.subscripts:
+        if sub.startswith("@"):
+            blk = _index_block(g, args[int(sub[1:])][0], args[int(sub[1:])][1], amap)
+            if blk is None:
+                return "a block-scale subscript is not `index / literal`"
+            subs.append(blk)
+        elif sub.startswith("#"):
+            return "a block scale read at a literal position"
+        else:
+            subs.append((amap.get(sub, sub), 1))
+    labels_of = [x[0] for x in subs]
+    if k not in labels_of:
+        return "a gathered factor is not indexed by k / block"
+    i_k = labels_of.index(k)
+    other = subs[1 - i_k]
+    if subs[i_k][1] < 2 or other[0] not in (m, nn):
+        return "a block scale must be indexed by k / block and by m or n"
+    return ScaleInfo(n, src, "a" if other[0] == m else "b", subs[i_k][1], other[1], "mk" if i_k == 1 else "km")
+
+
+def _index_block(g: nx.DiGraph, n, labels: tuple, amap: dict):
+    """(label, c) when node n, read under `labels` by a gather whose labels map to the contraction's
+    by amap, is `index / c` (c a literal >= 1), else None."""
+    o = op(g, n)
+    if o.kind != "elementwise" or o.fn != "floordiv":
+        return None
+    (x, lx), (y, _) = operands(g, n)
+    if op(g, x).kind != "index" or op(g, y).kind != "const" or not isinstance(op(g, y).value, int) or \
+            op(g, y).value < 1:
+        return None
+    fmap = dict(zip(o.axes, labels))              # floordiv's labels -> the gather's
+    (lab,) = lx
+    return amap.get(fmap.get(lab, lab), fmap.get(lab, lab)), int(op(g, y).value)
 
 
 def _folded_gemm(g: nx.DiGraph, n) -> GemmInfo | None:
@@ -607,6 +803,7 @@ def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     """Run every canonicalisation pass; returns how much each one changed."""
     stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
              "dead": remove_dead(g)}
+    stats["operand_casts"] = absorb_operand_casts(g)
     stats["softmax"] = recognise_softmax(g)
     stats["commuted"] = order_commutative_operands(g)
     stats["masks"] = normalise_masks(g)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from kspec.core import split_offset_dim
+from kspec.core import split_offset_dim, split_quotient_dim
 
-from .canon import is_recomputed, value_bytes
+from .canon import block_scale_nodes, is_recomputed, value_bytes
 from .graph import op, operands
 from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
 
@@ -89,6 +89,9 @@ def _extent(d, sizes: dict) -> int:
     off = split_offset_dim(d)
     if off is not None and d not in sizes:   # `B+1` offsets
         return _extent(off[0], sizes) + off[1]
+    quo = split_quotient_dim(d)
+    if quo is not None and d not in sizes:   # `K/32` block scales
+        return max(1, _extent(quo[0], sizes) // quo[1])
     return d if isinstance(d, int) else int(sizes.get(d, DEFAULT_SIZE))
 
 
@@ -197,7 +200,9 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
     g = sched.graph
     plans = []
     for p in sched.plans:
-        flops = sum(_node_flops(g, n, sizes) for n in p.group.nodes)
+        # a block-scaled GEMM's product nodes are the MMA's operands, not [M, K, N] elementwise work
+        inside = block_scale_nodes(g, p.group.info) if p.kind == "gemm" and p.group.info is not None else set()
+        flops = sum(_node_flops(g, n, sizes) for n in p.group.nodes if n not in inside)
         ideal = sum(_buffer_bytes(sched.buffers[b], sizes) for b in p.reads)
         wr = sum(_buffer_bytes(sched.buffers[b], sizes) for b in p.writes)
         if tiled is not None:
@@ -213,13 +218,16 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             rd = sum(max(loop.get(b, 0), _buffer_bytes(sched.buffers[b], sizes)) for b in p.reads)
             plans.append(PlanCost(p.id, p.kind, flops, rd, wr, ideal, False))
     minimum = sum(_buffer_bytes(b, sizes) for b in sched.buffers.values() if b.kind in ("input", "output"))
-    # unfused: every op (not a broadcast, constant or scalar-only expression) is one kernel
+    # unfused: every op (not a constant, a scalar-only expression or a broadcast no output stores) is
+    # one kernel (a reduction to a scalar is one)
     n_kernels = ubytes = uflops = 0
     memo: dict = {}
     for n in nx.topological_sort(g):
         o = op(g, n)
-        if o.kind in ("input", "param", "const", "output", "broadcast") or not o.axes:
+        if o.kind in ("input", "param", "const", "output") or (not o.axes and o.kind != "reduction"):
             continue
+        if o.kind == "broadcast" and not any(op(g, v).kind == "output" for v in g.successors(n)):
+            continue            # a broadcast is read where it is needed, unless an output stores it
         uflops += _node_flops(g, n, sizes)
         if is_recomputed(g, n, memo):
             continue            # index arithmetic and conditions are computed by the kernel that reads them
@@ -227,7 +235,7 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
         # each kernel reads each of its inputs once (x * x reads x once)
         for node in {x: None for u, _ in operands(g, n) for x in _read_sources(g, u, memo)}:
             src = op(g, node)
-            if src.kind in ("param", "const") or not src.axes:
+            if src.kind in ("param", "const") or (not src.axes and src.kind != "reduction"):
                 continue
             ubytes += _numel(src.shape, sizes) * value_bytes(src.dtype)
         ubytes += _numel(o.shape, sizes) * value_bytes(o.dtype)

@@ -18,7 +18,7 @@ from kspec.core import dtype_bytes  # noqa: F401
 
 from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, paged_kv_read,
                         score_path)
-from .canon import GemmInfo, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
+from .canon import GemmInfo, block_scaled_gemm_info, gathered_a, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_addition, legal_group, same_point  # noqa: F401
 from .kir import format_epi
@@ -336,14 +336,77 @@ def fuse_epilogues(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
             continue
         gi = gemm_info(g, c)
         if isinstance(gi, str):
+            bs = block_scaled_gemm_info(g, c)
+            if isinstance(bs, GemmInfo):
+                group = _block_scaled_group(g, res, c, bs, ctx)
+                if group is not None:
+                    _add_epilogue_loads(g, res, group)
+                    res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, bs))
+                continue
             res.notes.append(f"contraction {c}: not a GEMM ({gi}); it runs as a separate generic kernel")
             continue
+        ga = gathered_a(g, gi)
+        if ga is not None:
+            group = _gathered_group(g, res, c, ga, ctx)
+            if group is not None:
+                _add_epilogue_loads(g, res, group)
+                res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, ga))
+                continue
         group, gi = _dual_or_single(g, res, c, gi, ctx)
         group = _recompute_cheap_values(g, res, group, c)
         group = _keep_a_stored_result(g, res, group, c)
         _add_epilogue_loads(g, res, group)
         group = _split_unbuildable_reductions(g, res, group, c, gi, ctx)
         res.groups.append(Group(f"g{len(res.groups)}", "gemm", group, c, gi))
+
+
+def _gathered_group(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: FusionContext) -> set | None:
+    """The group of a GEMM whose A rows are gathered (canon.gathered_a): the gather joins it (the
+    kernel loads A's rows through the index), when a GEMM backend builds that on every arch; else
+    None, with a note (the gather then runs as a kernel of its own)."""
+    core = {c, gi.gather[0]}
+    if res.group_of(gi.gather[0]) or legal_group(g, core):
+        return None
+    group = _grow_epilogue(g, res, core, c, gi, ctx)
+    group = _without_reductions(g, group, c) if any(op(g, n).kind == "reduction" for n in group) else group
+    if ctx.oracle is not None:
+        from .ir_build import candidate_ir
+        scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, gi), ctx.kernel,
+                                               ctx.hints), ctx.archs)
+        if why is not None:
+            res.notes.append(f"contraction {c}: A's rows gathered through {op(g, gi.gather[1]).name}, which no GEMM "
+                             f"backend loads on {', '.join(ctx.archs)} ({why}); the gather runs as a kernel of its own")
+            return None
+    res.notes.append(f"contraction {c}: A's rows gathered through {op(g, gi.gather[1]).name} inside the GEMM")
+    return group
+
+
+def _block_scaled_group(g: nx.DiGraph, res: FusionResult, c, gi: GemmInfo, ctx: FusionContext) -> set | None:
+    """The group of a block-scaled GEMM (block_scaled_gemm_info): the contraction, the product inside
+    its sum (the scale gathers and their `k / bk` subscripts included) and its epilogue, when a GEMM
+    backend builds it on every arch (asked through the oracle); else None, with a note (the ops then
+    run as the kernels they are, each with its reason)."""
+    core = {c, *gi.inner}
+    for sc in gi.scales:
+        core.add(sc.gather)
+        core |= {u for u, _ in operands(g, sc.gather)[1:] if op(g, u).kind == "elementwise"}
+    if any(res.group_of(n) for n in core) or legal_group(g, core):
+        return None
+    group = _grow_epilogue(g, res, core, c, gi, ctx)
+    group = _without_reductions(g, group, c) if any(op(g, n).kind == "reduction" for n in group) else group
+    desc = ", ".join(f"{op(g, sc.source).name}[{sc.operand}: {sc.block_mn}x{sc.block_k}]" for sc in gi.scales)
+    if ctx.oracle is not None:
+        from .ir_build import candidate_ir
+        scalars = {u for n in group for u in nx.ancestors(g, n) if is_scalar_value(g, u) and res.group_of(u) is None}
+        why = ctx.oracle.can_fuse(candidate_ir(g, Group("candidate", "gemm", group | scalars, c, gi), ctx.kernel,
+                                               ctx.hints), ctx.archs)
+        if why is not None:
+            res.notes.append(f"contraction {c}: a block-scaled GEMM ({desc}) that no GEMM backend builds on "
+                             f"{', '.join(ctx.archs)} ({why}); its ops run as separate kernels")
+            return None
+    res.notes.append(f"contraction {c}: a block-scaled GEMM, scales {desc} applied inside the sum")
+    return group
 
 
 def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo, ctx: FusionContext) -> set:
@@ -476,6 +539,8 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
         ((src, labels),) = operands(g, s)
         if set(labels) != gemm_axes:
             return "the reduction's operand is not the full GEMM result"
+        if is_full_reduction(so, gi):
+            return None     # e.g. an FP8 recipe's amax: one value per batch entry, atomics across CTAs
         if len(so.reduced) != 1 or so.reduced[0] not in (gi.m, gi.n) or \
                 labels.index(so.reduced[0]) < len(labels) - 2:
             return "an epilogue reduction must reduce over the GEMM's row or column axis"
@@ -486,6 +551,10 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
         return None
     if so.kind not in ("elementwise", "broadcast", "cast"):
         return f"{so.kind} ops cannot be fused into an epilogue"
+    if so.kind == "broadcast" and is_reduction_store_view(g, s, gi):
+        if any(u not in group for u, _ in operands(g, s)):
+            return "it broadcasts a full reduction that is not fused"
+        return None         # `amax[z] = max(m, n) ..` with z of extent 1: the reduction's store
     why = _store_order_reject(g, s, gi)
     if why:
         return why
@@ -518,6 +587,28 @@ def _epilogue_reject(g, s, group: set, gi: GemmInfo, gemm_axes: set,
             return f"operand {uo.name or u} is read with its axes in another order than the GEMM result's"
         return f"operand {uo.name or u} is not a row/column vector, scalar or full [m, n] tensor"
     return None
+
+
+def is_full_reduction(so, gi: GemmInfo) -> bool:
+    """A reduction over every non-batch axis of the GEMM result (`max(m, n) abs(y[m, n])`): one
+    value per batch entry, combined across the CTAs of the GEMM with atomics."""
+    return so.kind == "reduction" and not gi.m_fold and len(so.reduced) == 2 and \
+        set(so.reduced) == {gi.m, gi.n} and tuple(so.axes) == tuple(gi.batch)
+
+
+def is_reduction_store_view(g, s, gi: GemmInfo) -> bool:
+    """s broadcasts a full epilogue reduction into an output over the batch axes plus axes of extent
+    1 (`out amax : f32[1]`, `amax[z] = max(m, n) ..`): how the spec stores it, not a computation."""
+    so = op(g, s)
+    if so.kind != "broadcast":
+        return False
+    (src, labels), = operands(g, s)
+    if not is_full_reduction(op(g, src), gi) or tuple(labels) != tuple(gi.batch):
+        return False
+    extra = [e for a, e in zip(so.axes, so.shape) if a not in labels]
+    if any(e != 1 for e in extra) or [a for a in so.axes if a in labels] != list(labels):
+        return False
+    return bool(list(g.successors(s))) and all(op(g, v).kind == "output" for v in g.successors(s))
 
 
 def _vector_reject(g, src, labels, gi: GemmInfo, ctx: FusionContext = FusionContext()) -> str | None:
@@ -660,6 +751,8 @@ def _without_reductions(g: nx.DiGraph, group: set, anchor) -> set:
     """The group less its epilogue reductions and the epilogue ops that only fed them, down to the
     value the reductions read (which the GEMM then stores for the reduction kernels)."""
     reductions = {n for n in group if op(g, n).kind == "reduction"}
+    # a full reduction's store view (a broadcast into its output) leaves with it
+    reductions |= {s for r in reductions for s in g.successors(r) if s in group}
     keep = group - reductions
     while True:
         dead = {n for n in keep if n != anchor and not any(s in keep for s in g.successors(n))

@@ -10,7 +10,7 @@ from typing import Callable
 
 import networkx as nx
 
-from kspec.core import KspecError, KspecInternalError
+from kspec.core import KspecError, KspecInternalError, packed_rows_symbol
 
 from .attention import attention_scale, is_top_left_causal, lift_mods, score_path
 from .canon import GemmInfo
@@ -198,9 +198,12 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
     for n, b in stores:
         o = op(g, n)
         dtype = bufs[b].dtype
+        if o.kind == "broadcast":       # a full reduction stored through its view (fusion.is_reduction_store_view)
+            (n, _), = operands(g, n)
+            o = op(g, n)
         if o.kind == "reduction":
             (src, _), = operands(g, n)
-            axis = "n" if o.reduced == (gi.n,) else "m"
+            axis = "mn" if len(o.reduced) == 2 else "n" if o.reduced == (gi.n,) else "m"
             reductions.append(ReductionStore(b, o.fn, axis, expr(src), dtype))
             continue
         out_stores.append(Store(b, expr(n), dtype, _store_layout(g, n, b, gi)))
@@ -208,6 +211,8 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
         fail("a GEMM whose only results are reductions has no output to store",
              hint="also write the full result to an output")
     a_buf, b_buf = buffer_of(gi.a), buffer_of(gi.b)
+    rows_buf = buffer_of(gi.gather[1]) if gi.gather else None
+    m_buf = rows_buf if rows_buf is not None else a_buf
     acc = op(g, anchor).dtype
     structure = GemmStructure(
         anchor=ident(anchor), a=ident(gi.a), b=ident(gi.b), a_buffer=a_buf, b_buffer=b_buf,
@@ -216,8 +221,15 @@ def _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident=str):
         m_fold=tuple(gi.m_fold), k_fold=tuple(gi.k_fold),
         anchor2=None if gi.anchor2 is None else ident(gi.anchor2), b2=None if gi.b2 is None else ident(gi.b2),
         b2_buffer=None if gi.b2 is None else buffer_of(gi.b2),
-        dims=(("M", _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
-              ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch))))
+        scales=tuple((buffer_of(sc.source), sc.operand, op(g, sc.source).dtype, sc.block_k, sc.block_mn, sc.order)
+                     for sc in gi.scales),
+        a_rows=rows_buf,
+        # a grouped GEMM (A, or the index its rows are gathered by, packed by group, `packed(off)`):
+        # M is the packed array's row count; a gathered A's own row count is R
+        dims=(("M", packed_rows_symbol(bufs[m_buf].packed) if bufs[m_buf].packed and len(gi.batch) == 1
+               else _batch_extent(g, anchor, gi.m_labels)), ("N", _extent(g, anchor, gi.n)),
+              ("K", _reduced_extent(g, anchor, gi.k_labels)), ("L", _batch_extent(g, anchor, gi.batch)),
+              *((("R", op(g, gi.a).shape[0]),) if gi.gather else ())))
     return structure, Epilogue(tuple(out_stores), tuple(reductions))
 
 

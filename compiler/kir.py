@@ -124,10 +124,11 @@ class Store:
 @dataclass(frozen=True)
 class ReductionStore:
     """A reduction of an epilogue value along one axis: axis 'n' gives a vector over m (row
-    reduction, e.g. a row max), axis 'm' a vector over n."""
+    reduction, e.g. a row max), axis 'm' a vector over n; 'mn' reduces over both, one value per
+    batch entry (an FP8 recipe's amax), stored into a buffer of the batch axes and axes of extent 1."""
     name: str
     op: Literal["max", "sum"]
-    axis: Literal["m", "n"]
+    axis: Literal["m", "n", "mn"]
     value: EpiExpr
     dtype: str
 
@@ -286,10 +287,41 @@ class GemmStructure:
     anchor2: str | None = None
     b2: str | None = None
     b2_buffer: str | None = None
+    # a block-scaled GEMM: factors read at K blocks inside the sum (`sa[m, k / 128]`, `sb[n / 128,
+    # k / 128]`), D = epilogue(sum_k A[m, k] sa[m, k / bk] B[k, n] sb[.., k / bk]); each entry
+    # (buffer, operand "a"|"b", dtype, block_k, block_mn, order), order "mk": the scale tensor is
+    # [mn blocks, k blocks], "km": [k blocks, mn blocks]; block_mn 1 = one scale per row (column)
+    scales: tuple[tuple[str, str, str, int, int, str], ...] = ()
+    # A's rows gathered: GEMM row r (of the packed rows) is row a_rows[r] of a_buffer (an integer
+    # buffer packed like the output; MoE tokens read through their routing index)
+    a_rows: str | None = None
 
     @property
     def dual(self) -> bool:
         return self.b2 is not None
+
+    @property
+    def block_scales(self) -> tuple["BlockScale", ...]:
+        return tuple(BlockScale(*x) for x in self.scales)
+
+
+@dataclass(frozen=True)
+class BlockScale:
+    """One block-scale factor of a GEMM (GemmStructure.scales): `buffer[mn / block_mn, k / block_k]`
+    ("mk") or `buffer[k / block_k, mn / block_mn]` ("km") multiplies A (operand "a", mn = m) or B
+    ("b", mn = n) inside the sum."""
+    buffer: str
+    operand: str
+    dtype: str
+    block_k: int
+    block_mn: int
+    order: str = "mk"
+
+    def describe(self) -> str:
+        mn = "m" if self.operand == "a" else "n"
+        mn = mn if self.block_mn == 1 else f"{mn} / {self.block_mn}"
+        idx = (mn, f"k / {self.block_k}") if self.order == "mk" else (f"k / {self.block_k}", mn)
+        return f"{self.buffer}[{', '.join(idx)}] : {self.dtype}"
 
 
 @dataclass(frozen=True)
@@ -672,6 +704,10 @@ def format_ir(ir: KernelIR) -> str:
         b2 = f" and acc1 = {s.a_buffer} x {s.b2_buffer}" if s.dual else ""
         lines.append(f"  gemm: {batch}{s.a_buffer} ({s.a_dtype}, {s.a_layout}) x {s.b_buffer} ({s.b_dtype}, "
                      f"{s.b_layout}) -> acc {s.acc_dtype}{b2}; m={m} n={s.n} k={k}; {dims}")
+        for sc in s.block_scales:
+            lines.append(f"  block scale of {sc.operand.upper()}: {sc.describe()} (block {sc.block_k} along k)")
+        if s.a_rows is not None:
+            lines.append(f"  A rows gathered: row r of the GEMM is row {s.a_rows}[r] of {s.a_buffer}")
     if ir.epilogue is not None:
         lines.append("  epilogue:")
         for st in ir.epilogue.stores:
@@ -797,6 +833,10 @@ def _gemm_to_json(s: GemmStructure, plain) -> dict:
     if not s.dual:
         for k in ("anchor2", "b2", "b2_buffer"):
             del d[k]
+    if not s.scales:
+        del d["scales"]
+    if s.a_rows is None:
+        del d["a_rows"]
     return d
 
 

@@ -10,6 +10,7 @@ import networkx as nx
 
 from kspec.spec_lang.errors import KspecError
 
+from .canon import block_scale_nodes
 from .cost import CostReport
 from .graph import op
 from .schedule import KernelSchedule
@@ -36,13 +37,22 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
     out = []
     info = plan.info
     if plan.kind == "gemm":
-        batch = f"batched over [{', '.join(info.batch)}], " if info.batch else ""
+        packing = getattr(op(g, info.gather[1] if info.gather else info.a), "packed", None)
+        batch = (f"grouped over [{', '.join(info.batch)}] (rows packed by {packing}), " if packing else
+                 f"batched over [{', '.join(info.batch)}], " if info.batch else "")
         dual = f" and B2={op(g, info.b2).name or info.b2} (a dual GEMM: one A tile feeds two accumulators)" \
             if info.b2 is not None else ""
         out.append(f"      GEMM {batch}A={op(g, info.a).name or info.a} ({info.a_layout}), "
                    f"B={op(g, info.b).name or info.b} ({info.b_layout}){dual}, m={info.m} n={info.n} k={info.k}")
+        inside = block_scale_nodes(g, info) | ({info.gather[0]} if info.gather else set())
+        if info.gather:
+            out.append(f"      A rows gathered through {op(g, info.gather[1]).name} (inside the GEMM's loads)")
+        if info.scales:
+            out.append("      block scales (inside the sum): " + "; ".join(
+                f"{op(g, sc.source).name} of {sc.operand.upper()} per {sc.block_mn}x{sc.block_k}"
+                f"{' [k blocks, mn blocks]' if sc.order == 'km' else ''}" for sc in info.scales))
         epi = sorted((n for n in plan.group.nodes if n not in (plan.group.anchor, info.anchor2)
-                      and op(g, n).kind != "const"), key=_order)
+                      and op(g, n).kind != "const" and n not in inside), key=_order)
         if epi:
             out.append("      epilogue: " + "; ".join(op(g, n).label() for n in epi))
     elif plan.kind == "attention":

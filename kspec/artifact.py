@@ -52,11 +52,13 @@ Meaning of the fields
   to a spec (kspec.core.name_problem): at most NAME_MAX characters, no Python keyword, no leading
   `__`; `stream`, `device` and `self` are reserved (the call's keywords), and kernel names are not
   attributes of a loaded module (`path`, `kernels`, ...: kspec.core.RESERVED_KERNEL_NAMES).
-- dtype: one of f16, bf16, f32, tf32, f8e4m3, f8e5m2, i8, i32 (tf32 tensors are stored as f32).
+- dtype: one of f16, bf16, f32, tf32, f8e4m3, f8e5m2, i8, i32, f4e2m1, f8e8m0 (tf32 tensors are
+  stored as f32; f4e2m1 two values a byte).
 - shape: each extent is a size symbol (an identifier, bound at call time from the arguments) or a
   non-negative int literal.  Every symbol used anywhere must occur in some input or output shape.
   An extent may also be `SYM+INT` (`B+1`: the B + 1 cumulative offsets of B packed sequences),
-  which binds SYM to the argument's extent minus INT.
+  which binds SYM to the argument's extent minus INT, or `SYM/INT` (`K/32`: one block scale per 32
+  values), which binds nothing: SYM must be a multiple of INT and the extent SYM / INT.
 - packed (optional, a tensor name): a variable-length batch `packed(cu)` is stored as
   [cu_rows, ...] (kspec.core.packed_rows_symbol: the sequences back to back, sequence b at rows
   cu[b] .. cu[b + 1] - 1); its shape is that storage shape, and the kernel's index_ranges hold the
@@ -117,7 +119,7 @@ from typing import Any, Union
 
 # The runtime reads artifacts on machines without the compiler: only the dependency-free core here.
 from kspec.core import (ARCHS, DTYPES, IDENT_RE, IndexRange, KspecError, is_int, name_problem,
-                        packed_rows_symbol, split_offset_dim)
+                        packed_rows_symbol, split_offset_dim, split_quotient_dim)
 
 FORMAT = "kspec-artifact"
 FORMAT_VERSION = 1
@@ -376,6 +378,10 @@ class _Reader:
         off = split_offset_dim(v) if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\+[0-9]+", v) else None
         if off is not None:              # `B+1`: the B + 1 offsets of B packed sequences
             self.ident(off[0], where)
+            return v
+        quo = split_quotient_dim(v) if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*/[1-9][0-9]*", v) else None
+        if quo is not None:              # `K/32`: one block scale per 32 values along K
+            self.ident(quo[0], where)
             return v
         return self.ident(v, where)
 

@@ -207,7 +207,14 @@ class DType:
 
     @property
     def itemsize(self) -> int:
-        return self.bits // 8
+        """Bytes per element; 1 for the 4-bit f4e2m1, which memory holds two values a byte (the
+        byte size of a tensor of it is `storage_bytes`)."""
+        return max(1, self.bits // 8)
+
+    @property
+    def per_byte(self) -> int:
+        """Values per byte of memory: 2 for a 4-bit dtype (packed along the contiguous axis), else 1."""
+        return 8 // self.bits if self.bits < 8 else 1
 
 
 DTYPE_TABLE: dict[str, DType] = {d.name: d for d in (
@@ -219,11 +226,17 @@ DTYPE_TABLE: dict[str, DType] = {d.name: d for d in (
     DType("f8e5m2", 8, "float", "f8e5m2", 57344.0, 1),
     DType("i8", 8, "int", "i8", 127.0, 1),
     DType("i32", 32, "int", "i32", 2147483647.0, 2),
+    # block-scaled (MX / NVFP4) data and scales: FP4 e2m1 (values 0, ±0.5 .. ±6, two a byte) and the
+    # power-of-two scale E8M0 (2^-127 .. 2^127, no sign, no zero; 0xFF is NaN)
+    DType("f4e2m1", 4, "float", "f4e2m1", 6.0, 1),
+    DType("f8e8m0", 8, "float", "f8e8m0", 1.7014118346046923e38, 1),
 )}
 DTYPES: tuple[str, ...] = tuple(DTYPE_TABLE)
 FLOAT_DTYPES: tuple[str, ...] = tuple(d.name for d in DTYPE_TABLE.values() if d.kind == "float")
 INT_DTYPES: tuple[str, ...] = tuple(d.name for d in DTYPE_TABLE.values() if d.kind == "int")
 FP8_DTYPES: tuple[str, ...] = ("f8e4m3", "f8e5m2")
+# storage formats: arithmetic on them happens in f32 (as on the hardware)
+STORAGE_FLOATS: tuple[str, ...] = ("f8e4m3", "f8e5m2", "f8e8m0", "f4e2m1", "tf32")
 
 
 def dtype_bytes(name: str) -> int:
@@ -347,6 +360,9 @@ def extent_value(extent, sizes: "dict[str, int]") -> int:
     off = split_offset_dim(extent)
     if off is not None and extent not in sizes:
         return sizes[off[0]] + off[1]
+    quo = split_quotient_dim(extent)
+    if quo is not None and extent not in sizes:
+        return sizes[quo[0]] // quo[1]
     return sizes[extent]
 
 
@@ -356,6 +372,16 @@ def split_offset_dim(dim) -> "tuple[str, int] | None":
     if isinstance(dim, str) and "+" in dim:
         sym, _, k = dim.partition("+")
         return sym, int(k)
+    return None
+
+
+def split_quotient_dim(dim) -> "tuple[str, int] | None":
+    """A declared dimension `K / 32` is stored as the extent "K/32" (one block scale per 32 values
+    along K): ("K", 32); None for any other extent.  The quotient is exact: a call whose K is not a
+    multiple of 32 is refused by the runtime before any launch."""
+    if isinstance(dim, str) and "/" in dim:
+        sym, _, q = dim.partition("/")
+        return sym, int(q)
     return None
 
 

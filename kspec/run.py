@@ -74,16 +74,27 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
     import numpy as np
 
     from kspec.backends.reference.numerics import is_int, to_storage
-    from kspec.core import split_offset_dim
+    from kspec.core import split_offset_dim, split_quotient_dim
     from kspec.spec_lang.check import index_bounds
     rng = np.random.default_rng(seed)
     out = {}
     fixed = dict(kernel.bindings)
     bounds = index_bounds(kernel)       # subscript tensors get valid indices
+    # a quotient dimension `K / 128` needs K a multiple of 128: round such sizes up
+    sizes = dict(sizes)
+    for t in (*kernel.inputs, *kernel.outputs):
+        for d in t.shape:
+            quo = split_quotient_dim(d)
+            if quo is not None and quo[0] not in fixed:
+                v = sizes.get(quo[0], 64)
+                sizes[quo[0]] = -(-v // quo[1]) * quo[1]
     def extent(d) -> int:
         if isinstance(d, int):
             return d
         off = split_offset_dim(d)
+        quo = split_quotient_dim(d)
+        if quo is not None:
+            return extent(quo[0]) // quo[1]
         return extent(off[0]) + off[1] if off else fixed.get(d, sizes.get(d, 64))
 
     # varlen: each packing's offsets from random lengths (the first sequence the longest), and the
@@ -106,6 +117,8 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
             out[t.name] = rng.integers(0, max(hi, 1), size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
         elif is_int(t.dtype):
             out[t.name] = rng.integers(-4, 5, size=shape).astype(np.int8 if t.dtype == "i8" else np.int32)
+        elif t.dtype == "f8e8m0":         # MX scales: powers of two (no zero, no sign)
+            out[t.name] = to_storage((2.0 ** rng.integers(-4, 5, size=shape)).astype(np.float32), t.dtype)
         else:
             out[t.name] = to_storage(rng.standard_normal(shape).astype(np.float32), t.dtype)
     return out

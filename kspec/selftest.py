@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kspec.core import split_quotient_dim
+from kspec.runtime import dtypes as rt_dtypes
+
 EXIT_OK, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 3
 
 # K and N (contiguous extents of the shipped layouts) stay multiples of 16 elements: TMA needs
@@ -366,10 +369,15 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
                                for e in (r.extent if isinstance(r.extent, tuple) else (r.extent,)))
                 bounds[r.tensor] = min(hi, bounds.get(r.tensor, hi))
             for t in (*entry.inputs, *entry.outputs):      # outputs passed: allocation is not timed
-                shape = tuple(e if isinstance(e, int) else sizes.get(e, 1024) for e in t.shape)
-                tdt = getattr(torch, {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "tf32": "float32",
-                                      "f8e4m3": "float8_e4m3fn", "f8e5m2": "float8_e5m2", "i8": "int8",
-                                      "i32": "int32"}[t.dtype])
+                def extent(e):
+                    quo = split_quotient_dim(e)             # `K/32` block scales
+                    return e if isinstance(e, int) else sizes.get(quo[0], 1024) // quo[1] if quo else sizes.get(e, 1024)
+                shape = tuple(extent(e) for e in t.shape)
+                tdt = getattr(torch, rt_dtypes.DTYPES[t.dtype].torch)
+                if t.dtype == "f8e8m0":                     # MX scales: positive powers of two
+                    args[t.name] = (torch.rand(shape, device="cuda") + 0.5).to(tdt)
+                    shapes[t.name] = shape
+                    continue
                 if t.layout == "col" and len(shape) >= 2:
                     s = list(shape)
                     s[-1], s[-2] = s[-2], s[-1]

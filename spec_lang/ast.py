@@ -121,11 +121,13 @@ Expr = Union[Num, Name, Access, Gather, Unary, Binary, Call, Cast, Reduce]
 
 @dataclass(frozen=True)
 class Dim:
-    """A dimension in a declared shape: a symbol (`M`), a literal size (`64`), or a symbol plus a
-    literal (`B + 1`, plus = 1: the B + 1 cumulative offsets of B sequences)."""
+    """A dimension in a declared shape: a symbol (`M`), a literal size (`64`), a symbol plus a
+    literal (`B + 1`, plus = 1: the B + 1 cumulative offsets of B sequences), or an exact quotient
+    of a symbol by a literal (`K / 32`, div = 32: one block scale per 32 values along K)."""
     value: str | int
     span: Span | None = _span()
     plus: int = 0
+    div: int = 0
 
     @property
     def is_symbol(self) -> bool:

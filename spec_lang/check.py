@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
-from kspec.core import (DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, format_extent, name_problem, packed_rows_symbol,
+from kspec.core import (DTYPE_TABLE, FLOAT_DTYPES, INT_DTYPES, STORAGE_FLOATS, format_extent, name_problem, packed_rows_symbol,
                         split_offset_dim)
 
 from . import ast
@@ -513,7 +513,10 @@ class _KernelChecker:
                 if dim.is_symbol:
                     if dim.value not in self.symbols:
                         self.symbols.append(dim.value)  # type: ignore[arg-type]
-                    shape.append(f"{dim.value}+{dim.plus}" if dim.plus else dim.value)
+                    if dim.div and dim.div < 2:
+                        self.error(f"a quotient dimension divides by 2 or more, not {dim.div}", dim.span)
+                    shape.append(f"{dim.value}+{dim.plus}" if dim.plus else
+                                 f"{dim.value}/{dim.div}" if dim.div else dim.value)
                 else:
                     v = int(dim.value)
                     if v < 1 or v >= MAX_LITERAL_DIM:
@@ -869,8 +872,8 @@ class _KernelChecker:
         if not is_float(dt) and e.fn not in ("maximum", "minimum", "clamp", "abs", "relu"):
             self.error(f"'{e.fn}' needs a floating-point argument, got {dt}", e.span,
                        f"convert first: `{e.fn}(f32(...))`", abort=True)
-        if dt in ("f8e4m3", "f8e5m2", "tf32"):
-            dt = "f32"    # f8 and tf32 are storage types: arithmetic happens in f32
+        if dt in STORAGE_FLOATS:
+            dt = "f32"    # f8, f4, e8m0 and tf32 are storage types: arithmetic happens in f32
         free = _uniq(tuple(ix for a in args for ix in a.free))
         return TCall(dt, free, e.span, e.fn, tuple(args))
 
@@ -1005,8 +1008,8 @@ class _KernelChecker:
 
 
 def _arith(dt: str) -> str:
-    """The dtype arithmetic on a value of `dt` produces: f8 and tf32 are storage types (f32 math)."""
-    return "f32" if dt in ("f8e4m3", "f8e5m2", "tf32") else dt
+    """The dtype arithmetic on a value of `dt` produces: f8, f4, e8m0 and tf32 are storage types (f32 math)."""
+    return "f32" if dt in STORAGE_FLOATS else dt
 
 
 class _IndexEnv:
@@ -1087,7 +1090,7 @@ class _IndexEnv:
 
 # the largest finite value of each dtype, and the integer ranges
 _DTYPE_MAX = {"f8e4m3": 448.0, "f8e5m2": 57344.0, "f16": 65504.0, "bf16": 3.3895e38, "tf32": 3.4028e38,
-              "f32": 3.4028e38}
+              "f32": 3.4028e38, "f4e2m1": 6.0, "f8e8m0": 1.7014118346046923e38}
 _INT_RANGE = {"i8": (-128, 127), "i32": (-(1 << 31), (1 << 31) - 1)}
 
 

@@ -166,6 +166,9 @@ class _Build(Transformer_NonRecursive):
     def dim_plus(self, tok, _plus, num): return ast.Dim(self._name(tok), self._span(tok), self._int(num))
 
     @v_args(inline=True)
+    def dim_div(self, tok, _slash, num): return ast.Dim(self._name(tok), self._span(tok), div=self._int(num))
+
+    @v_args(inline=True)
     def packed(self, tok): return ("packed", self._name(tok), self._span(tok))
 
     def shape(self, children): return tuple(children)

@@ -66,7 +66,7 @@ def print_subscript(x) -> str:
 
 
 def _dim(d: ast.Dim) -> str:
-    return f"{d.value} + {d.plus}" if d.plus else str(d.value)
+    return f"{d.value} + {d.plus}" if d.plus else f"{d.value} / {d.div}" if d.div else str(d.value)
 
 
 def print_decl(d: ast.Decl) -> str:

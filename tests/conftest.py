@@ -18,6 +18,10 @@ SHIPPED = sorted(p.stem for p in SPECS.glob("*.kspec"))
 NEED_FA4 = frozenset({"attention_gqa", "attention_alibi", "attention_sliding_window", "attention_bias",
                       "attention_softcap", "attention_decode", "attention_varlen_padded", "attention_paged",
                       "attention_varlen", "attention_lse"})
+# Shipped GEMM specs only the CuTe DSL backend builds with tensor cores (int8 operands, float epilogues
+# on i32 accumulators, full m-and-n epilogue reductions: CUTLASS C++ declines them).
+CUTE_ONLY = frozenset({"gemm_int8", "gemm_int8_dequant", "fp8_gemm_amax", "fp8_gemm_blockwise",
+                       "moe_grouped_gemm", "moe_gather_gemm", "mxfp8_gemm"})
 # Shipped specs no backend builds at all (none today).
 NO_BACKEND_YET: frozenset[str] = frozenset()
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import NEED_FA4, NO_BACKEND_YET, SHIPPED, SPECS, needs_fa4
+from conftest import CUTE_ONLY, NEED_FA4, NO_BACKEND_YET, SHIPPED, SPECS, needs_fa4
 
 from kspec.compile import emit_spec
 
@@ -17,10 +17,11 @@ ARCHS = ("sm90a", "sm100a")
 
 
 # every shipped spec through the C++-emitting backends (CUTLASS pinned for its GEMMs and attention);
-# the int8 GEMM only has a CuTe DSL tensor-core kernel (tests/test_cute_backend.py), and so has
-# paged attention (FlashAttention-4: tests/test_attention_paged.py)
+# the int8 GEMMs and the quantized GEMMs of issue 24 only have CuTe DSL tensor-core kernels
+# (conftest.CUTE_ONLY: tests/test_cute_backend.py, tests/test_quant_gemm.py), and so has paged
+# attention (FlashAttention-4: tests/test_attention_paged.py)
 # (the attention variants are FlashAttention-4's alone: see conftest.NEED_FA4 and the test below)
-CPP_SHIPPED = [s for s in SHIPPED if s not in ("gemm_int8",) and s not in NEED_FA4 | NO_BACKEND_YET]
+CPP_SHIPPED = [s for s in SHIPPED if s not in CUTE_ONLY and s not in NEED_FA4 | NO_BACKEND_YET]
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,9 @@ def test_a_routing_gather_that_materialises_t_k_n_is_loud():
     s = _sched(MOE)
     ws = plan_warnings(s, cost(s, SIZES), SIZES)
     severe = [t for sev, t in ws if sev]
-    assert any("f32[T, K, N]" in t and "274.88 GB" in t and "over 1 GiB" in t for t in severe), ws
+    # (the exact f32() widening of the gathered bf16 operand is absorbed into the contraction, so the
+    # materialised gather is bf16)
+    assert any("bf16[T, K, N]" in t and "137.44 GB" in t and "over 1 GiB" in t for t in severe), ws
     assert any("x the spec minimum" in t and "tmp_" in t for t in severe), ws
     assert not [t for sev, t in ws if not sev]          # every size was given
 

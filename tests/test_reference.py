@@ -525,6 +525,11 @@ def test_rope_rotates_each_half_by_the_position_angles():
     np.testing.assert_allclose(f64(out["Y"]), want, rtol=2 ** -7, atol=2 ** -7)
 
 
+# shipped specs whose reference tests live in tests/test_quant_gemm.py
+QUANT_TESTED = {"gemm_int8_dequant", "fp8_gemm_amax", "fp8_gemm_blockwise", "moe_grouped_gemm",
+                "moe_gather_gemm", "mxfp8_gemm"}
+
+
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
@@ -533,7 +538,9 @@ def test_every_shipped_spec_has_a_reference_test():
               "attention_softcap", "attention_decode", "attention_paged", "attention_varlen",
               "attention_varlen_padded", "attention_lse",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
-              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy", "rope"}
+              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy", "rope",
+              # quantized GEMMs: tests/test_quant_gemm.py (against float64 numpy)
+              *QUANT_TESTED}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
 
 

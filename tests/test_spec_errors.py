@@ -59,7 +59,7 @@ def assert_words_only(message: str) -> None:
 
 
 def test_syntax_error_expected_in_words():
-    e = assert_error("kernel k {\n  in A : f16[M K]\n}\n", 2, 16, "unexpected 'K'; expected '+', ',' or ']'", None,
+    e = assert_error("kernel k {\n  in A : f16[M K]\n}\n", 2, 16, "unexpected 'K'; expected '+', ',', '/' or ']'", None,
                      end=(2, 17))
     assert_words_only(e.message)
 

@@ -59,8 +59,9 @@ class CuteBackend:
             return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
         packed = [b for b in ir.buffers if b.packed]
         if packed:
-            return (f"{packed[0].name} is packed({packed[0].packed}); the CuTe DSL GEMMs read dense tensors "
-                    "(packed sequences: attention only)")
+            why = cute_gemm.grouped_problem(ir, arch)
+            if why:
+                return why
         desc = self._gemm_desc(ir, arch).desc
         return cute_gemm.can_implement(desc, arch)
 
@@ -149,9 +150,9 @@ class CuteBackend:
         names = cute_gemm.abi_names(desc, code)
         return EmittedKernel(
             name=desc.name, arch=lowered.arch, source=cute_gemm.entry_source(desc, lowered.arch, cfg, code),
-            include_dirs=(), flags=(), dims=("M", "N", "K", "L"), args=names,
+            include_dirs=(), flags=(), dims=("M", "N", "K", "L", *(("R",) if desc.a_rows else ())), args=names,
             scalars=tuple(l.name for l in code.scalars), init=desc.reduction_init(),
-            alignment=tuple((names[t.ptr_index], 16 if t.tma else dtype_bytes(t.dtype)) for t in tensors),
+            alignment=tuple((names[t.ptr_index], t.alignment) for t in tensors),
             config=tuple(cfg.as_dict().items()))
 
     def build_jobs(self, emitted, label: str) -> list:

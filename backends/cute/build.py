@@ -189,7 +189,20 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
         "        KS_FAIL(\"sizes must fit in 32 bits (M=%lld N=%lld K=%lld L=%lld)\", (long long)M, (long long)N, (long long)K, (long long)L);",
         "    if (M == 0 || N == 0 || L == 0) KS_EMPTY();   /* empty output: nothing to launch */",
     ]
+    if any("R" in t.shape for t in tensors):      # a gathered A's own row count
+        checks.insert(1, "    const int64_t R = dims[4];")
+        # its rows are read in whole 128-byte K tiles by cp.async (no K-tail predication)
+        kt = 128 // dtype_bytes(tensors[0].dtype)
+        checks.append(f"    if (K % {kt} != 0) KS_FAIL(\"K = %lld: a GEMM whose A rows are gathered needs K to be a "
+                      f"multiple of {kt}\", (long long)K);")
     for t in tensors:
+        if not t.tma and t.alignment > dtype_bytes(t.dtype):
+            # (e.g. MX scales, read 4 bytes a row at a time): every row starts as aligned as the base
+            q = t.alignment // dtype_bytes(t.dtype)
+            for st in t.dynamic_strides:
+                expr = "*".join(st)
+                checks.append(f"    if (({expr}) % {q} != 0) KS_FAIL(\"{expr} = %lld: the CuTe DSL kernel reads "
+                              f"{t.alignment}-byte rows of {t.dtype} here (a multiple of {q})\", (long long)({expr}));")
         if t.tma:
             lead = t.leading()
             el = 16 // dtype_bytes(t.dtype)
@@ -317,14 +330,14 @@ def _fake_tensors(tensors: list[gemm.TensorABI]):
 
     from .dslops import dsl_type
     from kspec.core import dtype_bytes
-    syms = {d: cute.sym_int32() for d in ("M", "N", "K", "L")}
+    syms = {d: cute.sym_int32() for d in ("M", "N", "K", "L", "R")}
     out = []
     for t in tensors:
-        div = 16 // dtype_bytes(t.dtype) if t.tma else 1
-        shape = tuple(syms[s] for s in t.shape)
+        div = t.alignment // dtype_bytes(t.dtype)      # rows start as aligned as the base
+        # derived extents (a block-scale tensor's `(K / 128)`) are runtime values of their own
+        shape = tuple(syms[s] if s in syms else syms.setdefault(s, cute.sym_int32()) for s in t.shape)
         stride = tuple(1 if s == 1 else cute.sym_int64(divisibility=div) for s in t.stride)
-        out.append(make_fake_tensor(dsl_type(t.dtype), shape, stride=stride, assumed_align=16 if t.tma else
-                                    dtype_bytes(t.dtype)))
+        out.append(make_fake_tensor(dsl_type(t.dtype), shape, stride=stride, assumed_align=t.alignment))
     return out
 
 
@@ -388,12 +401,13 @@ def _result(desc: GemmDesc, cfg: gemm.CuteConfig, key: str, code: epilogue.Epilo
             meta: dict, seconds: float, cached: bool) -> CuteBuild:
     tensors = gemm.tensor_abi(desc, code)
     names = gemm.abi_names(desc, code)
-    alignment = tuple((names[t.ptr_index], 16 if t.tma else _elem(t.dtype)) for t in tensors)
+    alignment = tuple((names[t.ptr_index], t.alignment) for t in tensors)
     return CuteBuild(key=key, dir=str(entry_dir), cubin=str(entry_dir / "kernel.cubin"),
                      host=str(entry_dir / "kernel.so"), symbol=meta["symbol"],
                      param_offsets=tuple(meta["param_offsets"]), param_sizes=tuple(meta["param_sizes"]),
                      config=tuple(cfg.as_dict().items()), args=gemm.abi_names(desc, code),
-                     scalars=tuple(l.name for l in code.scalars), dims=("M", "N", "K", "L"),
+                     scalars=tuple(l.name for l in code.scalars),
+                     dims=("M", "N", "K", "L", *(("R",) if desc.a_rows else ())),
                      alignment=alignment, seconds=seconds, cached=cached)
 
 

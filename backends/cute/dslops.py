@@ -201,7 +201,8 @@ def gather(tensor, *index):
 
 
 _DSL_TYPES = {"f16": "Float16", "bf16": "BFloat16", "f32": "Float32", "tf32": "Float32",
-              "f8e4m3": "Float8E4M3FN", "f8e5m2": "Float8E5M2", "i8": "Int8", "i32": "Int32"}
+              "f8e4m3": "Float8E4M3FN", "f8e5m2": "Float8E5M2", "i8": "Int8", "i32": "Int32",
+              "f8e8m0": "Float8E8M0FNU", "f4e2m1": "Float4E2M1FN"}
 
 
 def dsl_type(dtype: str):

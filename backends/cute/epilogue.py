@@ -64,9 +64,10 @@ def unsupported(desc: GemmDesc) -> str | None:
                     f"{desc.output.dtype} ({desc.output.layout}): the CuTe DSL backend stores aux outputs "
                     "like D only")
     for r in desc.reductions:
-        if r.op not in REDUCTION_OPS or r.axis not in ("m", "n"):
-            return f"epilogue reduction {r.op} along {r.axis} (the CuTe DSL backend reduces with sum or max along m or n)"
-        if r.dtype != "f32" or desc.acc_dtype != "f32":
+        if r.op not in REDUCTION_OPS or r.axis not in ("m", "n", "mn"):
+            return (f"epilogue reduction {r.op} along {r.axis} (the CuTe DSL backend reduces with sum or max "
+                    "along m, n or both)")
+        if r.dtype != "f32" or compute_dtype(desc) != "f32":
             return (f"epilogue reduction '{r.name}' of dtype {r.dtype} with a {desc.acc_dtype} accumulator: "
                     "reductions accumulate f32 values with f32 atomics")
     for e in (x for st in (desc.output, *desc.aux_stores, *desc.reductions) for x in _walk(st.value)):
@@ -86,11 +87,48 @@ def unsupported(desc: GemmDesc) -> str | None:
     if desc.b2 is not None and desc.acc_dtype == "i32":
         return "integer dual GEMMs are not implemented by the CuTe DSL backend"
     if desc.acc_dtype == "i32":
-        v = desc.output.value
-        while isinstance(v, Op) and v.fn.startswith("cast:"):
-            v = v.args[0]
-        if not isinstance(v, Accum):
-            return "integer GEMMs support only a plain (optionally cast) accumulator store on the CuTe DSL backend"
+        if desc.output.dtype == "i32" or any(st.dtype == "i32" for st in desc.aux_stores):
+            v = desc.output.value
+            while isinstance(v, Op) and v.fn.startswith("cast:"):
+                v = v.args[0]
+            if not isinstance(v, Accum) or desc.aux_stores or desc.reductions:
+                return ("integer GEMMs with an i32 output support only a plain (optionally cast) accumulator "
+                        "store on the CuTe DSL backend")
+        else:
+            # a float epilogue (SmoothQuant's dequantisation): the accumulator enters it only
+            # through f32(acc), exact below 2^24 and the same rounding as the reference's cast
+            why = _i32_acc_use(desc)
+            if why:
+                return why
+    return None
+
+
+def compute_dtype(desc: GemmDesc) -> str:
+    """The epilogue's arithmetic type: the accumulator's, except f32 for a float epilogue on an i32
+    accumulator (the generated function converts `acc` once, first)."""
+    if desc.acc_dtype == "i32" and desc.output.dtype != "i32":
+        return "f32"
+    return desc.acc_dtype
+
+
+def _i32_acc_use(desc: GemmDesc) -> str | None:
+    """Why a float epilogue reads an i32 accumulator other than as `f32(acc)` (None when it does not)."""
+    def bad(e, parent_ok: bool) -> str | None:
+        if isinstance(e, Accum):
+            return None if parent_ok else (
+                "a float epilogue on an i32 accumulator must convert it first, as f32(acc[m, n]) "
+                "(integer arithmetic on the accumulator inside the epilogue is not supported)")
+        if isinstance(e, Op):
+            ok = e.fn == "cast:f32"
+            for a in e.args:
+                why = bad(a, ok)
+                if why:
+                    return why
+        return None
+    for st in (desc.output, *desc.aux_stores, *desc.reductions):
+        why = bad(st.value, False)
+        if why:
+            return why
     return None
 
 
@@ -102,7 +140,10 @@ def generate(desc: GemmDesc) -> EpilogueCode:
     scalars: dict[str, Load] = {}
     lines: list[str] = []
     memo: dict[EpiExpr, str] = {}
-    acc = desc.acc_dtype
+    acc = compute_dtype(desc)
+    if acc != desc.acc_dtype:
+        # an i32 accumulator under a float epilogue: converted once (unsupported() allows only f32(acc))
+        lines.append("    acc = F.to_f32(acc)")
 
     def emit(e: EpiExpr) -> str:
         if e in memo:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kspec.backends.api import MAX_CLUSTER_CTAS, SettingProblem
 from kspec.backends.desc import GemmDesc
-from kspec.compiler.kir import VECTOR_AXIS
+from kspec.compiler.kir import VECTOR_AXIS, Load, epi_nodes
 from kspec.core import FP8_DTYPES, dtype_bytes
 
 from . import epilogue, sync
@@ -81,9 +81,15 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
             # PTX wgmma transposes (MN-major operands) only 16-bit types
             return (f"{a} WGMMA on sm90a needs K-major operands (A row-major, B column-major); "
                     f"got A {desc.a.layout} / B {desc.b.layout}")
+    if desc.scales:
+        why = _block_scale_problem(desc, arch)
+        if why:
+            return why
+    if desc.grouped and (desc.a.dtype not in _FLOAT16 + FP8_DTYPES or desc.acc_dtype != "f32"):
+        return f"the grouped GEMM takes f16, bf16 or fp8 operands (got {desc.a.dtype})"
     if desc.output.dtype not in _D_DTYPES:
         return f"output dtype {desc.output.dtype} is not supported by the CuTe DSL backend"
-    if (desc.output.dtype == "i32") != (desc.acc_dtype == "i32"):
+    if desc.output.dtype == "i32" and desc.acc_dtype != "i32":
         return f"output dtype {desc.output.dtype} with accumulator {desc.acc_dtype}"
     for e in (x for st in (desc.output, *desc.aux_stores, *desc.reductions) for x in epilogue._walk(st.value)):
         if isinstance(e, epilogue.Load) and e.kind != "scalar" and e.dtype not in ("f16", "bf16", "f32", "i32", "i8"):
@@ -111,8 +117,88 @@ def unvalidated(desc: GemmDesc, arch: str) -> str | None:
     return None
 
 
+GROUPED_TILE = (128, 128)
+
+
+def grouped_problem(ir, arch: str) -> str | None:
+    """None when a GEMM IR with packed buffers is a grouped GEMM the sm90a grouped kernel builds
+    (sm90_grouped.py): A and D packed by one offsets tensor over the GEMM's one batch axis (the
+    group), B dense per group, epilogue vectors per group or per packed row (same offsets)."""
+    s = ir.gemm
+    a, b = ir.buffer(s.a_buffer), ir.buffer(s.b_buffer)
+    off = a.packed if s.a_rows is None else ir.buffer(s.a_rows).packed
+    if off is None or (s.a_rows is not None and a.packed):
+        p = next(x for x in ir.buffers if x.packed)
+        return (f"{p.name} is packed({p.packed}); a grouped GEMM packs its A operand (the tokens), or the index "
+                "its rows are gathered by, by group")
+    if len(s.batch) != 1 or s.m_fold or s.k_fold or b.packed or s.dual or s.scales:
+        return f"a grouped GEMM packs A ({s.a_buffer}) by one group axis and reads B per group, dense"
+    if (s.a_layout, s.b_layout) != ("row", "col"):
+        return f"the grouped GEMM reads K-major A and B (A row-major, B [group, n, k]); got {s.a_layout}/{s.b_layout}"
+    stores = ir.epilogue.stores
+    if len(stores) != 1 or ir.epilogue.reductions or ir.buffer(stores[0].name).packed != off or \
+            stores[0].layout != "row":
+        return f"the grouped GEMM stores one row-major output packed({off}), with no reductions"
+    for ld in (x for x in epi_nodes(stores[0].value) if isinstance(x, Load)):
+        buf = ir.buffer(ld.name)
+        if ld.kind == "col_batched" and buf.packed == off:
+            continue
+        if ld.kind in ("row", "row_batched", "scalar") and buf.packed is None:
+            continue
+        return (f"epilogue input {ld.name} ({ld.kind}{', packed' if buf.packed else ''}): the grouped GEMM reads "
+                f"vectors over n (per group or shared), per-row vectors packed({off}) and scalars")
+    return None
+
+
+# Block-scaled FP8 (blockscale.py): the K tile is the scale block; one CTA tile has one B scale.
+BLOCK_SCALED_TILE = (128, 128)
+
+
+def is_mx(desc: GemmDesc) -> bool:
+    """MX block scales (E8M0 per 32 values along K, per row of A and column of B): tcgen05's
+    block-scaled MMA on sm100a (sm100_mx.py)."""
+    return len(desc.scales) == 2 and {sc.operand for sc in desc.scales} == {"a", "b"} and all(
+        (sc.dtype, sc.block_k, sc.block_mn, sc.order) == ("f8e8m0", 32, 1, "mk") for sc in desc.scales)
+
+
+def _block_scale_problem(desc: GemmDesc, arch: str) -> str | None:
+    if is_mx(desc):
+        if arch != "sm100a":
+            return "MX block-scaled GEMMs (E8M0 scales per 32 values) use tcgen05's block-scaled MMA: sm100a only"
+        if desc.a.dtype not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES:
+            return (f"MX operands {desc.a.dtype} x {desc.b.dtype}: the sm100a MX kernel takes fp8 (MXFP8); "
+                    "MXFP4 / NVFP4 are not written yet")
+        if (desc.a.layout, desc.b.layout) != ("row", "col") or desc.batched or desc.b2 is not None:
+            return "the MX kernel reads K-major A and B, not batched"
+        return None
+    a = desc.a.dtype
+    if a not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES or desc.acc_dtype != "f32":
+        return f"block-scaled GEMMs take fp8 operands (got {a} x {desc.b.dtype})"
+    if desc.b2 is not None or desc.batched:
+        return "block-scaled dual or batched GEMMs are not implemented"
+    if len({sc.operand for sc in desc.scales}) != len(desc.scales):
+        return "more than one block scale of one operand"
+    for sc in desc.scales:
+        if sc.dtype != "f32":
+            return f"block scale {sc.buffer} is {sc.dtype}; the sm90a block-scaled GEMM reads f32 scales"
+        if sc.block_k != k_tile(a):
+            return f"blocks of {sc.block_k} along K (the sm90a kernel's K tile, and so its scale block, is {k_tile(a)})"
+        if sc.operand == "a" and sc.block_mn not in (1, 128):
+            return f"A's scales cover {sc.block_mn} rows (1 or 128)"
+        if sc.operand == "b" and sc.block_mn % BLOCK_SCALED_TILE[1]:
+            return (f"B's scales cover {sc.block_mn} columns: one scale per CTA tile needs a multiple of "
+                    f"{BLOCK_SCALED_TILE[1]}")
+    return None
+
+
 def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     """The configurations worth trying for autotuning (all compile; which is fastest needs a GPU)."""
+    if desc.grouped:
+        return [c for c in (CuteConfig((64, 128)), CuteConfig((128, 128)), CuteConfig((128, 256)))
+                if valid_config(c, arch, desc=desc) is None]
+    if desc.scales:            # (the sm100a block-scaled kernel runs 1x1 clusters)
+        cls = ((1, 1),) if arch == "sm100a" else ((1, 1), (2, 1), (1, 2))
+        return [c for c in (CuteConfig(BLOCK_SCALED_TILE, cl) for cl in cls) if valid_config(c, arch, desc=desc) is None]
     return [c for c in _candidates(arch) if valid_config(c, arch, desc=desc) is None]
 
 
@@ -136,7 +222,8 @@ def smem_budget(desc: GemmDesc, arch: str, cfg: CuteConfig) -> "sync.SmemBudget"
                             b_bits=_bits(desc.b.dtype), d_bits=_bits(desc.output.dtype),
                             d_m_major=desc.output.layout == "col", dual=desc.b2 is not None,
                             num_aux=len(desc.aux_stores), inputs=inputs,
-                            reductions=tuple(r.axis for r in desc.reductions), override=cfg.stages)
+                            reductions=tuple("n" if r.axis == "mn" else r.axis for r in desc.reductions),
+                            override=cfg.stages)
 
 
 def _candidates(arch: str) -> list[CuteConfig]:
@@ -236,6 +323,10 @@ def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None
     dims = dims or {}
     m, n = dims.get("M"), dims.get("N")
     dual = desc.b2 is not None
+    if desc.scales:
+        return CuteConfig(BLOCK_SCALED_TILE)
+    if desc.grouped:
+        return CuteConfig(GROUPED_TILE)
     if desc.tile is not None:
         cfg = hint_config(desc, arch)
         if valid_config(cfg, arch, desc=desc) is None:
@@ -284,6 +375,11 @@ class TensorABI:
     stride: tuple[object, ...]
     tma: bool
     ptr_index: int = 0
+    align: int = 0                 # bytes the base must be aligned to besides TMA's 16 (0: the element)
+
+    @property
+    def alignment(self) -> int:
+        return 16 if self.tma else max(self.align, dtype_bytes(self.dtype))
 
     @property
     def dynamic_shapes(self) -> tuple[str, ...]:
@@ -298,12 +394,37 @@ class TensorABI:
         return self.shape[self.stride.index(1)]
 
 
+def _grouped_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]:
+    """A (M = all rows, K), B (N, K, L), the offsets (L + 1), the epilogue vectors, D (M, N): the
+    order of abi_names."""
+    # (A: TMA rows; gathered A: R rows read by 16-byte cp.async, the same alignment rule)
+    out = [TensorABI("a", desc.a.dtype, ("R" if desc.a_rows else "M", "K"), (("K",), 1), True, 0),
+           TensorABI("b", desc.b.dtype, ("N", "K", "L"), (("K",), 1, ("K", "N")), True, 1),
+           TensorABI("off", "i32", ("(L + 1)",), (1,), False, 2)]
+    nb = 3
+    if desc.a_rows:
+        out.append(TensorABI("rows", "i32", ("M",), (1,), False, 3))
+        nb = 4
+    for j, ld in enumerate(code.inputs):
+        if ld.kind == "col_batched":          # per packed row
+            out.append(TensorABI(f"i{j}", ld.dtype, ("M",), (1,), False, nb + j))
+        elif ld.kind == "row_batched":
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N", "L"), (1, ("N",)), False, nb + j))
+        else:
+            out.append(TensorABI(f"i{j}", ld.dtype, ("N",), (1,), False, nb + j))
+    out.append(TensorABI("d", desc.output.dtype, ("M", "N"), (("N",), 1), True, nb + len(code.inputs)))
+    return out
+
+
 def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]:
+    if desc.grouped:
+        return _grouped_abi(desc, code)
     a_row = desc.a.layout == "row"
     b_row = desc.b.layout == "row"
     d_row = desc.output.layout == "row"
     n_in = len(code.inputs)
-    nb = 2 if desc.b2 is None else 3            # pointers before the epilogue inputs: A, B (, B2)
+    # pointers before the epilogue inputs: A, B (, B2), the block scales
+    nb = (2 if desc.b2 is None else 3) + len(desc.scales)
     d_stride = (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N"))
     b_stride = (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N"))
     out = [
@@ -315,6 +436,15 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
     ]
     if desc.b2 is not None:
         out.insert(2, TensorABI("b2", desc.b2.dtype, ("N", "K", "L"), b_stride, True, 2))
+    for j, sc in enumerate(desc.scales):
+        # [mn blocks, k blocks] ("mk") or [k blocks, mn blocks], row-major, read element by element
+        mn = ("M" if sc.operand == "a" else "N") if sc.block_mn == 1 else \
+            f"({'M' if sc.operand == 'a' else 'N'} / {sc.block_mn})"
+        kb = f"(K / {sc.block_k})"
+        shape = (mn, kb) if sc.order == "mk" else (kb, mn)
+        # (MX scales: each row's 4 scales of a K tile by one 4-byte cp.async)
+        out.append(TensorABI(f"q{j}", sc.dtype, shape, ((shape[1],), 1), False, 2 + (desc.b2 is not None) + j,
+                             4 if sc.dtype == "f8e8m0" else 0))
     for j, ld in enumerate(code.inputs):
         if ld.kind in ("row", "col"):
             out.append(TensorABI(f"i{j}", ld.dtype, (VECTOR_AXIS[ld.kind].upper(),), (1,), False, nb + j))
@@ -327,11 +457,15 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
             out.append(TensorABI(f"i{j}", ld.dtype, ("M", "N", "L"), (("N",), 1, ("M", "N")), True, nb + j))
     for k, st in enumerate(desc.aux_stores):
         out.append(TensorABI(f"x{k}", st.dtype, ("M", "N", "L"), d_stride, True, nb + 1 + n_in + k))
-    # reduction outputs: one contiguous vector per batch, (M, L) for a reduction along n, (N, L) along m
+    # reduction outputs: one contiguous vector per batch, (M, L) for a reduction along n, (N, L) along
+    # m; a full reduction (along m and n) one value per batch entry, (L,)
     for k, r in enumerate(desc.reductions):
+        pos = nb + 1 + n_in + len(desc.aux_stores) + k
+        if r.axis == "mn":
+            out.append(TensorABI(f"r{k}", r.dtype, ("L",), (1,), False, pos))
+            continue
         ext = "M" if r.axis == "n" else "N"
-        out.append(TensorABI(f"r{k}", r.dtype, (ext, "L"), (1, (ext,)), False,
-                             nb + 1 + n_in + len(desc.aux_stores) + k))
+        out.append(TensorABI(f"r{k}", r.dtype, (ext, "L"), (1, (ext,)), False, pos))
     return out
 
 
@@ -340,7 +474,11 @@ def abi_names(desc: GemmDesc, code: "epilogue.EpilogueCode") -> tuple[str, ...]:
     first-use order, D, the auxiliary outputs, the reduction outputs -- the same order as the
     CUTLASS C++ backend, so one plan may use either backend per arch under one manifest signature."""
     b2 = (desc.b2.name,) if desc.b2 is not None else ()
-    return (desc.a.name, desc.b.name, *b2, *(l.name for l in code.inputs), desc.output.name,
+    if desc.grouped:
+        rows = (desc.a_rows,) if desc.a_rows else ()
+        return (desc.a.name, desc.b.name, desc.grouped, *rows, *(l.name for l in code.inputs), desc.output.name)
+    return (desc.a.name, desc.b.name, *b2, *(sc.buffer for sc in desc.scales), *(l.name for l in code.inputs),
+            desc.output.name,
             *(st.name for st in desc.aux_stores), *(r.name for r in desc.reductions))
 
 
@@ -356,8 +494,27 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     kinds = repr(code.input_kinds)
     ns = len(code.scalars)
     dual = ", dual=True" if desc.b2 is not None else ""
+    if epilogue.compute_dtype(desc) != desc.acc_dtype:     # a float epilogue on an i32 accumulator
+        dual += f", epi_dtype=cutlass.{_DSL_TYPES[epilogue.compute_dtype(desc)]}"
+    if desc.scales:
+        dual += f", scales={tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)!r}"
     reds = repr(code.reductions)
-    if arch == "sm90a":
+    if desc.grouped:
+        # per-row vectors of a grouped GEMM are packed by its offsets ("col_packed")
+        gkinds = tuple("col_packed" if k == "col_batched" else k for k in code.input_kinds)
+        cls = "Sm90GroupedGemm" if arch == "sm90a" else "Sm100GroupedGemm"
+        gather = ", gather=True" if desc.a_rows else ""
+        ctor = f"{cls}(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r}{gather})"
+        imp = f"from kspec.backends.cute.{'sm90' if arch == 'sm90a' else 'sm100'}_grouped import {cls}"
+    elif desc.scales and arch == "sm100a" and is_mx(desc):
+        ctor = f"Sm100MxGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {kinds}, {ns}, {cfg.stages!r})"
+        imp = "from kspec.backends.cute.sm100_mx import Sm100MxGemm"
+    elif desc.scales and arch == "sm100a":
+        scales = tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)
+        ctor = (f"Sm100BlockScaledGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {kinds}, {ns}, {cfg.stages!r}, "
+                f"{scales!r})")
+        imp = "from kspec.backends.cute.sm100_blockscaled import Sm100BlockScaledGemm"
+    elif arch == "sm90a":
         ctor = (f"Sm90Gemm(cutlass.{acc}, {cfg.tile!r}, {cfg.cluster!r}, kspec_epilogue, {kinds}, {ns}, "
                 f"{cfg.stages!r}, {reds}{dual})")
         imp = "from kspec.backends.cute.sm90 import Sm90Gemm"
@@ -373,6 +530,11 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
     auxes += "".join(f"r{k}, " for k in range(len(desc.reductions)))       # reduction outputs follow
     scs = "".join(f"s{k}, " for k in range(ns))
     b2 = "b2, " if desc.b2 is not None else ""
+    qs = "".join(f"q{j}, " for j in range(len(desc.scales)))
+    rows = ", rows" if desc.a_rows else ""
+    call = (f"    GEMM(a, b, d, off, ({ins}), ({scs}), max_clusters, stream{rows})\n" if desc.grouped else
+            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream, ({b2})"
+            f"{', (' + qs + ')' if qs else ''})\n")
     return (f'"""Generated by kspec (CuTe DSL backend) for GEMM {desc.name} on {arch}; do not edit."""\n'
             "import cuda.bindings.driver as cuda\n"
             "import cutlass\n"
@@ -383,4 +545,4 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
             f"GEMM = {ctor}\n\n\n"
             "@cute.jit\n"
             f"def kspec_entry({params}):\n"
-            f"    GEMM(a, b, d, ({auxes}), ({ins}), ({scs}), max_clusters, stream, ({b2}))\n")
+            f"{call}")

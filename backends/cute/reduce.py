@@ -34,7 +34,7 @@ from kspec.core import KspecInternalError
 
 from .epilogue import REDUCTION_OPS as OPS
 
-AXES = ("m", "n")
+AXES = ("m", "n", "mn")
 IDENTITY = {"sum": 0.0, "max": -math.inf}
 WARP = 32
 
@@ -49,6 +49,7 @@ class ReducePlan:
     key: int
     groups: tuple[tuple[int, ...], ...]
     lane_bits: tuple[int, ...]
+    full: bool = False          # along m and n: the row vector is combined into one value per tile
 
     @property
     def rep_mask(self) -> int:
@@ -65,7 +66,7 @@ def make_plan(op: str, axis: str, coords: dict[int, Sequence[tuple[int, ...]]]) 
     the layout does not have the structure the kernel's code relies on."""
     if op not in OPS or axis not in AXES:
         raise KspecInternalError(f"epilogue reduction {op} along {axis}")
-    key = 0 if axis == "n" else 1
+    key = 1 if axis == "m" else 0       # a full reduction ("mn") first reduces each row, as "n" does
     threads = sorted(coords)
     t0 = threads[0]
     nv = len(coords[t0])
@@ -94,7 +95,7 @@ def make_plan(op: str, axis: str, coords: dict[int, Sequence[tuple[int, ...]]]) 
     for w in {t // WARP for t in threads}:
         if any(w * WARP + l not in coords for l in range(WARP)):
             raise KspecInternalError(f"epilogue reduction: coordinates of warp {w} are incomplete")
-    return ReducePlan(op, key, groups, tuple(bits))
+    return ReducePlan(op, key, groups, tuple(bits), axis == "mn")
 
 
 def static_coords(partition: Callable[[int], object], threads: Sequence[int]) -> dict[int, list[tuple[int, ...]]]:
@@ -199,14 +200,27 @@ def reduce_subtile(vals, crd, off_m, off_n, M, N, base, s_red, plan: cutlass.Con
 def flush(s_red, length: cutlass.Constexpr, tid, num_threads: cutlass.Constexpr, base, extent, out, batch,
           plan: cutlass.Constexpr):
     """Step 4: s_red[i] -> out[base + i, batch] (atomics; entries beyond `extent` and entries that
-    still hold the identity are skipped), leaving s_red filled with the identity."""
+    still hold the identity are skipped), leaving s_red filled with the identity.  A full reduction
+    (plan.full) combines the tile's row vector into out[batch]: each thread its entries, then a
+    butterfly over the warp, then one atomic per warp."""
     ident = cutlass.Float32(IDENTITY[plan.op])
-    for i in range(tid, length, num_threads):
-        x = s_red[i]
-        s_red[i] = ident
-        if base + i < extent:
-            if x != ident:
-                _atomic(out.iterator + cute.crd2idx((base + i, batch), out.layout), x, plan.is_max)
+    if cutlass.const_expr(plan.full):
+        part = ident
+        for i in range(tid, length, num_threads):
+            part = _combine(part, s_red[i], plan.is_max)      # rows past M hold the identity
+            s_red[i] = ident
+        for b in cutlass.range_constexpr(5):
+            part = _combine(part, cute.arch.shuffle_sync_bfly(part, offset=1 << b), plan.is_max)
+        if cute.arch.lane_idx() == 0:
+            if part != ident:
+                _atomic(out.iterator + cute.crd2idx(batch, out.layout), part, plan.is_max)
+    else:
+        for i in range(tid, length, num_threads):
+            x = s_red[i]
+            s_red[i] = ident
+            if base + i < extent:
+                if x != ident:
+                    _atomic(out.iterator + cute.crd2idx((base + i, batch), out.layout), x, plan.is_max)
 
 
 @cute.jit

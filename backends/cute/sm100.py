@@ -34,8 +34,11 @@ class Sm100Gemm:
     shape (M must be even with 2-CTA UMMA)."""
 
     def __init__(self, acc_dtype, mma_tiler_mn, cluster_mn, use_2cta, epi_fn, input_kinds, num_scalars,
-                 stages=None, reductions=(), dual=False):
+                 stages=None, reductions=(), dual=False, epi_dtype=None):
         self.acc_dtype = acc_dtype
+        # the epilogue's arithmetic type: the accumulator's, or f32 for a float epilogue on an i32
+        # accumulator (the generated function converts the accumulator; inputs are staged as f32)
+        self.epi_dtype = acc_dtype if epi_dtype is None else epi_dtype
         self.mma_tiler = (*mma_tiler_mn, 1)
         self.cluster_shape_mn = tuple(cluster_mn)
         self.use_2cta_instrs = use_2cta
@@ -98,7 +101,8 @@ class Sm100Gemm:
             dual=self.dual, num_aux=self.num_aux,
             inputs=tuple(("row" if k in ROW_KINDS else "col" if k in COL_KINDS else "full", w)
                          for k, w in zip(self.input_kinds, self.input_widths)),
-            reductions=tuple(axis for _op, axis in self.reductions), override=self.stages_override)
+            reductions=tuple("n" if axis == "mn" else axis for _op, axis in self.reductions),
+            override=self.stages_override)
         a1 = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, 1)
         b1 = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, 1)
         c1 = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
@@ -366,16 +370,16 @@ class Sm100Gemm:
         em, en = self.epi_mn
         for j, kind in enumerate(self.input_kinds):
             if cutlass.const_expr(kind in ROW_KINDS):
-                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
             elif cutlass.const_expr(kind in COL_KINDS):
-                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
             else:
                 sIn.append(smem.allocate_tensor(inputs[j].element_type,
                                                 cute.make_layout((em, en, sync.RESIDUAL_STAGES), stride=(en, 1, em * en)), 128))
                 n_full += 1
                 full_bytes += em * en * inputs[j].element_type.width // 8
         # reductions: one f32 per MMA-tile row (column), combined into global memory once per tile
-        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.mma_tiler[0 if axis == "n" else 1],)), 128)
+        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.mma_tiler[0 if axis != "m" else 1],)), 128)
                 for _op, axis in self.reductions]
         in_bar = smem.allocate_array(cutlass.Int64, sync.RESIDUAL_STAGES)
         if warp_idx < self.mma_warp_id:
@@ -412,7 +416,7 @@ class Sm100Gemm:
             bSG_sC, bSG_gC_all = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
-            rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in self.input_kinds]
+            rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.epi_dtype) for _ in self.input_kinds]
             tTR_rAcc2 = [cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype) for _ in b2_atoms]
             # the sub-tile boxes of the output, as coordinates, and the matching TMA sources of full inputs
             cEpi_all = cute.flat_divide(tCcC_t, epi_tile)
@@ -439,7 +443,7 @@ class Sm100Gemm:
                     lambda t: copy_t2r.get_slice(t).partition_D(cS)[(None, None, None, 0, 0)], red.plan_threads(128))
                 plans = [red.make_plan(op, axis, coords) for op, axis in self.reductions]
                 self.traced.update(red_plans=plans, red_coords=coords)      # for tests
-                rRed = cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype)
+                rRed = cute.make_rmem_tensor(tTR_rAcc.shape, self.epi_dtype)
                 for r in cutlass.range_constexpr(len(self.reductions)):
                     red.fill(sRed[r], cute.size(sRed[r]), tidx, 128, plans[r])
                 epi_bar.arrive_and_wait()
@@ -480,11 +484,11 @@ class Sm100Gemm:
                         if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(tidx, self.mma_tiler[1], 128):
                                 sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), mt[2])].to(
-                                    self.acc_dtype)
+                                    self.epi_dtype)
                         elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(tidx, self.mma_tiler[0], 128):
                                 sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), mt[2])].to(
-                                    self.acc_dtype)
+                                    self.epi_dtype)
                     epi_bar.arrive_and_wait()
                 # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
                 # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
@@ -522,14 +526,15 @@ class Sm100Gemm:
                                 elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][e] = sIn[j][m - m0]
                                 else:
-                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(self.acc_dtype)
+                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(
+                                        self.epi_dtype)
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars,
                                          *(copy_r2s.retile(r).load() for r in tTR_rAcc2))
                     for r in cutlass.range_constexpr(len(self.reductions)):
                         copy_r2s.retile(rRed).store(values[1 + self.num_aux + r])
                         red.reduce_subtile(rRed, tTR_cC[(None, None, None, s)], 0, 0, M, N,
-                                           m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
+                                           m0 if self.reductions[r][1] != "m" else n0, sRed[r], plans[r])
                     tRS_rC.store(values[0].to(self.c_dtype))
                     buf = sync.ring_index(prev + s, self.num_c_stage)
                     cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
@@ -552,7 +557,7 @@ class Sm100Gemm:
                 if cutlass.const_expr(len(self.reductions) > 0):
                     # the accumulator is released first: the MMA warp need not wait for the flush
                     for r in cutlass.range_constexpr(len(self.reductions)):
-                        along_n = self.reductions[r][1] == "n"
+                        along_n = self.reductions[r][1] != "m"
                         red.flush(sRed[r], cute.size(sRed[r]), tidx, 128, m0 if along_n else n0,
                                   M if along_n else N, reds[r], mt[2], plans[r])
                     epi_bar.arrive_and_wait()

@@ -33,6 +33,17 @@ from . import reduce as red
 from . import sync
 
 
+def _cooperative_budget(budget, tile_mn, d_bits: int):
+    """The shared-memory split with the cooperative (two-warpgroup) epilogue sub-tile, for a tile the
+    planner's rule keeps on one warpgroup but block scales split (blockscale.py)."""
+    import dataclasses
+    tm, tn = tile_mn
+    epi = (min(128, tm), min(32, tn))
+    epi_bytes = budget.epi_bytes // (budget.epi_tile[0] * budget.epi_tile[1]) * epi[0] * epi[1]
+    fit = (sync.SMEM_CAPACITY - sync.SMEM_RESERVED["sm90a"] - epi_bytes - budget.in_bytes) // budget.ab_stage_bytes
+    return dataclasses.replace(budget, epi_tile=epi, epi_bytes=epi_bytes, fit=fit)
+
+
 class _Tf32WgmmaOp(MmaOp):
     """WGMMA with tf32 operands (`wgmma.mma_async...f32.tf32.tf32`, K = 8 per instruction), which the
     DSL wheel's warpgroup module does not wrap (it has f16/bf16, fp8 and int8 ops).  PTX allows
@@ -60,8 +71,11 @@ class Sm90Gemm:
     cluster_mn: cluster shape (TMA multicast of A along N, of B along M)."""
 
     def __init__(self, acc_dtype, tile_mn, cluster_mn, epi_fn, input_kinds, num_scalars, stages=None,
-                 reductions=(), dual=False):
+                 reductions=(), dual=False, epi_dtype=None, scales=()):
         self.acc_dtype = acc_dtype
+        # the epilogue's arithmetic type: the accumulator's, or f32 for a float epilogue on an i32
+        # accumulator (the generated function converts the accumulator; inputs are staged as f32)
+        self.epi_dtype = acc_dtype if epi_dtype is None else epi_dtype
         self.tile_shape_mnk = (tile_mn[0], tile_mn[1], 1)
         self.cluster_shape_mn = tuple(cluster_mn)
         self.epi_fn = epi_fn
@@ -74,7 +88,11 @@ class Sm90Gemm:
         self.dual = dual
         # two consumer warpgroups share an M=128 tile when N is wide ("cooperative"), and in a dual
         # GEMM (each holds half of both accumulators)
-        self.atom_layout_mnk = (2, 1, 1) if sync.sm90_cooperative(tile_mn, dual) else (1, 1, 1)
+        # block scales (blockscale.py): (operand, block_mn, order) per scale tensor; the promotion
+        # keeps a second register accumulator, so 128-row tiles are split over two warpgroups
+        self.scales = tuple(scales)
+        coop = sync.sm90_cooperative(tile_mn, dual) or (bool(self.scales) and tile_mn[0] > 64)
+        self.atom_layout_mnk = (2, 1, 1) if coop else (1, 1, 1)
         self.num_mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_wg
@@ -112,9 +130,13 @@ class Sm90Gemm:
             dual=self.dual, num_aux=self.num_aux,
             inputs=tuple(("row" if k in ROW_KINDS else "col" if k in COL_KINDS else "full", w)
                          for k, w in zip(self.input_kinds, self.input_widths)),
-            reductions=tuple(axis for _op, axis in self.reductions), override=self.stages_override)
+            reductions=tuple("n" if axis == "mn" else axis for _op, axis in self.reductions),
+            override=self.stages_override)
         if tk != sync.k_tile(self.a_dtype.width):
             raise KspecInternalError(f"sm_90a tile K {tk} != sync.k_tile {sync.k_tile(self.a_dtype.width)}")
+        if self.atom_layout_mnk == (2, 1, 1) and not sync.sm90_cooperative((tm, tn), self.dual):
+            # block scales split a 128-row tile over two warpgroups: the cooperative epilogue sub-tile
+            self.smem_budget = _cooperative_budget(self.smem_budget, (tm, tn), self.d_dtype.width)
         self.epi_tile = self.smem_budget.epi_tile
         self.epi_stage = sync.EPI_STORE_STAGES["sm90a"]
         why = self.smem_budget.problem()
@@ -147,7 +169,7 @@ class Sm90Gemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream, b2s=()):
+                 max_active_clusters: cutlass.Int32, stream, b2s=(), scale_ts=()):
         # kspec's tf32 operands are f32 in memory, multiplied as tf32
         self.a_dtype = cutlass.TFloat32 if a.element_type is cutlass.Float32 else a.element_type
         self.b_dtype = cutlass.TFloat32 if b.element_type is cutlass.Float32 else b.element_type
@@ -203,9 +225,49 @@ class Sm90Gemm:
                     tuple(full_atoms), tuple(full_tmas), scalars, tuple(x[0] for x in b2_loads),
                     tuple(x[1] for x in b2_loads),
                     self.tiled_mma, self.cta_layout_mnk,
-                    self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched).launch(
+                    self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched, scale_ts).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1, stream=stream)
+
+    @cute.jit
+    def _block_scaled_mainloop(self, tiled_mma, acc, tmp, tRS_rAcc, tRS_rTmp, tCrA, tCrB, ab_pipe, read, k_tiles,
+                               k_blocks: cutlass.Constexpr, scale_ts, plan: cutlass.Constexpr, tc, row0, M):
+        """One output tile's mainloop with block scales (blockscale.py): per K tile (= scale block),
+        tmp = A_kt B_kt on the tensor cores, then acc += tmp * sa[rows, kt] * sb[n block, kt]."""
+        tm, tn, _ = self.tile_shape_mnk
+        m0 = tc[0] * tm
+        n0 = tc[1] * tn
+        n_v = cute.size(tRS_rTmp) // len(plan.slot)
+        for k in range(k_tiles):
+            ab_pipe.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb > 0)
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, tmp, tCrA[crd], tCrB[crd], tmp)
+            cute.nvgpu.warpgroup.commit_group()
+            # the scales of this K block, loaded while the WGMMAs run
+            sb = cutlass.Float32(1.0)
+            rs = cute.make_rmem_tensor(len(plan.deltas), cutlass.Float32)
+            for i in cutlass.range_constexpr(len(plan.deltas)):
+                rs[i] = cutlass.Float32(1.0)
+            for j in cutlass.range_constexpr(len(self.scales)):
+                operand, block_mn, order = self.scales[j]
+                if cutlass.const_expr(operand == "b"):
+                    blk = n0 // block_mn
+                    sb = sb * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+                else:
+                    for i in cutlass.range_constexpr(len(plan.deltas)):
+                        blk = cutlass.min(m0 + row0 + plan.deltas[i], M - 1) // block_mn
+                        rs[i] = rs[i] * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(read)
+            read.advance()
+            for e in cutlass.range_constexpr(len(plan.slot)):
+                for v in cutlass.range_constexpr(n_v):
+                    x = e * n_v + v
+                    tRS_rAcc[x] = tRS_rAcc[x] + tRS_rTmp[x] * (rs[plan.slot[e][v]] * sb)
+        return read
 
     # ------------------------------------------------------------------ device code
     @cute.kernel
@@ -214,7 +276,7 @@ class Sm90Gemm:
                full_atoms, full_tmas, scalars, b2_atoms, b2_tmas,
                tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout, a_smem_staged: cute.ComposedLayout,
                b_smem_staged: cute.ComposedLayout, d_smem_staged: cute.ComposedLayout,
-               sched_params: utils.PersistentTileSchedulerParams):
+               sched_params: utils.PersistentTileSchedulerParams, scale_ts):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -244,9 +306,9 @@ class Sm90Gemm:
         full_bytes = 0
         for j, kind in enumerate(self.input_kinds):
             if cutlass.const_expr(kind in ROW_KINDS):
-                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tn,)), 128))
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((tn,)), 128))
             elif cutlass.const_expr(kind in COL_KINDS):
-                sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((tm,)), 128))
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((tm,)), 128))
             else:
                 # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
                 sIn.append(smem.allocate_tensor(inputs[j].element_type, cute.make_layout(
@@ -254,7 +316,7 @@ class Sm90Gemm:
                 n_full += 1
                 full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
         # reductions: one f32 per tile row (column), combined into global memory once per tile
-        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((tm if axis == "n" else tn,)), 128)
+        sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((tm if axis != "m" else tn,)), 128)
                 for _op, axis in self.reductions]
         in_bar = smem.allocate_array(cutlass.Int64, sync.RESIDUAL_STAGES)
         if cutlass.const_expr(n_full > 0):
@@ -366,7 +428,7 @@ class Sm90Gemm:
             tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             tRS_rD2 = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in acc2]
             tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
-            rIn = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in self.input_kinds]
+            rIn = [cute.make_rmem_tensor(rD_shape, self.epi_dtype) for _ in self.input_kinds]
             tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
             n_v = cute.size(tRS_rD)
             epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
@@ -374,13 +436,26 @@ class Sm90Gemm:
                 num_stages=self.epi_stage,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
             M, N, L = mD.shape
+            tmp = tRS_rTmp = bs_plan = bs_row0 = None
+            if cutlass.const_expr(len(self.scales) > 0):
+                # block scales: the K tile's product goes into tmp, then acc += tmp * scales
+                from . import blockscale as bsc
+                tmp = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+                tRS_rTmp = copy_r2s.retile(tmp)
+                ident = cute.make_identity_tensor(self.epi_tile)
+                bs_plan = bsc.row_plan(lambda t: copy_r2s.get_slice(t).partition_S(ident),
+                                       red.plan_threads(self.num_mma_threads), self.epi_tile,
+                                       (self.tile_shape_mnk[0] // self.epi_tile[0],
+                                        self.tile_shape_mnk[1] // self.epi_tile[1]))
+                self.traced.update(bs_plan=bs_plan)                       # for tests
+                bs_row0 = tRS_cL[0][0]
             plans = []
             if cutlass.const_expr(len(self.reductions) > 0):
                 coords = red.static_coords(lambda t: copy_r2s.get_slice(t).partition_S(
                     cute.make_identity_tensor(self.epi_tile)), red.plan_threads(self.num_mma_threads))
                 plans = [red.make_plan(op, axis, coords) for op, axis in self.reductions]
                 self.traced.update(red_plans=plans, red_coords=coords)      # for tests
-                rRed = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+                rRed = cute.make_rmem_tensor(rD_shape, self.epi_dtype)
                 for r in cutlass.range_constexpr(len(self.reductions)):
                     red.fill(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads, plans[r])
                 epi_bar.arrive_and_wait()
@@ -391,10 +466,14 @@ class Sm90Gemm:
                 acc.fill(0)
                 for x in cutlass.range_constexpr(len(acc2)):
                     acc2[x].fill(0)
+                if cutlass.const_expr(len(self.scales) > 0):
+                    # (the pipeline state comes back: a loop in a called function rebinds its own name)
+                    read = self._block_scaled_mainloop(tiled_mma, acc, tmp, tRS_rAcc, tRS_rTmp, tCrA, tCrB, ab_pipe,
+                                                       read, k_tiles, k_blocks, scale_ts, bs_plan, tc, bs_row0, M)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 # keep one WGMMA batch in flight: release a stage only after the next one issued
-                for k in range(k_tiles):
+                for k in range(0 if cutlass.const_expr(len(self.scales) > 0) else k_tiles):
                     ab_pipe.consumer_wait(read)
                     for kb in cutlass.range_constexpr(k_blocks):
                         crd = (None, None, kb, read.index)
@@ -408,7 +487,7 @@ class Sm90Gemm:
                         ab_pipe.consumer_release(release)
                         release.advance()
                 cute.nvgpu.warpgroup.wait_group(0)
-                if k_tiles > 0:
+                if k_tiles > 0 and cutlass.const_expr(len(self.scales) == 0):
                     ab_pipe.consumer_release(release)
                     release.advance()
 
@@ -434,11 +513,11 @@ class Sm90Gemm:
                         if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
                             for i in range(epi_tidx, tn, self.num_mma_threads):
                                 sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), tc[2])].to(
-                                    self.acc_dtype)
+                                    self.epi_dtype)
                         elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
                             for i in range(epi_tidx, tm, self.num_mma_threads):
                                 sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), tc[2])].to(
-                                    self.acc_dtype)
+                                    self.epi_dtype)
                     epi_bar.arrive_and_wait()
                 full_src = []
                 k = 0
@@ -483,13 +562,14 @@ class Sm90Gemm:
                                 elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
-                                    rIn[j][v] = sIn[j][lm, ln, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(self.acc_dtype)
+                                    rIn[j][v] = sIn[j][lm, ln, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(
+                                        self.epi_dtype)
                     values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars,
                                          *(r.load() for r in tRS_rD2))
                     for r in cutlass.range_constexpr(len(self.reductions)):
                         rRed.store(values[1 + self.num_aux + r])
                         red.reduce_subtile(rRed, tRS_cL, m0 + ec[0] * self.epi_tile[0], n0 + ec[1] * self.epi_tile[1],
-                                           M, N, m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
+                                           M, N, m0 if self.reductions[r][1] != "m" else n0, sRed[r], plans[r])
                     tRS_rOut.store(values[0].to(self.d_dtype))
                     buf = sync.ring_index(prev + e, self.epi_stage)
                     cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
@@ -508,7 +588,7 @@ class Sm90Gemm:
                 if cutlass.const_expr(len(self.reductions) > 0):
                     # every sub-tile's shared-memory atomics are done (the barrier above)
                     for r in cutlass.range_constexpr(len(self.reductions)):
-                        along_n = self.reductions[r][1] == "n"
+                        along_n = self.reductions[r][1] != "m"
                         red.flush(sRed[r], cute.size(sRed[r]), epi_tidx, self.num_mma_threads,
                                   m0 if along_n else n0, M if along_n else N, reds[r], tc[2], plans[r])
                     epi_bar.arrive_and_wait()

@@ -141,6 +141,10 @@ class CutlassBackend(NvccBuilt):
         a, b = s.a_dtype, s.b_dtype
         if s.dual:
             return "dual GEMMs (two B operands sharing the A tiles) are not implemented by the CUTLASS backend"
+        if s.scales:
+            return "block-scaled GEMMs (scales read at blocks of K inside the sum) are not implemented by the CUTLASS backend"
+        if s.a_rows is not None:
+            return "GEMMs whose A rows are gathered through an index are not implemented by the CUTLASS backend"
         if (a, b) not in GEMM_OPERANDS:
             if a == "f32" or b == "f32":
                 return f"operands {a} x {b}: CUTLASS tensor cores multiply f32 data as tf32 (declare it tf32)"
@@ -163,6 +167,8 @@ class CutlassBackend(NvccBuilt):
         for r in ir.epilogue.reductions:
             if r.op not in EPILOGUE_REDUCTIONS:
                 return f"epilogue reduction {r.op} has no EVT equivalent (max, sum)"
+            if r.axis not in ("m", "n"):
+                return f"epilogue reduction '{r.name}' over both m and n: the EVT reduces rows or columns only"
         return None
 
     def _attention_reason(self, ir: KernelIR, arch: str) -> str | None:
@@ -269,6 +275,12 @@ class CutlassBackend(NvccBuilt):
         return emit_attention(lowered.desc)
 
 
+def _packing(ir: KernelIR) -> str | None:
+    """The offsets a grouped GEMM's rows are packed by: A's, or the gathering index's."""
+    s = ir.gemm
+    return ir.buffer(s.a_rows if s.a_rows is not None else s.a_buffer).packed
+
+
 def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = None) -> LoweredPlan:
     """A GEMM kernel IR as a `GemmDesc` with C identifiers (shared by the CUTLASS and CuTe DSL
     backends, which use one argument order).  cfg: the CUTLASS configuration to record in it
@@ -300,8 +312,12 @@ def lower_gemm_desc(ir: KernelIR, arch: str, backend: str, cfg: dict | None = No
         tile = tuple(int(x) for x in cfg["tile"].split("x"))
         cluster = tuple(int(x) for x in cfg["cluster"].split("x"))
         hinted = cfg.get("source") == "hint"
+    from dataclasses import replace
+    scales = tuple(replace(sc, buffer=names(sc.buffer)) for sc in s.block_scales)
     desc = GemmDesc(name=f"k_{ir.id.rsplit('_', 1)[-1]}", arch=arch, a=a, b=b, acc_dtype=s.acc_dtype,
                     output=stores[-1], aux_stores=tuple(stores[:-1]), reductions=tuple(reds),
-                    batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None, b2=b2)
+                    batched=bool(s.batch), tile=tile, cluster=cluster, stages=hint.stages if hinted else None, b2=b2,
+                    scales=scales, grouped=names(_packing(ir)) if _packing(ir) else None,
+                    a_rows=names(s.a_rows) if s.a_rows is not None else None)
     return LoweredPlan(ir, arch, backend, desc, names.back(), s.dims, scalars)
 

@@ -48,6 +48,15 @@ def lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
 
 
 def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
+    for b in ir.buffers:
+        if b.dtype not in _CTYPE:
+            # FP4 data (two values a byte) and E8M0 scales: block-scaled GEMMs on tensor cores only
+            raise KspecLoweringError(f"plan {ir.id}: {b.name} is {b.dtype}, which the plain CUDA kernels do not "
+                                     "read or write (block-scaled formats: tensor-core GEMMs only)", ir.span)
+    for o in ir.ops:
+        if o.dtype not in _CTYPE and o.dtype != "bool":
+            raise KspecLoweringError(f"plan {ir.id}: a {o.dtype} value, which the plain CUDA kernels do not "
+                                     "compute with", ir.span)
     gen = _Gen(ir, arch)
     g = gen.g
     plan_id = ir.id
@@ -123,6 +132,10 @@ class GenericBackend(NvccBuilt):
             return f"the generic backend does not target {arch}"
         if ir.kind == "attention":
             return "fused attention has no loop-kernel form (the unfused plan is used instead)"
+        if ir.kind == "gemm" and ir.gemm.a_rows is not None:
+            return "a GEMM with gathered A rows has no loop-kernel form (the gather runs as a kernel of its own instead)"
+        if ir.kind == "gemm" and ir.gemm.scales:
+            return "a block-scaled GEMM has no loop-kernel form (its unfused ops run as separate kernels instead)"
         if ir.kind == "gemm" and ir.epilogue.reductions:
             return (f"it cannot fuse the epilogue reduction into {ir.epilogue.reductions[0].name} (use operand "
                     "dtypes a tensor-core backend takes, or reduce a stored result in a statement of its own)")

@@ -16,7 +16,7 @@ import networkx as nx
 import numpy as np
 
 from kspec.compiler import KernelSchedule, op, operands, plan_kernel
-from kspec.core import KspecRuntimeError, extent_value
+from kspec.core import KspecRuntimeError, extent_value, split_quotient_dim
 from kspec.spec_lang import CheckedKernel, CheckedProgram, KspecError, load_spec
 
 from . import varlen
@@ -317,6 +317,7 @@ class ReferenceKernel:
         sizes: dict[str, int] = dict(k.bindings)
         where: dict[str, str] = {s: "the spec" for s in sizes}
         inputs: dict[str, np.ndarray] = {}
+        quotients: list[tuple[str, str, int]] = []
         # packed (varlen) tensors after the offsets they are packed by
         for t in sorted(k.inputs, key=lambda t: t.packed is not None):
             if t.name not in arrays:
@@ -336,6 +337,9 @@ class ReferenceKernel:
             for dim, extent in zip(dims, extents):
                 if varlen.bind_offsets(dim, extent, sizes, where, t.name):
                     continue
+                if split_quotient_dim(dim) is not None:
+                    quotients.append((t.name, dim, extent))     # checked once every size is bound
+                    continue
                 if isinstance(dim, int):
                     if extent != dim:
                         raise KspecReferenceError(f"argument '{t.name}': expected shape "
@@ -354,6 +358,16 @@ class ReferenceKernel:
                 cu = varlen.check_offsets(t.packed, inputs[t.packed], int(np.asarray(inputs[t.packed])[-1]), t.name)
                 sizes[t.shape[1]] = int(np.diff(cu).max(initial=0))
                 where[t.shape[1]] = f"argument '{t.packed}'"
+        for name, dim, extent in quotients:
+            sym, q = split_quotient_dim(dim)
+            if sym not in sizes:
+                raise KspecReferenceError(f"argument '{name}': {dim} needs {sym}, which no other argument gives")
+            if sizes[sym] % q:
+                raise KspecReferenceError(f"argument '{name}': {dim}: {sym} = {sizes[sym]} (from {where[sym]}) is not a "
+                                          f"multiple of {q}", hint=f"block scales cover whole blocks of {q}: pad {sym}")
+            if extent != sizes[sym] // q:
+                raise KspecReferenceError(f"argument '{name}': {dim} must be {sizes[sym] // q} ({sym} = {sizes[sym]} "
+                                          f"from {where[sym]}), got {extent}")
         unbound = [s for s in k.symbols if s not in sizes]
         if unbound:
             raise KspecReferenceError(f"{k.name}: size {', '.join(unbound)} cannot be inferred from the inputs",

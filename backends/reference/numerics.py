@@ -16,7 +16,49 @@ STORAGE = {
     "i8": np.dtype(np.int8),
     "i32": np.dtype(np.int32),
     "bool": np.dtype(np.bool_),              # a condition: only ever a value inside a kernel
+    # host arrays hold one FP4 value a byte (ml_dtypes); device memory packs two (kspec.core)
+    "f4e2m1": np.dtype(ml_dtypes.float4_e2m1fn),
+    "f8e8m0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
+
+# ---- block-scaled formats -------------------------------------------------------------------
+# FP4 e2m1 (MXFP4, NVFP4 data): sign, 2 exponent bits, 1 mantissa bit; no infinity, no NaN.
+# Its magnitudes, in encoding order (the mantissa bit is the encoding's lowest bit):
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def round_e2m1(x) -> np.ndarray:
+    """f32 values rounded to FP4 e2m1 (as f32): to the nearest magnitude, a tie to the one whose
+    encoding is even (mantissa bit 0: 0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4), the sign kept (-0
+    exists); magnitudes above 6, infinities included, saturate to 6 (PTX's cvt.rn.satfinite); NaN,
+    which e2m1 cannot hold, becomes +6 (the largest value, as satfinite does for what it cannot
+    represent)."""
+    x = np.asarray(x, dtype=np.float32)
+    a = np.abs(x.astype(np.float64))
+    hi = np.clip(np.searchsorted(E2M1_MAGNITUDES, a, side="left"), 1, 7)
+    lo = hi - 1
+    dl, dh = a - E2M1_MAGNITUDES[lo], E2M1_MAGNITUDES[hi] - a
+    pick = np.where(dl < dh, lo, np.where(dh < dl, hi, np.where(lo % 2 == 0, lo, hi)))
+    mag = np.where(a >= 6.0, 6.0, E2M1_MAGNITUDES[pick])
+    out = np.copysign(mag, x.astype(np.float64))
+    return np.where(np.isnan(x), 6.0, out).astype(np.float32)
+
+
+def round_e8m0(x) -> np.ndarray:
+    """f32 values rounded to the E8M0 scale format (as f32): a power of two 2^e, e in [-127, 127],
+    no sign, no zero.  A positive finite x = m * 2^e (1 <= m < 2) rounds to 2^e when m < 1.5 and to
+    2^(e+1) otherwise (nearest, ties up); below 2^-127 it saturates to 2^-127; 2^128 and above, zero,
+    negative values, infinities and NaN are NaN (encoding 0xFF).  (ml_dtypes' float8_e8m0fnu
+    conversion; PTX's cvt.ue8m0x2 rounds toward zero or up instead: compute a scale with floor/ceil of
+    log2 first when that matters.)"""
+    x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m, e = np.frexp(np.where(np.isfinite(x) & (x > 0), x, 1.0))      # x = m * 2^e, 0.5 <= m < 1
+        e = e - 1 + (m >= 0.75)                                           # (2m = mantissa in [1, 2))
+        e = np.maximum(e, -127)
+        out = np.ldexp(1.0, e)
+    bad = ~np.isfinite(x) | (x <= 0) | (e > 127)
+    return np.where(bad, np.nan, out).astype(np.float32)
 INT_LIMITS = {"i8": (-128, 127), "i32": (-(1 << 31), (1 << 31) - 1)}
 
 
@@ -48,6 +90,10 @@ def to_storage(x, dtype: str) -> np.ndarray:
     if dtype in ("f8e4m3",):
         # e4m3fn has no infinity: saturate to the largest finite value like the hardware's satfinite
         x = np.clip(np.asarray(x, dtype=np.float32), -448.0, 448.0)
+    elif dtype == "f4e2m1":
+        return round_e2m1(x).astype(STORAGE[dtype])
+    elif dtype == "f8e8m0":
+        return round_e8m0(x).astype(STORAGE[dtype])
     with np.errstate(over="ignore"):      # out-of-range values become inf, as on the GPU
         return np.asarray(x).astype(STORAGE[dtype])
 

@@ -31,6 +31,10 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
         ("f8e5m2", None, (12, 8), "float8_e5m2", 0xFC),
         ("i8", "|i1", (0, 8), "int8", 0x80),
         ("i32", "<i4", (0, 32), "int32", 0x80000000),
+        # DLPack 1.1 codes kDLFloat4_e2m1fn = 17 (torch float4_e2m1fn_x2 holds two a byte) and
+        # kDLFloat8_e8m0fnu = 14; neither has -inf (e2m1: -6; e8m0 has no sign: 2^-127)
+        ("f4e2m1", None, (17, 4), "float4_e2m1fn_x2", 0xF),
+        ("f8e8m0", None, (14, 8), "float8_e8m0fnu", 0x00),
     ))}
 if tuple(DTYPES) != tuple(DTYPE_TABLE):
     raise KspecInternalError("kspec.runtime.dtypes does not cover kspec.core.DTYPE_TABLE")
@@ -41,14 +45,17 @@ STORAGE = {d.name: d.storage for d in DTYPE_TABLE.values() if d.storage != d.nam
 _FROM_TYPESTR = {"<f2": "f16", "<f4": "f32", "|i1": "i8", "<i1": "i8", "<i4": "i32",
                  "|u1": "u8", "<f8": "f64", "<i8": "i64", "<i2": "i16"}
 _FROM_DLPACK = {(2, 16): "f16", (4, 16): "bf16", (2, 32): "f32", (10, 8): "f8e4m3", (12, 8): "f8e5m2",
+                (14, 8): "f8e8m0", (17, 4): "f4e2m1",
                 (0, 8): "i8", (0, 32): "i32", (2, 64): "f64", (0, 64): "i64", (1, 8): "u8",
                 (0, 16): "i16", (6, 8): "bool"}
 _FROM_TORCH = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "f8e4m3",
                "float8_e5m2": "f8e5m2", "int8": "i8", "int32": "i32", "float64": "f64",
+               "float8_e8m0fnu": "f8e8m0", "float4_e2m1fn_x2": "f4e2m1",
                "int64": "i64", "uint8": "u8", "int16": "i16", "bool": "bool"}
 # ml_dtypes/numpy names accepted by DeviceBuffer besides kspec names
 _ALIASES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
-            "float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2", "int8": "i8", "int32": "i32"}
+            "float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2", "int8": "i8", "int32": "i32",
+            "float8_e8m0fnu": "f8e8m0", "float4_e2m1fn": "f4e2m1"}
 
 
 def storage(name: str) -> str:

@@ -15,14 +15,18 @@ def numpy_dtype(name: str):
     here and only for them)."""
     import numpy as np
     name = dtypes.storage(name)
-    if name in ("bf16", "f8e4m3", "f8e5m2"):
+    if name == "f4e2m1":
+        # two values a byte in device memory: no numpy dtype holds that layout
+        raise KspecRuntimeError("host arrays of f4e2m1 (two values a byte on the device) are not supported by the "
+                                "runtime's transfers", hint="pass device tensors (torch float4_e2m1fn_x2)")
+    if name in ("bf16", "f8e4m3", "f8e5m2", "f8e8m0"):
         try:
             import ml_dtypes
         except ImportError:
             raise KspecRuntimeError(f"host arrays of {name} need the ml_dtypes package",
                                     hint="pip install ml_dtypes") from None
         return np.dtype({"bf16": ml_dtypes.bfloat16, "f8e4m3": ml_dtypes.float8_e4m3fn,
-                         "f8e5m2": ml_dtypes.float8_e5m2}[name])
+                         "f8e5m2": ml_dtypes.float8_e5m2, "f8e8m0": ml_dtypes.float8_e8m0fnu}[name])
     return np.dtype({"f16": np.float16, "f32": np.float32, "i8": np.int8, "i32": np.int32}[name])
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strides, read_manifest
-from kspec.core import ARCH_TABLE, arch_of_cc, extent_value, split_offset_dim
+from kspec.core import ARCH_TABLE, arch_of_cc, extent_value, split_offset_dim, split_quotient_dim
 from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
 from kspec.runtime.emptycheck import check_no_empty_reduction
@@ -154,6 +154,7 @@ class Kernel:
         for name, view in views.items():
             self._check_tensor(specs[name], view, sizes, origin, is_output=name not in _names(k.inputs),
                                pitched=_pitched(k, name))
+        self._check_quotients(specs, views, sizes, origin)
         device = self._check_devices(views)
         allocate = tuple(t.name for t in k.outputs if t.name not in views)
         for t in (*(specs[n] for n in allocate), *k.intermediates):
@@ -225,6 +226,27 @@ class Kernel:
         return 0
 
     @staticmethod
+    def _check_quotients(specs: dict, views: dict, sizes: dict[str, int], origin: dict[str, str]) -> None:
+        """Every `K/32` dimension of an argument: K is a multiple of 32 and the extent is K / 32
+        (block scales cover whole blocks; nothing launches otherwise)."""
+        for name, v in views.items():
+            for axis, (e, n) in enumerate(zip(specs[name].shape, v.shape)):
+                quo = split_quotient_dim(e)
+                if quo is None:
+                    continue
+                sym, q = quo
+                if sym not in sizes:
+                    raise KspecRuntimeError(f"argument '{name}': dimension {axis} ({e}) needs {sym}, which no "
+                                            "other argument gives")
+                if sizes[sym] % q:
+                    raise KspecRuntimeError(
+                        f"argument '{name}': dimension {axis} ({e}): {sym} = {sizes[sym]} (from '{origin[sym]}') "
+                        f"is not a multiple of {q}", hint=f"block scales cover whole blocks of {q}: pad {sym}")
+                if n != sizes[sym] // q:
+                    raise KspecRuntimeError(f"argument '{name}': dimension {axis} ({e}) must be {sizes[sym] // q} "
+                                            f"({sym} = {sizes[sym]} from '{origin[sym]}'), got {n}")
+
+    @staticmethod
     def _check_tensor(spec: TensorSpec, v: TensorView, sizes: dict[str, int], origin: dict[str, str],
                       is_output: bool, pitched: bool = False) -> None:
         what = f"argument '{spec.name}'"
@@ -240,6 +262,13 @@ class Kernel:
                 if n != e:
                     raise KspecRuntimeError(f"{what}: dimension {axis} must be {e}, got {n} "
                                             f"(shape {tuple(v.shape)}, expected {spec.describe()})")
+            elif split_quotient_dim(e) is not None:
+                # `K/32` (one block scale per 32 values): checked against K once every tensor is bound
+                sizes.setdefault(e, n)
+                origin.setdefault(e, spec.name)
+                if sizes[e] != n:
+                    raise KspecRuntimeError(f"{what}: dimension {axis} ({e}) is {n}, but '{origin[e]}' has {e} = "
+                                            f"{sizes[e]}")
             elif split_offset_dim(e) is not None:
                 # `B+1`: the B + 1 offsets of B packed sequences bind B
                 sym, k = split_offset_dim(e)

@@ -68,7 +68,7 @@ def from_device(x: Any):
     if torch is not None and isinstance(x, torch.Tensor):
         t = x.detach().cpu()
         name = dtypes.from_torch(t.dtype)
-        if name in ("bf16", "f8e4m3", "f8e5m2"):   # numpy has no such dtypes: reinterpret the bits
+        if name in ("bf16", "f8e4m3", "f8e5m2", "f8e8m0"):   # numpy has no such dtypes: reinterpret the bits
             bits = t.contiguous().view(torch.int16 if name == "bf16" else torch.int8).numpy()
             return bits.view(numpy_dtype(name))
         return t.numpy()

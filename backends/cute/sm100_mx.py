@@ -1,0 +1,400 @@
+"""MXFP8 GEMMs on sm_100a with tcgen05's block-scaled MMA (`kind::mxf8f6f4`, one E8M0 scale per 32
+values along K): `sum(k) A[m, k] sa[m, k / 32] B[n, k] sb[n, k / 32]` with A, B fp8 and sa, sb
+f8e8m0, the scales stored as written, row-major [M, K / 32] and [N, K / 32].
+
+The tensor cores read the scales from tensor memory in their own blocked layout (the
+BlockScaledBasicChunk of `cutlass.utils.blockscaled_layout`: 128 rows x 4 scale columns = 512 bytes
+per 128-value K tile).  A row-major scale row holds a K tile's 4 scales in 4 consecutive bytes, which
+the blocked layout also keeps together, so four extra warps (6..9) copy each row's 4 bytes by
+cp.async straight into the stage's blocked shared-memory tile (no reformatting pass over memory,
+no TMA: a 4-byte row is below TMA's 16-byte minimum) and arrive on the stage's full barrier beside
+the TMA loads of A and B.  The MMA warp copies the stage's scales to tensor memory (tcgen05.cp,
+`Cp4x32x128bOp`) and issues the block-scaled MMAs; the epilogue is Sm100Gemm's (row/column vectors,
+scalars).  1-CTA UMMA 128 x 128, clusters 1x1, K a multiple of 128.  kspec's own kernel on the DSL
+wheel's block-scaled building blocks (the CUTLASS DSL examples' dense_blockscaled_gemm shows their
+use with TMA-loaded, pre-blocked scales).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.blockscaled_layout as blockscaled_utils
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
+                                      transform_partitioned_tensor_layout)
+
+from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
+from kspec.core import KspecInternalError
+
+from .sm100 import Sm100Gemm
+
+SF_VEC = 32
+SF_WARPS = (6, 7, 8, 9)
+
+
+def blocked_offsets(rows: int, k_tile: int) -> list[int]:
+    """Byte offset, in one stage's blocked scale tile, of each row's 4 scales of a K tile (trace time:
+    the BlockScaledBasicChunk tiled over (rows, k_tile), (2, 1) order as make_smem_layout_sfa does);
+    checks that the 4 scales of a row are consecutive bytes and that the rows cover the tile."""
+    layout = cute.tile_to_shape(blockscaled_utils.BlockScaledBasicChunk(SF_VEC).layout, (rows, k_tile), (2, 1))
+    offs = []
+    seen = set()
+    for m in range(rows):
+        row = [cute.crd2idx((m, j * SF_VEC), layout) for j in range(k_tile // SF_VEC)]
+        if any(not isinstance(x, int) for x in row) or row != list(range(row[0], row[0] + len(row))):
+            raise KspecInternalError("MX scales: a row's scales are not consecutive in the blocked layout")
+        seen.update(row)
+        offs.append(row[0])
+    if seen != set(range(rows * k_tile // SF_VEC)):
+        raise KspecInternalError("MX scales: the rows do not cover the blocked scale tile")
+    return offs
+
+
+class Sm100MxGemm(Sm100Gemm):
+    """mma_tiler_mn: (128, 128); A and B fp8 (K-major), scales f8e8m0 per 32 values of K."""
+
+    def __init__(self, acc_dtype, mma_tiler_mn, epi_fn, input_kinds, num_scalars, stages=None):
+        super().__init__(acc_dtype, mma_tiler_mn, (1, 1), False, epi_fn, input_kinds, num_scalars, stages)
+        self.threads_per_cta = 32 * 10
+
+    def _tiled_mma(self):
+        return sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, self.a_major, self.b_major, self.sf_dtype, SF_VEC, tcgen05.CtaGroup.ONE,
+            self.mma_tiler[:2])
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
+                 max_active_clusters: cutlass.Int32, stream, b2s=(), scale_ts=()):
+        self.a_dtype = a.element_type
+        self.b_dtype = b.element_type
+        self.c_dtype = c.element_type
+        self.sf_dtype = scale_ts[0].element_type
+        self.a_major = utils.LayoutEnum.from_tensor(a).mma_major_mode()
+        self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
+        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.input_widths = tuple(t.element_type.width for t in inputs)
+        self.num_aux = 0
+        tiled_mma = self._tiled_mma()
+        self._setup()
+        # the stages also hold each K tile's blocked scales (tm x 4 and tn x 4 bytes): fewer of them
+        tm, tn, tk = self.mma_tiler
+        sf_bytes = (tm + tn) * tk // SF_VEC
+        a1 = cute.size_in_bytes(self.a_dtype, cute.slice_(self.a_smem_staged, (None, None, None, 0)))
+        b1 = cute.size_in_bytes(self.b_dtype, cute.slice_(self.b_smem_staged, (None, None, None, 0)))
+        self.num_ab_stage = max(2, self.num_ab_stage * (a1 + b1) // (a1 + b1 + sf_bytes) - 1)
+        self.a_smem_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, self.num_ab_stage)
+        self.b_smem_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, self.num_ab_stage)
+        self.sfa_smem_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, SF_VEC,
+                                                                      self.num_ab_stage)
+        self.sfb_smem_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, SF_VEC,
+                                                                      self.num_ab_stage)
+        self.sf_stage_bytes = (tm * tk // SF_VEC, tn * tk // SF_VEC)
+        per = tk // SF_VEC
+        self._check_blocked(tm, tn, tk, per)
+        # TMEM: the double-buffered accumulator, then A's and B's scale columns
+        self.num_acc_cols = tn * self.num_acc_stage
+        self.num_sfa_cols = (tm // 32) * 4
+        self.num_sfb_cols = (tn // 32) * 4
+        self.num_tmem_cols = 512
+        a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
+        b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
+        tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100_utils.cluster_shape_to_tma_atom_A((1, 1), tiled_mma.thr_id), a, a_smem, self.mma_tiler, tiled_mma,
+            self.cluster_layout_vmnk.shape)
+        tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B((1, 1), tiled_mma.thr_id), b, b_smem, self.mma_tiler, tiled_mma,
+            self.cluster_layout_vmnk.shape)
+        self.num_tma_load_bytes = cute.size_in_bytes(self.a_dtype, a_smem) + cute.size_in_bytes(self.b_dtype, b_smem)
+        tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
+                                                cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
+        ntiles = cute.zipped_divide(c, tiler=cute.slice_(self.cta_tile_shape_mnk, (None, None, 0)))[
+            0, (None, None, None)].shape
+        sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, inputs, scalars, scale_ts[0], scale_ts[1],
+                    self.cluster_layout_vmnk, self.a_smem_staged, self.b_smem_staged, self.sfa_smem_staged,
+                    self.sfb_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
+            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), stream=stream)
+
+    def _check_blocked(self, tm, tn, tk, per):
+        """Trace time: the blocked scale tiles are the 128 x 4 chunks _copy_row writes into."""
+        for rows, staged, stage_bytes in ((tm, self.sfa_smem_staged, self.sf_stage_bytes[0]),
+                                          (tn, self.sfb_smem_staged, self.sf_stage_bytes[1])):
+            offs = blocked_offsets(rows, tk)
+            if offs != [(r % 32) * 16 + (r // 32) * per for r in range(rows)] or \
+                    cute.cosize(staged) != stage_bytes * self.num_ab_stage:
+                raise KspecInternalError("MX scales: the blocked shared-memory tile is not the 128 x 4 chunk "
+                                         "this kernel's scale loads assume")
+
+    @cute.jit
+    def _load_scales(self, mSFA: cute.Tensor, mSFB: cute.Tensor, sSFA_base, sSFB_base, ab_pipe, sched_params,
+                     k_tiles, tidx):
+        """Warps 6..9: per tile and K tile, wait for the stage, copy each row's 4 scale bytes of A's
+        and B's tile rows by cp.async into the stage's blocked tile, arrive on its full barrier."""
+        tm, tn, tk = self.mma_tiler
+        nthr = 32 * len(SF_WARPS)
+        t = tidx - 32 * SF_WARPS[0]
+        per = tk // SF_VEC                              # scales of a row in one K tile (4)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.sf_dtype, num_bits_per_copy=8 * per)
+        M = mSFA.shape[0]
+        N = mSFB.shape[0]
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
+        while work.is_valid_tile:
+            tc = work.tile_idx
+            for k in range(k_tiles):
+                ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                for j in cutlass.range_constexpr(tm // nthr):
+                    r = t + j * nthr
+                    src = cute.local_tile(mSFA[cutlass.min(tc[0] * tm + r, M - 1), None], (per,), (k,))
+                    self._copy_row(atom, src, sSFA_base, state.index * self.sf_stage_bytes[0], r, per)
+                for j in cutlass.range_constexpr(tn // nthr):
+                    r = t + j * nthr
+                    src = cute.local_tile(mSFB[cutlass.min(tc[1] * tn + r, N - 1), None], (per,), (k,))
+                    self._copy_row(atom, src, sSFB_base, state.index * self.sf_stage_bytes[1], r, per)
+                cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(state))
+                state.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+
+    @cute.jit
+    def _copy_row(self, atom, src, base, stage_off, r, per: cutlass.Constexpr):
+        """cp.async of row r's scales to their place in the stage's blocked tile, byte
+        (r % 32) * 16 + (r // 32) * 4 (the BlockScaledBasicChunk; __call__ checks this against the
+        layout the MMA's shared-memory descriptors use)."""
+        off = (r % 32) * 16 + (r // 32) * per
+        # (4-byte aligned by construction: the stage and row offsets are multiples of 4)
+        dst = cute.make_tensor((base + stage_off + off).align(4), cute.make_layout(per))
+        cute.copy(atom, src, dst)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+               mB: cute.Tensor, tma_c: cute.CopyAtom, mC_tma: cute.Tensor, mC: cute.Tensor, inputs, scalars,
+               mSFA: cute.Tensor, mSFB: cute.Tensor, cluster_layout_vmnk: cute.Layout,
+               a_smem_staged: cute.ComposedLayout, b_smem_staged: cute.ComposedLayout, sfa_smem_staged: cute.Layout,
+               sfb_smem_staged: cute.Layout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
+               sched_params: utils.PersistentTileSchedulerParams):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == self.tma_warp_id:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+        tidx, _, _ = cute.arch.thread_idx()
+
+        @cute.struct
+        class SharedStorage:
+            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
+            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+            tmem_dealloc_mbar: cutlass.Int64
+            tmem_holding_buf: cutlass.Int32
+            sSFA: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(sfa_smem_staged)], 128]
+            sSFB: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(sfb_smem_staged)], 128]
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        # the full barrier: A and B by TMA (1 arrival with their bytes), the scales by cp.async (one
+        # arrival per scale thread)
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 32 * len(SF_WARPS)),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        ab_producer, ab_consumer = ab_pipe.make_participants()
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        tmem = utils.TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
+            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=False,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
+        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+        sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
+                                  swizzle=a_smem_staged.inner)
+        sB = smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
+                                  swizzle=b_smem_staged.inner)
+        sSFA = storage.sSFA.get_tensor(sfa_smem_staged)
+        sSFB = storage.sSFB.get_tensor(sfb_smem_staged)
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+        thr_mma = tiled_mma.get_slice(0)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
+                                           cute.group_modes(thr_mma.partition_A(gA), 0, 3))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 3),
+                                           cute.group_modes(thr_mma.partition_B(gB), 0, 3))
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+
+        if warp_idx >= SF_WARPS[0]:
+            self._load_scales(mSFA, mSFB, storage.sSFA.data_ptr(), storage.sSFB.data_ptr(), ab_pipe, sched_params,
+                              k_tiles, tidx)
+
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                           cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        if warp_idx == self.tma_warp_id:
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                tAgA_t = tAgA[None, tc[0], None, tc[2]]
+                tBgB_t = tBgB[None, tc[1], None, tc[2]]
+                ab_producer.reset()
+                peek = ab_producer.try_acquire()
+                for k in cutlass.range(0, k_tiles, 1, unroll=1):
+                    h = ab_producer.acquire_and_advance(peek)
+                    cute.copy(tma_a, tAgA_t[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier)
+                    cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier)
+                    peek = cutlass.Boolean(1)
+                    if h.count + 1 < k_tiles:
+                        peek = ab_producer.try_acquire()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_producer.tail()
+
+        if warp_idx == self.mma_warp_id:
+            tmem.wait_for_alloc()
+            acc_tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(acc_tmem_ptr, tCtAcc_fake.layout)
+            # the scales' tensor-memory columns follow the accumulator's
+            tCtSFA = cute.make_tensor(
+                cute.recast_ptr(acc_tmem_ptr + self.num_acc_cols, dtype=self.sf_dtype),
+                blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, SF_VEC,
+                                                       cute.slice_(sfa_smem_staged, (None, None, None, 0))))
+            tCtSFB = cute.make_tensor(
+                cute.recast_ptr(acc_tmem_ptr + self.num_acc_cols + self.num_sfa_cols, dtype=self.sf_dtype),
+                blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, SF_VEC,
+                                                       cute.slice_(sfb_smem_staged, (None, None, None, 0))))
+            s2t_a, sSFA_s2t, tSFA_s2t = self._s2t(sSFA, tCtSFA)
+            s2t_b, sSFB_s2t, tSFB_s2t = self._s2t(sSFB, tCtSFB)
+            acc_prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
+            while work.is_valid_tile:
+                tCtAcc = tCtAcc_base[None, None, None, acc_prod.index]
+                ab_consumer.reset()
+                peek = ab_consumer.try_wait()
+                acc_pipe.producer_acquire(acc_prod)
+                for k in range(k_tiles):
+                    h = ab_consumer.wait_and_advance(peek)
+                    cute.copy(s2t_a, sSFA_s2t[(None, None, None, None, h.index)], tSFA_s2t)
+                    cute.copy(s2t_b, sSFB_s2t[(None, None, None, None, h.index)], tSFB_s2t)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, k != 0)
+                    crd = (None, None, None, h.index)
+                    cute.gemm(tiled_mma, tCtAcc, [tCrA[crd], tCtSFA], [tCrB[crd], tCtSFB], tCtAcc)
+                    h.release()
+                    peek = cutlass.Boolean(1)
+                    if h.count + 1 < k_tiles:
+                        peek = ab_consumer.try_wait()
+                acc_pipe.producer_commit(acc_prod)
+                acc_prod.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            acc_pipe.producer_tail(acc_prod)
+
+        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                  swizzle=c_smem_staged.inner)
+        sIn = []
+        for j, kind in enumerate(self.input_kinds):
+            sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout(
+                (self.mma_tiler[1] if kind in ROW_KINDS else self.mma_tiler[0],)), 128))
+        if warp_idx < self.mma_warp_id:
+            tmem.allocate(self.num_tmem_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
+            c_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            tCgC_t = transform_partitioned_tensor_layout(tCgC)
+            tCcC_t = transform_partitioned_tensor_layout(tCcC)
+            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
+            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
+                self, tidx, tCtAcc_t, tCgC_t, epi_tile, False)
+            tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+            bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
+            rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.epi_dtype) for _ in self.input_kinds]
+            n_v = cute.size(tTR_rAcc)
+            M, N, L = mC.shape
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+                bSG_gC = bSG_gC_all[(None, None, None, *tc)]
+                bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                tTR_cC = tTR_cC_all[(None, None, None, None, None, *tc)]
+                tTR_cC = cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))
+                tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cons.index)]
+                acc_pipe.consumer_wait(acc_cons)
+                tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                n_sub = cute.size(tTR_tAcc.shape, mode=[3])
+                prev = sched.num_tiles_executed * n_sub
+                m0 = tc[0] * self.mma_tiler[0]
+                n0 = tc[1] * self.mma_tiler[1]
+                if cutlass.const_expr(len(self.input_kinds) > 0):
+                    for j in cutlass.range_constexpr(len(self.input_kinds)):
+                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
+                            for i in range(tidx, self.mma_tiler[1], 128):
+                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.epi_dtype)
+                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
+                            for i in range(tidx, self.mma_tiler[0], 128):
+                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.epi_dtype)
+                    epi_bar.arrive_and_wait()
+                for s in cutlass.range_constexpr(n_sub):
+                    cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
+                    if cutlass.const_expr(len(self.input_kinds) > 0):
+                        tTR_cC_s = tTR_cC[(None, None, None, s)]
+                        for e in cutlass.range_constexpr(n_v):
+                            m, n, _l = tTR_cC_s[e]
+                            for j in cutlass.range_constexpr(len(self.input_kinds)):
+                                if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
+                                    rIn[j][e] = sIn[j][n - n0]
+                                else:
+                                    rIn[j][e] = sIn[j][m - m0]
+                    values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
+                                         tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
+                    tRS_rC.store(values[0].to(self.c_dtype))
+                    buf = (prev + s) % self.num_c_stage
+                    cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_bar.arrive_and_wait()
+                    if warp_idx == self.epilogue_warp_id[0]:
+                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
+                        c_pipe.producer_commit()
+                        c_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                epi_bar.arrive_and_wait()
+                with cute.arch.elect_one():
+                    acc_pipe.consumer_release(acc_cons)
+                acc_cons.advance()
+            c_pipe.producer_tail()
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)
+
+    def _s2t(self, sSF: cute.Tensor, tSF: cute.Tensor):
+        """The shared -> tensor memory copy of a scale tile (tcgen05.cp 4x32x128b): the copy, the
+        staged shared-memory source (as descriptors) and the tensor-memory destination."""
+        sSF_c = cute.filter_zeros(sSF)
+        tSF_c = cute.filter_zeros(tSF)
+        s2t = tcgen05.make_s2t_copy(cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.sf_dtype),
+                                    tSF_c)
+        thr = s2t.get_slice(0)
+        return s2t, tcgen05.get_s2t_smem_desc_tensor(s2t, thr.partition_S(sSF_c)), thr.partition_D(tSF_c)
