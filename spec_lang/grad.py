@@ -59,6 +59,10 @@ from __future__ import annotations
 
 from kspec.core import FLOAT_DTYPES, split_offset_dim
 
+# float dtypes a gradient cannot be stored in (d<X> is stored in X's dtype): such inputs are left
+# out of the default --wrt set, like integer inputs, and naming one is an error
+NO_GRADIENT_STORAGE = {"f8e8m0": "an E8M0 scale holds only unsigned powers of two"}
+
 from . import ast
 from .check import (CheckedKernel, CheckedProgram, TAccess, TBinary, TCall, TExpr, TGather,
                     TReduce, TSoftmax, TensorInfo, texpr_children)
@@ -201,7 +205,7 @@ class _Grad:
 
     def _wrt(self, wrt):
         k = self.k
-        floats = [t.name for t in k.inputs if t.dtype in FLOAT_DTYPES]
+        floats = [t.name for t in k.inputs if t.dtype in FLOAT_DTYPES and t.dtype not in NO_GRADIENT_STORAGE]
         for t in k.tensors:
             if t.packed is not None:
                 raise KspecError(f"kspec grad does not differentiate packed (varlen) tensors yet: '{t.name}' is "
@@ -224,6 +228,10 @@ class _Grad:
             if t.dtype not in FLOAT_DTYPES:
                 raise KspecError(f"--wrt names '{name}', an {t.dtype} input: integer inputs get no gradient", t.span,
                                  f"floating-point inputs: {', '.join(floats) or 'none'}")
+            if t.dtype in NO_GRADIENT_STORAGE:
+                raise KspecError(f"--wrt names '{name}', an {t.dtype} input: {NO_GRADIENT_STORAGE[t.dtype]}, so its "
+                                 "gradient cannot be stored in its dtype", t.span,
+                                 f"floating-point inputs kspec grad differentiates: {', '.join(floats) or 'none'}")
         return list(dict.fromkeys(wrt))
 
     # ---- 1. normalise (grad_normal.py) ----

@@ -17,7 +17,8 @@ import pytest
 import kspec
 from kspec.backends.reference.numerics import to_storage
 from kspec.spec_lang import KspecError, load_spec, parse, print_program
-from kspec.spec_lang.grad import grad_program
+from kspec.core import split_quotient_dim
+from kspec.spec_lang.grad import NO_GRADIENT_STORAGE, grad_program
 
 torch = pytest.importorskip("torch", reason="torch (CPU is enough) is needed for torch.autograd")
 
@@ -129,6 +130,25 @@ def _gemm_rowmax(p, t):
     return {"D": y, "rowmax": y.amax(-1)}
 
 
+def _int8_dequant(p, t):
+    return {"D": (t["A"] @ t["B"].T) * t["sa"][:, None] * t["sb"][None, :]}
+
+
+def _fp8_amax(p, t):
+    y = p["scale_a"] * p["scale_b"] * (t["A"] @ t["B"].T)
+    return {"D": y, "amax": y.abs().amax().reshape(1)}
+
+
+def _fp8_blockwise(p, t):
+    sa = t["sa"].repeat_interleave(128, 1)                              # sa[m, k / 128]
+    sb = t["sb"].repeat_interleave(128, 0).repeat_interleave(128, 1)    # sb[n / 128, k / 128]
+    return {"D": (t["A"] * sa) @ (t["B"] * sb).T}
+
+
+def _mxfp8(p, t):
+    return {"D": (t["A"] * t["sa"].repeat_interleave(32, 1)) @ (t["B"] * t["sb"].repeat_interleave(32, 1)).T}
+
+
 def _rope(p, t):
     q = t["Q"]
     rot = torch.cat([-q[..., 64:], q[..., :64]], -1)
@@ -159,6 +179,11 @@ CASES = {
     "cross_entropy": (dict(M=6, V=11), {}, {"label": np.array([0, 3, 10, 5, 5, 2])}, _cross_entropy),
     "fp8_gemm_cast_bias": (dict(M=4, K=8, N=5), {"scale_a": 1.0, "scale_b": 1.0}, {},
                            lambda p, t: {"D": p["scale_a"] * p["scale_b"] * (t["A"] @ t["B"].T) + t["bias"]}),
+    "fp8_gemm_amax": (dict(M=4, K=8, N=5), {"scale_a": 0.5, "scale_b": 1.5}, {}, _fp8_amax),
+    "fp8_gemm_blockwise": (dict(M=2, K=256, N=128), {}, {}, _fp8_blockwise),
+    "gemm_int8_dequant": (dict(M=4, K=6, N=5), {}, {"A": np.arange(24).reshape(4, 6) % 11 - 5,
+                                                    "B": np.arange(30).reshape(5, 6) % 7 - 3}, _int8_dequant),
+    "mxfp8_gemm": (dict(M=3, K=64, N=4), {}, {}, _mxfp8),
     "fp8_gemm_scaled": (dict(M=4, K=8, N=5), {"scale_a": 1.0, "scale_b": 1.0}, {},
                         lambda p, t: {"D": p["scale_a"] * p["scale_b"] * (t["A"] @ t["B"])}),
     "gemm": (dict(M=4, K=6, N=5), {}, {}, lambda p, t: {"D": t["A"] @ t["B"]}),
@@ -182,6 +207,8 @@ CASES = {
 # shipped specs kspec grad refuses, with the reason it gives
 REFUSED = {
     "gemm_int8": "no floating-point input",
+    "moe_grouped_gemm": "packed (varlen)",
+    "moe_gather_gemm": "packed (varlen)",
     "attention_varlen": "packed (varlen)",
     "attention_paged": "used only as a value",
 }
@@ -194,14 +221,23 @@ def test_every_shipped_spec_is_covered():
     assert sorted(CASES) + sorted(REFUSED) and set(CASES) | set(REFUSED) == {p.stem for p in SPECS.glob("*.kspec")}
 
 
+def _extent(d, sizes):
+    """A declared dimension's size: a literal, a symbol, or an exact quotient such as `K/128`."""
+    if isinstance(d, int):
+        return d
+    q = split_quotient_dim(d)
+    return sizes[q[0]] // q[1] if q else sizes[d]
+
+
 def _arrays(kernel, sizes, ints, rng):
     out = {}
     for t in kernel.inputs:
         if t.name in ints:
             out[t.name] = np.asarray(ints[t.name], dtype=np.int32)
             continue
-        shape = tuple(d if isinstance(d, int) else sizes[d] for d in t.shape)
-        x = rng.standard_normal(shape)
+        shape = tuple(_extent(d, sizes) for d in t.shape)
+        # an E8M0 scale is a power of two (and gets no gradient: NO_GRADIENT_STORAGE)
+        x = 2.0 ** rng.integers(-3, 4, shape) if t.dtype in NO_GRADIENT_STORAGE else rng.standard_normal(shape)
         if t.layout == "col":
             x = np.asfortranarray(x)
         out[t.name] = x
@@ -233,10 +269,10 @@ def run_grad(text: str, stem: str, case, seed=0):
         if t.name in ints:
             tens[t.name] = torch.tensor(xs[t.name].astype(np.int64))
         else:
-            tens[t.name] = torch.tensor(_exact(xs[t.name], t.dtype), requires_grad=True)
+            tens[t.name] = torch.tensor(_exact(xs[t.name], t.dtype), requires_grad=t.dtype not in NO_GRADIENT_STORAGE)
     outs = fn(params, tens)
     loss = sum((outs[t.name] * torch.tensor(_exact(douts["d" + t.name], t.dtype))).sum() for t in k.outputs)
-    floats = [t for t in k.inputs if t.name not in ints]
+    floats = [t for t in k.inputs if t.name not in ints and t.dtype not in NO_GRADIENT_STORAGE]
     want = torch.autograd.grad(loss, [tens[t.name] for t in floats], allow_unused=True)
     widest = max((t.dtype for t in k.tensors if t.dtype in TOL), key=TOL.__getitem__)
     return {t.name: (np.asarray(got["d" + t.name]).astype(np.float64),
@@ -421,3 +457,15 @@ def test_cli_grad(tmp_path):
                         "-o", str(bad)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and "cross_entropy.kspec:5:" in r.stderr and "integer inputs" in r.stderr
     assert not bad.exists()
+
+
+def test_e8m0_scales_get_no_gradient():
+    """An E8M0 scale holds unsigned powers of two: d<scale> cannot be stored in it, so the default
+    differentiates the data only, and asking for the scale is a located error."""
+    prog = load_spec(SPECS / "mxfp8_gemm.kspec")
+    bwd = load_spec(grad_program(prog), is_text=True).kernel("mxfp8_gemm_bwd")
+    assert [t.name for t in bwd.outputs] == ["dA", "dB"]
+    with pytest.raises(KspecError, match=r"--wrt names 'sa', an f8e8m0 input: an E8M0 scale holds only unsigned "
+                                         r"powers of two") as e:
+        grad_program(prog, wrt=["sa"])
+    assert e.value.span is not None
