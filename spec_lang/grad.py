@@ -61,7 +61,7 @@ from kspec.core import FLOAT_DTYPES, split_offset_dim
 
 # float dtypes a gradient cannot be stored in (d<X> is stored in X's dtype): such inputs are left
 # out of the default --wrt set, like integer inputs, and naming one is an error
-NO_GRADIENT_STORAGE = {"f8e8m0": "an E8M0 scale holds only unsigned powers of two"}
+NO_GRADIENT_STORAGE = {"f8e8m0": "an E8M0 scale is an unsigned power-of-two exponent"}
 
 from . import ast
 from .check import (CheckedKernel, CheckedProgram, TAccess, TBinary, TCall, TExpr, TGather,

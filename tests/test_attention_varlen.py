@@ -134,12 +134,20 @@ def test_packed_buffers_in_the_kernel_ir_and_which_backends_take_them():
             plan_kernel(load_spec(VARLEN).kernels[0], ("sm90a",), Planner())
 
 
-def test_the_cute_gemm_declines_packed_buffers():
-    from kspec.backends.cute.backend import CuteBackend
-    sched = plan_kernel(load_spec(VARLEN).kernels[0])
-    import dataclasses
-    ir = dataclasses.replace(sched.plans[0].ir, kind="gemm", attention=None)
-    assert "packed(cu_" in CuteBackend().can_implement(ir, "sm90a")
+def test_the_cute_gemm_declines_packed_buffers_it_cannot_group():
+    """A packed A with a weight shared by every sequence is no grouped GEMM (one B per group): the
+    CuTe DSL backend says so, and no backend builds it (planning refuses it, located)."""
+    from kspec.backends.registry import Planner
+    text = """kernel packed_linear {
+  in cu : i32[B + 1]
+  in X : bf16[B, S, 64] packed(cu)
+  in W : bf16[N, 64]
+  out Y : bf16[B, S, N] packed(cu)
+  Y[b, s, n] = sum(k) X[b, s, k] * W[n, k]
+}"""
+    with pytest.raises(KspecError, match=r"no backend can build kernel packed_linear_0 \(gemm\) on sm90a: cute: a "
+                                         r"grouped GEMM packs A \(X\) by one group axis and reads B per group"):
+        plan_kernel(load_spec(text, is_text=True).kernels[0], ("sm90a",), Planner())
 
 
 @pytest.mark.parametrize("mask, native", [

@@ -460,12 +460,12 @@ def test_cli_grad(tmp_path):
 
 
 def test_e8m0_scales_get_no_gradient():
-    """An E8M0 scale holds unsigned powers of two: d<scale> cannot be stored in it, so the default
+    """An E8M0 scale is an unsigned power-of-two exponent: d<scale> cannot be stored in it, so the default
     differentiates the data only, and asking for the scale is a located error."""
     prog = load_spec(SPECS / "mxfp8_gemm.kspec")
     bwd = load_spec(grad_program(prog), is_text=True).kernel("mxfp8_gemm_bwd")
     assert [t.name for t in bwd.outputs] == ["dA", "dB"]
-    with pytest.raises(KspecError, match=r"--wrt names 'sa', an f8e8m0 input: an E8M0 scale holds only unsigned "
-                                         r"powers of two") as e:
+    with pytest.raises(KspecError, match=r"--wrt names 'sa', an f8e8m0 input: an E8M0 scale is an unsigned "
+                                         r"power-of-two exponent") as e:
         grad_program(prog, wrt=["sa"])
     assert e.value.span is not None
