@@ -350,7 +350,7 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                                                      kind=p.choices[arch].kind)
                     if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
                         raise KspecInternalError(f"plan {p.id} has a different ABI on {arch}")
-                plans.append(_plan_entry(p, first, binaries))
+                plans.append(_plan_entry(p, first, binaries, _squeezed(sched)))
             entries.append(KernelEntry(
                 name=k.name,
                 inputs=tuple(_tensor_spec(t) for t in k.inputs),
@@ -465,11 +465,26 @@ def _build_binaries(emitted: EmittedSpec, cache_root: Path, jobs: int | None, pr
     return out
 
 
-def _plan_entry(p, ep: EmittedPlan, binaries):
+def _squeezed(sched) -> dict[str, tuple[int, ...]]:
+    """Inputs the kernels read without some extent-1 axes (canon.squeeze_unit_reads): name -> those
+    axes of the spec's tensor."""
+    from kspec.compiler import op
+    g = sched.graph
+    return {op(g, n).name: op(g, n).squeezed for n in g.nodes if op(g, n).kind == "input" and op(g, n).squeezed}
+
+
+def _spec_axis(squeezed: tuple[int, ...], axis: int) -> int:
+    """The spec tensor's axis that axis `axis` of its squeezed view is."""
+    kept = [k for k in range(axis + len(squeezed) + 1) if k not in squeezed]
+    return kept[axis]
+
+
+def _plan_entry(p, ep: EmittedPlan, binaries, squeezed: dict | None = None):
     from kspec.artifact import Plan
     lp, em = ep.lowered, ep.emitted
     names = lp.names
     dims = dict(lp.dims)
+    squeezed = squeezed or {}
     return Plan(
         id=p.id, kind=p.kind if p.kind in ("gemm", "attention") else "elementwise",
         dims=tuple((role, dims[role]) for role in em.dims),
@@ -478,7 +493,8 @@ def _plan_entry(p, ep: EmittedPlan, binaries):
         init={names[n]: v for n, v in em.init},
         alignment={names[n]: a for n, a in em.alignment},
         binaries=binaries,
-        strides={role: (names[a], axis) for role, a, axis in getattr(lp.desc, "strides", ())})
+        strides={role: (names[a], _spec_axis(squeezed.get(names[a], ()), axis))
+                 for role, a, axis in getattr(lp.desc, "strides", ())})
 
 
 def _resources(cubin: Path, toolchain, cache_root: Path | None = None,

@@ -157,3 +157,59 @@ def test_the_rewritten_graph_computes_the_same_values(kind):
     }[kind]
     out = kspec.reference(src)(Q=Q, K=K, V=V, bias=bias)["O"].astype(np.float64)
     np.testing.assert_allclose(out, _attention64(Q, K, V, 0.125, keep, b), rtol=3e-3, atol=3e-3)
+
+
+MQA = """kernel k {
+  param scale : f32 = 0.125
+  in  Q : f16[B, 8, S, 64]
+  in  K : f16[KDECL]
+  in  V : f16[KDECL]
+  out O : f16[B, 8, S, 64]
+  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[KREAD]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[VREAD]
+}"""
+
+
+def mqa(decl="B, T, 64", read="b, j, e"):
+    return MQA.replace("KDECL", decl).replace("KREAD", read).replace("VREAD", read)
+
+
+def _attention_ir(src):
+    sched = plan_kernel(load_spec(src, is_text=True).kernels[0], ARCHS, Accepting())
+    assert [p.kind for p in sched.plans] == ["attention"], [p.kind for p in sched.plans]
+    return verify(sched.plans[0].ir)
+
+
+@pytest.mark.parametrize("decl, read", [("B, 1, T, 64", "b, 0, j, e"), ("1, B, T, 64", "0, b, j, e"),
+                                        ("B, 1, T, 1, 64", "b, 0, j, 0, e")])
+def test_singleton_head_axes_are_multi_query_attention(decl, read):
+    # K declared [B, 1, T, d] and read at head 0 is K[b, j, e]: the same kernel IR (and MQA: K/V shared
+    # across the heads); the spec's own K still takes the declared shape
+    a = _attention_ir(mqa(decl, read))
+    assert a.digest() == _attention_ir(mqa()).digest()
+    assert a.attention.kv_shared == ("h",) and a.buffer("K").shape == ("B", "T", 64)
+
+
+def test_a_unit_axis_read_elsewhere_is_not_squeezed():
+    # K also read at a computed head: not a view of K without its head axis
+    src = mqa("B, 1, T, 64", "b, 0, j, e").replace("* V[b, 0, j, e]", "* V[b, h - h, j, e]")
+    sched = plan_kernel(load_spec(src, is_text=True).kernels[0], ARCHS, Accepting())
+    assert sched.graph is not None
+    from kspec.compiler import op
+    ins = {op(sched.graph, n).name: op(sched.graph, n) for n in sched.graph.nodes if op(sched.graph, n).kind == "input"}
+    assert ins["K"].squeezed == (1,) and ins["V"].squeezed == () and len(ins["V"].shape) == 4
+
+
+def test_singleton_mqa_computes_the_declared_function():
+    import kspec
+    rng = np.random.default_rng(5)
+    B, S, T = 2, 3, 17
+    Q = rng.standard_normal((B, 8, S, 64)).astype(np.float16)
+    K, V = (rng.standard_normal((B, 1, T, 64)).astype(np.float16) for _ in range(2))
+    out = kspec.reference(mqa("B, 1, T, 64", "b, 0, j, e"))(Q=Q, K=K, V=V)["O"].astype(np.float64)
+    Kb, Vb = (np.broadcast_to(x, (B, 8, T, 64)) for x in (K, V))
+    s = 0.125 * np.einsum("bhie,bhje->bhij", Q.astype(np.float64), Kb.astype(np.float64))
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhij,bhje->bhie", p / p.sum(-1, keepdims=True), Vb.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=3e-3, atol=3e-3)
