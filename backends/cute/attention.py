@@ -101,6 +101,8 @@ class AttnDesc:
     # packed buffer's rows are the role S (T); () entries: the canonical [B, H, S, D]
     layouts: tuple[tuple[str, ...], ...] = ()
     sm_counts: tuple[int, ...] = ()    # every SKU (SM count) to build for, sm_count first; () = sm_count only
+    split: bool = False                # the split-KV build (splitkv.py): O and LSE partials in the workspace
+    splits: int = 0                    # split-KV count fixed by a tuning winner (0: splitkv.num_splits' heuristic)
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -461,6 +463,7 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
             ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
             ("lse", "yes" if desc.lse else "no"), ("sm_count", ",".join(map(str, skus(desc)))),
+            ("split_kv", _split_item(desc)),
             *((("paged_kv", f"page_size={desc.page_size}"),) if desc.page_table else ()),
             *((("seqused_k", "yes"),) if desc.seqused_k else ()),
             *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_seqlens_q),
@@ -469,6 +472,15 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
             *((("layout", " ".join("".join(r[0] if r != "HK" else "H" for r in lay) for lay in desc.layouts)),)
               if desc.layouts else ()),
             ("source", "FlashAttention-4 heuristics"))
+
+
+def _split_item(desc: AttnDesc) -> str:
+    """The config's split_kv item: the split count rule of the split-KV variant, or why there is none."""
+    from . import splitkv
+    why = splitkv.split_unsupported(desc)
+    if why:
+        return "none (" + why.split(" (")[0].split(":")[0] + ")"
+    return f"{desc.splits} (tuned)" if desc.splits else "auto (FlashAttention-4 heuristic, per call)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,9 +537,19 @@ def _tensors(desc: AttnDesc):
     else:
         k = ("mK", 1, desc.dtype, *_modes(desc, 1, d))
         v = ("mV", 2, desc.dtype, *_modes(desc, 2, dv))
-    out = [("mQ", 0, desc.dtype, *_modes(desc, 0, d)), k, v, ("mO", 3, desc.dtype, *_modes(desc, 3, dv))]
+    if desc.split:
+        # FA4's split-KV outputs, in the workspace (splitkv.py): O partials (NS, B, S, H, dv) and LSE
+        # partials (NS, B, H, S), f32, contiguous; the spec's O (and LSE) are the combine's
+        o = ("mO", 3, "f32", ("NS", "B", "S", "H"), (("B", "S", "H", str(dv)), ("S", "H", str(dv)), ("H", str(dv)),
+                                                      (str(dv),)))
+    else:
+        o = ("mO", 3, desc.dtype, *_modes(desc, 3, dv))
+    out = [("mQ", 0, desc.dtype, *_modes(desc, 0, d)), k, v, o]
     i = 4
-    if desc.lse:
+    if desc.split:
+        out.append(("mLSE", i if desc.lse else -1, "f32", ("NS", "B", "H", "S"), (("B", "H", "S"), ("H", "S"), ("S",))))
+        i += 1 if desc.lse else 0
+    elif desc.lse:
         out.append(("mLSE", i, "f32", *_lse_modes(desc)))
         i += 1
     for k, a in enumerate(desc.aux):
@@ -553,6 +575,7 @@ class _GlueTensor:          # what build.capture_glue reads
     ptr_index: int
     dynamic_shapes: tuple[str, ...]
     dynamic_strides: tuple[tuple[str, ...], ...]
+    data: str | None = None     # the address, when not the ABI pointer (split-KV partials: the workspace)
 
 
 def _values(desc: AttnDesc) -> list[tuple[str, str]]:
@@ -734,10 +757,12 @@ def _signature(obj) -> str:
     return repr(([norm(a) for a in args], sorted((k, norm(v)) for k, v in kwargs.items())))
 
 
-def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object, list[tuple[int, int, int]]]]:
+def choose_variants(desc: AttnDesc, mod, points=None, num_splits: int = 1,
+                    seqlen_k: int | None = None) -> list[tuple[str, object, list[tuple[int, int, int]]]]:
     """[(signature, FA4 kernel object, (S, B, HK) sizes it serves)] in order of first use, from FA4's
     heuristics on the SKU desc.sm_count, at `points` (default: sweep_points); `mod` is the imported
-    entry module (its generated mods)."""
+    entry module (its generated mods).  num_splits, seqlen_k: FA4's split count and the key count
+    asked for (default: no split, as many keys as queries)."""
     import torch
 
     import cutlass.cute as cute
@@ -782,13 +807,14 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                     # packed: s query rows in all (and as many key rows), split into `batch` sequences
                     q_rows = (s,) if desc.cu_seqlens_q else (batch, s)
                     q = torch.empty(*q_rows, h, desc.head_dim, dtype=tdt, device="cuda")
-                    kv_rows = (batch, max(s, 1))
+                    n_keys = max(seqlen_k or s, 1)
+                    kv_rows = (batch, n_keys)
                     paged = {}
                     if desc.page_table:
                         # a page size that is a size symbol may be anything at run time: FA4's
                         # cp.async page loads (any page size), which a non-tile page size selects
                         page = int(desc.page_size) if desc.page_size.isdigit() else 16
-                        pages = -(-max(s, 1) // page)
+                        pages = -(-n_keys // page)
                         kv_rows = (batch * pages, page)
                         paged["page_table"] = torch.empty(batch, pages, dtype=torch.int32, device="cuda")
                     if desc.seqused_k:
@@ -796,7 +822,7 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                     if desc.cu_seqlens_q:
                         paged["cu_seqlens_q"] = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
                     if desc.cu_seqlens_k:
-                        kv_rows = (max(s, 1),)
+                        kv_rows = (n_keys,)
                         paged["cu_seqlens_k"] = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
                     k = torch.empty(*kv_rows, hk, desc.head_dim, dtype=tdt, device="cuda")
                     v = torch.empty(*kv_rows, hk, desc.head_dim_v, dtype=tdt, device="cuda")
@@ -808,7 +834,8 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                             window_size_right=None if w is None or w.right is None else 0,
                             score_mod=getattr(mod, "kspec_score_mod", None),
                             mask_mod=getattr(mod, "kspec_mask_mod", None),
-                            aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc, **paged)
+                            aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc,
+                            num_splits=num_splits, **paged)
                     except _Captured as e:
                         fa = e.args[0]
                     except _Probed:
@@ -978,29 +1005,15 @@ def _fake_args(desc: AttnDesc):
 
 
 def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
+    from . import splitkv
     from .build import capture_glue
     tensors = []
+    data = {"mO": "ks_o_partial", "mLSE": "ks_lse_partial"} if desc.split else {}
     for name, i, _dt, shape, strides in _tensors(desc):
-        tensors.append(_GlueTensor(name, i, tuple(shape), tuple(tuple(s) for s in strides)))
-    checks = [f"    const int64_t {r} = dims[{k}];" for k, r in enumerate(desc.dims)]
-    checks += [f"    (void){r};" for r in desc.dims]
-    checks += [
-        "    if (B < 0 || H < 0 || S < 0 || T < 0 || HK < 1)",
-        "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld, K/V heads %lld)\", (long long)B, "
-        "(long long)H, (long long)S, (long long)T, (long long)HK);",
-        "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
-        "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
-        f"    if (H != HK * {desc.group})",
-        (f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
-         f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);" if desc.group > 1 else
-         "        KS_FAIL(\"%lld query heads with %lld K/V heads: they must be equal\", (long long)H, (long long)HK);"),
-        "    if (T == 0 && B != 0 && H != 0 && S != 0)",
-        "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
-    ]
-    if "G" in desc.dims:
-        checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
-                   "(long long)G);"]
-    checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
+        tensors.append(_GlueTensor(name, i, tuple(shape), tuple(tuple(s) for s in strides), data.get(name)))
+    checks = _checks(desc)
+    if desc.split:
+        checks += splitkv.prepare_lines(desc.head_dim_v)
     values = []
     if isinstance(desc.scale, Load):
         values.append(f"    float softmax_scale = (float)scalars[{desc.scalars.index(desc.scale.name)}];")
@@ -1025,8 +1038,36 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
         else:
             values.append(f"    int32_t c{k} = (int32_t)({ref});")
     args = [f"&{n}" for n, _t in _values(desc)]
+    split = {}
+    if desc.split:
+        split = {"workspace": splitkv.workspace_lines(desc.dims, desc.head_dim_v),
+                 "helpers": splitkv.chooser_c(desc.head_dim_v, desc.group > 1, desc.splits)}
     return capture_glue(tensors, checks, values, args, ciface, entry, offs, sizes, compat.SMEM_OPTIN[desc.arch],
-                        what="FlashAttention-4")
+                        what="FlashAttention-4", **split)
+
+
+def _checks(desc: AttnDesc) -> list[str]:
+    """C lines of kspec_prepare validating the ABI dims (KS_FAIL; KS_EMPTY for nothing to launch)."""
+    checks = [f"    const int64_t {r} = dims[{k}];" for k, r in enumerate(desc.dims)]
+    checks += [f"    (void){r};" for r in desc.dims]
+    checks += [
+        "    if (B < 0 || H < 0 || S < 0 || T < 0 || HK < 1)",
+        "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld, K/V heads %lld)\", (long long)B, "
+        "(long long)H, (long long)S, (long long)T, (long long)HK);",
+        "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
+        "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
+        f"    if (H != HK * {desc.group})",
+        (f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
+         f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);" if desc.group > 1 else
+         "        KS_FAIL(\"%lld query heads with %lld K/V heads: they must be equal\", (long long)H, (long long)HK);"),
+        "    if (T == 0 && B != 0 && H != 0 && S != 0)",
+        "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
+    ]
+    if "G" in desc.dims:
+        checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
+                   "(long long)G);"]
+    checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
+    return checks
 
 
 def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
@@ -1253,6 +1294,10 @@ def _build_sku(desc: AttnDesc, key: str, d: Path, lengths, done: list[tuple[str,
                        ["fa4_signature", sig_hash]]
                 variants.append({"dir": f"v{k}", **info, "select": box, "config": cfg,
                                  "sha256": {f: _sha(vd / f) for f in ("kernel.cubin", "kernel.so")}})
+        from . import splitkv
+        if splitkv.split_unsupported(desc) is None:
+            with compat.fa4_target(desc.arch, desc.sm_count):
+                variants += _build_split(desc, work, len(variants), reuse)
         meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "sm_count": desc.sm_count,
                 "variants": variants}
         shutil.rmtree(work / "__pycache__", ignore_errors=True)
@@ -1261,3 +1306,71 @@ def _build_sku(desc: AttnDesc, key: str, d: Path, lengths, done: list[tuple[str,
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
+
+
+# Split-KV probe: the kernel FA4 builds for long decoding (one sequence, S = 1, 128k keys, 16 splits)
+SPLIT_PROBE = {"S": 1, "B": 1, "T": 131072, "num_splits": 16}
+
+
+def _build_split(desc: AttnDesc, work: Path, first: int, reuse: dict) -> list[dict]:
+    """The split-KV variant of desc (FA4's forward with is_split_kv, writing f32 O and LSE partials
+    into the workspace) and the combine kernel merging them (splitkv.py): two variant records, the
+    split one selected by the runtime when its glue asks for a workspace, the combine one never by
+    size (select []).  Runs inside _build_sku (under compat.fa4_target)."""
+    from . import splitkv
+    from .build import _sha
+    sdesc = replace(desc, split=True)
+    (work / "split").mkdir()
+    (work / "split" / "entry.py").write_text(entry_source(sdesc))
+    mod = _import_entry(work / "split" / "entry.py")
+    hk = 1 if desc.kv_shared else 8
+    p = SPLIT_PROBE
+    ((sig, fa, _pts),) = choose_variants(sdesc, mod, points=[(p["S"], p["B"], hk)], num_splits=p["num_splits"],
+                                         seqlen_k=p["T"])
+    if not getattr(fa, "is_split_kv", False):
+        raise KspecInternalError(f"FlashAttention-4 built no split-KV kernel for {desc.name} on {desc.arch}")
+    out = []
+    sig_hash = hashlib.sha256(("split " + sig).encode()).hexdigest()[:16]
+    vd = work / f"v{first}"
+    vd.mkdir()
+    if sig_hash in reuse:
+        src, prev = reuse[sig_hash]
+        for f in ("kernel.cubin", "kernel.so"):
+            shutil.copyfile(src / f, vd / f)
+        info = {"symbol": prev["symbol"], "param_offsets": prev["param_offsets"], "compile_seconds": 0.0,
+                "sm_independent": True}
+    else:
+        info = _compile_variant(vd, sdesc, mod, fa)
+    cfg = [["variant", f"{first}"], ["role", "split"], ["fa4_class", type(fa).__name__],
+           ["tile", f"{fa.m_block_size}x{fa.n_block_size}"], ["q_stage", str(fa.q_stage)],
+           ["pack_gqa", str(bool(fa.pack_gqa)).lower()],
+           ["s_ping_pong", str(bool(getattr(fa, "use_s_ping_pong", False))).lower()],
+           ["num_splits", str(desc.splits) if desc.splits else "auto"],
+           ["sm_count", str(desc.sm_count)], ["fa4_signature", sig_hash]]
+    out.append({"dir": f"v{first}", **info, "select": [{"S": [1, None]}], "config": cfg,
+                "sha256": {f: _sha(vd / f) for f in ("kernel.cubin", "kernel.so")}})
+    tile_m, k_block = splitkv.combine_params(desc.head_dim_v)
+    c_hash = hashlib.sha256(("combine " + splitkv.combine_source(desc) + repr((tile_m, k_block, splitkv.LOG_MAX_SPLITS,
+                             desc.dims, desc.layouts, desc.lse, desc.splits))).encode()).hexdigest()[:16]
+    cd = work / f"v{first + 1}"
+    cd.mkdir()
+    if c_hash in reuse:
+        src, prev = reuse[c_hash]
+        for f in ("kernel.cubin", "kernel.so"):
+            shutil.copyfile(src / f, cd / f)
+        cinfo = {"symbol": prev["symbol"], "param_offsets": prev["param_offsets"], "compile_seconds": 0.0,
+                 "sm_independent": True}
+    else:
+        lse_modes, lse_factors = _lse_modes(desc)
+        lse_strides = {r: (tuple(lse_factors[k]) if k < len(lse_factors) else ()) for k, r in enumerate(lse_modes)}
+        checks = _checks(desc) + splitkv.prepare_lines(desc.head_dim_v)
+        cinfo = splitkv.build_combine(cd, desc, _modes(desc, 3, desc.head_dim_v), lse_strides, checks,
+                                      compat.SMEM_OPTIN[desc.arch],
+                                      helpers=splitkv.chooser_c(desc.head_dim_v, desc.group > 1, desc.splits))
+    ccfg = [["variant", f"{first + 1}"], ["role", "combine"], ["kernel", "FlashAttentionForwardCombine"],
+            ["tile", f"{tile_m}x{k_block}"], ["max_splits", str(1 << splitkv.LOG_MAX_SPLITS)],
+            ["sm_count", str(desc.sm_count)], ["fa4_signature", c_hash]]
+    out.append({"dir": f"v{first + 1}", **cinfo, "select": [], "config": ccfg,
+                "sha256": {f: _sha(cd / f) for f in ("kernel.cubin", "kernel.so")}})
+    shutil.rmtree(work / "split", ignore_errors=True)
+    return out

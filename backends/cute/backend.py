@@ -125,6 +125,10 @@ class CuteBackend:
             skus = dict(config or ()).get("sm_count")      # `kspec compile --sm-count`: the SKUs to build for
             if skus:
                 desc = attention.for_skus(desc, skus.split(","))
+            splits = dict(config or ()).get("num_splits", "")  # a tuning winner fixing the split-KV count
+            if splits.isdigit() and int(splits) > 0:
+                from dataclasses import replace
+                desc = replace(desc, splits=int(splits))
             return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention.config_items(desc))
         lp = self._gemm_desc(ir, arch)
         cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)

@@ -47,6 +47,7 @@ from kspec.runtime.indexcheck import check_before_launch
 from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
 
 _SCRATCH_ALIGN = 256
+_PAIR_ROLES = ("split", "combine")     # variants launched together (split-KV), never chosen by size
 
 
 def load(path: str | Path, verify: bool = True, check_indices: bool = True) -> "Module":
@@ -427,12 +428,50 @@ class Module:
         values = {role: v for (role, _), v in zip(plan.dims, dims)}
         sku = sku_for(b, sm_count)
         for i, v in enumerate(b.variants):
+            if v.config.get("role") in _PAIR_ROLES:
+                continue                  # split-KV kernels: taken by split_variants, not by size
             if v.holds(values) and (sku is None or not variant_skus(v) or sku in variant_skus(v)):
                 return i
         sizes = ", ".join(f"{r}={v}" for r, v in values.items())
         on = "" if sku is None else f" built for {sku} SMs"
         raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): no kernel variant{on} in the artifact serves {sizes}",
                                 hint="recompile the artifact without restricting its size buckets")
+
+    def split_variants(self, plan: Plan, arch: str, sm_count: int | None = None) -> tuple[int, int] | None:
+        """(split kernel, combine kernel) variant numbers of a split-KV binary on the SKU `sku_for` picks
+        (FlashAttention-4 decoding, backends/cute/splitkv.py), or None when the binary has none.  The
+        split one runs when its glue asks for a workspace for the call (its split count is above 1)."""
+        b = plan.binaries[arch]
+        sku = sku_for(b, sm_count)
+
+        def find(role):
+            return next((i for i, v in enumerate(b.variants) if v.config.get("role") == role and
+                         (sku is None or not variant_skus(v) or sku in variant_skus(v))), None)
+        split, combine = find("split"), find("combine")
+        if split is None:
+            return None
+        if combine is None:
+            raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the artifact has a split-KV kernel but no combine "
+                                    "kernel for it", hint="rebuild the artifact with `kspec compile`")
+        return split, combine
+
+    def launches(self, plan: Plan, arch: str, dims: list[int], device: int, sm_count: int | None
+                 ) -> tuple[list[int], int]:
+        """The variants launched for one plan (in order) and the workspace bytes they share: the split-KV
+        kernel and its combine when the split kernel's glue asks for a workspace at these sizes, else
+        the single variant `variant` picks (its own workspace)."""
+        pair = self.split_variants(plan, arch, sm_count)
+        if pair is not None:
+            ws = self.glue(plan, arch, pair[0]).workspace_size(dims, device, sm_count or 0)
+            if ws > 0:
+                other = self.glue(plan, arch, pair[1]).workspace_size(dims, device, sm_count or 0)
+                if other != ws:
+                    raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the split-KV kernel and its combine size "
+                                            f"the workspace differently ({ws} and {other} bytes); the artifact is "
+                                            "inconsistent", hint="rebuild the artifact with `kspec compile`")
+                return list(pair), ws
+        v = self.variant(plan, arch, dims, sm_count)
+        return [v], self.glue(plan, arch, v).workspace_size(dims, device, sm_count or 0)
 
     def glue(self, plan: Plan, arch: str, variant: int = -1) -> HostGlue:
         key = (plan.id, arch, variant)
@@ -491,9 +530,8 @@ class Module:
                 if check_indices and k.index_ranges:
                     check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
-            variants = [self.variant(p, arch, b.dims(p), sms) for p in k.plans]
-            glues = [self.glue(p, arch, v) for p, v in zip(k.plans, variants)]
-            ws_sizes = [g.workspace_size(b.dims(p), device, sms) for g, p in zip(glues, k.plans)]
+            chosen = [self.launches(p, arch, b.dims(p), device, sms) for p in k.plans]
+            ws_sizes = [ws for _vs, ws in chosen]
             # one scratch block: every intermediate, then one workspace reused by the plans in turn
             offsets, total = {}, 0
             for t in k.intermediates:
@@ -508,14 +546,18 @@ class Module:
                 # every plan's launch is prepared (and judged) before the first one is queued: a call
                 # that one of them cannot run launches nothing
                 prepared = []
-                for plan, glue, ws, v in zip(k.plans, glues, ws_sizes, variants):
-                    pr = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
-                                      scratch + ws_offset if ws else 0, device, sms)
-                    _check_launch_shape(pr, plan, arch, b.dims(plan))
-                    prepared.append(pr)
-                for plan, glue, ws, v, pr in zip(k.plans, glues, ws_sizes, variants, prepared):
-                    self._run_plan(drv, b, plan, arch, glue, ctx, ptrs,
-                                   scratch + ws_offset if ws else 0, ws, device, sms, v, pr)
+                for plan, (vs, ws) in zip(k.plans, chosen):
+                    for v in vs:
+                        glue = self.glue(plan, arch, v)
+                        pr = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
+                                          scratch + ws_offset if ws else 0, device, sms)
+                        _check_launch_shape(pr, plan, arch, b.dims(plan))
+                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1))
+                for plan, glue, ws, v, pr, pair in prepared:
+                    # a split-KV pair's workspace holds partials the split kernel writes in full and the
+                    # combine reads: it is not cleared (FA4 allocates them uninitialised too)
+                    self._run_plan(drv, b, plan, arch, glue, ctx, ptrs, scratch + ws_offset if ws else 0,
+                                   0 if pair else ws, device, sms, v, pr)
             finally:
                 if scratch:
                     drv.free_async(scratch, stream)
