@@ -1345,6 +1345,7 @@ def _build_split(desc: AttnDesc, work: Path, first: int, reuse: dict) -> list[di
            ["tile", f"{fa.m_block_size}x{fa.n_block_size}"], ["q_stage", str(fa.q_stage)],
            ["pack_gqa", str(bool(fa.pack_gqa)).lower()],
            ["s_ping_pong", str(bool(getattr(fa, "use_s_ping_pong", False))).lower()],
+           *([["kv_loads", "tma" if getattr(fa, "use_tma_KV", True) else "cp.async"]] if desc.page_table else []),
            ["num_splits", str(desc.splits) if desc.splits else "auto"],
            ["sm_count", str(desc.sm_count)], ["fa4_signature", sig_hash]]
     out.append({"dir": f"v{first}", **info, "select": [{"S": [1, None]}], "config": cfg,
