@@ -145,3 +145,49 @@ def test_split_and_combine_sass(decode_build):
     assert "LDGSTS" in c and "MUFU.EX2" in c and "UTCHMMA" not in c
     assert dict(roles["split"].config)["num_splits"] == "auto"
     assert dict(roles["combine"].config)["max_splits"] == str(splitkv.MAX_SPLITS)
+
+
+LSE_DECODE = """kernel decode_lse {
+  param scale : f32 = 0.08838834764831845
+  in  Q : bf16[B, H, S, 128]
+  in  K : bf16[B, KH, T, 128]
+  in  V : bf16[B, KH, T, 128]
+  out O : bf16[B, H, S, 128]
+  out L : f32[B, H, S]
+  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[b, h / 4, j, e]
+  L[b, h, i] = logsumexp(j) s[b, h, i, j]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h / 4, j, e]
+}"""
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_gqa_with_a_log_sum_exp_packs_the_group_and_combines_the_lse():
+    """GQA (group 4, pack-GQA: a K/V head's 4 query heads share a tile) with an LSE output: the split
+    kernel writes LSE partials for every query head, the combine reads them and writes the spec's L
+    (its pointer is a raw parameter of the combine, not of the split kernel)."""
+    from kspec.backends.cute import attention as A
+    from kspec.runtime.glue import HostGlue
+    desc = _desc(LSE_DECODE, text=True)
+    assert desc.group == 4 and desc.lse and splitkv.split_unsupported(desc) is None
+    built = A.build(desc, test_cache_root(), lengths=[1])
+    roles = {dict(v.config).get("role"): v for v in built.variants}
+    assert dict(roles["split"].config)["pack_gqa"] == "true"
+    split, combine = (HostGlue(roles[r].host, r) for r in ("split", "combine"))
+    B, KH, S, T = 1, 8, 1, 131072
+    dims = [B, 4 * KH, S, T, KH, *([4] if "G" in desc.dims else [])]
+    ns = splitkv.num_splits(B, 4 * KH, S, T, KH, 132)
+    assert ns == 132 // KH                                  # 8 tiles (one per K/V head, packed)
+    ws = 0x7E0000000000
+    assert split.workspace_size(dims, 0, 132) == splitkv.partial_bytes(ns, B, 4 * KH, S, 128)[2]
+    ptrs = [0x7F0000000000 + i * 0x10000000 for i in range(len(desc.args))]
+    a = split.prepare(dims, ptrs, [0.1], ws, 0, 132)
+    c = combine.prepare(dims, ptrs, [0.1], ws, 0, 132)
+    assert math.prod(a.grid) == B * KH * ns
+    words = {int.from_bytes(c.params_bytes()[i:i + 8], "little") for i in range(0, c.params_size - 7, 8)}
+    assert ptrs[3] in words and ptrs[4] in words            # O and L: written by the combine
+    lse_off = splitkv.partial_bytes(ns, B, 4 * KH, S, 128)[1]
+    assert ws in words and ws + lse_off in words            # the O and LSE partials
+    words = {int.from_bytes(a.params_bytes()[i:i + 8], "little") for i in range(0, a.params_size - 7, 8)}
+    assert ptrs[4] not in words and ws + lse_off in words   # the split kernel writes only partials

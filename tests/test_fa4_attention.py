@@ -805,3 +805,55 @@ def test_fa4_varlen_lse_on_gpu_matches_float64(tmp_path):
         assert np.array_equal(np.isneginf(got), np.isneginf(want)), b       # rows with no key: -inf
         fin = np.isfinite(want)
         assert np.abs(got[fin] - want[fin]).max(initial=0) < 2e-2, b
+
+
+# ---------------------------------------------------------------------------------------------
+# split-KV decoding on sm100a (backends/cute/splitkv.py): one call, two launches
+# ---------------------------------------------------------------------------------------------
+
+def _split_call(mod, kernel, sizes, sms):
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    with FakeDriver((10, 0), sm_count=sms) as fake:
+        call = fake_call(mod, kernel, sizes, fake)
+        # (FA4's sm100a kernels declare 1 KiB of static shared memory beside the full dynamic opt-in,
+        # which the fake's limit check counts against every FA4 sm100a kernel alike: see test_fa4_skus)
+        problems = [p for p in check_call(call, "sm100a", mod) if "static shared memory exceed" not in p]
+    return call, problems
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_decoding_launches_the_split_kernel_and_the_combine(fa4_artifacts, stem="attention"):
+    # (with a log-sum-exp output: tests/test_attention_splitkv.py, the combine writes it)
+    import kspec
+    from kspec.backends.cute import splitkv
+    art = fa4_artifacts(stem)
+    mod = kspec.load(art)
+    (plan,) = mod[stem].entry.plans
+    b = plan.binaries["sm100a"]
+    split, combine = mod.split_variants(plan, "sm100a", 148)
+    assert b.variants[split].config["role"] == "split" and b.variants[combine].config["role"] == "combine"
+    for sms, (B, H, S, T) in ((148, (1, 8, 1, 32768)), (132, (1, 8, 1, 32768)), (148, (2, 4, 3, 4096))):
+        call, problems = _split_call(mod, stem, {"B": B, "H": H, "S": S, "T": T}, sms)
+        assert problems == [], problems
+        ns = splitkv.num_splits(B, H, S, T, H, sms)
+        assert ns > 1 and call.plan_ids == [plan.id, plan.id]
+        rs, rc = call.launches
+        assert (rs.symbol, rc.symbol) == (b.variants[split].symbol, b.variants[combine].symbol)
+        assert rs.prepare.workspace == rc.prepare.workspace != 0 and rs.prepare.sm_count == sms
+        # the partial buffers the pair shares: NS splits of f32 O and LSE in one workspace
+        o_partial, lse_partial = call.plan_args[0][3], call.plan_args[0][4]
+        assert o_partial.shape == (ns, B, S, H, 128) and lse_partial.shape == (ns, B, H, S)
+        assert call.plan_args[1][:2] == [o_partial, lse_partial]
+        assert math.prod(rs.grid) == B * H * -(-S // 128) * ns              # (sequence, head, split) CTAs
+        assert rc.grid == (-(-S * H // 8), 1, B) and rc.block == (256, 1, 1)
+        # the spec's O (and LSE) are written by the combine only; the split kernel reads Q, K, V
+        outs = [t.name for t in mod[stem].entry.outputs]
+        assert [a.name for a in call.plan_args[1][2:]] == outs
+        assert {a.name for a in call.plan_args[0]} & set(outs) == set()
+        words = {int.from_bytes(rc.params[i:i + 8], "little") for i in range(0, len(rc.params) - 7, 8)}
+        assert all(a.ptr in words for a in call.plan_args[1])                 # combine: raw pointers
+    # prefill-shaped calls keep the single-pass variants: one launch
+    call, problems = _split_call(mod, stem, {"B": 64, "H": 8, "S": 1, "T": 32768}, 148)
+    assert problems == [] and len(call.launches) == 1 and b.variants[mod.variant(
+        plan, "sm100a", call.binding.dims(plan), 148)].symbol == call.launches[0].symbol

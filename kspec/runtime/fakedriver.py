@@ -654,7 +654,10 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
                    f"limit was set to {rec.smem_limit} (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)")
     # pointers
     maps = rec.prepare.tensor_maps if rec.prepare is not None else ()
-    if rec.prepare is not None and tuple(rec.prepare.ptrs) != tuple(a.ptr for a in args):
+    # (a split-KV launch's glue gets the plan's pointers but uses partial buffers in the workspace
+    # for some: its args name those "<...>", and the blob checks below cover them)
+    if rec.prepare is not None and not any(a.name.startswith("<") for a in args) and \
+            tuple(rec.prepare.ptrs) != tuple(a.ptr for a in args):
         out.append(f"{what}: the glue got pointers {[hex(p) for p in rec.prepare.ptrs]}, expected "
                    f"{[f'{a.name}=0x{a.ptr:x}' for a in args]}")
     # Descriptors the fake encoder wrote are findable in the blob: check those the kernel will
