@@ -104,6 +104,7 @@ def cmd_graph(args) -> int:
             text.append(f"graph of kernel {s.kernel.name}:")
             text.append(format_graph(s.graph))
             text.append(format_plan(s))
+            text += _call_notes(s, sizes)
             c = cost(s, sizes)
             text.append(format_cost(c))
             text.append("")
@@ -126,6 +127,21 @@ def cmd_graph(args) -> int:
             f.write(data)
         print(f"wrote {args.output}")
     return 0
+
+
+def _call_notes(sched, sizes) -> list[str]:
+    """Per kernel and arch, what a call at the --sizes launches where the artifact decides per call
+    (a backend's `call_notes`, e.g. FlashAttention-4's split-KV count); nothing without --sizes."""
+    if not sizes:
+        return []
+    from kspec.backends import registry
+    out = []
+    for p in sched.plans:
+        for arch, choice in (p.choices or {}).items():
+            notes = getattr(registry.get(choice.backend), "call_notes", None)
+            for line in (notes(p.ir, arch, sizes) if notes else []):
+                out.append(f"  [{p.id}] {arch}: {line}")
+    return out
 
 
 def _emit(text: str, path: str | None) -> None:

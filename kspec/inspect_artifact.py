@@ -39,8 +39,7 @@ def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = No
                 # a size-bucketed binary (FlashAttention-4): every variant with the SKUs (SM counts) it
                 # was built for and the sizes it serves there (kspec.runtime.module.sku_for picks the SKU)
                 for label, binary in ([("", b)] if not b.variants else
-                                      [(f"variant {i}{_skus(v)} for {_select(v.select)}: ", v)
-                                       for i, v in enumerate(b.variants)]):
+                                      [(f"variant {i}{_skus(v)} {_serves(v)}: ", v) for i, v in enumerate(b.variants)]):
                     if label:
                         own = " ".join(f"{key}={v}" for key, v in binary.config.items()
                                        if b.config.get(key) != v and key not in ("param_offsets", "sm_count"))
@@ -51,6 +50,17 @@ def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = No
                     if sass:
                         lines.append(dump_sass(d / binary.cubin, toolchain))
     return "\n".join(lines)
+
+
+def _serves(v) -> str:
+    """Which calls a variant serves: its size boxes, or its part of a split-KV pair."""
+    role = v.config.get("role")
+    if role == "split":
+        return (f"split-KV (num_splits {v.config.get('num_splits', 'auto')}: taken when the call splits, "
+                "S >= 1)")
+    if role == "combine":
+        return "split-KV combine (after the split kernel)"
+    return f"for {_select(v.select)}"
 
 
 def _select(boxes) -> str:

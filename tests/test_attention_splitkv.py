@@ -81,6 +81,12 @@ def test_graph_says_which_archs_split(capsys):
     out = capsys.readouterr().out
     assert "sm90a: cute attention" in out and "split_kv=none (FlashAttention-4 4.0.0b36 has no split-KV" in out
     assert "split_kv=auto (FlashAttention-4 heuristic, per call)" in out
+    # at the given sizes: how many splits each SKU gets (32 tiles on 148 SMs: 4)
+    assert "[attention_decode_0] sm100a: split-KV at B=1, H=32, S=1, T=131072, HK=32: 4 splits (the split-KV " \
+           "kernel, then the combine) on 148 SMs" in out
+    assert "[attention_decode_0] sm90a: split-KV: none on sm90a" in out
+    assert main(["graph", str(SPECS / "attention_decode.kspec"), "--sizes", "B=64,H=32,S=1,T=4096"]) == 0
+    assert "no split (a single-pass kernel) on 148 SMs" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------

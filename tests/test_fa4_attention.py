@@ -857,3 +857,17 @@ def test_decoding_launches_the_split_kernel_and_the_combine(fa4_artifacts, stem=
     call, problems = _split_call(mod, stem, {"B": 64, "H": 8, "S": 1, "T": 32768}, 148)
     assert problems == [] and len(call.launches) == 1 and b.variants[mod.variant(
         plan, "sm100a", call.binding.dims(plan), 148)].symbol == call.launches[0].symbol
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_inspect_lists_the_split_kv_pair(fa4_artifacts):
+    # the labels `kspec inspect` prints per variant (its SASS summaries are tests/test_inspect.py's)
+    from kspec.artifact import read_manifest
+    from kspec.inspect_artifact import _serves
+    (plan,) = read_manifest(fa4_artifacts("attention")).kernels[0].plans
+    labels = [_serves(v) for v in plan.binaries["sm100a"].variants]
+    assert labels[-2:] == ["split-KV (num_splits auto: taken when the call splits, S >= 1)",
+                           "split-KV combine (after the split kernel)"]
+    assert all(x.startswith("for S ") for x in labels[:-2])
+    assert all(x.startswith("for S ") for x in map(_serves, plan.binaries["sm90a"].variants))

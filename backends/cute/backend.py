@@ -116,6 +116,35 @@ class CuteBackend:
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 
+    def call_notes(self, ir: KernelIR, arch: str, sizes: dict[str, int], config=None) -> list[str]:
+        """What a call at these sizes launches, where the artifact decides per call (`kspec graph
+        --sizes`): for a FlashAttention-4 attention, whether it splits the key range and how many ways
+        on each SKU built for (backends/cute/splitkv.py)."""
+        if ir.kind != "attention":
+            return []
+        from kspec.core import extent_value
+
+        from . import attention, splitkv
+        lp = self.lower(ir, arch, config)
+        desc = lp.desc
+        why = splitkv.split_unsupported(desc)
+        if why:
+            return [f"split-KV: none on {arch} ({why})"]
+        roles = dict(lp.dims)
+        try:
+            v = {r: extent_value(roles[r], sizes) for r in ("B", "H", "S", "T", "HK")}
+        except KeyError as e:
+            return [f"split-KV: give {e.args[0]} in --sizes to see the split count"]
+        at = ", ".join(f"{r}={v[r]}" for r in ("B", "H", "S", "T", "HK"))
+        out = []
+        for sms in attention.skus(desc):
+            ns = splitkv.num_splits(v["B"], v["H"], v["S"], v["T"], v["HK"], sms, head_dim_v=desc.head_dim_v,
+                                    pack_gqa=desc.group > 1, override=desc.splits)
+            what = f"{ns} splits (the split-KV kernel, then the combine)" if ns > 1 else \
+                "no split (a single-pass kernel)"
+            out.append(f"{what} on {sms} SMs")
+        return [f"split-KV at {at}: " + "; ".join(out)]
+
     # ---- lowering, emission, build ---------------------------------------------------------------
     def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
         """config: one of `candidates(ir, arch)` (a tuning winner); default: the heuristic's."""
