@@ -197,3 +197,54 @@ def test_gqa_with_a_log_sum_exp_packs_the_group_and_combines_the_lse():
     assert ws in words and ws + lse_off in words            # the O and LSE partials
     words = {int.from_bytes(a.params_bytes()[i:i + 8], "little") for i in range(0, a.params_size - 7, 8)}
     assert ptrs[4] not in words and ws + lse_off in words   # the split kernel writes only partials
+
+
+def test_the_glue_chooser_c_is_the_python_chooser(tmp_path):
+    """splitkv.chooser_c (what both glues compile) against num_splits, heuristic and tuned, with gcc."""
+    import shutil
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    grid = list(itertools.product((1, 3, 64), (8, 32), (1, 8), (1, 5, 200), (100, 640, 70000), (132, 148)))
+    for dv, override in ((128, 0), (64, 0), (128, 12)):
+        src = ["#include <stdint.h>", "#include <stdio.h>", splitkv.chooser_c(dv, True, override),
+               "int main(void) {", "  static const int64_t g[][6] = {"]
+        src += [f"    {{{B}, {HK * G}, {S}, {T}, {HK}, {sms}}}," for B, HK, G, S, T, sms in grid] + ["  };"]
+        src += [f"  for (int k = 0; k < {len(grid)}; k++)",
+                "    printf(\"%lld\\n\", (long long)ks_num_splits(g[k][0], g[k][1], g[k][2], g[k][3], g[k][4], "
+                "(int32_t)g[k][5]));", "  return 0;", "}"]
+        (tmp_path / "c.c").write_text("\n".join(src))
+        subprocess.run([cc, "-O1", "-o", str(tmp_path / "c"), str(tmp_path / "c.c")], check=True)
+        got = [int(x) for x in subprocess.run([str(tmp_path / "c")], capture_output=True, text=True).stdout.split()]
+        want = [splitkv.num_splits(B, HK * G, S, T, HK, sms, head_dim_v=dv, override=override)
+                for B, HK, G, S, T, sms in grid]
+        assert got == want, (dv, override)
+        assert (max(want) > 1) and (min(want) == 1 or override)
+
+
+@needs_fa4
+def test_a_tuning_winner_fixes_the_split_count(tmp_path, capsys):
+    """A tuning-database entry for the kernel and size bucket whose config has num_splits: the kernel
+    is lowered with that count (config split_kv "8 (tuned)"), and graph/the glue use it."""
+    from kspec.backends import registry
+    from kspec.backends.cute import attention as A
+    from kspec.compile import emit_spec
+    from kspec.tune import MODEL_DRIVER, TuneEntry, TuningDB, bucket_key, toolchain_identity
+    spec = SPECS / "attention_decode.kspec"
+    (p,) = plan_kernel(load_spec(spec).kernels[0], ("sm100a",), Planner()).plans
+    sizes = {"B": 64, "H": 32, "S": 1, "T": 131072}
+    cute = registry.get("cute")
+    config = (*cute.default_config(p.ir, "sm100a"), ("num_splits", "8"))
+    db = TuningDB(tmp_path / "tuning.json")
+    db.put([TuneEntry(p.ir.digest(), "sm100a", bucket_key(sizes), "cute", toolchain_identity("cute"), MODEL_DRIVER,
+                      config, 1e-3)])
+    emitted = emit_spec(spec, ("sm100a",), tuned=db.chooser(sizes))
+    (ep,) = next(iter(emitted.plans.values()))
+    assert ep.lowered.desc.splits == 8 and dict(A.config_items(ep.lowered.desc))["split_kv"] == "8 (tuned)"
+    assert "ks_num_splits" in A._glue(A.replace(ep.lowered.desc, split=True), "c", "e", (0,), (8,)) \
+        and "int64_t ns = 8;" in splitkv.chooser_c(128, True, 8)
+    # where FA4's heuristic gives 1 (64 sequences fill the GPU), the tuned kernel still splits 8 ways
+    assert cute.call_notes(p.ir, "sm100a", {**sizes, "KH": 32}, config) == [
+        "split-KV at B=64, H=32, S=1, T=131072, HK=32: 8 splits (the split-KV kernel, then the combine) on 148 SMs"]
+    assert "no split" in cute.call_notes(p.ir, "sm100a", sizes)[0]
