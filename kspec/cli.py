@@ -287,7 +287,7 @@ def cmd_compile(args) -> int:
     sm_counts = parse_sm_counts(args.sm_count, archs)
     if args.emit_only:
         emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
-                            tuned=_tuned(args), sm_counts=sm_counts)
+                            tuned=_tuned(args), sm_counts=sm_counts, sizes=parse_sizes(args.sizes))
         _compile_warnings(args, emitted)
         if args.output is None and args.print:
             for plist in emitted.plans.values():
@@ -304,7 +304,7 @@ def cmd_compile(args) -> int:
     cache = CompileCache()
     tuned = _tuned(args)
     emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict,
-                        tuned=tuned, sm_counts=sm_counts)
+                        tuned=tuned, sm_counts=sm_counts, sizes=parse_sizes(args.sizes))
     _compile_warnings(args, emitted)
     for sched in emitted.schedules:
         for p in sched.plans:
@@ -384,7 +384,9 @@ def _register_compile(sub) -> None:
     p.add_argument("--tuning-db", metavar="PATH",
                    help="apply this tuning database's winners (default $KSPEC_TUNING_DB, else "
                         "$KSPEC_CACHE_DIR/tuning.json when it exists)")
-    p.add_argument("--sizes", metavar="SIZES", help="the size bucket to take tuned configurations for, e.g. M=64")
+    p.add_argument("--sizes", metavar="SIZES", help="the size bucket to take tuned configurations for, e.g. M=64; "
+                   "it also names the GQA group of an attention whose group is known only per call (G=4, "
+                   "or H=32,KH=8)")
     p.add_argument("--sm-count", action="append", default=[], metavar="ARCH=N[,N...]",
                    help="SM counts of the GPU SKUs to build SKU-specific kernels (FlashAttention-4 attention) "
                         "for, e.g. sm90a=132,114 (H100 SXM/H200, H100 PCIe); repeatable; default sm90a=132, "

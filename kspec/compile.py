@@ -166,13 +166,27 @@ def with_sm_counts(b, ir, arch: str, config, sm_counts: dict[str, tuple[int, ...
     return tuple((k, ",".join(map(str, sm_counts[arch])) if k == "sm_count" else v) for k, v in base)
 
 
+def with_sizes(b, ir, arch: str, config, sizes: dict[str, int] | None):
+    """config with a "sizes" item (the `--sizes` text) for a kernel whose build depends on a size it
+    cannot know from the spec: a FlashAttention-4 attention whose GQA group is known only per call
+    (its config's gqa_group says "per call"), built for the group those sizes name."""
+    if not sizes:
+        return config
+    base = config or b.default_config(ir, arch)
+    if not dict(base).get("gqa_group", "").startswith("per call"):
+        return config
+    return (*base, ("sizes", ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))))
+
+
 def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None,
               cache_root: Path | None = None, backend: str | None = None, strict: bool = False,
-              tuned: ConfigChooser | None = None, sm_counts: dict[str, tuple[int, ...]] | None = None) -> EmittedSpec:
+              tuned: ConfigChooser | None = None, sm_counts: dict[str, tuple[int, ...]] | None = None,
+              sizes: dict[str, int] | None = None) -> EmittedSpec:
     """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
     before any toolchain runs.  tuned: picks each kernel's configuration (default: the backend's);
     sm_counts: arch -> the SM counts of the GPU SKUs to build SKU-specific kernels for (with_sm_counts;
-    default: one per arch, backends.cute.compat.OFFLINE_SM_COUNT)."""
+    default: one per arch, backends.cute.compat.OFFLINE_SM_COUNT); sizes: the `--sizes` bucket, which
+    also names the group of a GQA attention whose group is known only per call (with_sizes)."""
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
     schedules = plan_spec(program, archs, kernel, backend, strict)
@@ -186,16 +200,17 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
                     config = tuned(p.ir, arch, choice.backend) if tuned else None
                     b = registry.get(choice.backend)
                     config = with_sm_counts(b, p.ir, arch, config, sm_counts)
+                    config = with_sizes(b, p.ir, arch, config, sizes)
                     lp = b.lower(p.ir, arch, config) if config else b.lower(p.ir, arch)
                     em = emit_cached(lp, cache_root)
                 except KspecError as e:
                     raise _located(e, sched, p, arch, program) from None
                 plans[p.id].append(EmittedPlan(lp, em))
-            _one_abi(plans[p.id], sched, p, cache_root, program, sm_counts)
+            _one_abi(plans[p.id], sched, p, cache_root, program, sm_counts, sizes)
     return EmittedSpec(program, archs, schedules, plans)
 
 
-def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program, sm_counts=None) -> None:
+def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program, sm_counts=None, sizes=None) -> None:
     """A plan has one ABI (manifest args, scalars, dims) on every arch.  The CuTe DSL and CUTLASS
     backends share an argument order, so archs may differ in backend; where the ABIs still differ,
     the archs whose backend does not match the first arch's are rebuilt by that backend."""
@@ -214,7 +229,8 @@ def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program, sm_counts=No
             raise KspecInternalError(f"plan {p.id}: backends {eps[0].backend} and {ep.backend} give different "
                                      f"ABIs and {first.name} cannot build {ep.lowered.arch}: {why}")
         try:
-            config = with_sm_counts(first, p.ir, ep.lowered.arch, None, sm_counts)
+            config = with_sizes(first, p.ir, ep.lowered.arch, with_sm_counts(first, p.ir, ep.lowered.arch, None,
+                                                                             sm_counts), sizes)
             lp = first.lower(p.ir, ep.lowered.arch, config) if config else first.lower(p.ir, ep.lowered.arch)
             eps[i] = EmittedPlan(lp, emit_cached(lp, cache_root))
         except KspecError as e:
@@ -288,16 +304,17 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None, backend: str | None = None, strict: bool = False,
                  emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None,
-                 toolchain=None, sm_counts: dict[str, tuple[int, ...]] | None = None) -> Path:
+                 toolchain=None, sm_counts: dict[str, tuple[int, ...]] | None = None,
+                 sizes: dict[str, int] | None = None) -> Path:
     """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
     `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments);
-    `tuned`, `sm_counts`: see emit_spec."""
+    `tuned`, `sm_counts`, `sizes`: see emit_spec."""
     from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
                                 write_manifest)
     from kspec.backends.build import CompileCache, build_all
 
     cache = cache or CompileCache()
-    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned, sm_counts)
+    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned, sm_counts, sizes)
     build_jobs = _jobs(emitted)
     # nvcc is needed for CUTLASS C++ / plain CUDA jobs; otherwise the toolchain (cuobjdump, for the
     # register and shared-memory counts) is looked up only when those counts are not memoised

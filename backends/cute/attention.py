@@ -102,6 +102,10 @@ class AttnDesc:
     layouts: tuple[tuple[str, ...], ...] = ()
     sm_counts: tuple[int, ...] = ()    # every SKU (SM count) to build for, sm_count first; () = sm_count only
     split: bool = False                # the split-KV build (splitkv.py): O and LSE partials in the workspace
+    # group 0: the GQA group is a size symbol or param (per call): built once per group in `groups`
+    # (named by `kspec compile --sizes`), each variant's boxes holding G = H / HK to that value
+    groups: tuple[int, ...] = ()
+    group_param: str | None = None     # the i32 param the spec divides the head by (checked against G)
     splits: int = 0                    # split-KV count fixed by a tuning winner (0: splitkv.num_splits' heuristic)
 
     @property
@@ -152,9 +156,9 @@ def unsupported(ir, arch: str) -> str | None:
             return f"the probabilities are rounded to {dt}; FlashAttention-4 multiplies them with V in {a.dtypes[0]}"
     if a.kv_shared and (len(a.batch) == 1 or a.kv_shared != (a.batch[-1],)):
         return "K and V may be shared across the heads only (multi-query attention), not across the batch"
-    if _group(a) is None:
-        return ("the GQA group (query heads per K/V head) must be an integer literal: FlashAttention-4 "
-                "compiles it into the kernel")
+    if _group(a) is None and not _per_call_group(ir, a):
+        return ("the GQA group (query heads per K/V head) must be an integer literal, a size symbol or an i32 "
+                "param dividing the head index: FlashAttention-4 compiles it into the kernel")
     for e in (a.score_mod, a.mask):
         why = e is not None and attnmods.unsupported(e)
         if why:
@@ -337,6 +341,34 @@ def _nodes(e):
     return epi_nodes(e)
 
 
+def _per_call_group(ir, a) -> bool:
+    """The group is known only at call time but FA4 can be built per value: a size symbol or an i32
+    param `G` in `h / G` with a K/V head axis, or MQA over a head count that is a size symbol."""
+    if a.kv_shared:
+        return isinstance(dict(a.dims).get("H"), str)
+    g = a.kv_group
+    if not isinstance(g, str) or a.kv_head is None:
+        return False
+    names = {b.name: b for b in ir.buffers}
+    return g not in names or (names[g].role == "param" and names[g].dtype == "i32")
+
+
+def groups_named(ir, sizes: dict[str, int]) -> tuple[int, ...]:
+    """The per-call GQA group an attention gets at these sizes (`kspec compile --sizes`): G itself, or
+    H / KH (MQA: H); () when the sizes do not fix it."""
+    a = ir.attention
+    h = dict(a.dims).get("H")
+    hv = h if isinstance(h, int) else sizes.get(h)
+    if a.kv_shared:
+        return (hv,) if hv else ()
+    if isinstance(a.kv_group, str) and a.kv_group in sizes:
+        return (sizes[a.kv_group],)
+    kh = a.kv_head if isinstance(a.kv_head, int) else sizes.get(a.kv_head)
+    if hv and kh and hv % kh == 0:
+        return (hv // kh,)
+    return ()
+
+
 def _group(a) -> int | None:
     if a.kv_shared:
         h = dict(a.dims).get("H")
@@ -365,9 +397,15 @@ def lower(ir, arch: str, sm_count: int | None = None):
     else:
         roles["HK"] = roles["H"]
     dim_roles = list(ROLES)
+    group_param = None
     if a.kv_group is not None and not a.kv_shared:
-        roles["G"] = a.kv_group
-        dim_roles.append("G")
+        if isinstance(a.kv_group, str) and any(b.name == a.kv_group and b.role == "param" for b in ir.buffers):
+            group_param = a.kv_group          # a param: checked against the kernel's group at launch
+        else:
+            roles["G"] = a.kv_group
+            dim_roles.append("G")
+    if group is None:
+        group = 0                             # per call: built for each group `kspec compile --sizes` names
     paged: dict[str, object] = {}
     if a.page_table is not None:
         pool, table = ir.buffer(a.k_buffer).shape, ir.buffer(a.page_table).shape
@@ -396,8 +434,10 @@ def lower(ir, arch: str, sm_count: int | None = None):
         return sym_role[ext]
 
     view, mod_roles = _fa4_view(ir, a, roles["S"])
-    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in view.aux)
     scalars: dict[str, object] = {}
+    if group_param is not None:
+        scalars[names(group_param)] = group_param
+    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in view.aux)
     if isinstance(a.scale, str):
         scale: Load | Const = Load(names(a.scale), "scalar", "f32")
         scalars[scale.name] = a.scale
@@ -437,7 +477,7 @@ def lower(ir, arch: str, sm_count: int | None = None):
                     page_table=names(a.page_table) if a.page_table else None,
                     page_size=paged.get("P"), seqused_k=names(a.kv_len) if a.kv_len else None,
                     cu_seqlens_q=names(cu_q) if cu_q else None, cu_seqlens_k=names(cu_k) if cu_k else None,
-                    layouts=_layouts(a, cu_q, cu_k))
+                    layouts=_layouts(a, cu_q, cu_k), group_param=names(group_param) if group_param else None)
     dims = tuple((r, roles[r]) for r in dim_roles)
     return desc, names.back(), dims, scalars
 
@@ -460,7 +500,7 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
     mask = ("causal (bottom-right)" if m.causal else "window" if m.window else "mask_mod" if m.mask_mod else "none")
     return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} " + ("FlashAttentionForwardSm90" if desc.arch == "sm90a"
                                                else "FlashAttentionForwardSm100")),
-            ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
+            ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", _group_item(desc)),
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
             ("lse", "yes" if desc.lse else "no"), ("sm_count", ",".join(map(str, skus(desc)))),
             ("split_kv", _split_item(desc)),
@@ -472,6 +512,22 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
             *((("layout", " ".join("".join(r[0] if r != "HK" else "H" for r in lay) for lay in desc.layouts)),)
               if desc.layouts else ()),
             ("source", "FlashAttention-4 heuristics"))
+
+
+def _group_item(desc: AttnDesc) -> str:
+    if desc.group:
+        return str(desc.group)
+    if desc.groups:
+        return "per call, built for " + " and ".join(map(str, desc.groups))
+    return "per call (name the groups to build: kspec compile --sizes)"
+
+
+def for_groups(desc: AttnDesc, groups) -> AttnDesc:
+    """desc of a per-call GQA group, built for these groups (`kspec compile --sizes`)."""
+    gs = tuple(sorted({int(g) for g in groups}))
+    if desc.group or not gs or min(gs) < 1:
+        raise KspecInternalError(f"bad GQA groups {groups!r} for {desc.name}")
+    return replace(desc, groups=gs)
 
 
 def _split_item(desc: AttnDesc) -> str:
@@ -1066,6 +1122,11 @@ def _checks(desc: AttnDesc) -> list[str]:
     if "G" in desc.dims:
         checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
                    "(long long)G);"]
+    if desc.group_param:
+        k = desc.scalars.index(desc.group_param)
+        checks += [f"    if ((int64_t)scalars[{k}] != {desc.group}) KS_FAIL(\"GQA group param = %lld, but the kernel "
+                   f"was built for {desc.group} query heads per K/V head (H = %lld, K/V heads %lld)\", "
+                   f"(long long)scalars[{k}], (long long)H, (long long)HK);"]
     checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
     return checks
 
@@ -1209,8 +1270,39 @@ def _dir(root: Path, desc: AttnDesc, lengths) -> tuple[str, Path]:
     return key, root / "cute-attention" / key[:2] / key
 
 
+def _per_group(desc: AttnDesc) -> list[AttnDesc]:
+    """desc once per GQA group it is built for (a per-call group: each `groups` value)."""
+    if desc.group:
+        return [desc]
+    if not desc.groups:
+        raise KspecError(f"attention kernel {desc.name} on {desc.arch}: its GQA group (query heads per K/V head) "
+                         "is known only at call time, and FlashAttention-4 compiles it into the kernel",
+                         hint="name the groups to build with `kspec compile --sizes`: the group symbol itself "
+                              "(G=4), or the query and K/V head counts (H=32,KH=8)")
+    return [replace(desc, group=g, groups=()) for g in desc.groups]
+
+
+def _grouped(desc: AttnDesc, builds: list[AttnBuild]) -> AttnBuild:
+    """One AttnBuild from the per-group builds of a per-call group: every variant's boxes also hold
+    G (= H / HK at call time) to its group, so the runtime picks the group's kernels."""
+    if desc.group:
+        return builds[0]
+    variants = []
+    for g, b in zip(desc.groups, builds):
+        for v in b.variants:
+            variants.append(replace(v, select=tuple({**box, "G": [g, g]} for box in v.select),
+                                    config=tuple((k, str(g) if k == "gqa_group" else x) for k, x in v.config)
+                                    + (() if any(k == "gqa_group" for k, _x in v.config) else (("gqa_group", str(g)),))))
+    key = hashlib.sha256(" ".join(b.key for b in builds).encode()).hexdigest()
+    return replace(builds[0], key=key, variants=tuple(variants), seconds=sum(b.seconds for b in builds),
+                   cached=all(b.cached for b in builds), config=config_items(desc))
+
+
 def lookup(desc: AttnDesc, cache_root: Path | None) -> AttnBuild | None:
     """The cached build, or None; never imports the DSL or FA4."""
+    if not desc.group:
+        builds = [lookup(one, cache_root) for one in _per_group(desc)]
+        return None if any(b is None for b in builds) else _grouped(desc, builds)
     if cache_root is None:
         return None
     parts = []
@@ -1230,6 +1322,8 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
     why = compat.fa4_available()
     if why:
         raise KspecError(f"attention kernel {desc.name} on {desc.arch}: {why}")
+    if not desc.group:
+        return _grouped(desc, [build(one, cache_root, lengths) for one in _per_group(desc)])
     root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-attn-"))
     t0 = time.monotonic()
     parts, cached = [], True

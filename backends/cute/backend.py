@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kspec.backends.api import Capabilities, LoweredPlan, SettingProblem
 from kspec.backends.desc import EmittedKernel, GemmDesc
 from kspec.compiler.kir import KernelIR
-from kspec.core import ARCHS, dtype_bytes
+from kspec.core import ARCHS, KspecError, dtype_bytes
 
 from . import epilogue as cute_epi
 from . import gemm as cute_gemm
@@ -125,25 +125,35 @@ class CuteBackend:
         from kspec.core import extent_value
 
         from . import attention, splitkv
-        lp = self.lower(ir, arch, config)
+        text = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
+        try:
+            lp = self.lower(ir, arch, (*(config or self.default_config(ir, arch)), ("sizes", text)))
+        except KspecError as e:
+            return [f"{e.message} ({e.hint})" if e.hint else e.message]
         desc = lp.desc
+        if desc.groups:
+            out = [f"GQA group {', '.join(map(str, desc.groups))} at these sizes: `kspec compile --sizes {text}` "
+                   "builds its kernels"]
+            desc = attention.replace(desc, group=desc.groups[0], groups=())
+        else:
+            out = []
         why = splitkv.split_unsupported(desc)
         if why:
-            return [f"split-KV: none on {arch} ({why})"]
+            return [*out, f"split-KV: none on {arch} ({why})"]
         roles = dict(lp.dims)
         try:
             v = {r: extent_value(roles[r], sizes) for r in ("B", "H", "S", "T", "HK")}
         except KeyError as e:
             return [f"split-KV: give {e.args[0]} in --sizes to see the split count"]
         at = ", ".join(f"{r}={v[r]}" for r in ("B", "H", "S", "T", "HK"))
-        out = []
+        counts = []
         for sms in attention.skus(desc):
             ns = splitkv.num_splits(v["B"], v["H"], v["S"], v["T"], v["HK"], sms, head_dim_v=desc.head_dim_v,
                                     pack_gqa=desc.group > 1, override=desc.splits)
             what = f"{ns} splits (the split-KV kernel, then the combine)" if ns > 1 else \
                 "no split (a single-pass kernel)"
-            out.append(f"{what} on {sms} SMs")
-        return [f"split-KV at {at}: " + "; ".join(out)]
+            counts.append(f"{what} on {sms} SMs")
+        return [*out, f"split-KV at {at}: " + "; ".join(counts)]
 
     # ---- lowering, emission, build ---------------------------------------------------------------
     def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
@@ -158,6 +168,20 @@ class CuteBackend:
             if splits.isdigit() and int(splits) > 0:
                 from dataclasses import replace
                 desc = replace(desc, splits=int(splits))
+            sizes = dict(config or ()).get("sizes")            # `kspec compile --sizes`: a per-call group's value
+            if not desc.group and sizes:
+                from kspec.core import parse_sizes
+                groups = attention.groups_named(ir, parse_sizes(sizes))
+                if groups:
+                    desc = attention.for_groups(desc, groups)
+            if not desc.group and not desc.groups:
+                a = ir.attention
+                what = "the head count H" if a.kv_shared else f"{a.kv_group}, or H and {a.kv_head}"
+                raise KspecError(f"attention kernel {ir.id} on {arch}: its GQA group (query heads per K/V head) is "
+                                 f"known only at call time, and FlashAttention-4 compiles it into the kernel",
+                                 ir.span, f"name the group to build with `kspec compile --sizes` ({what}: e.g. "
+                                 f"{'H=32' if a.kv_shared else f'{a.kv_group}=4 or H=32,{a.kv_head}=8'}); "
+                                 "one artifact per group, or one `kspec build` bucket each")
             return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention.config_items(desc))
         lp = self._gemm_desc(ir, arch)
         cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)

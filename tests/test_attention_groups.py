@@ -1,0 +1,145 @@
+"""GQA groups known only at call time (issue 25 item 3): `K[b, h / G, j, e]` with `param G : i32` (or G
+a size symbol) over K/V heads KH, and multi-query attention over a symbolic head count, fuse into one
+FlashAttention-4 attention; FA4 compiles the group into the kernel, so `kspec compile --sizes` names
+the group to build (G=4, or H=32,KH=8), every variant's boxes hold G = H / KH to it, and a call with
+another group is refused before launch by name with the command that builds it."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import needs_fa4, test_cache_root
+
+import kspec
+from kspec.backends.registry import Planner
+from kspec.compiler import plan_kernel
+from kspec.core import KspecError
+from kspec.spec_lang import load_spec
+
+GQA_PARAM = """kernel gqa {
+  param scale : f32 = 0.125
+  param G : i32 = 4
+  in  Q : bf16[B, H, S, 64]
+  in  K : bf16[B, KH, T, 64]
+  in  V : bf16[B, KH, T, 64]
+  out O : bf16[B, H, S, 64]
+  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[b, h / G, j, e]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h / G, j, e]
+}"""
+
+MQA = """kernel mqa {
+  param scale : f32 = 0.125
+  in  Q : bf16[B, H, S, 64]
+  in  K : bf16[B, T, 64]
+  in  V : bf16[B, T, 64]
+  out O : bf16[B, H, S, 64]
+  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[b, j, e]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, j, e]
+}"""
+
+
+def _plan(text, archs=("sm90a", "sm100a")):
+    (p,) = plan_kernel(load_spec(text, is_text=True).kernels[0], archs, Planner()).plans
+    return p
+
+
+@pytest.mark.parametrize("text, sizes, group", [
+    (GQA_PARAM, {"G": 4}, 4), (GQA_PARAM, {"H": 32, "KH": 8}, 4), (GQA_PARAM, {"H": 32}, None),
+    (MQA, {"H": 16}, 16), (MQA, {"B": 2}, None),
+])
+def test_a_per_call_group_fuses_and_the_sizes_name_it(text, sizes, group):
+    from kspec.backends.cute import attention as A
+    p = _plan(text)
+    assert p.kind == "attention"
+    for arch, choice in p.choices.items():
+        assert choice.backend == "cute" and dict(choice.config)["gqa_group"].startswith("per call")
+    assert A.groups_named(p.ir, sizes) == ((group,) if group else ())
+
+
+@needs_fa4
+def test_lowering_builds_the_named_group_or_says_how_to_name_it():
+    from kspec.backends import registry
+    from kspec.backends.cute import attention as A
+    cute = registry.get("cute")
+    p = _plan(GQA_PARAM)
+    for arch in ("sm90a", "sm100a"):
+        base = cute.default_config(p.ir, arch)
+        lp = cute.lower(p.ir, arch, (*base, ("sizes", "H=32,KH=8")))
+        d = lp.desc
+        assert d.group == 0 and d.groups == (4,) and d.group_param in d.scalars
+        assert dict(A.config_items(d))["gqa_group"] == "per call, built for 4"
+        assert "G" not in d.dims                   # a param: checked by the glue, not a size
+        with pytest.raises(KspecError, match="known only at call time") as e:
+            cute.lower(p.ir, arch, base)
+        assert "--sizes" in e.value.hint and "G=4 or H=32,KH=8" in e.value.hint
+    # the glue of the group-4 kernel checks H = 4 KH and the param
+    g4 = A.replace(cute.lower(p.ir, "sm90a", (*cute.default_config(p.ir, "sm90a"), ("sizes", "G=4"))).desc,
+                   group=4, groups=())
+    checks = "\n".join(A._checks(g4))
+    assert "if (H != HK * 4)" in checks and "GQA group param = %lld, but the kernel was built for 4" in checks
+    mq = cute.lower(_plan(MQA).ir, "sm100a", (*cute.default_config(_plan(MQA).ir, "sm100a"), ("sizes", "H=16")))
+    assert mq.desc.kv_shared and mq.desc.groups == (16,)
+
+
+def test_grouped_builds_select_by_the_group():
+    from kspec.backends.cute import attention as A
+    p = _plan(GQA_PARAM, ("sm90a",))
+    desc = A.for_groups(A.lower(p.ir, "sm90a")[0], (8, 4))
+    assert desc.groups == (4, 8) and [d.group for d in A._per_group(desc)] == [4, 8]
+    v = A.Variant("c", "h", "k", (0,), ({"S": [0, None]},), (("variant", "0"),))
+    b4 = A.AttnBuild("k4", "d", (v,), (), ())
+    b8 = A.AttnBuild("k8", "d", (v, v), (), ())
+    out = A._grouped(desc, [b4, b8])
+    assert [box["G"] for x in out.variants for box in x.select] == [[4, 4], [8, 8], [8, 8]]
+    assert [dict(x.config)["gqa_group"] for x in out.variants] == ["4", "8", "8"]
+
+
+# ---------------------------------------------------------------------------------------------
+# an artifact built for group 4 (sm90a), called through the fake driver
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def group4(tmp_path_factory):
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    d = tmp_path_factory.mktemp("groups")
+    (d / "gqa.kspec").write_text(GQA_PARAM)
+    return compile_spec(d / "gqa.kspec", ("sm90a",), d / "out", cache=CompileCache(test_cache_root()),
+                        sizes={"G": 4})
+
+
+def _call(mod, fake, B, H, KH, S=8, T=256, G=4):
+    from kspec.runtime.tensors import DeviceBuffer
+    arr = {"Q": (B, H, S, 64), "K": (B, KH, T, 64), "V": (B, KH, T, 64), "O": (B, H, S, 64)}
+    d = {n: DeviceBuffer(fake.alloc(int(np.prod(s)) * 2), s, "bf16") for n, s in arr.items()}
+    return mod.gqa(d["Q"], d["K"], d["V"], O=d["O"], G=G)
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_the_artifact_serves_its_group_and_refuses_another_by_name(group4):
+    from kspec.runtime import KspecRuntimeError
+    from kspec.runtime.fakedriver import FakeDriver
+    m = json.loads((group4 / "manifest.json").read_text())
+    (plan,) = m["kernels"][0]["plans"]
+    b = plan["binaries"]["sm90a"]
+    assert b["config"]["gqa_group"] == "per call, built for 4"
+    assert all(box["G"] == [4, 4] for v in b["variants"] for box in v["select"])
+    mod = kspec.load(group4)
+    with FakeDriver(cc=(9, 0), sm_count=132) as fake:
+        _call(mod, fake, 2, 32, 8)
+        (launch,) = fake.launches
+        assert launch.prepare.dims[:5] == (2, 32, 8, 256, 8)
+        with pytest.raises(KspecRuntimeError, match=r"GQA group 4 \(query heads per K/V head\), and this call has "
+                                                     r"32 query heads on 4 K/V heads \(group 8\)") as e:
+            _call(mod, fake, 2, 32, 4, G=8)
+        assert "kspec compile --sizes H=32,KH=4" in e.value.hint
+        with pytest.raises(KspecRuntimeError, match="not a whole group per K/V head"):
+            _call(mod, fake, 2, 30, 4)
+        with pytest.raises(KspecRuntimeError, match="GQA group param = 2, but the kernel was built for 4"):
+            _call(mod, fake, 2, 32, 8, G=2)
+        assert len(fake.launches) == 1                 # nothing launched by the refused calls
