@@ -143,3 +143,76 @@ def test_the_artifact_serves_its_group_and_refuses_another_by_name(group4):
         with pytest.raises(KspecRuntimeError, match="GQA group param = 2, but the kernel was built for 4"):
             _call(mod, fake, 2, 32, 8, G=2)
         assert len(fake.launches) == 1                 # nothing launched by the refused calls
+
+
+# ---------------------------------------------------------------------------------------------
+# heads as two axes: Q[b, g, r, i, e] against K[b, g, j, e] is GQA with group R
+# ---------------------------------------------------------------------------------------------
+
+TWO_AXES = """kernel two {
+  param scale : f32 = 0.125
+  in  Q : bf16[B, KH, RR, S, 64]
+  in  K : bf16[B, KH, T, 64]
+  in  V : bf16[B, KH, T, 64]
+  out O : bf16[B, KH, RR, S, 64]
+  s[b, g, r, i, j] : f32 = scale * sum(e) Q[b, g, r, i, e] * K[b, g, j, e]
+  p[b, g, r, i, j] = softmax(j) s[b, g, r, i, j]
+  O[b, g, r, i, e] = sum(j) p[b, g, r, i, j] * V[b, g, j, e]
+}"""
+
+ONE_AXIS = """kernel one {
+  param scale : f32 = 0.125
+  in  Q : bf16[B, H, S, 64]
+  in  K : bf16[B, KH, T, 64]
+  in  V : bf16[B, KH, T, 64]
+  out O : bf16[B, H, S, 64]
+  s[b, h, i, j] : f32 = scale * sum(e) Q[b, h, i, e] * K[b, h / 4, j, e]
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]
+  O[b, h, i, e] = sum(j) p[b, h, i, j] * V[b, h / 4, j, e]
+}"""
+
+
+@pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
+def test_two_head_axes_are_the_one_axis_gqa_kernel(arch):
+    from kspec.backends.cute import attention as A
+    p2, p1 = _plan(TWO_AXES.replace("RR", "4")), _plan(ONE_AXIS)
+    assert p2.kind == "attention" and p2.ir.attention.batch == ("b", "g", "r")
+    d2, _n2, dims2, _s2 = A.lower(p2.ir, arch)
+    d1, _n1, dims1, _s1 = A.lower(p1.ir, arch)
+    # the same FlashAttention-4 kernel: one entry source, one configuration, group 4 over KH K/V heads
+    assert A.entry_source(d2).replace("two", "one") == A.entry_source(d1)
+    assert A.config_items(d2) == A.config_items(d1) and d2.group == d1.group == 4
+    assert dict(dims2)["H"] == ("KH", 4) and dict(dims1)["H"] == "H" and dict(dims2)["HK"] == dict(dims1)["HK"] == "KH"
+    # the group as a size symbol: per call, named by --sizes RR=4
+    p3 = _plan(TWO_AXES)
+    assert A.groups_named(p3.ir, {"RR": 4}) == (4,) and A.lower(p3.ir, arch)[0].group == 0
+
+
+def test_two_head_axes_against_float64():
+    rng = np.random.default_rng(7)
+    B, KH, R, S, T = 2, 2, 3, 5, 11
+    Q = rng.standard_normal((B, KH, R, S, 64)).astype(np.float32)
+    K, V = (rng.standard_normal((B, KH, T, 64)).astype(np.float32) for _ in range(2))
+    out = kspec.reference(TWO_AXES.replace("bf16", "f16"))(Q=Q.astype(np.float16), K=K.astype(np.float16),
+                                                           V=V.astype(np.float16))["O"].astype(np.float64)
+    q, k, v = (x.astype(np.float16).astype(np.float64) for x in (Q, K, V))
+    s = 0.125 * np.einsum("bgrie,bgje->bgrij", q, k)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bgrij,bgje->bgrie", p / p.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(out, want, rtol=3e-3, atol=3e-3)
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_two_head_axes_launch_with_the_flattened_heads(tmp_path):
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    (tmp_path / "two.kspec").write_text(TWO_AXES.replace("RR", "4"))
+    art = compile_spec(tmp_path / "two.kspec", ("sm90a",), tmp_path / "out", cache=CompileCache(test_cache_root()))
+    mod = kspec.load(art)
+    with FakeDriver(cc=(9, 0), sm_count=132) as fake:
+        call = fake_call(mod, "two", {"B": 2, "KH": 8, "S": 16, "T": 300}, fake)
+        assert check_call(call, "sm90a", mod) == []
+        (launch,) = call.launches
+        assert launch.prepare.dims[:5] == (2, 32, 16, 300, 8)          # B, H = KH * 4, S, T, HK

@@ -127,11 +127,37 @@ class AttnDesc:
 # IR -> descriptor
 # ---------------------------------------------------------------------------------------------
 
+def fold_heads(ir, a):
+    """Heads written as two axes, `Q[b, g, r, i, e]` against `K[b, g, j, e]` (K/V head g, r the query
+    heads sharing it), as the one head axis FA4 takes: Q [B, KH, R, S, d] stored in that order is Q
+    [B, KH * R, S, d] with head h = g * R + r, and K is read at h / R, so the attention is GQA with
+    group R over KH K/V heads.  None when `a` is not such an attention (or one kspec folds: Q, K, V, O
+    in their canonical order, not paged or packed, mods that read no head index)."""
+    import dataclasses
+
+    from kspec.compiler.kir import AuxLoad, Index
+    if a is None or len(a.batch) != 3 or a.kv_shared != (a.batch[2],) or a.kv_group is not None or a.orders \
+            or a.page_table is not None or a.kv_len is not None:
+        return None
+    q = ir.buffer(a.q_buffer)
+    if q.packed is not None or len(q.shape) != 5:
+        return None
+    for e in (a.mask, a.score_mod):
+        for x in (_nodes(e) if e is not None else ()):
+            if isinstance(x, AuxLoad) or (isinstance(x, Index) and x.label in a.batch):
+                return None
+    b, kh, r = q.shape[:3]
+    h = kh * r if isinstance(kh, int) and isinstance(r, int) else (kh, r)
+    dims = tuple((k, h if k == "H" else b if k == "B" else v) for k, v in a.dims)
+    return dataclasses.replace(a, batch=a.batch[:2], kv_shared=(), kv_group=r, kv_head=kh, dims=dims)
+
+
 def unsupported(ir, arch: str) -> str | None:
     """Why FA4 (through this backend) cannot build this attention kernel IR (None when it can)."""
     a = ir.attention
     if a is None:
         return "not an attention kernel"
+    a = fold_heads(ir, a) or a
     if len(set(a.dtypes)) != 1 or a.dtypes[0] not in DTYPES:
         return f"FlashAttention-4 takes f16 or bf16 Q, K and V of one dtype, not {', '.join(a.dtypes)}"
     if len(a.out_buffers) != 1:
@@ -356,9 +382,9 @@ def _per_call_group(ir, a) -> bool:
 def groups_named(ir, sizes: dict[str, int]) -> tuple[int, ...]:
     """The per-call GQA group an attention gets at these sizes (`kspec compile --sizes`): G itself, or
     H / KH (MQA: H); () when the sizes do not fix it."""
-    a = ir.attention
+    a = fold_heads(ir, ir.attention) or ir.attention
     h = dict(a.dims).get("H")
-    hv = h if isinstance(h, int) else sizes.get(h)
+    hv = h if isinstance(h, int) else sizes.get(h) if isinstance(h, str) else None
     if a.kv_shared:
         return (hv,) if hv else ()
     if isinstance(a.kv_group, str) and a.kv_group in sizes:
@@ -384,7 +410,7 @@ def lower(ir, arch: str, sm_count: int | None = None):
     why = unsupported(ir, arch)
     if why:
         raise KspecInternalError(f"attention lowering called for an unsupported kernel {ir.id}: {why}")
-    a = ir.attention
+    a = fold_heads(ir, ir.attention) or ir.attention
     names = Names()
     dims_map = dict(a.dims)
     roles: dict[str, object] = {"B": dims_map.get("B", 1),

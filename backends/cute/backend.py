@@ -175,7 +175,7 @@ class CuteBackend:
                 if groups:
                     desc = attention.for_groups(desc, groups)
             if not desc.group and not desc.groups:
-                a = ir.attention
+                a = attention.fold_heads(ir, ir.attention) or ir.attention
                 what = "the head count H" if a.kv_shared else f"{a.kv_group}, or H and {a.kv_head}"
                 raise KspecError(f"attention kernel {ir.id} on {arch}: its GQA group (query heads per K/V head) is "
                                  f"known only at call time, and FlashAttention-4 compiles it into the kernel",
