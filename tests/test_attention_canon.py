@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import needs_fa4
+
 from kspec.backends.registry import Planner
 from kspec.compiler import plan_kernel, verify
 from kspec.spec_lang import load_spec
@@ -213,3 +215,65 @@ def test_singleton_mqa_computes_the_declared_function():
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("bhij,bhje->bhie", p / p.sum(-1, keepdims=True), Vb.astype(np.float64))
     np.testing.assert_allclose(out, want, rtol=3e-3, atol=3e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 25's table: every spelling is one fused FlashAttention-4 attention on both archs
+# ---------------------------------------------------------------------------------------------
+
+def _spec(decl_q="B, H, S, 64", decl_kv="B, KH, T, 64", read_q="b, h, i, e", read_kv="b, h / 4, j, e",
+          body=None, labels="b, h, i", params=""):
+    body = body or f"""  s[{labels}, j] : f32 = 0.125 * sum(e) Q[{read_q}] * K[{read_kv.replace('j', 'j')}]
+  p[{labels}, j] = softmax(j) s[{labels}, j]"""
+    return f"""kernel k {{
+{params}  in  Q : f16[{decl_q}]
+  in  K : f16[{decl_kv}]
+  in  V : f16[{decl_kv}]
+  in  bias : f32[B, H, S, T]
+  out O : f16[{decl_q}]
+{body}
+  O[{labels}, e] = sum(j) p[{labels}, j] * V[{read_kv}]
+}}"""
+
+
+QK4 = "sum(e) Q[b, h, i, e] * K[b, h / 4, j, e]"
+TABLE = {
+    "MQA, K [B, 1, T, d] read at head 0": _spec(decl_kv="B, 1, T, 64", read_kv="b, 0, j, e"),
+    "MQA, K/V without a head axis": _spec(decl_kv="B, T, 64", read_kv="b, j, e"),
+    "GQA, h / G with param G": _spec(read_kv="b, h / G, j, e", params="  param G : i32 = 4\n"),
+    "GQA, heads as two axes": _spec(decl_q="B, KH, 4, S, 64", read_q="b, g, r, i, e", read_kv="b, g, j, e",
+                                    labels="b, g, r, i").replace("in  bias : f32[B, H, S, T]\n", ""),
+    "hand-written softmax": _spec(body=f"""  s[b, h, i, j] : f32 = 0.125 * {QK4}
+  mx[b, h, i] = max(j) s[b, h, i, j]
+  x[b, h, i, j] = exp(s[b, h, i, j] - mx[b, h, i])
+  z[b, h, i] = sum(j) x[b, h, i, j]
+  p[b, h, i, j] = x[b, h, i, j] / z[b, h, i]"""),
+    "/ sqrt(64.0) inside the sum": _spec(body=f"""  s[b, h, i, j] : f32 = sum(e) Q[b, h, i, e] * K[b, h / 4, j, e] / sqrt(64.0)
+  p[b, h, i, j] = softmax(j) s[b, h, i, j]"""),
+    "causal before an additive bias": _spec(body=f"""  s[b, h, i, j] : f32 = 0.125 * {QK4}
+  m[b, h, i, j] = where(j <= i + (T - S), s[b, h, i, j], -inf) + bias[b, h, i, j]
+  p[b, h, i, j] = softmax(j) m[b, h, i, j]"""),
+    "window with or, branches swapped": _spec(params="  param W : i32 = 64\n", body=f"""  s[b, h, i, j] : f32 = 0.125 * {QK4}
+  m[b, h, i, j] = where(j > i + (T - S) or j <= i + (T - S) - W, -inf, s[b, h, i, j])
+  p[b, h, i, j] = softmax(j) m[b, h, i, j]"""),
+}
+
+
+@needs_fa4
+@pytest.mark.parametrize("name", list(TABLE))
+def test_every_spelling_in_the_issue_is_one_flashattention_4_kernel(name):
+    from kspec.backends.cute import attention as A
+    from kspec.backends.cute import attnmods
+    sched = plan_kernel(load_spec(TABLE[name], is_text=True).kernels[0], ARCHS, Planner())
+    assert [p.kind for p in sched.plans] == ["attention"], (name, sched.fusion.notes)
+    (p,) = sched.plans
+    assert all(p.choices[a].backend == "cute" for a in ARCHS), name
+    a = A.fold_heads(p.ir, p.ir.attention) or p.ir.attention
+    m = attnmods.analyse(*A._fa4_view(p.ir, a, "S"))
+    assert a.scale == 0.125
+    if name.startswith("causal"):
+        assert m.causal and m.score_mod and not m.mask_mod            # FA4's causal flag + a bias score_mod
+    elif name.startswith("window"):
+        assert m.window is not None and not m.mask_mod and not m.score_mod
+    else:
+        assert not (m.causal or m.window or m.mask_mod or m.score_mod)
