@@ -46,7 +46,7 @@ from .. import cache as cache_entry
 from . import attnmods, compat
 
 BUILD_FORMAT = 2
-DTYPES = ("f16", "bf16")
+DTYPES = ("f16", "bf16", "f8e4m3")     # f8e4m3: sm100a only (fp8.py)
 ROLES = ("B", "H", "S", "T", "HK")          # ABI dims, in order; then G (a literal group) and extra symbols
 
 
@@ -106,13 +106,14 @@ class AttnDesc:
     # (named by `kspec compile --sizes`), each variant's boxes holding G = H / HK to that value
     groups: tuple[int, ...] = ()
     group_param: str | None = None     # the i32 param the spec divides the head by (checked against G)
+    descales: tuple[str | None, ...] = ()   # FP8: the q, k, v descale inputs (f32 [B, KH]; fp8.py), () none
     splits: int = 0                    # split-KV count fixed by a tuning winner (0: splitkv.num_splits' heuristic)
 
     @property
     def args(self) -> tuple[str, ...]:
         return (self.q, self.k, self.v, self.o, *((self.lse,) if self.lse else ()), *(a.name for a in self.aux),
                 *((self.page_table,) if self.page_table else ()), *((self.seqused_k,) if self.seqused_k else ()),
-                *(n for n in (self.cu_seqlens_q, self.cu_seqlens_k) if n))
+                *(n for n in (self.cu_seqlens_q, self.cu_seqlens_k) if n), *(n for n in self.descales if n))
 
     def alignment(self) -> tuple[tuple[str, int], ...]:
         out = [(n, 16) for n in (self.q, self.k, self.v, self.o)]
@@ -120,6 +121,7 @@ class AttnDesc:
             out.append((self.lse, 4))
         out += [(a.name, dtype_bytes(a.dtype)) for a in self.aux]
         out += [(n, 4) for n in (self.page_table, self.seqused_k, self.cu_seqlens_q, self.cu_seqlens_k) if n]
+        out += [(n, 4) for n in self.descales if n]
         return tuple(out)
 
 
@@ -159,11 +161,18 @@ def unsupported(ir, arch: str) -> str | None:
         return "not an attention kernel"
     a = fold_heads(ir, a) or a
     if len(set(a.dtypes)) != 1 or a.dtypes[0] not in DTYPES:
-        return f"FlashAttention-4 takes f16 or bf16 Q, K and V of one dtype, not {', '.join(a.dtypes)}"
+        return (f"FlashAttention-4 takes f16 or bf16 (or, on sm100a, f8e4m3) Q, K and V of one dtype, not "
+                f"{', '.join(a.dtypes)}")
+    from . import fp8
+    why = fp8.unsupported(ir, a, arch)
+    if why:
+        return why
+    if a.dtypes[0] == fp8.FP8:
+        a = fp8.descales(ir, a)[1]            # the descale factors are FA4's, not a score_mod
     if len(a.out_buffers) != 1:
         return "fused attention stores exactly one output O"
     out = ir.buffer(a.out_buffers[0])
-    if out.dtype != a.dtypes[0]:
+    if out.dtype != a.dtypes[0] and a.dtypes[0] != fp8.FP8:
         return f"FlashAttention-4 writes O in the input dtype ({a.dtypes[0]}), not {out.dtype}"
     d, _dk, dv = a.head_dims
     if not (isinstance(d, int) and isinstance(dv, int) and a.head_dims[1] == d):
@@ -411,6 +420,10 @@ def lower(ir, arch: str, sm_count: int | None = None):
     if why:
         raise KspecInternalError(f"attention lowering called for an unsupported kernel {ir.id}: {why}")
     a = fold_heads(ir, ir.attention) or ir.attention
+    from . import fp8
+    descales = None
+    if a.dtypes[0] == fp8.FP8:
+        descales, a = fp8.descales(ir, a)    # FA4's DescaleTensors, out of the score_mod and o_scale
     names = Names()
     dims_map = dict(a.dims)
     roles: dict[str, object] = {"B": dims_map.get("B", 1),
@@ -503,7 +516,9 @@ def lower(ir, arch: str, sm_count: int | None = None):
                     page_table=names(a.page_table) if a.page_table else None,
                     page_size=paged.get("P"), seqused_k=names(a.kv_len) if a.kv_len else None,
                     cu_seqlens_q=names(cu_q) if cu_q else None, cu_seqlens_k=names(cu_k) if cu_k else None,
-                    layouts=_layouts(a, cu_q, cu_k), group_param=names(group_param) if group_param else None)
+                    layouts=_layouts(a, cu_q, cu_k), group_param=names(group_param) if group_param else None,
+                    descales=tuple(names(n) if n else None for n in (descales.q, descales.k, descales.v))
+                    if descales is not None else ())
     dims = tuple((r, roles[r]) for r in dim_roles)
     return desc, names.back(), dims, scalars
 
@@ -530,6 +545,8 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
             ("lse", "yes" if desc.lse else "no"), ("sm_count", ",".join(map(str, skus(desc)))),
             ("split_kv", _split_item(desc)),
+            *((("fp8", "e4m3, descale " + ("/".join(r for r, n in zip("qkv", desc.descales) if n) or "none")),)
+              if desc.dtype == "f8e4m3" else ()),
             *((("paged_kv", f"page_size={desc.page_size}"),) if desc.page_table else ()),
             *((("seqused_k", "yes"),) if desc.seqused_k else ()),
             *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_seqlens_q),
@@ -648,6 +665,10 @@ def _tensors(desc: AttnDesc):
         if cu:
             out.append((name, i, "i32", ("(B + 1)",), ()))
             i += 1
+    for name, d in zip(("mQD", "mKD", "mVD"), desc.descales):
+        if d:
+            out.append((name, i, "f32", ("B", "HK"), (("HK",),)))     # FP8 descales [B, KH], contiguous
+            i += 1
     return out
 
 
@@ -693,6 +714,9 @@ def entry_source(desc: AttnDesc) -> str:
         kw.append("mSeqUsedK=mSK")
     if desc.page_table:
         kw.append("mPageTable=mPT")
+    if desc.descales:
+        kw.append("descale_tensors=DescaleTensors(" + ", ".join(
+            f"{r}_descale={n if d else 'None'}" for r, n, d in zip("qkv", ("mQD", "mKD", "mVD"), desc.descales)) + ")")
     kw.append(f"aux_data=AuxData({aux_t}, {aux_s})")
     call = (f"    FA(mQ, mK, mV, mO, {'mLSE' if 'mLSE' in names else 'None'}, softmax_scale, "
             + ", ".join(kw) + ", stream=stream)")
@@ -703,6 +727,7 @@ def entry_source(desc: AttnDesc) -> str:
         "import cutlass",
         "import cutlass.cute as cute",
         "from flash_attn.cute.utils import AuxData",
+        *(["from flash_attn.cute.flash_fwd_sm100 import DescaleTensors"] if desc.descales else []),
         "",
         "from kspec.backends.cute import dslops as F",
         "",
@@ -820,13 +845,15 @@ def _sweep_mode(interface, keys: _KeyLog, fake: bool):
             if str(kwargs.get("device")) == "cuda":
                 kwargs["device"] = "meta"
             return func(*args, **kwargs)
-    real = interface.is_fake_mode
+    real, validate = interface.is_fake_mode, interface._validate_tensor
     interface.is_fake_mode, keys.probe = (lambda: True), True
+    # (FA4 checks an FP8 descale tensor's device even when it runs fake; on meta it is not "cuda")
+    interface._validate_tensor = lambda t, name, *args, **kwargs: None
     try:
         with Meta():
             yield
     finally:
-        interface.is_fake_mode, keys.probe = real, False
+        interface.is_fake_mode, keys.probe, interface._validate_tensor = real, False, validate
 
 
 def _signature(obj) -> str:
@@ -860,7 +887,7 @@ def choose_variants(desc: AttnDesc, mod, points=None, num_splits: int = 1,
     def stop(fa, *args, **kwargs):
         raise _Captured(fa)
 
-    tdt = torch.float16 if desc.dtype == "f16" else torch.bfloat16
+    tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f8e4m3": torch.float8_e4m3fn}[desc.dtype]
     w = desc.mods.window
     points = sweep_points(desc) if points is None else list(points)
     key_of: list = []                   # per point, FA4's compile key
@@ -909,6 +936,9 @@ def choose_variants(desc: AttnDesc, mod, points=None, num_splits: int = 1,
                     k = torch.empty(*kv_rows, hk, desc.head_dim, dtype=tdt, device="cuda")
                     v = torch.empty(*kv_rows, hk, desc.head_dim_v, dtype=tdt, device="cuda")
                     aux = [torch.empty(*(2 for _ in a.shape), dtype=torch.float32, device="cuda") for a in desc.aux]
+                    for r, dn in zip("qkv", desc.descales):
+                        if dn:
+                            paged[f"{r}_descale"] = torch.empty(batch, hk, dtype=torch.float32, device="cuda")
                     try:
                         interface._flash_attn_fwd(
                             q, k, v, causal=desc.mods.causal,

@@ -49,6 +49,8 @@ def split_unsupported(desc) -> str | None:
     """Why desc gets no split-KV variant (None: it gets one, with the combine kernel)."""
     if desc.arch == "sm90a":
         return SM90_REASON
+    if desc.dtype == "f8e4m3":
+        return "FP8 attention: kspec builds FlashAttention-4's FP8 forward unsplit"
     if desc.cu_seqlens_q:
         return "packed (varlen) queries: FlashAttention-4 splits those with a scheduler-metadata kernel of its own"
     if desc.mods.window is not None:
