@@ -25,7 +25,12 @@ computes the same function for every shape (the heuristics choose speed, not sem
 **Layouts.**  kspec's tensors are row-major [B, H, S, D]; FA4 takes (b, s, h, d) with any strides, so
 Q/K/V/O are passed as strided views and nothing is copied.  LSE is [B, H, S] f32, FA4's layout.
 
-**Masks and score modifications**: backends/cute/attnmods.py.
+**Masks and score modifications**: backends/cute/attnmods.py.  **Split-KV decoding** (sm100a: a
+split kernel and FA4's combine beside the size variants): splitkv.py.  **FP8** (e4m3 with descales,
+sm100a): fp8.py.  **GQA groups known only per call** (`h / G` with a param or size symbol, MQA over
+a symbolic H): built once per group `kspec compile --sizes` names (groups_named, for_groups), each
+variant's boxes holding G = H / HK.  **Heads as two axes** (`Q[b, g, r, i, e]`, `K[b, g, j, e]`):
+fold_heads.
 """
 from __future__ import annotations
 

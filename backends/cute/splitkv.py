@@ -7,8 +7,8 @@ CTA per (sequence, K/V head): B = 1 with 8 K/V heads occupies 8 of an H200's 132
 
     split_unsupported(desc) -> reason | None    why a kernel gets no split variant
     num_splits(...) -> int                      the chooser (FlashAttention-4's own heuristic)
-    chooser_c(desc, q_stage, pack_gqa) -> str   the same function in C, in both kernels' host glue
-    workspace_bytes(...) / workspace_c(desc)    the partial buffers: [NS, B, S, H, dv] f32 O, then
+    chooser_c(dv, pack_gqa, override) -> str    the same function in C, in both kernels' host glue
+    partial_bytes(...) / workspace_lines(...)   the partial buffers: [NS, B, S, H, dv] f32 O, then
                                                 [NS, B, H, S] f32 LSE, 256-byte aligned
     combine_source / build_combine              the combine kernel through kspec's export path
 
@@ -298,9 +298,3 @@ def build_combine(work: Path, desc, o_modes, lse_strides, checks: list[str], sme
         else:
             p.unlink(missing_ok=True)
     return {"symbol": entry, "param_offsets": list(offs), "compile_seconds": seconds, "sm_independent": True}
-
-
-def split_count_doc() -> str:
-    """One line for graph/README: how the count is chosen."""
-    return (f"num_splits = min(SMs // query tiles, {MAX_SPLITS}, ceil(T / {TILE_N})) when T spans more than 4 key "
-            "blocks, else 1 (FlashAttention-4's heuristic, with the device's SM count)")
