@@ -303,7 +303,8 @@ def kv_group_read(g: nx.DiGraph, n, head_label: str):
 
 def _group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
     """u (read under ul, whose labels to_attn maps to the attention's) computes `h / G` with h the
-    attention's head label: (G as a param name, an int or a size symbol, the nodes computing it)."""
+    attention's head label: (G as a param name, an int, a size symbol or the quotient "H/KH" of two
+    size symbols, the nodes computing it)."""
     uo = op(g, u)
     if uo.kind != "elementwise" or uo.fn != "floordiv":
         return None
@@ -318,6 +319,11 @@ def _group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
         return int(do.value), {u, num, den}
     if do.kind == "size":
         return do.fn, {u, num, den}
+    if do.kind == "elementwise" and do.fn == "floordiv" and not do.axes:
+        # `h / (H / KH)`: the group as the quotient of two size symbols, "H/KH" (known per call)
+        (a, _), (b, _) = operands(g, den)
+        if op(g, a).kind == "size" and op(g, b).kind == "size":
+            return f"{op(g, a).fn}/{op(g, b).fn}", {u, num, den, a, b}
     return None
 
 

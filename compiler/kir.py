@@ -326,8 +326,9 @@ class AttentionStructure:
     score_mod: EpiExpr | None = None               # None: the scaled score as it is
     mask: EpiExpr | None = None                    # a boolean expression; None: nothing masked
     aux: tuple[str, ...] = ()                      # buffers the mods read (AuxLoad), all in ir.buffers
-    # GQA: K/V are read at head index h // kv_group: an int, a size symbol or the name of an i32
-    # param (`K[b, h / G, j, e]`); kv_head is the K/V head count
+    # GQA: K/V are read at head index h // kv_group: an int, a size symbol, the name of an i32
+    # param (`K[b, h / G, j, e]`) or "H/KH", the quotient of two size symbols (`K[b, h / (H / KH), ..]`);
+    # kv_head is the K/V head count
     kv_group: Extent | None = None
     kv_head: Extent | None = None                  # GQA: the K/V head count (extent of that axis)
     lse: str | None = None                         # buffer receiving the log-sum-exp [batch.., i], f32

@@ -216,3 +216,36 @@ def test_two_head_axes_launch_with_the_flattened_heads(tmp_path):
         assert check_call(call, "sm90a", mod) == []
         (launch,) = call.launches
         assert launch.prepare.dims[:5] == (2, 32, 16, 300, 8)          # B, H = KH * 4, S, T, HK
+
+
+QUOTIENT = GQA_PARAM.replace("  param G : i32 = 4\n", "").replace("h / G", "h / (H / KH)")
+
+
+def test_the_group_as_a_quotient_of_head_counts():
+    """`K[b, h / (H / KH), j, e]`: the group is H / KH, known per call; --sizes H=32,KH=8 names it."""
+    from kspec.backends import registry
+    from kspec.backends.cute import attention as A
+    p = _plan(QUOTIENT)
+    assert p.kind == "attention" and p.ir.attention.kv_group == "H/KH" and p.ir.attention.kv_head == "KH"
+    assert A.groups_named(p.ir, {"H": 32, "KH": 8}) == (4,) and A.groups_named(p.ir, {"H": 32}) == ()
+    cute = registry.get("cute")
+    base = cute.default_config(p.ir, "sm90a")
+    lp = cute.lower(p.ir, "sm90a", (*base, ("sizes", "H=32,KH=8")))
+    assert lp.desc.groups == (4,) and "G" not in lp.desc.dims and not lp.desc.group_param
+    with pytest.raises(KspecError, match="known only at call time") as e:
+        cute.lower(p.ir, "sm90a", base)
+    assert "the head counts H and KH: e.g. H=32,KH=8" in e.value.hint
+
+
+def test_the_quotient_spelling_against_float64():
+    rng = np.random.default_rng(3)
+    B, H, KH, S, T = 1, 8, 2, 3, 9
+    Q = rng.standard_normal((B, H, S, 64)).astype(np.float16)
+    K, V = (rng.standard_normal((B, KH, T, 64)).astype(np.float16) for _ in range(2))
+    out = kspec.reference(QUOTIENT.replace("bf16", "f16"))(Q=Q, K=K, V=V)["O"].astype(np.float64)
+    g = np.arange(H) // (H // KH)
+    q, k, v = (x.astype(np.float64) for x in (Q, K, V))
+    s = 0.125 * np.einsum("bhie,bhje->bhij", q, k[:, g])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(out, np.einsum("bhij,bhje->bhie", p / p.sum(-1, keepdims=True), v[:, g]),
+                               rtol=3e-3, atol=3e-3)
