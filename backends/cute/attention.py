@@ -403,6 +403,10 @@ def groups_named(ir, sizes: dict[str, int]) -> tuple[int, ...]:
         return (hv,) if hv else ()
     if isinstance(a.kv_group, str) and a.kv_group in sizes:
         return (sizes[a.kv_group],)
+    if isinstance(a.kv_group, str) and "/" in a.kv_group:          # "H/KH": the quotient of two sizes
+        num, den = a.kv_group.split("/")
+        if sizes.get(num) and sizes.get(den) and sizes[num] % sizes[den] == 0:
+            return (sizes[num] // sizes[den],)
     kh = a.kv_head if isinstance(a.kv_head, int) else sizes.get(a.kv_head)
     if hv and kh and hv % kh == 0:
         return (hv // kh,)
@@ -445,6 +449,8 @@ def lower(ir, arch: str, sm_count: int | None = None):
     if a.kv_group is not None and not a.kv_shared:
         if isinstance(a.kv_group, str) and any(b.name == a.kv_group and b.role == "param" for b in ir.buffers):
             group_param = a.kv_group          # a param: checked against the kernel's group at launch
+        elif isinstance(a.kv_group, str) and "/" in a.kv_group:
+            pass                              # `h / (H / KH)`: the glue's H == G * HK check says it all
         else:
             roles["G"] = a.kv_group
             dim_roles.append("G")

@@ -176,12 +176,15 @@ class CuteBackend:
                     desc = attention.for_groups(desc, groups)
             if not desc.group and not desc.groups:
                 a = attention.fold_heads(ir, ir.attention) or ir.attention
-                what = "the head count H" if a.kv_shared else f"{a.kv_group}, or H and {a.kv_head}"
+                quotient = isinstance(a.kv_group, str) and "/" in a.kv_group
+                what, eg = (("the head count H", "H=32") if a.kv_shared else
+                            ("the head counts " + " and ".join(a.kv_group.split("/")),
+                             ",".join(f"{x}={v}" for x, v in zip(a.kv_group.split("/"), (32, 8)))) if quotient else
+                            (f"{a.kv_group}, or H and {a.kv_head}", f"{a.kv_group}=4 or H=32,{a.kv_head}=8"))
                 raise KspecError(f"attention kernel {ir.id} on {arch}: its GQA group (query heads per K/V head) is "
                                  f"known only at call time, and FlashAttention-4 compiles it into the kernel",
                                  ir.span, f"name the group to build with `kspec compile --sizes` ({what}: e.g. "
-                                 f"{'H=32' if a.kv_shared else f'{a.kv_group}=4 or H=32,{a.kv_head}=8'}); "
-                                 "one artifact per group, or one `kspec build` bucket each")
+                                 f"{eg}); one artifact per group, or one `kspec build` bucket each")
             return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention.config_items(desc))
         lp = self._gemm_desc(ir, arch)
         cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)
