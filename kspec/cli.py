@@ -350,7 +350,10 @@ def _tuned(args):
 
 
 def cmd_inspect(args) -> int:
-    from kspec.inspect_artifact import inspect_artifact
+    from kspec.inspect_artifact import inspect_artifact, launch_choice
+    if args.sizes:
+        print(launch_choice(args.artifact, parse_sizes(args.sizes), args.sm_count, arch=args.arch))
+        return 0
     print(inspect_artifact(args.artifact, sass=args.sass, arch=args.arch))
     return 0
 
@@ -400,6 +403,10 @@ def _register_compile(sub) -> None:
     i.add_argument("artifact", metavar="ARTIFACT")
     i.add_argument("--sass", action="store_true", help="dump the full SASS")
     i.add_argument("--arch", help="only this arch")
+    i.add_argument("--sizes", help="instead: which kernels a call at these sizes launches, e.g. B=1,H=32,S=1,T=131072 "
+                                   "(FlashAttention-4's size variants and split-KV)")
+    i.add_argument("--sm-count", type=int, default=None,
+                   help="with --sizes: the device's SM count (default: the SKU each binary was built for first)")
     i.set_defaults(func=cmd_inspect)
 
     c = sub.add_parser("cache", help="show or clear the compile cache",

@@ -143,6 +143,10 @@ def test_the_artifact_serves_its_group_and_refuses_another_by_name(group4):
         with pytest.raises(KspecRuntimeError, match="GQA group param = 2, but the kernel was built for 4"):
             _call(mod, fake, 2, 32, 8, G=2)
         assert len(fake.launches) == 1                 # nothing launched by the refused calls
+    from kspec.inspect_artifact import launch_choice
+    text = launch_choice(group4, {"B": 2, "H": 32, "KH": 4, "S": 8, "T": 256})
+    assert "refused: " in text and "kspec compile --sizes H=32,KH=4" in text
+    assert "variant 0 (for S >= 0, G 4..4)" in launch_choice(group4, {"B": 2, "H": 32, "KH": 8, "S": 8, "T": 256})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -883,3 +883,18 @@ def test_inspect_lists_the_split_kv_pair(fa4_artifacts):
                            "split-KV combine (after the split kernel)"]
     assert all(x.startswith("for S ") for x in labels[:-2])
     assert all(x.startswith("for S ") for x in map(_serves, plan.binaries["sm90a"].variants))
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_inspect_sizes_says_what_a_call_launches(fa4_artifacts, capsys):
+    from kspec.cli import main
+    art = fa4_artifacts("attention")
+    assert main(["inspect", str(art), "--sizes", "B=1,H=8,S=1,T=32768"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    sm90, sm100 = (next(x for x in out if f" {a} on " in x) for a in ("sm90a", "sm100a"))
+    assert "sm90a on 132 SMs: variant 0 (for S" in sm90
+    assert "sm100a on 148 SMs: variants" in sm100 and "split-KV kernel, then the combine" in sm100
+    assert main(["inspect", str(art), "--sizes", "B=64,H=8,S=1,T=512", "--arch", "sm100a", "--sm-count", "132"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "plan" in x]
+    assert "on 132 SMs: variant " in line and "split" not in line
