@@ -66,11 +66,17 @@ def test_the_workspace_holds_both_partials_aligned():
 @pytest.mark.parametrize("arch, spec, why", [
     ("sm90a", "attention_decode", "no split-KV forward on sm90a"),
     ("sm100a", "attention_varlen", "packed (varlen) queries"),
-    ("sm100a", "attention_sliding_window", "a sliding window"),
+    ("sm100a", "attention_sliding_window", "self-attention"),
+    ("sm100a", "attention_causal", "self-attention (the keys are the queries, T = S)"),
+    ("sm100a", "decode_window", "a sliding window"),
 ])
 def test_where_there_is_no_split_and_why(arch, spec, why):
     from kspec.backends.cute import attention as A
-    desc = _desc(SPECS / f"{spec}.kspec", arch)
+    if spec == "decode_window":      # decoding against a cache through a window of W keys
+        desc = _desc((SPECS / "attention_decode.kspec").read_text().replace(
+            "j <= i + (T - S)", "j <= i + (T - S) and j > i + (T - S) - 256"), text=True)
+    else:
+        desc = _desc(SPECS / f"{spec}.kspec", arch)
     assert why in splitkv.split_unsupported(desc)
     assert dict(A.config_items(desc))["split_kv"].startswith("none (")
 

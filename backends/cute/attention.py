@@ -112,6 +112,7 @@ class AttnDesc:
     groups: tuple[int, ...] = ()
     group_param: str | None = None     # the i32 param the spec divides the head by (checked against G)
     descales: tuple[str | None, ...] = ()   # FP8: the q, k, v descale inputs (f32 [B, KH]; fp8.py), () none
+    self_attention: bool = False       # the key extent is the query extent (T = S): never decode-shaped
     splits: int = 0                    # split-KV count fixed by a tuning winner (0: splitkv.num_splits' heuristic)
 
     @property
@@ -529,7 +530,7 @@ def lower(ir, arch: str, sm_count: int | None = None):
                     cu_seqlens_q=names(cu_q) if cu_q else None, cu_seqlens_k=names(cu_k) if cu_k else None,
                     layouts=_layouts(a, cu_q, cu_k), group_param=names(group_param) if group_param else None,
                     descales=tuple(names(n) if n else None for n in (descales.q, descales.k, descales.v))
-                    if descales is not None else ())
+                    if descales is not None else (), self_attention=roles["T"] == roles["S"])
     dims = tuple((r, roles[r]) for r in dim_roles)
     return desc, names.back(), dims, scalars
 

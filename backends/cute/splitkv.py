@@ -23,7 +23,8 @@ kernels evaluates the same C function, so the split kernel and the combine agree
 the workspace; the runtime takes the split variant exactly when its glue asks for a workspace (a
 count above 1), and the size-bucketed single-pass variants otherwise.
 
-**Not split** (the single-pass variants serve every call): sm90a (FA4 b36 has no split-KV forward
+**Not split** (the single-pass variants serve every call): self-attention (the key extent is the
+query extent, so no call is decode-shaped), sm90a (FA4 b36 has no split-KV forward
 on Hopper: `_flash_attn_fwd` asserts "SplitKV not supported on SM 9.0" and FlashAttentionForwardSm90
 takes no is_split_kv), packed queries (FA4 splits those with a scheduler-metadata kernel of its
 own), sliding windows (FA4's count reads the window sizes, which are launch-time values here),
@@ -49,6 +50,8 @@ def split_unsupported(desc) -> str | None:
     """Why desc gets no split-KV variant (None: it gets one, with the combine kernel)."""
     if desc.arch == "sm90a":
         return SM90_REASON
+    if desc.self_attention:
+        return "self-attention (the keys are the queries, T = S): no call is decode-shaped"
     if desc.dtype == "f8e4m3":
         return "FP8 attention: kspec builds FlashAttention-4's FP8 forward unsplit"
     if desc.cu_seqlens_q:
