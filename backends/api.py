@@ -105,6 +105,10 @@ class Backend(Protocol):
     def is_fallback(self, ir: KernelIR) -> str | None:
         """A reason when this backend runs `ir` only as a slow loop kernel (reported; --strict)."""
 
+    # Optional: `needs_opt_in(ir, arch) -> str | None`, a reason when the backend builds `ir` only
+    # when asked (`backend = NAME` in the spec's schedule, or `--backend NAME`): a path nothing has
+    # validated on a GPU.  Otherwise the planner takes the next backend and `kspec graph` says why.
+
     def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
         """The configuration (tile, cluster, stages, ...) the heuristic picks, as printable items."""
 

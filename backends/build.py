@@ -13,7 +13,10 @@ Cache layout (root = `$KSPEC_CACHE_DIR`, default `~/.cache/kspec`):
                            meta.json                size + sha256 of every file, label, arch, seconds, toolchain
                                                     (sealed and verified by backends/cache.py)
     <root>/logs/            logs of failed builds (named in the error message)
-    <root>/locks/, tmp/     per-key lock files; entries being written (renamed into place)
+    <root>/locks/, tmp/     per-key lock files; entries being written (renamed into place; the
+                            leftovers of a killed build are reclaimed, backends/cache.py)
+
+An unwritable root falls back to a temporary cache for the run, with a warning (`cache.usable_root`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import shlex
 import shutil
 import signal
 import subprocess
-import tempfile
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -48,7 +51,10 @@ NVCC_BYTES = int(3.5 * 2**30)
 _NVCC_ARCH = {a.name: a.nvcc for a in ARCH_TABLE.values()}
 _KIND_FLAGS = {
     "cubin": ("-DKSPEC_DEVICE", "-cubin"),
-    "host": ("-DKSPEC_HOST", "-Xcompiler", "-fPIC", "-shared"),
+    # -Xlinker -x: no local symbols in the .so.  nvcc compiles the host side from a temporary
+    # `tmpxft_<pid>_..cudafe1.cpp`, whose name would otherwise land in the symbol table and make
+    # every rebuild differ; without it the host library is byte-identical across rebuilds.
+    "host": ("-DKSPEC_HOST", "-Xcompiler", "-fPIC", "-shared", "-Xlinker", "-x"),
 }
 _OUTPUT_NAME = {"cubin": "kernel.cubin", "host": "kernel.so"}
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -181,10 +187,14 @@ class CompileCache:
     """Content-addressed store of compiled binaries (see the module docstring for the layout).
     Safe to share between threads and between processes."""
 
-    def __init__(self, root: os.PathLike | str | None = None):
+    def __init__(self, root: os.PathLike | str | None = None, *, writable: bool = True):
+        """writable: the cache will be written (a build): an unwritable root then falls back to a
+        temporary cache for the run, with a warning.  `kspec cache info|clear` pass False."""
         if root is None:
             root = os.environ.get("KSPEC_CACHE_DIR") or "~/.cache/kspec"
         self.root = Path(root).expanduser()
+        if writable:
+            self.root = cache_entry.usable_root(self.root)
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
 
@@ -203,6 +213,10 @@ class CompileCache:
             # major.minor: a patch release of the same toolkit shares the cache across machines
             "nvcc": toolchain_release(toolchain.version),
         }
+        if job.kind == "host":
+            # the kind's own flags change the binary too (only the host's were ever changed: the
+            # cubins' keys, and their entries, stay as they were)
+            material["kind_flags"] = list(_KIND_FLAGS["host"])
         return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
     def entry_dir(self, key: str) -> Path:
@@ -280,9 +294,13 @@ class CompileCache:
             self.stats.hits += 1
         return BuildResult(job, hit.path, True, time.monotonic() - t0, hit.log, hit.key, hit.compile_seconds)
 
+    def reclaim(self) -> None:
+        """Remove what killed builds left under this root (once per process; backends/cache.py)."""
+        cache_entry.reclaim_once(self.root, "tmp", "emit", "resources", "cute", "cute-attention")
+
     def _compile(self, job: BuildJob, tc: Toolchain, key: str, runner: _NvccRunner, t0: float) -> BuildResult:
-        tmp = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self._tmp_root()))
-        try:
+        self.reclaim()
+        with cache_entry.workdir(self._tmp_root(), f"{key[:16]}-") as tmp:
             src, log = tmp / "kernel.cu", tmp / "build.log"
             src.write_text(job.source)
             cmd = job.nvcc_command(tc.nvcc, src.name, job.output_name, tc.host_link_flags())
@@ -299,8 +317,6 @@ class CompileCache:
                     "include_identity": job.include_identity, "created": time.time()}
             cache_entry.seal(tmp, meta)
             dest = self._install(tmp, key, job)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)    # gone after a successful rename
         return BuildResult(job, dest / job.output_name, False, time.monotonic() - t0, dest / "build.log",
                            key, seconds)
 
@@ -349,18 +365,34 @@ class CompileCache:
         return {"root": str(self.root), "entries": entries, "bytes": total, "failed_logs": n_logs}
 
     def clear(self) -> int:
-        """Remove every entry, failed-build log, lock and temp dir; returns the entries removed.
-        Only kspec's own folders are touched, whatever else lives under the root."""
+        """Remove every entry (nvcc, CuTe DSL, attention), failed-build log, lock and temp dir;
+        returns the nvcc entries removed.  Only kspec's own folders are touched, whatever else lives
+        under the root (a tuning database stays).  What cannot be removed is a KspecError naming it."""
         n = 0
         for d in list(self._entry_dirs()):
-            cache_entry.discard(d)
+            cache_entry.discard(d, "the cache entry",
+                                hint="check the permissions of the cache directory (KSPEC_CACHE_DIR)")
             n += 1
+        failed: list[tuple[str, str]] = []
+
+        def onexc(_fn, path, e):
+            if isinstance(e, tuple):                       # (onerror's exc_info before Python 3.12)
+                e = e[1]
+            if not isinstance(e, FileNotFoundError):       # (removed meanwhile by another process)
+                failed.append((path, getattr(e, "strerror", None) or str(e)))
+        how = {"onexc": onexc} if sys.version_info >= (3, 12) else {"onerror": onexc}
         if self.root.is_dir():
             for top in self.root.iterdir():
                 # emit/ and resources/ hold kspec.compile's memoised generated sources and cubin facts
-                if top.is_dir() and (top.name in ("logs", "locks", "tmp", "emit", "resources")
+                if top.is_dir() and (top.name in ("logs", "locks", "tmp", "emit", "resources", "cute",
+                                                  "cute-attention")
                                      or re.fullmatch(r"[0-9a-f]{2}", top.name)):
-                    shutil.rmtree(top, ignore_errors=True)
+                    shutil.rmtree(top, **how)
+        if failed:
+            path, why = failed[0]
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            raise KspecError(f"cannot clear the cache {self.root}: {path}: {why}{more}",
+                             hint="check the permissions of the cache directory (KSPEC_CACHE_DIR)")
         return n
 
 

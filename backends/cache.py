@@ -12,18 +12,35 @@ changed anywhere, meta.json included, is found by `verify`.  A damaged entry is 
 caller rebuilds.  A stale entry (written by another format) is removed without a warning.
 `install` keeps an entry another process installed first if it verifies; a rename that still
 fails is an error, never ignored.
+
+Work directories (`workdir`) are made with the process umask (entries are as readable as any other
+file the user writes, so a team can share a cache) and held with an `flock` on the directory for
+as long as their builder lives: the kernel drops the lock when the process dies, `kill -9`
+included, so `reclaim` can tell a dead builder's leftovers from a live build (on any host or PID
+namespace sharing the file system) and removes them at once.  Where the file system has no locks,
+only leftovers older than a day are removed.  `usable_root` checks that a cache root can be written,
+and otherwise falls back to a temporary cache for the run, with one warning.
 """
 from __future__ import annotations
 
+import atexit
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
+import tempfile
+import threading
+import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from kspec.core import KspecError
+from kspec.core import KspecError, os_problem
 
 META = "meta.json"
 _CHUNK = 1 << 20
@@ -102,17 +119,20 @@ def verify(d: Path, fmt) -> tuple[dict | None, str | None]:
     return meta, None
 
 
-def discard(d: Path) -> None:
-    """Move an entry aside atomically, then delete it (a concurrent reader sees all or nothing)."""
-    trash = d.with_name(f".discard-{d.name[:16]}-{uuid.uuid4().hex[:8]}")
+_DISCARD_HINT = "check the permissions of the cache directory, or clear it with `kspec cache clear`"
+
+
+def discard(d: Path, what: str = "the damaged cache entry", hint: str = _DISCARD_HINT) -> None:
+    """Move an entry aside atomically, then delete it (a concurrent reader sees all or nothing).
+    A rename that fails is a KspecError naming `what` and the path; a deletion that fails after it
+    leaves a `.discard-*` folder that `reclaim` removes later."""
+    trash = d.with_name(f"{DISCARD_PREFIX}{d.name[:16]}-{uuid.uuid4().hex[:8]}")
     try:
         os.rename(d, trash)
     except FileNotFoundError:
         return                  # another process removed it first
     except OSError as e:
-        raise KspecError(f"cannot remove the damaged cache entry {d}: {e.strerror}",
-                         hint="check the permissions of the cache directory, or clear it with `kspec cache clear`") \
-            from None
+        raise KspecError(f"cannot remove {what} {d}: {e.strerror}", hint=hint) from None
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -164,11 +184,21 @@ def json_put(path: Path, data) -> None:
     body = json.dumps(data, sort_keys=True)
     text = json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "data": body})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    name = f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    new, tmp = path.with_name(name + NEW_SUFFIX), path.with_name(name + ".tmp")
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        tmp.write_text(text)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # held while written (see reclaim_dir)
+        except OSError:
+            pass
+        os.rename(new, tmp)
+        with os.fdopen(os.dup(fd), "w") as f:
+            f.write(text)
         os.replace(tmp, path)
     finally:
+        os.close(fd)
+        new.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
 
 
@@ -202,3 +232,177 @@ def json_get(path: Path):
                          hint="check the permissions of the cache directory, or clear it with `kspec cache clear`") \
             from None
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# work directories, leftovers, the cache root
+# ---------------------------------------------------------------------------------------------
+
+DISCARD_PREFIX = ".discard-"
+WORK_SUFFIX = ".kspec-work"       # every work directory's name ends with it (see `workdir`)
+# A work directory or memo file is made under a NEW_SUFFIX name, locked, and only then renamed to
+# its reclaimable name (the rename keeps the lock): a reclaimer never sees one unlocked while its
+# builder lives.  A NEW_SUFFIX leftover (a builder killed in those microseconds) is reclaimed
+# after UNLOCKED_S, as is anything on a file system that cannot lock.
+NEW_SUFFIX = ".kspec-new"
+UNLOCKED_S = 24 * 3600.0
+_SHARD = re.compile(r"^[0-9a-f]{2}$")
+_MEMO_TMP = re.compile(r"^\..+\.tmp$")     # json_put's and the tuning database's temporary files
+
+
+def _mkdir_private_name(parent: Path, prefix: str) -> tuple[Path, int | None | bool]:
+    """(a new locked work directory, its lock fd): mkdtemp, but with the umask's mode (mkdtemp
+    makes 0700: unreadable to the rest of a team), locked before it takes its WORK_SUFFIX name."""
+    for _ in range(100):
+        name = f"{prefix}{uuid.uuid4().hex[:12]}"
+        new = parent / f"{name}{NEW_SUFFIX}"
+        try:
+            os.mkdir(new, 0o777)
+        except FileExistsError:
+            continue
+        fd = _try_lock(new)
+        work = parent / f"{name}{WORK_SUFFIX}"
+        try:
+            os.rename(new, work)
+        except BaseException:
+            if type(fd) is int:
+                os.close(fd)
+            shutil.rmtree(new, ignore_errors=True)
+            raise
+        return work, fd
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(parent))
+
+
+def _try_lock(path: Path) -> int | None | bool:
+    """An fd holding an exclusive lock on the directory or file `path`; False if another process
+    holds it; None if this file system cannot lock (or `path` is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextmanager
+def workdir(parent: Path, prefix: str) -> Iterator[Path]:
+    """A new directory under `parent` (created with its parents) to build an entry in, locked for
+    this process until the block ends, then deleted unless it was installed (renamed away)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    work, fd = _mkdir_private_name(parent, prefix)
+    try:
+        yield work
+    finally:
+        try:
+            if work.exists():
+                shutil.rmtree(work, ignore_errors=True)
+        finally:
+            if type(fd) is int:
+                os.close(fd)
+
+
+def _age(p: Path, now: float) -> float:
+    """Seconds since `p` last changed (a work directory's mtime moves with every file made in it)."""
+    try:
+        return now - p.lstat().st_mtime
+    except OSError:
+        return -1.0
+
+
+def reclaim_dir(parent: Path, work_only: bool = False) -> int:
+    """Remove the leftovers of dead builders directly under `parent`: work directories (and memo
+    temporary files) whose lock is free (see NEW_SUFFIX), and `.discard-*` folders (whoever sees
+    one may finish deleting it), here
+    and in the <key[:2]> folders.  work_only: work directories only (an output directory, where
+    anything else is the user's).  Safe while other processes build: a live builder's lock is
+    never taken from it.  Returns how many were removed."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    now, n = time.time(), 0
+    for name in names:
+        p = parent / name
+        new = name.endswith(NEW_SUFFIX)
+        if new or name.endswith(WORK_SUFFIX) or (not work_only and _MEMO_TMP.match(name)):
+            fd = _try_lock(p)
+            if fd is False or ((fd is None or new) and _age(p, now) < UNLOCKED_S):
+                if type(fd) is int:
+                    os.close(fd)
+                continue
+            try:                            # (holding its lock: no one else is in it)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                if type(fd) is int:
+                    os.close(fd)
+        elif work_only:
+            continue
+        elif name.startswith(DISCARD_PREFIX):
+            shutil.rmtree(p, ignore_errors=True)          # nobody's: whoever sees it may finish it
+            n += 1
+        elif _SHARD.match(name) and p.is_dir():           # <key[:2]>/: where entries are discarded
+            n += reclaim_dir(p)
+    return n
+
+
+_RECLAIMED: set[tuple[str, str]] = set()
+_RECLAIM_LOCK = threading.Lock()
+
+
+def reclaim_once(parent: Path, *subdirs: str) -> None:
+    """reclaim_dir(parent) and reclaim_dir(parent/sub) for each sub, once per process (the first
+    build under a cache root pays a directory listing; later ones nothing)."""
+    with _RECLAIM_LOCK:
+        todo = [d for d in ("", *subdirs) if (str(parent), d) not in _RECLAIMED]
+        _RECLAIMED.update((str(parent), d) for d in todo)
+    for d in todo:
+        reclaim_dir(parent / d if d else parent)
+
+
+_USABLE: dict[str, Path] = {}
+
+
+def usable_root(root: Path) -> Path:
+    """`root` if this process can write there (creating it if needed); else a temporary cache
+    directory for this run (removed at exit), with one warning naming the path and the problem."""
+    key = str(root)
+    if key in _USABLE:
+        return _USABLE[key]
+    problem = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", suffix=NEW_SUFFIX, dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except FileExistsError:
+        problem = "it exists and is not a directory" if root.exists() else os_problem(FileExistsError(), root)
+    except OSError as e:
+        problem = os_problem(e, root)
+    if problem is None:
+        _USABLE[key] = root
+        return root
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix="kspec-cache-"))
+    except OSError as e:
+        raise KspecError(f"the cache directory {root} cannot be written ({problem}), and no temporary one "
+                         f"can be made either ({e.strerror})",
+                         hint="set KSPEC_CACHE_DIR to a writable directory") from None
+    atexit.register(shutil.rmtree, tmp, True)
+    print(f"kspec: warning: the cache directory {root} cannot be written ({problem}); using a temporary "
+          f"cache for this run ({tmp}, removed at exit): set KSPEC_CACHE_DIR to a writable directory to "
+          "keep builds", file=sys.stderr)
+    _USABLE[key] = tmp
+    return tmp

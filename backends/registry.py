@@ -16,6 +16,7 @@ faster backends gave, and `--strict` turns it into an error.
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from functools import lru_cache
 
 from kspec.compiler.kir import BackendChoice, KernelIR
@@ -68,10 +69,22 @@ def _can_implement(b: Backend, ir: KernelIR, arch: str) -> str | None:
     return b.can_implement(ir, arch)
 
 
-def _judge(b: Backend, ir: KernelIR, arch: str) -> tuple[str | None, SettingProblem | None]:
+def opt_in_reason(b: Backend, ir: KernelIR, arch: str) -> str | None:
+    """Why `b` builds `ir` on `arch` only when asked (its optional `needs_opt_in`), with how to ask."""
+    gate = getattr(b, "needs_opt_in", None)
+    why = gate(ir, arch) if gate is not None else None
+    if why is None:
+        return None
+    return (f"{why}; built only when asked: `backend = {b.name}` in the spec's schedule for {arch}, "
+            f"or --backend {b.name}")
+
+
+def _judge(b: Backend, ir: KernelIR, arch: str, opted: bool = False) -> tuple[str | None, SettingProblem | None]:
     """(why b does not build ir on arch as the spec asks, or None; the schedule setting b cannot
-    honour when that is why)."""
+    honour when that is why).  opted: the spec or the command line asked for b (opt-in paths)."""
     why = _can_implement(b, ir, arch)
+    if why is None and not opted:
+        why = opt_in_reason(b, ir, arch)
     h = ir.hint(arch)
     if why is not None or (h.tile is None and h.cluster is None and h.stages is None):
         return why, None
@@ -145,7 +158,7 @@ class Planner:
             pin = ir.hint(arch).backend
             pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
             for b in ([get(pin)] if pinned else self._fast()):
-                why, bad = _judge(b, ir, arch)
+                why, bad = _judge(b, ir, arch, opted=bool(pinned) or b.name == self.pinned)
                 if why is None:
                     break
                 if bad is not None:
@@ -166,7 +179,7 @@ class Planner:
         # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
         if pin and ir.kind in _kinds(get_checked(pin, ir)):
             b = get(pin)
-            why, bad = _judge(b, ir, arch)
+            why, bad = _judge(b, ir, arch, opted=True)
             if bad is not None:
                 raise _unhonoured(ir, arch, [(pin, bad)], pinned=True)
             if why:
@@ -178,13 +191,16 @@ class Planner:
             order = [get(self.pinned)] + [b for b in order if b.name != self.pinned]
         rejected: list[tuple[str, str]] = []
         unhonoured: list[tuple[str, SettingProblem]] = []
+        opt_in: list[tuple[str, str]] = []
         for b in order:
-            why, bad = _judge(b, ir, arch)
+            why, bad = _judge(b, ir, arch, opted=b.name == self.pinned)
             if why is None:
                 if unhonoured and b.is_fallback(ir):
                     # a schedule setting is never dropped for a loop kernel: it is an error at the setting
                     raise _unhonoured(ir, arch, unhonoured, pinned=False)
-                return self._choice(b, ir, arch, tuple(rejected))
+                return replace(self._choice(b, ir, arch, tuple(rejected)), opt_in=tuple(opt_in))
+            if b.name != self.pinned and _can_implement(b, ir, arch) is None and opt_in_reason(b, ir, arch):
+                opt_in.append((b.name, why))
             if bad is not None:
                 unhonoured.append((b.name, bad))
             if ir.kind in _kinds(b):             # a backend for other kinds of kernel has nothing to say

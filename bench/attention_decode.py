@@ -125,21 +125,13 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-gbs", type=float, default=None, help="the device's HBM peak, GB/s")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("torch is not installed: nothing to benchmark")
+    from bench import Timer, cuda_torch
+    found = cuda_torch("attention_decode")
+    if found is None:
         return 0
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark")
-        return 0
+    torch, arch = found
     import kspec
-    from bench import Timer, _device_arch
     from kspec.compile import compile_spec
-    arch = _device_arch(torch)
-    if arch is None:
-        print(f"device {torch.cuda.get_device_name()} is not an arch kspec compiles for")
-        return 0
     name = torch.cuda.get_device_name()
     peak = peak_gbs(name, args.peak_gbs)
     print(f"device {name} ({arch}), HBM peak {peak or '?'} GB/s; H={H} KH={KH} d={D} bf16 S={args.rows}")

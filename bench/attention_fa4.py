@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import Prebuilt, Timer, _device_arch, _load  # noqa: E402
+from bench import Prebuilt, Timer, _load, cuda_torch  # noqa: E402
 
 
 def _spec(dtype: str, causal: bool, d: int, tmp: Path) -> Path:
@@ -53,20 +53,12 @@ def main(argv=None) -> int:
     ap.add_argument("--varlen", action="store_true",
                     help="also time specs/attention_varlen.kspec (packed, causal, bf16) against FA4's varlen call")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("torch is not installed: nothing to benchmark")
+    found = cuda_torch("attention_fa4")
+    if found is None:
         return 0
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark")
-        return 0
+    torch, arch = found
     import kspec
     from kspec.compile import compile_spec
-    arch = _device_arch(torch)
-    if arch is None:
-        print(f"device {torch.cuda.get_device_name()} is not an arch kspec compiles for")
-        return 0
     try:
         from flash_attn.cute import flash_attn_func
     except Exception as e:                       # noqa: BLE001  (report and go on without it)

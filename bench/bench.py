@@ -20,6 +20,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
 
 
+def cuda_torch(who: str):
+    """(torch, kspec arch of the current device), or None after saying why there is nothing to
+    benchmark here (no torch, no CUDA device, a device kspec does not compile for)."""
+    try:
+        import torch
+    except ImportError:
+        print(f"{who}: torch is not installed: nothing to benchmark")
+        return None
+    if not torch.cuda.is_available():
+        print(f"{who}: no CUDA device: nothing to benchmark")
+        return None
+    arch = _device_arch(torch)
+    if arch is None:
+        print(f"{who}: device {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()}) "
+              "is neither sm_90 nor sm_100, the archs kspec compiles for: nothing to benchmark")
+        return None
+    return torch, arch
+
+
 def _device_arch(torch) -> str | None:
     major, minor = torch.cuda.get_device_capability()
     from kspec.core import arch_of_cc
@@ -180,19 +199,10 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", default=str(ROOT / "build" / "bench"), help="artifact directory")
     ap.add_argument("--prebuilt", metavar="DIR", help="load artifacts prebuilt by bench/prebuild.py instead of compiling")
     args = ap.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("bench: torch is not installed; the baselines need it. Nothing measured.")
+    found = cuda_torch("bench")
+    if found is None:
         return 0
-    if not torch.cuda.is_available():
-        print("bench: no CUDA device; nothing measured.")
-        return 0
-    arch = _device_arch(torch)
-    if arch is None:
-        print(f"bench: device capability {torch.cuda.get_device_capability()} is neither sm_90 nor sm_100; "
-              "kspec compiles for sm90a and sm100a only. Nothing measured.")
-        return 0
+    torch, arch = found
     print(f"bench on {torch.cuda.get_device_name()} ({arch}), torch {torch.__version__}, reps {args.reps}")
     timer = Timer(torch, args.reps)
     chosen = args.only.split(",") if args.only else list(CASES)

@@ -116,13 +116,20 @@ except Exception as e:
     print(f"  selftest wrote no results ({e})"); raise SystemExit(0)
 per = {}
 for c in r["checks"]:
-    a = per.setdefault(c["artifact"], [0, 0, 0.0, []])
+    a = per.setdefault(c["artifact"], [0, 0, 0.0, [], "", 0])
     a[0 if c["ok"] else 1] += 1
     a[2] += c["seconds"]
+    a[5] += bool(c.get("open"))
+    if c.get("risk") and not c["variant"].endswith("=0"):
+        a[4] = c["risk"]
     if not c["ok"]:
         a[3].append(f'{c["kernel"]}/{c["sizes"]}/{c["variant"]}: {c["detail"]}')
-for art, (ok, bad, secs, why) in sorted(per.items()):
-    print(f"  {'PASS' if not bad else 'FAIL'} {art:<28} {ok} passed, {bad} failed, {secs:.1f}s")
+for art, (ok, bad, secs, why, risk, opened) in sorted(per.items()):
+    more = f", {opened} open" if opened else ""
+    print(f"  {'PASS' if not bad else 'FAIL'} {art:<28} {ok} passed, {bad} failed{more}, {secs:.1f}s")
+    if risk:   # the issue-22 risk this artifact settles (kspec.selftest.RISKS)
+        verdict = "NO" if bad else "open" if opened else "rehearsed (launch ABI only)" if r.get("fake") else "yes"
+        print(f"       settles: {risk}: {verdict}")
     for w in why[:3]:
         print(f"       {w}")
 for b in r["bench"]:

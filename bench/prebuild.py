@@ -1,5 +1,8 @@
 """Prebuild every shipped spec for sm90a and sm100a on a CPU machine, for bench/gpu_check.sh.
 
+Also the specs of bench/risks/ (`risk_*`): each settles on a GPU one risk no CPU test can (issue 22;
+`kspec selftest` prints which, kspec.selftest.RISKS).
+
     python bench/prebuild.py [-o bench/prebuilt] [--arch sm90a,sm100a] [-j JOBS] [--wheels]
 
 Writes one artifact folder per spec into OUT (default bench/prebuilt/, ignored by git), plus
@@ -50,12 +53,13 @@ def main(argv=None) -> int:
     archs = tuple(normalize_arch(a) for a in args.arch.split(","))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    stems = args.only.split(",") if args.only else sorted(p.stem for p in (ROOT / "specs").glob("*.kspec"))
+    sources = {p.stem: p for d in (ROOT / "specs", ROOT / "bench" / "risks") for p in sorted(d.glob("*.kspec"))}
+    stems = args.only.split(",") if args.only else list(sources)
     lines = []
     for stem in stems:
         t0 = time.time()
         try:
-            art = compile_spec(ROOT / "specs" / f"{stem}.kspec", archs, out, jobs=args.jobs)
+            art = compile_spec(sources[stem], archs, out, jobs=args.jobs)
         except NoBackendError as e:
             # a shipped spec no backend builds yet (language + reference only): said, not hidden
             lines.append(f"{stem:<28} skipped: {e.message}")

@@ -70,23 +70,15 @@ def model(rows: int, cols: int) -> None:
 
 
 def gpu(rows: int, cols: int, reps: int, out: Path) -> int:
-    try:
-        import torch
-    except ImportError:
-        print("bench: torch is not installed; nothing measured.")
-        return 0
-    if not torch.cuda.is_available():
-        print("bench: no CUDA device; nothing measured.")
-        return 0
     sys.path.insert(0, str(ROOT / "bench"))
-    from bench import Timer, _compiled, _device_arch
+    from bench import Timer, _compiled, cuda_torch
+    found = cuda_torch("rowwise")
+    if found is None:
+        return 0
+    torch, arch = found
 
     import kspec
     from kspec.compile import Progress, compile_spec
-    arch = _device_arch(torch)
-    if arch is None:
-        print("bench: the device is neither sm_90 nor sm_100; nothing measured.")
-        return 0
     timer = Timer(torch, reps)
     F = torch.nn.functional
     M, N = rows, cols

@@ -100,6 +100,27 @@ def _not_fused(res: FusionResult, g: nx.DiGraph, sm, why: str) -> None:
     res.unfused_attention.append((op(g, sm).span, why))
 
 
+def note_attention_backward(g: nx.DiGraph, res: FusionResult) -> None:
+    """An attention backward (what `kspec grad` derives: probabilities recomputed as exp(s - lse)
+    from a contraction's scores, multiplied into the dV contraction) has no fused kernel yet: it is
+    noted, with the reason, and refused by --strict like an unfused forward attention."""
+    for n in nx.topological_sort(g):
+        o = op(g, n)
+        if o.kind != "elementwise" or o.fn != "exp":
+            continue
+        ((u, _),) = operands(g, n)
+        if op(g, u).fn != "sub" or not any(op(g, a).kind == "contraction" for a in nx.ancestors(g, u)):
+            continue
+        users = [s for s in g.successors(n)]
+        users += [t for s in users if op(g, s).kind == "cast" for t in g.successors(s)]
+        if not any(op(g, s).kind == "contraction" for s in users):
+            continue
+        _not_fused(res, g, n, "it is an attention backward (probabilities recomputed as exp(s - lse) feed the dV "
+                   "contraction); kspec has no fused attention-backward kernel yet (FlashAttention-4's backward "
+                   "kernels are not wired in), so the scores and probabilities go through memory")
+        return
+
+
 def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
     """contraction(e) -> [scale] -> [score modification] -> softmax(j) -> contraction(j) becomes one
     attention group; the modification (bias, ALiBi, softcap, a `where(.., -inf)` mask) is lifted
@@ -366,6 +387,25 @@ def _grow_epilogue(g: nx.DiGraph, res: FusionResult, group: set, c, gi: GemmInfo
             depth[s] = d
             group = trial
             changed = True
+    return _no_condition_leaves(g, group, {c, gi.anchor2} - {None})
+
+
+def _no_condition_leaves(g: nx.DiGraph, group: set, anchors: set) -> set:
+    """The group without the conditions (bool values) that a consumer outside it would read: a
+    condition is never stored (it is recomputed by the kernel that uses it), so it stays with its
+    consumer; so do the ops that then feed only such conditions."""
+    group = set(group)
+    changed = True
+    while changed:
+        changed = False
+        for n in sorted(group, key=_node_order):
+            if n in anchors:
+                continue
+            o = op(g, n)
+            outside = [s for s in g.successors(n) if s not in group and op(g, s).kind != "output"]
+            if o.dtype == "bool" and outside:
+                group.discard(n)
+                changed = True
     return group
 
 
@@ -714,6 +754,28 @@ def _add_epilogue_loads(g: nx.DiGraph, res: FusionResult, group: set) -> None:
                 group |= set(chain)
 
 
+def _legal_merge(g: nx.DiGraph, a: Group, b: Group, n, order: dict, span_of) -> str | None:
+    """legal_group(g, a | b | {n}) for two legal groups and n: legal_addition with the larger as
+    the base, in time that grows with the smaller (the same answer: see legal_addition)."""
+    base, other = (a, b) if len(a.nodes) >= len(b.nodes) else (b, a)
+    (alo, ahi), (blo, bhi) = span_of(a), span_of(b)
+    bounds = (min(alo, blo, order[n]), max(ahi, bhi, order[n]))
+    return legal_addition(g, base.nodes, other.nodes | {n}, order, bounds)
+
+
+def _broadcast_gather(g: nx.DiGraph, grp: Group, n) -> bool:
+    """A broadcast n of a gather's kernel over fewer axes (RoPE's `cos[s, e / 2]` over b and h): n
+    joins it, the gather then being read per element of n's space (loads, not a kernel and an
+    intermediate of its own), when n is the group's only reader and the group holds nothing but
+    the gather and the index arithmetic of its subscripts."""
+    if op(g, n).kind != "broadcast" or not set(op(g, grp.anchor).axes) <= set(op(g, n).axes):
+        return False
+    kinds = {op(g, x).kind for x in grp.nodes}
+    if "gather" not in kinds or not kinds <= {"gather", "elementwise", "cast", "index", "size", "const"}:
+        return False
+    return all(s in grp.nodes or s == n for x in grp.nodes for s in g.successors(x))
+
+
 def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
     """Group remaining elementwise/broadcast/cast nodes that share one iteration space."""
     scalar_memo: dict = {}
@@ -739,8 +801,8 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
         candidates: list[Group] = []
         for u, labels in operands(g, n):
             grp = res.group_of(u)
-            if grp is not None and grp.kind == "elementwise" and set(op(g, grp.anchor).axes) == set(o.axes) \
-                    and grp not in candidates and same_point(g, u, labels):
+            if grp is not None and grp.kind == "elementwise" and grp not in candidates and same_point(g, u, labels) \
+                    and (set(op(g, grp.anchor).axes) == set(o.axes) or _broadcast_gather(g, grp, n)):
                 candidates.append(grp)
         for grp in candidates:
             # n joins its producers' groups; where it reads several (e.g. a chain and a broadcast
@@ -749,7 +811,7 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
                 lo, hi = span_of(grp)
                 if legal_addition(g, grp.nodes, {n}, order, (min(lo, order[n]), max(hi, order[n]))) is None:
                     merged = grp
-            elif legal_group(g, merged.nodes | grp.nodes | {n}) is None:
+            elif _legal_merge(g, merged, grp, n, order, span_of) is None:
                 merged.nodes |= grp.nodes
                 res.groups.remove(grp)
                 bounds.pop(id(grp), None)
@@ -763,6 +825,35 @@ def fuse_elementwise(g: nx.DiGraph, res: FusionResult) -> None:
             merged.anchor = n
         else:
             res.groups.append(Group(f"g{len(res.groups)}", "elementwise", {n}, n))
+
+
+def absorb_elementwise_producers(g: nx.DiGraph, res: FusionResult) -> None:
+    """An elementwise kernel whose values only one other elementwise kernel reads, over a subset of
+    that kernel's axes, joins it: its values are recomputed per element there instead of going
+    through memory (`dloss[m] / lse_r[m]` or a broadcast `label[m]` read by an [m, v] kernel)."""
+    changed = True
+    while changed:
+        changed = False
+        for grp in [x for x in res.groups if x.kind == "elementwise"]:
+            if any(op(g, s).kind == "output" for n in grp.nodes for s in g.successors(n)):
+                continue
+            readers = {id(r): r for r in (res.group_of(s) for n in grp.nodes for s in g.successors(n)
+                                          if s not in grp.nodes)}
+            if len(readers) != 1:
+                continue
+            (other,) = readers.values()
+            if other is None or other.kind != "elementwise" or other is grp:
+                continue
+            axes = set(op(g, other.anchor).axes)
+            if any(not set(op(g, n).axes) <= axes for n in grp.nodes):
+                continue
+            merged = other.nodes | grp.nodes
+            if legal_group(g, merged):
+                continue
+            other.nodes = merged
+            res.groups.remove(grp)
+            changed = True
+            break
 
 
 def fuse_reduction_prologues(g: nx.DiGraph, res: FusionResult) -> None:
@@ -820,6 +911,7 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     ctx = ctx or FusionContext()
     res = FusionResult([])
     fuse_attention(g, res, ctx)
+    note_attention_backward(g, res)
     fuse_epilogues(g, res, ctx)
     from .rowwise import fuse_rowwise      # row reductions, softmax, norms: one kernel per row chain
     fuse_rowwise(g, res)
@@ -831,6 +923,7 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     fuse_reduction_prologues(g, res)
     fuse_softmax_epilogues(g, res)
     attach_scalars(g, res)
+    absorb_elementwise_producers(g, res)
     order = _group_order(g, res.groups)
     for i, grp in enumerate(order):
         grp.id = f"g{i}"

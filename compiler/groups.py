@@ -80,26 +80,38 @@ def legal_group(g: nx.DiGraph, nodes: set) -> str | None:
                 return None
 
 
-def legal_addition(g: nx.DiGraph, base: set, added: set, order: dict, bounds: tuple[int, int]) -> str | None:
+CYCLE = "fusing would create a cycle between kernels"
+
+
+def legal_addition(g: nx.DiGraph, base: set, added: set, order: dict, bounds: tuple[int, int],
+                   witness: list | None = None) -> str | None:
     """legal_group(g, base | added) for a `base` that is already legal, in time that does not grow
     with `base`: a path that leaves the union and comes back must start or end in `added` (one
     from base to base would make base illegal), and it only passes nodes that lie, in the
-    topological `order`, between the union's first and last node (`bounds`, the union's)."""
+    topological `order`, between the union's first and last node (`bounds`, the union's).
+    witness: a list that receives the outside nodes of the path found when the answer is a cycle,
+    nearest to `added` first (while none of them joins the group, adding `added` stays a cycle:
+    base and bounds only grow; when one joins, the path up to it is still one if it keeps a node)."""
     lo, hi = bounds
 
     def hits(start, step, inside) -> bool:
         frontier = [x for n in added for x in step(n) if x not in base and x not in added and inside(x)]
-        seen = set(frontier)
+        parent = dict.fromkeys(frontier)
         while frontier:
             x = frontier.pop()
             for y in step(x):
                 if y in base or y in added:
+                    if witness is not None:
+                        while x is not None:
+                            witness.append(x)
+                            x = parent[x]
+                        witness.reverse()
                     return True
-                if y not in seen and inside(y):
-                    seen.add(y)
+                if y not in parent and inside(y):
+                    parent[y] = x
                     frontier.append(y)
         return False
 
     if hits(added, g.successors, lambda x: order[x] < hi) or hits(added, g.predecessors, lambda x: order[x] > lo):
-        return "fusing would create a cycle between kernels"
+        return CYCLE
     return None

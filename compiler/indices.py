@@ -55,8 +55,9 @@ def index_ranges(ir: KernelIR) -> tuple[IndexRange, ...]:
     if a is not None and a.kv_len is not None and _is_input(ir, a.kv_len):
         # per-sequence key counts: a kernel reads keys 0 .. kv_len[b] - 1, which must exist
         key_extent = dict(a.dims)["T"]
-        target, axis = (a.page_table, 1) if a.page_table is not None else \
-            (a.k_buffer, len(ir.buffer(a.k_buffer).shape) - 2)
+        # the key axis of K as stored: [.., T, d] canonically, anywhere in another storage order
+        key_axis = a.orders[1].index(a.key) if a.orders else len(ir.buffer(a.k_buffer).shape) - 2
+        target, axis = (a.page_table, 1) if a.page_table is not None else (a.k_buffer, key_axis)
         r = IndexRange(a.kv_len, target, axis, key_extent, inclusive=True, plans=(ir.id,))
         if r not in found:
             found.append(r)

@@ -474,6 +474,7 @@ class BackendChoice:
     fallback: str | None                           # why this is a slow loop-kernel fallback, if it is
     config: tuple[tuple[str, str], ...] = ()       # the backend's configuration (tile, cluster, ...)
     rejected: tuple[tuple[str, str], ...] = ()     # (backend, reason) of preferred backends that declined
+    opt_in: tuple[tuple[str, str], ...] = ()       # of those, the ones that build it only when asked
 
     def describe(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.config)

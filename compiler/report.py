@@ -72,6 +72,8 @@ def format_plan(sched: KernelSchedule) -> str:
         lines.extend(_group_desc(sched, p))
         for arch, ch in p.choices.items():
             lines.append(f"      {arch}: {ch.describe()}")
+            for name, why in ch.opt_in:
+                lines.append(f"        (not {name}: {why})")
     inter = sched.intermediates
     if inter:
         lines.append("  global intermediates:")
@@ -162,7 +164,8 @@ def to_json(sched: KernelSchedule, c: CostReport | None = None) -> str:
         "plans": [{"id": p.id, "kind": p.kind, "nodes": sorted(p.group.nodes, key=_order), "reads": list(p.reads),
                    "writes": list(p.writes),
                    "backends": {a: {"backend": ch.backend, "kind": ch.kind, "fallback": ch.fallback,
-                                    "config": dict(ch.config), "rejected": [list(r) for r in ch.rejected]}
+                                    "config": dict(ch.config), "rejected": [list(r) for r in ch.rejected],
+                                    "opt_in": [list(r) for r in ch.opt_in]}
                                 for a, ch in p.choices.items()}} for p in sched.plans],
         "notes": sched.fusion.notes + fallback_notes(sched),
     }

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .groups import FusionResult, Group, _node_order, legal_addition, same_point
+from .groups import CYCLE, FusionResult, Group, _node_order, legal_addition, same_point
 from .graph import op, operands
 
 ROW_REDUCTIONS = ("sum", "max", "min", "mean", "logsumexp")
@@ -150,34 +150,61 @@ class _Grower:
         return None
 
     def grow(self, seed) -> set:
+        """The row group grown from `seed`: in passes, each over the nodes next to the group (in
+        node order), adding every one that may join, until a pass adds none.  Long chains take a
+        pass per node, so what a pass re-checks is remembered: a node's own verdict depends on the
+        group only through which of its neighbours are in it, and a cycle found by a path s -> x1
+        .. xk -> (group) stays one while none of x1..xk joins, or, once xi joins first, by the
+        path up to it when i > 1 (groups.legal_addition's witness)."""
         g, res = self.g, self.res
         group = {seed}
+        members = [seed]                    # group, in the order nodes joined
         notes: dict = {}
         if self.reject(seed, set()):
             return set()
         lo = hi = self.order[seed]
+        near = set(g.predecessors(seed)) | set(g.successors(seed))
+        verdicts: dict = {}                 # (node, its neighbours in the group) -> reason or None
+        cycles: dict = {}                   # node -> [len(members) when checked, {path node: position}, length]
         changed = True
         while changed:
             changed = False
-            frontier = sorted({x for n in group for x in (*g.predecessors(n), *g.successors(n))} - group,
-                              key=_node_order)
-            for s in frontier:
+            for s in sorted(near - group, key=_node_order):
                 so = op(g, s)
                 if so.kind in ("input", "param", "output") or res.group_of(s) is not None:
                     continue
-                why = self.reject(s, group)
+                key = (s, frozenset(x for x in (*g.predecessors(s), *g.successors(s)) if x in group))
+                if key in verdicts:
+                    why = verdicts[key]
+                else:
+                    why = self.reject(s, group)
+                    if why is None:
+                        # an in-group consumer of s must read it at the same point too
+                        for c in g.successors(s):
+                            if c in group and not all(same_point(g, s, l) for u, l in operands(g, c) if u == s):
+                                why = f"{op(g, c).label()} reads it at another element"
+                    verdicts[key] = why
                 if why is None:
-                    # an in-group consumer of s must read it at the same point too
-                    for c in g.successors(s):
-                        if c in group and not all(same_point(g, s, l) for u, l in operands(g, c) if u == s):
-                            why = f"{op(g, c).label()} reads it at another element"
-                if why is None:
-                    pos = self.order[s]
-                    why = legal_addition(g, group, {s}, self.order, (min(lo, pos), max(hi, pos)))
+                    c = cycles.get(s)
+                    if c is not None:
+                        for x in members[c[0]:]:
+                            i = c[1].get(x)
+                            if i is not None and i < c[2]:
+                                c[2] = i            # the path now ends at x, which joined
+                        c[0] = len(members)
+                        if c[2] > 0:
+                            why = CYCLE
+                    if why is None:
+                        pos, path = self.order[s], []
+                        why = legal_addition(g, group, {s}, self.order, (min(lo, pos), max(hi, pos)), path)
+                        if why == CYCLE:
+                            cycles[s] = [len(members), {x: i for i, x in enumerate(path)}, len(path)]
                 if why:
                     notes[s] = f"{so.label()} not fused into the row kernel at {seed}: {why}"
                     continue
                 group.add(s)
+                members.append(s)
+                near.update(g.predecessors(s), g.successors(s))
                 lo, hi = min(lo, self.order[s]), max(hi, self.order[s])
                 changed = True
         for s, note in sorted(notes.items(), key=lambda kv: _node_order(kv[0])):

@@ -749,7 +749,9 @@ def verify_binaries(directory: str | os.PathLike, manifest: Manifest, interfaces
 #
 # Each host library ends with a record of the interface it was built for: its plan's tensors
 # (dtype, shape, layout, packing), argument order, size roles, strides, alignment, scalars and the
-# params they name (dtype, default), and the tensors it initialises.  `write_manifest` appends it
+# params they name (dtype, default), the tensors it initialises, the launch fields (the cubin's
+# name and digest, entry point, config; each size variant and the sizes it serves) and the index
+# ranges checked before it launches.  `write_manifest` appends it
 # (after the ELF image, which the loader never maps, so the library is unchanged as code); `load`
 # reads it back and compares it with the manifest, naming the first field that differs.  So an
 # edited manifest, or a library taken from another plan or artifact, does not load, though each
@@ -808,6 +810,22 @@ def plan_interface(k: KernelEntry, plan: Plan, arch: str) -> list[list]:
         if isinstance(sc, str) and sc in params:
             out += [[f"{sc}.dtype", params[sc].dtype], [f"{sc}.default", params[sc].default]]
     out.append(["init", dict(sorted(plan.init.items()))])
+    # what the launch takes from the manifest besides the interface: the cubin (by name and
+    # digest: a cubin swapped in with its digest is refused), its entry point, the launch config
+    # (CuTe DSL parameter offsets, the SKUs) and each size variant with the sizes it serves
+    b = plan.binaries.get(arch)
+    if b is not None:
+        def launch(x, select=None) -> dict:
+            rec = {"cubin": x.cubin, "cubin_sha256": x.sha256.get("cubin"), "symbol": x.symbol,
+                   "config": dict(sorted(x.config.items()))}
+            return rec if select is None else {**rec, "host": x.host, "select": list(select)}
+        out.append(["launch", launch(b)])
+        if b.variants:
+            out.append(["variants", [launch(v, v.select) for v in b.variants]])
+    # the index tensors the runtime checks before this plan launches (an older artifact records none)
+    ranges = [_range_json(r) for r in (k.index_ranges or ()) if plan.id in r.plans]
+    if ranges:
+        out.append(["index_ranges", ranges])
     return out
 
 

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import traceback
 
 import kspec
-from kspec.core import REPORT_HINT, KspecError, KspecInternalError, parse_sizes, select_archs  # noqa: F401
+from kspec.core import DEFAULT_OUT_DIR, REPORT_HINT, KspecError, KspecInternalError, parse_sizes, select_archs  # noqa: F401
 
 ISSUE_HINT = REPORT_HINT
 
@@ -122,10 +123,7 @@ def cmd_graph(args) -> int:
     elif args.format == "svg":
         if not args.output:
             raise KspecError("--format svg needs -o PATH")
-        data = to_svg(to_dot(scheds[0]))
-        with open(args.output, "wb") as f:
-            f.write(data)
-        print(f"wrote {args.output}")
+        _emit(to_svg(to_dot(scheds[0])), args.output)
     return 0
 
 
@@ -144,10 +142,13 @@ def _call_notes(sched, sizes) -> list[str]:
     return out
 
 
-def _emit(text: str, path: str | None) -> None:
+def _emit(text: str | bytes, path: str | None) -> None:
     if path:
-        with open(path, "w") as f:
-            f.write(text)
+        try:
+            with open(path, "wb" if isinstance(text, bytes) else "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise KspecError(f"cannot write {path}: {e.strerror or e}", hint="give -o a writable file path") from None
         print(f"wrote {path}")
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -266,7 +267,7 @@ def _register_run(sub) -> None:
                    help="symbol sizes for the random inputs, e.g. M=256,N=512,K=128 (default 64 each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", help="archs to compile for when FILE is a spec")
-    p.add_argument("-o", "--output", default=None, help="artifact directory when FILE is a spec (default: build)")
+    p.add_argument("-o", "--output", default=None, help=f"artifact directory when FILE is a spec (default: {DEFAULT_OUT_DIR})")
     p.set_defaults(func=cmd_run)
 
 
@@ -281,9 +282,11 @@ def _compile_warnings(args, emitted) -> None:
 def cmd_compile(args) -> int:
     from pathlib import Path
 
-    from kspec.compile import Progress, compile_spec, emit_spec, write_emitted
+    from kspec.compile import Progress, compile_spec, emit_spec, prepare_output, write_emitted
     prog = load_spec(args.file)
     archs = _archs(args.arch, prog)
+    if args.output is not None or not (args.emit_only and args.print):
+        prepare_output(args.output or DEFAULT_OUT_DIR, create=False)    # before anything is planned or built
     sm_counts = parse_sm_counts(args.sm_count, archs)
     if args.emit_only:
         emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
@@ -295,7 +298,7 @@ def cmd_compile(args) -> int:
                     print(f"// ===== {ep.label} =====")
                     print(ep.emitted.source)
             return 0
-        for p in write_emitted(emitted, args.output or "build", Path(args.file).stem):
+        for p in write_emitted(emitted, args.output or DEFAULT_OUT_DIR, Path(args.file).stem):
             print(f"wrote {p}")
         return 0
     import time
@@ -311,7 +314,7 @@ def cmd_compile(args) -> int:
             for arch, ch in p.choices.items():
                 if ch.fallback:
                     print(f"kspec: note: kernel {p.id} on {arch} runs as {ch.fallback}", file=sys.stderr)
-    out = compile_spec(args.file, archs, args.output or "build", args.kernel, args.jobs, cache=cache,
+    out = compile_spec(args.file, archs, args.output or DEFAULT_OUT_DIR, args.kernel, args.jobs, cache=cache,
                        progress=Progress(enabled=not args.quiet), emitted=emitted, sm_counts=sm_counts)
     print(f"wrote {out}  ({time.monotonic() - t0:.1f}s)")
     return 0
@@ -360,7 +363,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_cache(args) -> int:
     from kspec.backends.build import CompileCache
-    cache = CompileCache()
+    cache = CompileCache(writable=False)
     if args.action == "info":
         info = cache.info()
         for k, v in info.items():
@@ -377,7 +380,7 @@ def _register_compile(sub) -> None:
                                    "and in parallel) into OUT/<spec stem>/ with a manifest.json.")
     p.add_argument("file", metavar="FILE")
     _planning_options(p)
-    p.add_argument("-o", "--output", metavar="OUT", help="output directory (default: build)")
+    p.add_argument("-o", "--output", metavar="OUT", help=f"output directory (default: {DEFAULT_OUT_DIR})")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="parallel nvcc processes (default: cores, bounded by free memory)")
     p.add_argument("--emit-only", action="store_true",
@@ -551,7 +554,30 @@ def _register_selftest(sub) -> None:
     register(sub)
 
 
-_EXTRA_COMMANDS: list = [_register_graph, _register_lower, _register_compile, _register_run,
+def cmd_grad(args) -> int:
+    from kspec.spec_lang.grad import grad_program
+    prog = load_spec(args.file)
+    wrt = [w.strip() for w in args.wrt.split(",") if w.strip()] if args.wrt else None
+    text = grad_program(prog, args.kernel, wrt)       # fails before anything is written
+    _emit(text, args.output)
+    return 0
+
+
+def _register_grad(sub) -> None:
+    g = sub.add_parser("grad", help="derive the backward of a kernel: NAME_fwd and NAME_bwd as spec text",
+                       description="Reverse-mode differentiation of a spec kernel.  Writes an ordinary spec with "
+                       "NAME_fwd (the forward plus the values the backward reads: row statistics, a softmax's "
+                       "log-sum-exp) and NAME_bwd (inputs: the forward's inputs and params, NAME_fwd's outputs and "
+                       "d<OUT> per output; outputs: d<IN> per floating-point input).")
+    g.add_argument("file", metavar="FILE")
+    g.add_argument("--kernel", help="the kernel to differentiate (default: every kernel of FILE)")
+    g.add_argument("--wrt", metavar="X,W,...", help="the inputs to differentiate with respect to "
+                   "(default: every floating-point input)")
+    g.add_argument("-o", "--output", metavar="OUT.kspec", help="write the spec here (default: stdout)")
+    g.set_defaults(func=cmd_grad)
+
+
+_EXTRA_COMMANDS: list = [_register_grad, _register_graph, _register_lower, _register_compile, _register_run,
                          _register_doctor, _register_selftest, _register_build, _register_tune]
 
 
@@ -577,15 +603,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in _ENVIRONMENT_ERRNOS:
+            return _internal(e, args.debug)
+        # a file system that refuses (read-only, full, permissions, a file where a folder must
+        # be): the environment, not kspec; exit 1 naming the path and the problem
+        where = f"{e.filename}: " if e.filename else ""
+        print(KspecError(f"{where}{e.strerror or e}", hint="check the path's permissions and free space, or "
+                                                            "choose another (-o, KSPEC_CACHE_DIR)").render(),
+              file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return 0
     except Exception as e:  # noqa: BLE001 - the last line of defence: never a bare traceback
-        # KspecInternalError and any other exception: a bug in kspec, never the user's mistake
-        kind = "internal error" if isinstance(e, KspecInternalError) else f"internal error: {type(e).__name__}"
-        print(f"kspec: {kind}: {e}", file=sys.stderr)
-        print(f"  {ISSUE_HINT}", file=sys.stderr)
-        if args.debug:
-            traceback.print_exc()
-        else:
-            print("  (run again with --debug for the traceback)", file=sys.stderr)
-        return 2
+        return _internal(e, args.debug)
+
+
+# errnos that only the environment causes (kspec's own paths never need them to be otherwise)
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                       errno.EISDIR, errno.ENAMETOOLONG, errno.EIO, errno.EMFILE, errno.ENFILE, errno.ELOOP,
+                       errno.EXDEV}
+
+
+def _internal(e: BaseException, debug: bool) -> int:
+    # KspecInternalError and any other exception: a bug in kspec, never the user's mistake
+    kind = "internal error" if isinstance(e, KspecInternalError) else f"internal error: {type(e).__name__}"
+    print(f"kspec: {kind}: {e}", file=sys.stderr)
+    print(f"  {ISSUE_HINT}", file=sys.stderr)
+    if debug:
+        traceback.print_exception(e)
+    else:
+        print("  (run again with --debug for the traceback)", file=sys.stderr)
+    return 2

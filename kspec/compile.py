@@ -3,6 +3,12 @@ toolchain (cached, parallel) -> artifact.
 
     compile_spec(path, archs, out_dir)       the whole job; returns the artifact directory
     emit_spec(path, archs)                   everything up to the generated source (no toolchain)
+    prepare_output(out_dir)                  the output directory, checked writable before any build
+
+An artifact is staged in a locked work directory beside it (`.<stem>.<random>.kspec-work`, see
+backends/cache.py) and renamed into place whole; a killed compile's staging is reclaimed by the
+next compile into the same directory.  A problem writing it (a read-only directory, a path that
+is a file, a full disk) is a KspecError naming the path: exit 1, not an internal error.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import kspec
 from kspec.backends import cache as cache_entry
@@ -24,8 +30,11 @@ from kspec.backends.api import LoweredPlan, SettingError
 from kspec.backends.desc import EmittedKernel
 from kspec.compiler import KernelSchedule, plan_kernel
 from kspec.compiler.indices import guarded_sentinels, index_ranges, merge_index_ranges, with_sentinels
-from kspec.core import ARCHS, KspecInternalError, file_stem, packed_rows_symbol
+from kspec.core import ARCHS, DEFAULT_OUT_DIR, KspecInternalError, file_stem, packed_rows_symbol
 from kspec.spec_lang import CheckedProgram, KspecError, load_spec
+
+if TYPE_CHECKING:
+    from kspec.artifact import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -300,7 +309,7 @@ def _jobs(emitted: EmittedSpec):
     return jobs
 
 
-def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = "build",
+def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir: str | Path = DEFAULT_OUT_DIR,
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None, backend: str | None = None, strict: bool = False,
                  emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None,
@@ -309,12 +318,13 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
     `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments);
     `tuned`, `sm_counts`, `sizes`: see emit_spec."""
-    from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
-                                write_manifest)
     from kspec.backends.build import CompileCache, build_all
 
     cache = cache or CompileCache()
+    prepare_output(out_dir, create=False)
     emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned, sm_counts, sizes)
+    out = prepare_output(out_dir)
+    cache.reclaim()
     build_jobs = _jobs(emitted)
     # nvcc is needed for CUTLASS C++ / plain CUDA jobs; otherwise the toolchain (cuobjdump, for the
     # register and shared-memory counts) is looked up only when those counts are not memoised
@@ -327,70 +337,123 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
     by_job = {(r.job.label, r.job.kind): r for r in results}
 
     stem = Path(path).stem
-    target = Path(out_dir) / stem
-    staging = Path(out_dir) / f".{stem}.tmp{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    target = out / stem
+    cache_entry.reclaim_dir(out, work_only=True)
     try:
-        entries = []
-        for sched in emitted.schedules:
-            k = sched.kernel
-            plans = []
-            for p in sched.plans:
-                binaries: dict[str, Binary] = {}
-                first = emitted.plans[p.id][0]
-                for ep in emitted.plans[p.id]:
-                    arch = ep.lowered.arch
-                    cubin, host = f"{file_stem(p.id)}.{arch}.cubin", f"{file_stem(p.id)}.{arch}.so"
-                    prebuilt = built.get(ep.label)
-                    if prebuilt is not None and getattr(prebuilt, "variants", None):
-                        binaries[arch] = _variant_binary(staging, p, arch, prebuilt, ep, toolchain, cache.root)
-                    elif prebuilt is not None:          # a backend that builds its own binaries (CuTe DSL)
-                        shutil.copyfile(prebuilt.cubin, staging / cubin)
-                        shutil.copyfile(prebuilt.host, staging / host)
-                        regs, smem = _resources(staging / cubin, toolchain, cache.root, prebuilt.symbol)
-                        config = dict(prebuilt.config)
-                        config["param_offsets"] = ",".join(map(str, prebuilt.param_offsets))
-                        binaries[arch] = make_binary(staging, cubin, host, symbol=prebuilt.symbol, config=config,
-                                                     registers=regs, smem=smem, backend=ep.lowered.backend,
-                                                     kind=p.choices[arch].kind)
-                        if prebuilt.args != ep.emitted.args or prebuilt.scalars != ep.emitted.scalars:
-                            raise KspecInternalError(f"plan {p.id}: the {ep.lowered.backend} build's ABI differs "
-                                                     "from its emission")
-                    else:
-                        shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
-                        shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
-                        regs, smem = _resources(staging / cubin, toolchain, cache.root)
-                        binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
-                                                     registers=regs, smem=smem, backend=ep.lowered.backend,
-                                                     kind=p.choices[arch].kind)
-                    if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
-                        raise KspecInternalError(f"plan {p.id} has a different ABI on {arch}")
-                plans.append(_plan_entry(p, first, binaries, _squeezed(sched)))
-            entries.append(KernelEntry(
-                name=k.name,
-                inputs=tuple(_tensor_spec(t) for t in k.inputs),
-                outputs=tuple(_tensor_spec(t) for t in k.outputs),
-                params=tuple(ParamSpec(t.name, t.dtype, t.default) for t in k.params),
-                intermediates=tuple(TensorSpec(b.name, b.dtype, b.shape, b.layout) for b in sched.intermediates),
-                plans=tuple(plans),
-                index_ranges=with_sentinels(merge_index_ranges(r for p in sched.plans for r in index_ranges(p.ir)),
-                                            guarded_sentinels(sched.graph))))
-        spec_text = emitted.program.source.encode()
-        manifest = Manifest(spec=SpecRef(Path(path).name, hashlib.sha256(spec_text).hexdigest()),
-                            archs=emitted.archs, kernels=tuple(entries),
-                            toolchain=_toolchain_versions(emitted, toolchain if build_jobs else None),
-                            kspec_version=kspec.__version__)
-        shutil.copyfile(path, staging / Path(path).name)
-        write_manifest(staging, manifest)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        with cache_entry.workdir(out, f".{stem[:64]}.") as staging:
+            _write_artifact(path, staging, target, emitted, built, by_job, toolchain, cache, build_jobs)
+    except OSError as e:
+        raise _write_error(e, target) from None
     return target
+
+
+def _write_error(e: OSError, target: Path) -> KspecError:
+    where = f"{e.filename}: " if e.filename and str(e.filename) != str(target) else ""
+    return KspecError(f"cannot write the artifact {target}: {where}{e.strerror or e}",
+                      hint="check the output directory (-o): its permissions and free space")
+
+
+def prepare_output(out_dir: str | Path, create: bool = True) -> Path:
+    """`out_dir`, checked to take new files: a KspecError naming the path and the problem
+    otherwise (a file, /dev/null, a read-only or special directory).  create=False checks without
+    creating anything (the nearest existing folder must take a new one): for before a spec is
+    planned, since a refused spec writes nothing."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        kind = "a file" if out.is_file() else "not a directory"
+        raise KspecError(f"the output directory {out} is {kind}", hint="give -o a directory (it is created if needed)")
+    base = out
+    for up in (out, *out.parents):
+        if up.exists():
+            if not up.is_dir():
+                raise KspecError(f"cannot create the output directory {out}: {up} is a file",
+                                 hint="give -o a directory (it is created if needed)")
+            base = up
+            break
+    try:
+        if create:
+            out.mkdir(parents=True, exist_ok=True)
+            base = out
+        probe = base / f".probe-{os.getpid()}-{time.monotonic_ns()}{cache_entry.NEW_SUFFIX}"
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if isinstance(e, FileNotFoundError) and base.is_dir():
+            why = f"it does not take new files ({why})"          # /proc/self and the like
+        where = out if base == out else f"{out} ({base})"
+        raise KspecError(f"cannot write to the output directory {where}: {why}",
+                         hint="give -o a writable directory") from None
+    return out
+
+
+def _write_artifact(path, staging: Path, target: Path, emitted: EmittedSpec, built, by_job, toolchain, cache,
+                    build_jobs) -> None:
+    """Fill `staging` with the artifact and rename it to `target` (an older one is replaced)."""
+    from kspec.artifact import (Binary, KernelEntry, Manifest, ParamSpec, SpecRef, TensorSpec, make_binary,
+                                write_manifest)
+    entries = []
+    for sched in emitted.schedules:
+        k = sched.kernel
+        plans = []
+        for p in sched.plans:
+            binaries: dict[str, Binary] = {}
+            first = emitted.plans[p.id][0]
+            for ep in emitted.plans[p.id]:
+                arch = ep.lowered.arch
+                cubin, host = f"{file_stem(p.id)}.{arch}.cubin", f"{file_stem(p.id)}.{arch}.so"
+                prebuilt = built.get(ep.label)
+                if prebuilt is not None and getattr(prebuilt, "variants", None):
+                    binaries[arch] = _variant_binary(staging, p, arch, prebuilt, ep, toolchain, cache.root)
+                elif prebuilt is not None:          # a backend that builds its own binaries (CuTe DSL)
+                    shutil.copyfile(prebuilt.cubin, staging / cubin)
+                    shutil.copyfile(prebuilt.host, staging / host)
+                    regs, smem = _resources(staging / cubin, toolchain, cache.root, prebuilt.symbol)
+                    config = dict(prebuilt.config)
+                    config["param_offsets"] = ",".join(map(str, prebuilt.param_offsets))
+                    binaries[arch] = make_binary(staging, cubin, host, symbol=prebuilt.symbol, config=config,
+                                                 registers=regs, smem=smem, backend=ep.lowered.backend,
+                                                 kind=p.choices[arch].kind)
+                    if prebuilt.args != ep.emitted.args or prebuilt.scalars != ep.emitted.scalars:
+                        raise KspecInternalError(f"plan {p.id}: the {ep.lowered.backend} build's ABI differs "
+                                                 "from its emission")
+                else:
+                    shutil.copyfile(by_job[(ep.label, "cubin")].path, staging / cubin)
+                    shutil.copyfile(by_job[(ep.label, "host")].path, staging / host)
+                    regs, smem = _resources(staging / cubin, toolchain, cache.root)
+                    binaries[arch] = make_binary(staging, cubin, host, config=dict(ep.emitted.config),
+                                                 registers=regs, smem=smem, backend=ep.lowered.backend,
+                                                 kind=p.choices[arch].kind)
+                if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
+                    raise KspecInternalError(f"plan {p.id} has a different ABI on {arch}")
+            plans.append(_plan_entry(p, first, binaries, _squeezed(sched)))
+        entries.append(KernelEntry(
+            name=k.name,
+            inputs=tuple(_tensor_spec(t) for t in k.inputs),
+            outputs=tuple(_tensor_spec(t) for t in k.outputs),
+            params=tuple(ParamSpec(t.name, t.dtype, t.default) for t in k.params),
+            intermediates=tuple(TensorSpec(b.name, b.dtype, b.shape, b.layout) for b in sched.intermediates),
+            plans=tuple(plans),
+            index_ranges=with_sentinels(merge_index_ranges(r for p in sched.plans for r in index_ranges(p.ir)),
+                                        guarded_sentinels(sched.graph))))
+    spec_text = emitted.program.source.encode()
+    manifest = Manifest(spec=SpecRef(Path(path).name, hashlib.sha256(spec_text).hexdigest()),
+                        archs=emitted.archs, kernels=tuple(entries),
+                        toolchain=_toolchain_versions(emitted, toolchain if build_jobs else None),
+                        kspec_version=kspec.__version__)
+    shutil.copyfile(path, staging / Path(path).name)
+    write_manifest(staging, manifest)
+    old = None
+    if target.is_dir() and not target.is_symlink():
+        # aside first (a name reclaim_dir removes if this process dies), then replaced
+        old = target.with_name(f".{target.name[:64]}.old-{os.getpid()}-{time.monotonic_ns()}{cache_entry.WORK_SUFFIX}")
+        os.rename(target, old)
+    elif target.exists() or target.is_symlink():
+        raise KspecError(f"cannot write the artifact {target}: a file of that name is in the way",
+                         hint="remove it, or give -o another directory")
+    os.replace(staging, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _tensor_spec(t) -> TensorSpec:
@@ -552,12 +615,15 @@ def _resources(cubin: Path, toolchain, cache_root: Path | None = None,
 def write_emitted(emitted: EmittedSpec, out_dir: str | Path, stem: str) -> list[Path]:
     """`--emit-only`: write each plan's generated source per arch under out_dir/<stem>/ (`.cu` C++
     for the CUTLASS and generic backends, `.py` for the CuTe DSL backend)."""
-    d = Path(out_dir) / stem
-    d.mkdir(parents=True, exist_ok=True)
+    d = prepare_output(Path(out_dir) / stem)
     paths = []
-    for pid, plist in emitted.plans.items():
-        for ep in plist:
-            p = d / f"{file_stem(pid)}.{ep.lowered.arch}.{'py' if ep.backend == 'cute' else 'cu'}"
-            p.write_text(ep.emitted.source)
-            paths.append(p)
+    try:
+        for pid, plist in emitted.plans.items():
+            for ep in plist:
+                p = d / f"{file_stem(pid)}.{ep.lowered.arch}.{'py' if ep.backend == 'cute' else 'cu'}"
+                p.write_text(ep.emitted.source)
+                paths.append(p)
+    except OSError as e:
+        raise KspecError(f"cannot write {e.filename or d}: {e.strerror or e}",
+                         hint="check the output directory (-o): its permissions and free space") from None
     return paths

@@ -93,6 +93,19 @@ class KspecError(Exception):
         return self
 
 
+def os_problem(e: OSError, path) -> str:
+    """What an OSError about creating or writing `path` means, for a message that names the path:
+    "<ancestor> is a file" when a file stands where a folder must be (mkdir says "File exists"
+    or "Not a directory" then), else the system's words."""
+    from pathlib import Path
+    for up in (Path(path), *Path(path).parents):
+        if up.exists():
+            if up != Path(path) and not up.is_dir():
+                return f"{up} is a file, not a directory"
+            break
+    return e.strerror or str(e)
+
+
 class KspecInternalError(Exception):
     """A bug in kspec itself, never a user mistake: the CLI exits 2 with a report hint and shows
     the traceback under --debug."""
@@ -264,6 +277,11 @@ def name_problem(name: object, what: str) -> str | None:
         return f"is reserved by the runtime (the call's `{name}` keyword)" if name != "self" else \
             "is reserved by the runtime (the kernel object itself)"
     return None
+
+
+# Where `kspec compile`, `kspec run FILE` and `kspec build DIR` write when no -o is given: not
+# `build/`, which setuptools and most build systems own.
+DEFAULT_OUT_DIR = "out"
 
 
 def file_stem(name: str, limit: int = 64) -> str:

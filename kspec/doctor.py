@@ -91,6 +91,66 @@ def _packages() -> Section:
     return s
 
 
+def _installed(prefix: str) -> dict[str, str]:
+    """{distribution name: version} of the installed distributions whose name starts with `prefix`."""
+    from importlib import metadata
+    out = {}
+    for d in metadata.distributions():
+        name = (d.metadata.get("Name") or "").lower().replace("_", "-")
+        if name.startswith(prefix):
+            out[name] = d.version
+    return out
+
+
+def _cute_dsl(notes: list[str]) -> Section:
+    """The CuTe DSL's version and CUDA flavours, and the attention extra's pieces, each problem a note
+    with the command that fixes it."""
+    from kspec.backends import cute
+    from kspec.backends.cute import compat
+    s = Section("cute dsl")
+    dists = _installed("nvidia-cutlass-dsl")
+    base = dists.get("nvidia-cutlass-dsl-libs-base")
+    pin = compat.DSL_VERSION
+    fix_dsl = f'pip install "nvidia-cutlass-dsl-libs-{cute.FLAVOUR}=={pin}" "nvidia-cutlass-dsl-libs-base=={pin}"'
+    s.add("version", f"{base}" if base else "not installed")
+    if base is None:
+        notes.append(f"the CuTe DSL is not installed (GEMMs and attention fall back to CUTLASS C++): {fix_dsl}")
+        return s
+    if base != pin:
+        notes.append(f"CuTe DSL {base} is installed; kspec needs {pin}: {fix_dsl}")
+    flavours = sorted(d.rsplit("-", 1)[1] for d in dists if d.startswith("nvidia-cutlass-dsl-libs-cu"))
+    s.add("flavours", ", ".join(flavours) or "none")
+    s.add("builds with", f"{cute.FLAVOUR} (loaded by kspec whatever else is installed)"
+          if cute.FLAVOUR in flavours else f"nothing: the {cute.FLAVOUR} libraries are missing")
+    if cute.FLAVOUR not in flavours:
+        notes.append(f"the CuTe DSL's {cute.FLAVOUR} libraries are missing: {fix_dsl}")
+    others = [f for f in flavours if f != cute.FLAVOUR]
+    if others:
+        extra = " ".join(f"nvidia-cutlass-dsl-libs-{f}" for f in others)
+        meta = " nvidia-cutlass-dsl" if "nvidia-cutlass-dsl" in dists else ""
+        notes.append(f"the CuTe DSL's {', '.join(others)} libraries are installed beside {cute.FLAVOUR} "
+                     f"(FlashAttention-4's dependency on the nvidia-cutlass-dsl meta wheel brings them): kspec "
+                     f"builds with {cute.FLAVOUR} regardless; to remove them: pip uninstall -y{meta} {extra}")
+    fa4 = compat.fa4_available()
+    s.add("attention", "FlashAttention-4 ready" if fa4 is None else f"not ready: {fa4}")
+    if fa4 is not None and _dist_version("flash-attn-4") is not None:
+        notes.append(f"FlashAttention-4 is installed but cannot be used: {fa4}")
+    from importlib import metadata
+    torch = _dist_version("torch")
+    if torch is not None and not _probe_gpu_torch_wanted():
+        reqs = metadata.requires("torch") or []
+        if any(r.lower().startswith("nvidia-") for r in reqs):
+            notes.append(f"torch {torch} is a CUDA build (gigabytes of CUDA libraries); building needs only a CPU "
+                         "build: pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    return s
+
+
+def _probe_gpu_torch_wanted() -> bool:
+    """A machine with a CUDA driver runs kernels through torch: a CUDA torch build belongs there."""
+    from kspec.runtime import driver as drv_mod
+    return drv_mod.Driver().available()[0]
+
+
 def _driver_and_gpus(notes: list[str]) -> tuple[Section, bool]:
     from kspec.core import ARCH_TABLE, arch_of_cc
     s = Section("driver")
@@ -160,7 +220,7 @@ def _toolchain(notes: list[str]) -> tuple[Section, Any]:
 def _cache() -> Section:
     s = Section("cache")
     from kspec.backends.build import CompileCache
-    cache = CompileCache()
+    cache = CompileCache(writable=False)          # the configured directory, not a fallback
     s.add("dir", f"{cache.root}" + ("  ($KSPEC_CACHE_DIR)" if os.environ.get("KSPEC_CACHE_DIR") else ""))
     if cache.root.is_dir():
         info, err = _probe(cache.info)
@@ -169,7 +229,8 @@ def _cache() -> Section:
                   + (f", {info['failed_logs']} failed-build logs" if info["failed_logs"] else ""))
         else:
             s.add("entries", f"unreadable: {err}")
-        s.add("writable", "yes" if os.access(cache.root, os.W_OK) else "no")
+        s.add("writable", "yes" if os.access(cache.root, os.W_OK) else
+              "no (compiles use a temporary cache for the run, with a warning)")
     else:
         parent = next((p for p in cache.root.parents if p.exists()), Path("/"))
         s.add("entries", "none yet (created on the first compile)")
@@ -202,6 +263,8 @@ def collect() -> Report:
     head.add("python", f"{platform.python_version()} ({sys.executable})")
     head.add("platform", f"{platform.system()} {platform.machine()}")
     sections = [head, _packages()]
+    dsl, err = _probe(lambda: _cute_dsl(notes))
+    sections.append(dsl if err is None else Section("cute dsl", [("status", f"probe failed: {err}")]))
     driver, err = _probe(lambda: _driver_and_gpus(notes))
     if err is not None:
         driver = (Section("driver", [("status", f"probe failed: {err}")]), False)

@@ -3,7 +3,7 @@
 A library manifest (TOML, or JSON with the same structure) lists what to build:
 
     [library]
-    out = "build/lib"                 # relative to the manifest (default: build)
+    out = "out/lib"                   # relative to the manifest (default: out)
     archs = ["sm90a", "sm100a"]       # default for every spec (else the spec's target, else all)
     tuning_db = "kspec-tuning.json"   # optional: winners per kernel, arch and bucket (kspec tune)
     tune = true                       # rank missing tuning entries with the cost model first
@@ -29,6 +29,7 @@ bucket) and writes `OUT/library.json`, an index of the artifacts.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import glob
 import json
 import multiprocessing
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kspec.core import KspecError, KspecInternalError, normalize_arch
+from kspec.core import DEFAULT_OUT_DIR, KspecError, KspecInternalError, normalize_arch
 
 INDEX_FORMAT = 1
 
@@ -103,7 +104,7 @@ def load_library(path: str | os.PathLike, out: str | None = None) -> Library:
         specs = sorted(p.glob("*.kspec"))
         if not specs:
             raise KspecError(f"{p}: no .kspec files in this directory")
-        return Library(str(p), str(Path(out) if out else Path("build")),
+        return Library(str(p), str(Path(out) if out else Path(DEFAULT_OUT_DIR)),
                        tuple(SpecEntry(str(s.resolve()), None) for s in specs))
     try:
         text = p.read_text()
@@ -194,7 +195,7 @@ def load_library(path: str | os.PathLike, out: str | None = None) -> Library:
     dup = sorted({x for x in stems if stems.count(x) > 1})
     if dup:
         raise _fail(str(p), f"two specs named {dup[0]}.kspec would write the same artifact folder")
-    out_dir = Path(out) if out else base / str(lib.get("out", "build"))
+    out_dir = Path(out) if out else base / str(lib.get("out", DEFAULT_OUT_DIR))
     db = lib.get("tuning_db")
     return Library(str(p), str(out_dir), tuple(specs), str(base / db) if db else None, bool(lib.get("tune", False)))
 
@@ -538,7 +539,9 @@ def build_library(library: Library, *, jobs: int | None = None, executor: str = 
     artifacts from the cache and write OUT/library.json.  Raises KspecError naming every failed
     task when any failed (artifacts of the specs that built are still written)."""
     from kspec.backends.build import CompileCache
+    from kspec.compile import prepare_output
     t0 = time.monotonic()
+    prepare_output(library.out, create=False)      # a bad output directory is found before any build
     cache = CompileCache(cache_root)
     root = str(cache.root.resolve())
     db = tuning_db or library.tuning_db
@@ -616,8 +619,14 @@ def assemble(library: Library, cache_root: str, tuning_db: str | None, skip=froz
                           "sizes": dict(b.sizes) if b else {}, "size_key": bucket_key(b.as_dict if b else None),
                           "archs": manifest.get("archs"), "path": os.path.relpath(art, library.out)})
     out = Path(library.out)
-    out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".library.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"format": INDEX_FORMAT, "artifacts": index}, indent=1) + "\n")
-    os.replace(tmp, out / "library.json")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": INDEX_FORMAT, "artifacts": index}, indent=1) + "\n")
+        os.replace(tmp, out / "library.json")
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise KspecError(f"cannot write {out / 'library.json'}: {e.strerror or e}",
+                         hint="check the output directory: its permissions and free space") from None
     return index

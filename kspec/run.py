@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kspec.core import KspecError, select_archs
+from kspec.core import DEFAULT_OUT_DIR, KspecError, select_archs
 
 # max |gpu - ref| / max(1, max |ref|) allowed per output dtype (the reference rounds per node, the
 # GPU keeps epilogue values in registers and accumulates in a different order)
@@ -45,7 +45,7 @@ def run_on_gpu(args, sizes: dict[str, int]) -> int:
     else:
         from kspec.compile import Progress, compile_spec
         spec_path = path
-        artifact = compile_spec(path, select_archs(args.arch, load_spec(path).targets), args.output or "build", args.kernel,
+        artifact = compile_spec(path, select_archs(args.arch, load_spec(path).targets), args.output or DEFAULT_OUT_DIR, args.kernel,
                                 progress=Progress())
     program = load_spec(spec_path)
     mod = load(artifact)

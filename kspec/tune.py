@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from kspec.core import KspecError, KspecInternalError, dtype_bytes
+from kspec.core import KspecError, KspecInternalError, dtype_bytes, os_problem
 
 DB_FORMAT = 1
 MODEL_DRIVER = "model"
@@ -242,6 +242,13 @@ class TuningDB:
         new = list(new)
         if not new:
             return
+        try:
+            self._put(new)
+        except OSError as e:
+            raise KspecError(f"cannot write the tuning database {self.path}: {os_problem(e, self.path)}",
+                             hint="point --tuning-db or KSPEC_TUNING_DB at a writable path") from None
+
+    def _put(self, new: list[TuneEntry]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

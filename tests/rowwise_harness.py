@@ -56,13 +56,17 @@ def available() -> str | None:
 
 
 class EmuKernel:
-    def __init__(self, spec: str, arch: str = "sm90a", budget: int | None = None, is_text: bool = False):
+    def __init__(self, spec: str, arch: str = "sm90a", budget: int | None = None, is_text: bool = False,
+                 plan: int | None = None):
+        """plan: which planned kernel of the spec's one kernel to run (default: the only one)."""
         path = spec
         if is_text:
             path = Path(tempfile.mkdtemp(prefix="kspec-rowemu-spec-")) / "spec.kspec"
             path.write_text(spec)
         em = emit_spec(path, (arch,))
-        (plist,) = em.plans.values()
+        plist = list(em.plans.values())[plan] if plan is not None else next(iter(em.plans.values()))
+        if plan is None and len(em.plans) != 1:
+            raise ValueError(f"the spec plans {len(em.plans)} kernels: pick one with plan=")
         ep = plist[0]
         self.lowered, self.emitted = ep.lowered, ep.emitted
         self.desc = self.lowered.desc

@@ -164,6 +164,7 @@ def test_no_artifact(tmp_path):
     (lambda o: o["kernels"][0].pop("plans"), r"kernels\[0\]\(gemm\): missing field 'plans'"),
     (lambda o: o["kernels"][0].update(name="not valid"), "is not a valid identifier"),
     (lambda o: o["kernels"][0].update(name="class"), "Python keyword"),
+    (lambda o: o["kernels"][0].update(name="__class__"), "starts with '__'"),
     (lambda o: o["kernels"][0]["inputs"][0].update(dtype="f64"), "unknown dtype 'f64'"),
     (lambda o: o["kernels"][0]["inputs"][0].update(layout="diag"), "unknown layout 'diag'"),
     (lambda o: o["kernels"][0]["inputs"][2].update(layout="col"), "needs a tensor of rank >= 2"),

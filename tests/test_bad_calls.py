@@ -1,6 +1,6 @@
 """Nothing launches on a bad call (issue 27, item 3): for compiled shipped specs, on the fake
 driver, every bad argument — wrong dtype, rank, shape, strides, alignment, aliasing, extents past
-the launch grid's limits, bad varlen offsets — is a KspecRuntimeError naming the argument, and
+the launch grid's limits and 32 bits, bad varlen offsets — is a KspecRuntimeError naming the argument, and
 no kernel is launched."""
 from __future__ import annotations
 
@@ -204,3 +204,76 @@ def test_non_portable_cluster_launch_refused_by_the_runtime():
     bad = SimpleNamespace(grid=(8, 4, 1), block=(384, 1, 1), cluster=(4, 4, 1))
     with pytest.raises(KspecRuntimeError, match=r"a cluster of \(4, 4, 1\) .* CUDA cannot launch"):
         _check_launch_shape(bad, plan, "sm100a", [1024, 512])
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_gemm_extents_past_32_bits_are_refused_by_the_glue(compiled):
+    """The CuTe DSL GEMM's glue takes every extent up to INT32_MAX (its grid is persistent: at most
+    the SM count; 2**31 - 8 keeps 16-byte TMA rows) and refuses one past it by name, before anything
+    is queued."""
+    from kspec.runtime.module import GRID_MAX
+    mod = kspec.load(compiled("gemm_bias_relu", ARCH))
+    (plan,) = mod.manifest.kernels[0].plans
+    glue = mod.glue(plan, "sm90a")
+    ptrs = [0x7F0000000000 + i * 2**40 for i in range(len(plan.args))]
+    scalars = [1.0] * len(plan.scalars)
+    for role in ("M", "N", "K"):
+        dims = [{role: 2**31 - 8}.get(r, 64) if isinstance(e, str) else e for r, e in plan.dims]
+        pr = glue.prepare(dims, ptrs, scalars, 0, 0, 132)
+        assert all(0 < g <= m for g, m in zip(pr.grid, GRID_MAX)) and pr.grid[0] * pr.grid[1] * pr.grid[2] <= 132
+        dims = [{role: 2**31}.get(r, 64) if isinstance(e, str) else e for r, e in plan.dims]
+        with pytest.raises(KspecRuntimeError, match=f"gemm_bias_relu_0.*sizes must fit in 32 bits.*{role}=2147483648"):
+            glue.prepare(dims, ptrs, scalars, 0, 0, 132)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("stem", ["gemm_bias_relu", "cross_entropy", "attention", "gemm_rowmax"])
+def test_reductions_over_nothing_are_refused_before_any_launch(compiled, stem):
+    """Issue 22 item 3: a size that only inputs have (K of a GEMM, the vocabulary of a cross-entropy,
+    T of attention) at 0 with the outputs not empty would make every output value a reduction over
+    nothing: refused by name on the fake driver with zero launches, for every backend's kernel
+    (the rule is the runtime's, before any plan).  The language defines the values (the reference
+    computes a GEMM's D at K = 0 as its epilogue of a zero accumulator, a max over nothing as -inf).
+    An empty output (M = 0) is no error: nothing is launched."""
+    mod = kspec.load(compiled(stem, ARCH))
+    k = mod.manifest.kernels[0]
+    out_syms = {e for t in k.outputs for e in t.shape if isinstance(e, str)}
+    reduced = sorted({e for t in k.inputs for e in t.shape if isinstance(e, str)} - out_syms)
+    assert reduced, f"{stem}: no size that only inputs have"
+    for sym in reduced:
+        sizes = {**_sizes(k), sym: 0}
+        with FakeDriver((9, 0), sm_count=132) as fake:
+            args = {}
+            for t in (*k.inputs, *k.outputs):
+                shape = tuple(extent_value(e, sizes) for e in t.shape)
+                args[t.name] = _buffer(fake, shape, t.dtype, layout_strides(shape, t.layout))
+            msg = _refuses(mod, k.name, args, fake, f"{sym} = 0")
+            assert f"kernel '{k.name}'" in msg and "reductions over nothing" in msg, msg
+            assert fake.launches == [] and fake.fills == []
+    # an empty output launches nothing and is no error
+    first = sorted(out_syms)[0]
+    with FakeDriver((9, 0), sm_count=132) as fake:
+        sizes = {**_sizes(k), first: 0}
+        args = {}
+        for t in k.inputs:
+            shape = tuple(extent_value(e, sizes) for e in t.shape)
+            args[t.name] = _buffer(fake, shape, t.dtype, layout_strides(shape, t.layout))
+        mod[k.name](**args)
+        assert fake.launches == []
+
+
+def test_the_reference_defines_gemms_and_maxima_over_nothing():
+    """What the kernels refuse (K = 0), the language defines: the reference gives a GEMM's epilogue
+    of a zero accumulator, and a max over nothing is -inf (as logsumexp's), against numpy."""
+    from conftest import SPECS
+    bias = np.linspace(-2, 2, 16).astype(np.float16)
+    A, B = np.zeros((5, 0), np.float16), np.zeros((0, 16), np.float16)
+    got = kspec.reference(SPECS / "gemm_bias_relu.kspec")(A=A, B=B, bias=bias)["D"]
+    np.testing.assert_array_equal(got, np.broadcast_to(np.maximum(bias, 0), (5, 16)))
+    out = kspec.reference(SPECS / "gemm_rowmax.kspec")(A=A, B=B, bias=bias.astype(np.float32))
+    np.testing.assert_array_equal(out["rowmax"], np.full(5, bias.max(), np.float32))
+    r = kspec.reference("kernel k {\n  in x : f32[M, N]\n  out y : f32[M]\n  out z : f32[M]\n"
+                        "  y[m] = max(n) x[m, n]\n  z[m] = min(n) x[m, n]\n}\n")
+    o = r(x=np.zeros((3, 0), np.float32))
+    assert (o["y"] == -np.inf).all() and (o["z"] == np.inf).all()

@@ -93,8 +93,8 @@ def test_job_validation_and_nvcc_command(fake_tc):
     j = BuildJob("k", "src", "sm100a", "host", include_dirs=["/a"], flags=["-std=c++17"])
     assert j.include_dirs == ("/a",) and j.flags == ("-std=c++17",)
     assert j.nvcc_command("nvcc", "kernel.cu", "kernel.so") == [
-        "nvcc", "-DKSPEC_HOST", "-Xcompiler", "-fPIC", "-shared", "-gencode", "arch=compute_100a,code=sm_100a", "-I/a",
-        "-std=c++17", "-o", "kernel.so", "kernel.cu"]
+        "nvcc", "-DKSPEC_HOST", "-Xcompiler", "-fPIC", "-shared", "-Xlinker", "-x", "-gencode",
+        "arch=compute_100a,code=sm_100a", "-I/a", "-std=c++17", "-o", "kernel.so", "kernel.cu"]
     assert job().nvcc_command("nvcc", "k.cu", "k.cubin")[:4] == ["nvcc", "-DKSPEC_DEVICE", "-cubin", "-arch=sm_90a"]
 
 
@@ -142,7 +142,7 @@ def test_miss_then_hit_without_running_nvcc(fake_tc, cache, count_file):
 def test_host_kind_builds_a_shared_object(fake_tc, cache):
     r = cache.build(job(kind="host"), fake_tc)
     assert r.path.name == "kernel.so"
-    assert "-DKSPEC_HOST -Xcompiler -fPIC -shared -gencode arch=compute_90a,code=sm_90a" in r.path.read_text()
+    assert "-DKSPEC_HOST -Xcompiler -fPIC -shared -Xlinker -x -gencode arch=compute_90a,code=sm_90a" in r.path.read_text()
 
 
 @pytest.mark.parametrize("change", ["source", "arch", "flags", "kind"])

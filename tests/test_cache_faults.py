@@ -258,3 +258,52 @@ def test_damaged_attention_entry_is_rebuilt_byte_identical(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sum("is damaged" in l for l in r.stderr.splitlines()) == 1, r.stderr
     assert _tree(tmp_path / "again") == clean
+
+
+CUTE_FILES = ["entry.py", "exports.map", "glue.c", "kernel.cubin", "kernel.h", "kernel.o", "kernel.ptx", "kernel.so",
+              "link.log", "meta.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.cute
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+@pytest.mark.parametrize("name", CUTE_FILES)
+def test_every_file_of_a_cute_entry_damaged_every_way(clean_gemm, tmp_path, name, how):
+    """The whole matrix for the CuTe DSL GEMM cache (the default tier takes a selection above):
+    each file corrupted, truncated or deleted; the next compile rebuilds, byte-identical."""
+    base, clean = clean_gemm
+    cache = tmp_path / "cache"
+    shutil.copytree(base / "cache", cache)
+    d = _entry_dir(cache)
+    assert sorted(p.name for p in d.iterdir()) == sorted(CUTE_FILES)
+    _damage(d / name, how)
+    r = _compile(cache, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert _tree(tmp_path / "out") == clean
+    assert sum("is damaged" in l for l in r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.cute
+@pytest.mark.parametrize("name", ["entry.py", "meta.json", "v0/kernel.cubin", "v0/kernel.so"])
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_every_file_of_an_attention_entry_damaged(tmp_path, name, how):
+    from kspec.backends.cute import compat
+    why = compat.fa4_available()
+    if why is not None:
+        pytest.skip(f"needs FlashAttention-4: {why}")
+    cache = tmp_path / "cache"
+
+    def compile_(out):
+        env = {**os.environ, "KSPEC_CACHE_DIR": str(cache)}
+        return subprocess.run([sys.executable, "-m", "kspec", "compile", str(ROOT / "specs" / "attention_decode.kspec"),
+                               "--arch", "sm90a", "-o", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
+    r = compile_(tmp_path / "clean")
+    assert r.returncode == 0, r.stderr
+    clean = _tree(tmp_path / "clean")
+    (d,) = list(cache.glob("cute-attention/*/*"))
+    _damage(d / name, how)
+    r = compile_(tmp_path / "again")
+    assert r.returncode == 0, r.stderr
+    assert sum("is damaged" in l for l in r.stderr.splitlines()) == 1, r.stderr
+    assert _tree(tmp_path / "again") == clean

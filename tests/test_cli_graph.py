@@ -106,7 +106,7 @@ def test_graph_json(capsys):
     (plan,) = doc["plans"]
     assert plan["kind"] == "gemm" and plan["writes"] == ["D"]
     assert set(plan["nodes"]) == {n["id"] for n in doc["nodes"] if n["kind"] not in ("param", "input", "output")}
-    assert plan["backends"]["sm90a"] == {"backend": "cute", "kind": "gemm", "fallback": None, "rejected": [],
+    assert plan["backends"]["sm90a"] == {"backend": "cute", "kind": "gemm", "fallback": None, "rejected": [], "opt_in": [],
                                          "config": {"tile": "128x128", "cluster": "2x1", "2cta": "false",
                                                     "stages": "auto", "source": "hint"}}
     c = doc["cost"]

@@ -97,10 +97,32 @@ def test_unsupported_epilogues_have_reasons():
                     reductions=(ReductionStore("t8", "max", "n", Accum(), "f32"),))
     assert "f32 atomics" in epilogue.unsupported(int_red)
     assert "not supported" in epilogue.unsupported(_desc(Accum(), reductions=(
-        ReductionStore("t8", "sum", "n", Op("log", (Accum(),)), "f32"),)))
-    assert "not supported" in epilogue.unsupported(_desc(Op("log", (Accum(),))))
+        ReductionStore("t8", "sum", "n", Op("mod", (Accum(), Const(3.0))), "f32"),)))
+    assert "not supported" in epilogue.unsupported(_desc(Op("floordiv", (Accum(), Const(2.0)))))
     with pytest.raises(KspecInternalError):
         epilogue.generate(bad_op)
+
+
+def test_epilogue_conditions_run_on_the_numpy_twin():
+    """Comparisons, and/or/not and where (what `kspec grad` writes for gelu' at 0, relu', a clamp's
+    range) generate F.eq/F.land/F.where calls; the generated function, run with dslops.numpy_ops(),
+    selects element by element."""
+    from kspec.backends.cute import dslops
+    z = Accum()
+    cdf = Op("where", (Op("eq", (z, Const(0.0))), Const(0.5), Op("div", (Op("gelu", (z,)), z))))
+    inside = Op("and", (Op("ge", (z, Const(-1.0))), Op("not", (Op("gt", (z, Const(1.0))),))))
+    d = _desc(Op("add", (cdf, Op("where", (inside, Const(1.0), Const(0.0))))))
+    assert epilogue.unsupported(d) is None
+    code = epilogue.generate(d)
+    assert "F.where(" in code.source and "F.land(" in code.source and "F.lnot(" in code.source
+    ns: dict = {}
+    exec(code.source, ns)
+    ns["F"] = dslops.numpy_ops()
+    acc = np.array([0.0, 2.0, -0.5, -3.0], dtype=np.float32)
+    with np.errstate(invalid="ignore"):            # gelu(0) / 0, in the branch not taken
+        (out,) = ns["kspec_epilogue"](acc, [], [])
+    phi = np.array([0.5, 0.97725, 0.30854, 0.00135])
+    np.testing.assert_allclose(out, phi + [1.0, 0.0, 1.0, 0.0], atol=2e-4)
 
 
 def _rowmax_colsum_desc(arch="sm90a"):

@@ -180,20 +180,23 @@ def test_elementwise_op_over_another_iteration_space_is_not_fused():
 
 
 def test_consumer_that_also_needs_a_non_fusable_value_of_the_gemm_is_not_fused():
-    # D reads acc and log(acc); log cannot join the epilogue, so D joining would be a cycle
+    # D reads acc and t, computed with an integer modulo (no epilogue implementation), so D joining
+    # the epilogue would be a cycle
     g, res = fused(GEMM_HEAD + """
   out D : f32[M, N]
   acc[m, n] : f32 = sum(k) A[m, k] * B[k, n]
-  t[m, n] = log(acc[m, n])
+  t[m, n] = f32(i32(acc[m, n]) % 3)
   D[m, n] = acc[m, n] + t[m, n]
 }""")
     check_partition(g, res)
     assert groups(g, res) == [("gemm", ["contraction sum(k)[m, n] : f32"]),
-                              ("elementwise", ["elementwise add[m, n] : f32 =D", "elementwise log[m, n] : f32 =t"])]
+                              ("elementwise", ["cast cast:f32[m, n] : f32 =t", "cast cast:i32[m, n] : i32",
+                                               "elementwise add[m, n] : f32 =D", "elementwise mod[m, n] : i32"])]
     c = [n for n in g if op(g, n).kind == "contraction"][0]
-    assert res.notes == [
-        f"elementwise log[m, n] : f32 =t not fused into the GEMM at {c}: 'log' has no epilogue implementation",
-        f"elementwise add[m, n] : f32 =D not fused into the GEMM at {c}: fusing would create a cycle between kernels"]
+    assert f"elementwise mod[m, n] : i32 not fused into the GEMM at {c}: 'mod' has no epilogue implementation" \
+        in res.notes
+    assert f"elementwise add[m, n] : f32 =D not fused into the GEMM at {c}: fusing would create a cycle between " \
+           "kernels" in res.notes
 
 
 def test_consumer_of_a_non_epilogue_reduction_is_not_fused():

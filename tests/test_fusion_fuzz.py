@@ -4,8 +4,10 @@ then through planning fused and unfused, the numpy reference and lowering for bo
 
 Per case: no internal error anywhere; every operator node in exactly one group and groups in
 dependency order (fused and unfused); the fused and the unfused reference agree bit for bit (the
-reference rounds per node, so fusion must not change a single value); every plan lowers to a
-descriptor for sm90a and sm100a, or is refused with a located `KspecError`.
+reference rounds per node, so fusion must not change a single value); a kernel no backend builds
+is refused at planning with a located `KspecError` (as `kspec graph` refuses it), and every plan
+that is planned lowers and emits on the backend it names, for sm90a and sm100a (what `kspec graph`
+prints is what `kspec compile` builds: a refusal after planning fails the case).
 
 The default run covers `N_DEFAULT` seeds in a few seconds; `-m slow` runs `N_SLOW` (run this file
 directly, `python tests/test_fusion_fuzz.py [N]`, to see timings and the mix of outcomes).
@@ -282,8 +284,8 @@ def _arrays(kernel, rng: np.random.Generator) -> dict:
 
 
 def run_case(seed: int, emit_all: bool = False) -> str:
-    """One fuzz case; returns its outcome ("rejected" by the checker, "ok", or "ok+refused" when a
-    backend declined a plan with a located error).  Raises on any violation."""
+    """One fuzz case; returns its outcome ("rejected" by the checker, "ok", or "ok+refused" when no
+    backend builds the kernel and planning refuses it with a located error).  Raises on any violation."""
     text = random_spec(seed)
     try:
         prog = load_spec(text, is_text=True)
@@ -303,7 +305,6 @@ def run_case(seed: int, emit_all: bool = False) -> str:
         for name in a:
             assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape
             assert a[name].tobytes() == b[name].tobytes(), f"fused and unfused reference differ in {name}"
-        refused = False
         try:
             compiled = plan_kernel(kernel, ARCHS, Planner())    # what `kspec compile` plans
         except KspecError as e:
@@ -318,24 +319,15 @@ def run_case(seed: int, emit_all: bool = False) -> str:
             format_cost(c)
         for p in compiled.plans:
             for arch in ARCHS:
-                try:
-                    backend = registry.get(p.choices[arch].backend)
-                    lp = backend.lower(p.ir, arch)
-                except KspecError as e:
-                    assert e.span is not None or e.message.startswith("kernel "), f"unlocated: {e.message}"
-                    refused = True
-                    continue
-                if emit_all or backend.name in ("generic", "rowwise"):
-                    try:
-                        backend.emit(lp)            # (CUTLASS emission costs ~0.5 s a kernel: sampled)
-                    except KspecError as e:
-                        # `kspec compile` names the kernel, arch and spec line of a backend refusal; a
-                        # descriptor the backend finds inconsistent is a planning bug
-                        assert "internal" not in e.message, e.message
-                        refused = True
+                # graph == compile: the backend the plan names lowers and emits it (a refusal here
+                # would be an error `kspec graph` never showed: a planning bug)
+                backend = registry.get(p.choices[arch].backend)
+                lp = backend.lower(p.ir, arch)
+                if emit_all or backend.name in ("generic", "rowwise", "cute"):
+                    backend.emit(lp)                # (CUTLASS emission costs ~0.5 s a kernel: sampled)
     except (AssertionError, KspecInternalError, Exception) as e:
         raise AssertionError(f"fuzz case {seed} failed: {type(e).__name__}: {e}\n{text}") from e
-    return "ok+refused" if refused else "ok"
+    return "ok"
 
 
 def test_generator_makes_mostly_valid_specs():

@@ -143,9 +143,13 @@ def test_manifest_round_trip_and_older_artifacts(tmp_path):
         del obj["kernels"][0]["index_ranges"][0][flag]
     (d / "manifest.json").write_text(json.dumps(obj))
     assert read_manifest(d).kernels[0].index_ranges == (LABEL,)
-    del obj["kernels"][0]["index_ranges"]            # written before kspec recorded them
+    # a manifest written before kspec recorded them parses as "not recorded"; here, where the host
+    # library records the ranges its plan was built with, dropping them is refused (test_manifest_tamper)
+    del obj["kernels"][0]["index_ranges"]
     (d / "manifest.json").write_text(json.dumps(obj))
-    assert read_manifest(d).kernels[0].index_ranges is None
+    assert read_manifest(d, verify=False).kernels[0].index_ranges is None
+    with pytest.raises(KspecArtifactError, match="index_ranges"):
+        read_manifest(d)
     assert read_manifest(_artifact(tmp_path / "none", ranges=())).kernels[0].index_ranges == ()
 
 
@@ -430,3 +434,27 @@ def test_the_driver_copies_on_the_launch_stream_then_waits_for_it():
     assert Recording().copy_to_host(0x7000, 6, 42, "index tensor 'label'") == bytes(range(6))
     assert calls == [("cuMemcpyDtoHAsync", "reading index tensor 'label'"),
                      ("cuStreamSynchronize", "reading index tensor 'label'")]
+
+
+def test_key_counts_name_the_key_axis_as_stored():
+    """K stored [B, T, H, d] (FlashAttention's layout): the key count bounds K's axis 1, not 2."""
+    from kspec.compiler import plan_kernel
+    from kspec.compiler.indices import index_ranges
+    text = """kernel att {
+  in  Q : bf16[B, S, H, 128]
+  in  K : bf16[B, T, H, 128]
+  in  V : bf16[B, T, H, 128]
+  in  kv_len : i32[B]
+  out O : bf16[B, S, H, 128]
+  s[b, h, i, j] : f32 = 0.088 * sum(e) Q[b, i, h, e] * K[b, j, h, e]
+  m[b, h, i, j] = where(j < kv_len[b], s[b, h, i, j], -inf)
+  p[b, h, i, j] = softmax(j) m[b, h, i, j]
+  O[b, i, h, e] = sum(j) p[b, h, i, j] * V[b, j, h, e]
+}
+"""
+    from kspec.spec_lang import load_spec
+    (plan,) = plan_kernel(load_spec(text, is_text=True).kernels[0]).plans
+    if plan.ir.attention is None:
+        pytest.skip("no backend fuses this attention here")
+    (r,) = [r for r in index_ranges(plan.ir) if r.tensor == "kv_len"]
+    assert (r.target, r.axis, r.extent) == ("K", 1, "T")

@@ -71,7 +71,18 @@ TAMPER = [
     ("plan kind", lambda o: _plan(o).update(kind="elementwise"), "'kind'"),
     ("packed", lambda o: _k(o)["inputs"].append({"name": "cu", "dtype": "i32", "shape": ["B+1"]}) or
      _plan(o)["args"].append("cu"), "'args'"),
+    # the launch fields: entry point, config, the cubin (swapped in with its digest)
+    ("symbol", lambda o: _plan(o)["binaries"]["sm90a"].update(symbol="other_kernel"), "'launch'"),
+    ("config", lambda o: _plan(o)["binaries"]["sm90a"]["config"].update(tile="64x64x64"), "'launch'"),
+    ("cubins swapped", lambda o: _swap_cubins(_plan(o)["binaries"]), "'launch'"),
 ]
+
+
+def _swap_cubins(bins: dict) -> None:
+    """The two archs' cubins exchanged, each with its own (correct) digest."""
+    a, b = bins["sm90a"], bins["sm100a"]
+    (a["cubin"], a["sha256"]["cubin"]), (b["cubin"], b["sha256"]["cubin"]) = \
+        (b["cubin"], b["sha256"]["cubin"]), (a["cubin"], a["sha256"]["cubin"])
 
 
 @pytest.mark.parametrize("what, edit, field", TAMPER, ids=[t[0] for t in TAMPER])
@@ -166,11 +177,53 @@ def test_cute_parameter_offsets_are_checked_against_the_cubin(cute_gemm, tmp_pat
     b = json.loads((art / "manifest.json").read_text())["kernels"][0]["plans"][0]["binaries"]["sm90a"]
     offs = [int(x) for x in b["config"]["param_offsets"].split(",")]
     assert len(offs) > 1 and offs == sorted(offs)
-    # the offsets are launch metadata, not the interface: a shifted one loads, and must not launch
     shifted = ",".join(map(str, offs[:-1] + [offs[-1] + 8]))
+    # edited in the manifest: the host library records the launch fields, so it does not load
     _edit(art, lambda o: _plan(o)["binaries"]["sm90a"]["config"].update(param_offsets=shifted))
+    with pytest.raises(KspecArtifactError, match="'launch' is .* in the manifest but the library was built for"):
+        kspec.load(art)
+    # written consistently wrong (as a faulty build would): it loads, and the cubin check stops the launch
+    from dataclasses import replace
+    m = read_manifest(art, verify=False)
+    k = m.kernels[0]
+    b = k.plans[0].binaries["sm90a"]
+    b = replace(b, config={**b.config, "param_offsets": shifted})
+    write_manifest(art, replace(m, kernels=(replace(k, plans=(replace(k.plans[0], binaries={"sm90a": b}),)),)))
     mod = kspec.load(art)
     with FakeDriver((9, 0), sm_count=132) as fake:
         with pytest.raises(KspecRuntimeError, match="parameters at byte offsets .* but the kernel declares"):
             fake_call(mod, "gemm_rowmax", sizes, fake)
         assert fake.launches == []
+
+
+def _gather_artifact(d: Path):
+    """A cross-entropy-like plan whose `label` values index `logits` (an index range)."""
+    from kspec.artifact import KernelEntry, Manifest, Plan, SpecRef, TensorSpec, make_binary
+    from kspec.core import IndexRange
+    d.mkdir(parents=True, exist_ok=True)
+    bins = {}
+    for arch in ("sm90a",):
+        (d / f"ce_0.{arch}.cubin").write_bytes(b"cubin")
+        (d / f"ce_0.{arch}.so").write_bytes(b"glue")
+        bins[arch] = make_binary(d, f"ce_0.{arch}.cubin", f"ce_0.{arch}.so", config={}, registers=32, smem=0)
+    k = KernelEntry(name="ce", inputs=(TensorSpec("logits", "f32", ("M", "V")), TensorSpec("label", "i32", ("M",))),
+                    outputs=(TensorSpec("loss", "f32", ("M",)),), params=(), intermediates=(),
+                    plans=(Plan("ce_0", "elementwise", (("M", "M"), ("V", "V")), ("logits", "label", "loss"), (), {},
+                                {}, bins),),
+                    index_ranges=(IndexRange("label", "logits", 1, "V", plans=("ce_0",)),))
+    return Manifest(spec=SpecRef("ce.kspec", "0" * 64), archs=("sm90a",), kernels=(k,), toolchain={})
+
+
+@pytest.mark.parametrize("edit", [
+    lambda o: o["kernels"][0]["index_ranges"][0].update(negative=True),        # widened: -1 would pass
+    lambda o: o["kernels"][0]["index_ranges"][0].update(extent="M"),
+    lambda o: o["kernels"][0].pop("index_ranges"),                              # "not recorded": no check
+    lambda o: o["kernels"][0].update(index_ranges=[]),
+], ids=["negative", "extent", "dropped", "emptied"])
+def test_the_index_checks_before_a_launch_cannot_be_edited_away(tmp_path, edit):
+    art = tmp_path / "ce"
+    write_manifest(art, _gather_artifact(art))
+    assert read_manifest(art).kernels[0].index_ranges[0].extent == "V"
+    _edit(art, edit)
+    with pytest.raises(KspecArtifactError, match="index_ranges"):
+        read_manifest(art)

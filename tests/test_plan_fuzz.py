@@ -145,10 +145,12 @@ def test_every_spec_plans_or_is_refused_with_a_location(tmp_path):
     outcomes: dict[tuple[str, str], int] = {}
     planned = []
     for kind, text in cases:
-        t = time.perf_counter()
+        # this process's CPU time: the machine the suite runs on is shared (other processes' load
+        # would otherwise be charged to kspec); the CLI test below keeps a wall-clock limit
+        t = time.process_time()
         rc, how = run_one(text)
-        took = time.perf_counter() - t
-        assert took < PER_RUN_S, f"{kind} spec of {len(text)} bytes took {took:.1f} s"
+        took = time.process_time() - t
+        assert took < PER_RUN_S, f"{kind} spec of {len(text)} bytes took {took:.1f} s of CPU"
         outcomes[(kind, how)] = outcomes.get((kind, how), 0) + 1
         if rc == 0:
             planned.append((kind, text))

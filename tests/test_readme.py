@@ -1,4 +1,4 @@
-"""The README's tutorial, run as written (everything up to the GPU launch)."""
+"""The README tutorial's printed output (tests/test_readme_blocks.py runs every block as written)."""
 from __future__ import annotations
 
 import re
@@ -59,11 +59,22 @@ def test_tutorial_compile_emit_only(tmp_path):
         "mlp_tail_0.sm100a.py", "mlp_tail_0.sm90a.py"]   # CuTe DSL modules (the default GEMM backend)
 
 
-def test_tutorial_reference_block_runs_as_written(tmp_path):
-    """Step 4's Python block, in a subprocess next to the tutorial spec: every name it uses is defined."""
+def test_training_section_runs_as_written(tmp_path):
+    """The Training section: `kspec grad` of the tutorial spec, then its Python block as written
+    (CPU torch: the pair runs through the numpy reference) leaves gradients on A, B and bias."""
+    import pytest
+    pytest.importorskip("torch", reason="the training block needs torch (CPU is enough)")
     (tmp_path / "mlp_tail.kspec").write_text(_tutorial_spec())
-    step4 = README[README.index("### 4. Run it on the CPU"):README.index("### 5. Compile")]
-    (block,) = re.findall(r"```python\n(.*?)```", step4, re.S)
-    r = subprocess.run([sys.executable, "-c", block + '\nassert out["D"].shape == (256, 512)\n'], cwd=tmp_path,
-                       capture_output=True, text=True)
+    section = README[README.index("## Training: `kspec grad`"):README.index("## Shipped specs")]
+    cmds = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
+    grad_cmd = cmds.splitlines()[0].split("#")[0].split()
+    assert grad_cmd[:2] == ["kspec", "grad"]
+    r = subprocess.run([sys.executable, "-m", "kspec", *grad_cmd[1:]], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    check = "\nassert A.grad.shape == (64, 32) and B.grad is not None and bias.grad.abs().sum() > 0\n"
+    r = subprocess.run([sys.executable, "-c", block + check], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "mlp_tail_grad.kspec").read_text()
+    for line in re.findall(r"```\n(  acc\[m, n\].*?)```", section, re.S)[0].splitlines():
+        assert line.split("...")[0] in text, line

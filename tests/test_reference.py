@@ -508,6 +508,23 @@ def test_gemm_tf32_rounds_operands_to_tf32():
     assert np.abs(f64(A) @ f64(B) - want).max() > 1e-4
 
 
+def test_rope_rotates_each_half_by_the_position_angles():
+    """specs/rope.kspec against an independent float64 rotate-half (the generated kernel's own text:
+    tests/test_generic_gather.py)."""
+    rng = np.random.default_rng(23)
+    B, S, H = 2, 5, 3
+    q = rand(rng, (B, S, H, 128), BF16)
+    ang = np.arange(S)[:, None] * 10000.0 ** (-np.arange(64) / 64)[None, :]
+    cos = np.concatenate([np.cos(ang)] * 2, -1).astype(np.float32)
+    sin = np.concatenate([np.sin(ang)] * 2, -1).astype(np.float32)
+    out = run_both(SPECS / "rope.kspec", Q=q, cos=cos, sin=sin)
+    x = f64(q)
+    c, s = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+    want = np.concatenate([x[..., :64] * c - x[..., 64:] * s, x[..., 64:] * c + x[..., :64] * s], -1)
+    assert out["Y"].dtype == BF16
+    np.testing.assert_allclose(f64(out["Y"]), want, rtol=2 ** -7, atol=2 ** -7)
+
+
 def test_every_shipped_spec_has_a_reference_test():
     tested = {"gemm", "gemm_bias_relu", "gemm_bias_gelu_residual", "gemm_rowmax", "fp8_gemm_scaled",
               "batched_gemm", "attention", "attention_causal", "mlp2", "swiglu_mlp", "linear_shared_weight",
@@ -516,7 +533,7 @@ def test_every_shipped_spec_has_a_reference_test():
               "attention_softcap", "attention_decode", "attention_paged", "attention_varlen",
               "attention_varlen_padded", "attention_lse",
               # row kernels: tests/test_rowwise.py (against float64, odd lengths, strided rows)
-              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy"}
+              "layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entropy", "rope"}
     assert {p.stem for p in SPECS.glob("*.kspec")} == tested
 
 

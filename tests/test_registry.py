@@ -82,7 +82,7 @@ def test_fusion_asks_the_registry_for_epilogue_ops():
     from kspec.backends.cutlass.backend import CutlassBackend
     planner = Planner()
     assert planner.epilogue_fns(ARCHS) >= CutlassBackend.capabilities.epilogue_fns
-    assert "log" not in planner.epilogue_fns(ARCHS)
+    assert "mod" not in planner.epilogue_fns(ARCHS) and "floordiv" not in planner.epilogue_fns(ARCHS)
 
 
 def test_compiler_holds_no_backend_tables():
@@ -372,3 +372,43 @@ def test_attention_schedule_settings_go_to_the_backend_that_takes_them(tmp_path,
     assert "cutlass: the FMHA kernel for head dim 128 on sm90a has tile 128x128x128 only" in err
     if FA4_MISSING is None:
         assert "cute: FlashAttention-4 chooses its own tiles and pipeline; it takes no tile setting" in err
+
+
+MIXED_FP8 = """kernel mixed {
+  in  A : f8e4m3[M, K]
+  in  B : f8e5m2[K, N] col
+  in  s : f32[N]
+  out D : bf16[M, N]
+  D[m, n] = (sum(k) A[m, k] * B[k, n]) * s[n]
+}
+"""
+
+
+@pytest.mark.skipif(registry.get("cute").available() is not None, reason="the CuTe DSL is not installed")
+def test_paths_nothing_validates_are_opt_in(tmp_path, capsys):
+    """Issue 22: tf32 WGMMA on sm90a and mixed fp8 kinds on tcgen05 (sm100a) have never run on a GPU:
+    the CuTe DSL backend builds them only when asked (`backend = cute` in the schedule, or
+    --backend cute); otherwise CUTLASS C++ builds them, and `kspec graph` says why not the CuTe
+    DSL backend.  The validated arch keeps the CuTe DSL backend."""
+    tf32 = SPECS / "gemm_tf32.kspec"
+    (p,) = plans(tf32.read_text())
+    assert (p.choices["sm90a"].backend, p.choices["sm100a"].backend) == ("cutlass", "cute")
+    assert p.choices["sm90a"].opt_in and p.choices["sm90a"].opt_in[0][0] == "cute"
+    (p,) = plans(MIXED_FP8)
+    assert (p.choices["sm90a"].backend, p.choices["sm100a"].backend) == ("cute", "cutlass")
+    rc, out, _ = run_cli(capsys, "graph", write(tmp_path, "mixed", MIXED_FP8))
+    assert rc == 0 and "sm100a: cutlass gemm" in out
+    assert ("(not cute: f8e4m3 x f8e5m2 on tcgen05 (kind::f8f6f4 with mixed kinds, documented as unsupported by "
+            "NVIDIA's CuTe DSL example) is not yet validated on any GPU; built only when asked: `backend = cute` "
+            "in the spec's schedule for sm100a, or --backend cute)") in out
+    rc, out, _ = run_cli(capsys, "graph", write(tmp_path, "mixed", MIXED_FP8), "--format", "json")
+    doc = json.loads(out)
+    assert doc["plans"][0]["backends"]["sm100a"]["opt_in"][0][0] == "cute"
+    assert doc["plans"][0]["backends"]["sm90a"]["opt_in"] == []
+    # asked for: by the schedule (that arch) or by the command line (every kernel it can build)
+    (p,) = plans(MIXED_FP8 + "schedule mixed for sm100a { backend = cute }\n")
+    assert p.choices["sm100a"].backend == "cute" and not p.choices["sm100a"].opt_in
+    (p,) = plans(tf32.read_text(), pinned="cute")
+    assert p.choices["sm90a"].backend == "cute"
+    rc, out, _ = run_cli(capsys, "graph", tf32, "--backend", "cute")
+    assert rc == 0 and "sm90a: cute gemm" in out and "not cute" not in out

@@ -85,3 +85,4 @@ def test_numeric_path_with_an_emulating_fake(art, corrupt, tmp_path):
     else:
         assert rc == 0, out.getvalue()
         assert all(c["errors"]["D"] < 1e-6 and c["errors"]["rmax"] < 1e-6 for c in sa)
+

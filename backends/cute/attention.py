@@ -1416,9 +1416,8 @@ def _build_sku(desc: AttnDesc, key: str, d: Path, lengths, done: list[tuple[str,
             if v.get("sm_independent"):
                 reuse[dict(v["config"])["fa4_signature"]] = (dd / v["dir"], v)
     root = d.parent.parent
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=root))
-    try:
+    cache_entry.reclaim_once(root)
+    with cache_entry.workdir(root, f".{key[:12]}.") as work:
         (work / "entry.py").write_text(entry_source(desc))
         with compat.fa4_target(desc.arch, desc.sm_count):
             mod = _import_entry(work / "entry.py")
@@ -1465,9 +1464,6 @@ def _build_sku(desc: AttnDesc, key: str, d: Path, lengths, done: list[tuple[str,
         shutil.rmtree(work / "__pycache__", ignore_errors=True)
         cache_entry.seal(work, meta)
         return cache_entry.install(work, d, BUILD_FORMAT)
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
 
 
 # Split-KV probe: the kernel FA4 builds for long decoding (one sequence, S = 1, 128k keys, 16 splits)

@@ -34,8 +34,7 @@ class CuteBackend:
                     "sliding window, score_mod/mask_mod, GQA/MQA, LSE, paged KV, packed (cu_seqlens) batches")),
         gemm_operands=(("f16", "f16"), ("bf16", "bf16"), ("f8e4m3", "f8e4m3"), ("f8e5m2", "f8e5m2"),
                        ("f8e4m3", "f8e5m2"), ("f8e5m2", "f8e4m3"), ("i8", "i8"), ("tf32", "tf32")),
-        epilogue_fns=frozenset(("add", "sub", "mul", "div", "neg", "maximum", "minimum", "relu", "gelu",
-                                "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs", "clamp")),
+        epilogue_fns=frozenset(cute_epi.UNARY + cute_epi.BINARY + cute_epi.TERNARY),
         epilogue_reductions=frozenset(cute_epi.REDUCTION_OPS),
         epilogue_loads=frozenset(("row", "col", "row_batched", "col_batched", "full", "scalar")))
 
@@ -68,6 +67,12 @@ class CuteBackend:
     def is_fallback(self, ir: KernelIR) -> str | None:
         return None
 
+    def needs_opt_in(self, ir: KernelIR, arch: str) -> str | None:
+        """tf32 on sm90a and mixed fp8 kinds on sm100a: built here only when asked (gemm.unvalidated)."""
+        if ir.kind != "gemm":
+            return None
+        return cute_gemm.unvalidated(self._gemm_desc(ir, arch).desc, arch)
+
     def setting_problem(self, ir: KernelIR, arch: str) -> SettingProblem | None:
         """GEMMs: the spec's tile/cluster/stages must be a configuration the kernels take (K is
         the kernel's own, 128 bytes of operand per stage).  FlashAttention-4 chooses its tiles
@@ -87,7 +92,7 @@ class CuteBackend:
             return SettingProblem("tile", f"tile K is {k} for {desc.a.dtype} operands (128 bytes per stage)")
         if h.cluster is not None and h.cluster[2] != 1:
             return SettingProblem("cluster", "the K cluster size must be 1")
-        return cute_gemm.config_problem(self._config(desc, ir, arch), arch, desc.b2 is not None)
+        return cute_gemm.config_problem(self._config(desc, ir, arch), arch, desc=desc)
 
     @staticmethod
     def _hinted(ir: KernelIR, arch: str) -> bool:

@@ -426,16 +426,12 @@ def build(desc: GemmDesc, arch: str, cache_root: Path | None, config: gemm.CuteC
     meta = _read_entry(entry_dir)
     cached = meta is not None
     if meta is None:
-        root.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=root))
-        try:
+        cache_entry.reclaim_once(root)
+        with cache_entry.workdir(root, f".{key[:12]}.") as work:
             info = _compile_into(work, desc, arch, cfg, key, src, code)
             shutil.rmtree(work / "__pycache__", ignore_errors=True)
             cache_entry.seal(work, {"format": BUILD_FORMAT, "key": key, "arch": arch, "desc": desc.name, **info})
             meta = cache_entry.install(work, entry_dir, BUILD_FORMAT)
-        finally:
-            if work.exists():
-                shutil.rmtree(work, ignore_errors=True)
     return _result(desc, cfg, key, code, entry_dir, meta, time.monotonic() - t0, cached)
 
 

@@ -135,6 +135,11 @@ def stream_annotation():
 # change between betas (see backends/cute/attention.py).  pyproject's `attention` extra pins the same.
 FA4_VERSION = "4.0.0b36"
 QUACK_VERSION = "0.6.5"
+# what FA4 and QuACK import besides torch (pyproject's `attention` extra installs them), and how to
+# get the whole set from a checkout
+ATTENTION_IMPORTS = ("apache-tvm-ffi", "torch-c-dlpack-ext", "einops")
+ATTENTION_INSTALL = 'pip install -e ".[attention]" in a kspec checkout'
+
 _FA4_CC = {"sm90a": 90, "sm100a": 100}
 
 
@@ -147,10 +152,14 @@ def fa4_available() -> str | None:
         try:
             v = version(dist)
         except PackageNotFoundError:
-            return (f"{dist} is not installed (pip install 'kspec[attention]': flash-attn-4=={FA4_VERSION}, "
-                    f"quack-kernels=={QUACK_VERSION})")
+            return f"{dist} is not installed ({ATTENTION_INSTALL})"
         if v != want:
-            return f"{dist} {v} is installed; kspec's FlashAttention-4 path needs {want}"
+            return f"{dist} {v} is installed; kspec's FlashAttention-4 path needs {want} ({ATTENTION_INSTALL})"
+    for dist in ATTENTION_IMPORTS:
+        try:
+            version(dist)
+        except PackageNotFoundError:
+            return f"{dist} is not installed (FlashAttention-4 imports it; {ATTENTION_INSTALL})"
     try:
         version("torch")
     except PackageNotFoundError:

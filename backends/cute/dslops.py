@@ -157,6 +157,8 @@ def ne(a, b):
 def where(c, a, b):
     ref = next((x for x in (a, b) if _is_vec(x)), None)
     if ref is None:
+        if _is_vec(c):              # two scalar branches: cute.where broadcasts them over c's shape
+            return _cute().where(c, a, b)
         return a if c else b
     return _cute().where(c, _vec(a, ref), _vec(b, ref))
 

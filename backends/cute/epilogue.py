@@ -25,9 +25,13 @@ from kspec.backends.desc import Accum, Const, EpiExpr, GemmDesc, Load, Op
 from kspec.compiler.kir import LOAD_KINDS, VECTOR_AXIS
 from kspec.core import DTYPES, KspecInternalError
 
-UNARY = ("neg", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs")
-BINARY = ("add", "sub", "mul", "div", "maximum", "minimum")
-SUPPORTED_FNS = UNARY + BINARY + ("clamp", "cast:<dtype>")
+UNARY = ("neg", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "abs", "log", "sqrt", "rsqrt", "not")
+BINARY = ("add", "sub", "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
+# conditions (comparisons, and/or/not) are boolean register vectors that only `where` consumes: the
+# derivatives `kspec grad` writes (relu', gelu' at 0, a clamp's range) select in the epilogue
+TERNARY = ("where", "clamp")
+SUPPORTED_FNS = UNARY + BINARY + TERNARY + ("cast:<dtype>",)
+_DSL_NAME = {"and": "land", "or": "lor", "not": "lnot"}
 ROW_KINDS = tuple(k for k, axis in VECTOR_AXIS.items() if axis == "n")     # vectors along N, staged per tile
 COL_KINDS = tuple(k for k, axis in VECTOR_AXIS.items() if axis == "m")
 REDUCTION_OPS = ("sum", "max")
@@ -71,7 +75,7 @@ def unsupported(desc: GemmDesc) -> str | None:
             if fn.startswith("cast:"):
                 if fn[5:] not in DTYPES:
                     return f"cast to unknown dtype {fn[5:]!r}"
-            elif fn not in UNARY + BINARY + ("clamp",):
+            elif fn not in UNARY + BINARY + TERNARY:
                 return f"epilogue function '{fn}' is not supported by the CuTe DSL backend"
         elif isinstance(e, Const) and not math.isfinite(e.value):
             return "non-finite constant in the epilogue"
@@ -121,7 +125,7 @@ def generate(desc: GemmDesc) -> EpilogueCode:
             if e.fn.startswith("cast:"):
                 call = f"F.cast({args[0]}, {e.fn[5:]!r}, {acc!r})"
             else:
-                call = f"F.{e.fn}({', '.join(args)})"
+                call = f"F.{_DSL_NAME.get(e.fn, e.fn)}({', '.join(args)})"
             ref = f"v{len(lines)}"
             lines.append(f"    {ref} = {call}")
         else:

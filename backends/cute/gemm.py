@@ -13,6 +13,7 @@ value, so one binary serves every problem size.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kspec.backends.api import MAX_CLUSTER_CTAS, SettingProblem
@@ -20,7 +21,7 @@ from kspec.backends.desc import GemmDesc
 from kspec.compiler.kir import VECTOR_AXIS
 from kspec.core import FP8_DTYPES, dtype_bytes
 
-from . import epilogue
+from . import epilogue, sync
 
 ARCHS = ("sm90a", "sm100a")
 TMA_ALIGN_BYTES = 16
@@ -90,12 +91,52 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     why = epilogue.unsupported(desc)
     if why:
         return why
+    if not candidates(desc, arch):
+        # every tile leaves fewer than two A/B stages beside this epilogue's shared memory
+        small = CuteConfig((64, 64))
+        return f"no CuTe DSL tile fits: at {small.describe()}, {smem_budget(desc, arch, small).problem()}"
+    return None
+
+
+def unvalidated(desc: GemmDesc, arch: str) -> str | None:
+    """Why a GEMM this backend can build is one nothing has validated on a GPU (None: it is not);
+    the planner then builds it here only when asked (registry.opt_in_reason)."""
+    a, b = desc.a.dtype, desc.b.dtype
+    if arch == "sm90a" and a == "tf32":
+        return ("tf32 WGMMA on sm90a is kspec's own MMA atom (f32 data truncated to tf32, not rounded), "
+                "not yet validated on any GPU")
+    if arch == "sm100a" and a in FP8_DTYPES and b in FP8_DTYPES and a != b:
+        return (f"{a} x {b} on tcgen05 (kind::f8f6f4 with mixed kinds, documented as unsupported by NVIDIA's "
+                "CuTe DSL example) is not yet validated on any GPU")
     return None
 
 
 def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
     """The configurations worth trying for autotuning (all compile; which is fastest needs a GPU)."""
-    return [c for c in _candidates(arch) if valid_config(c, arch, desc.b2 is not None) is None]
+    return [c for c in _candidates(arch) if valid_config(c, arch, desc=desc) is None]
+
+
+def _bits(dtype: str) -> int:
+    return dtype_bytes(dtype) * 8
+
+
+@functools.lru_cache(maxsize=512)
+def _input_classes(desc: GemmDesc) -> tuple[tuple[str, int], ...]:
+    """(class, bits) of each tensor input of the generated epilogue, in the kernel's order."""
+    code = epilogue.generate(desc)
+    return tuple(("row" if ld.kind in epilogue.ROW_KINDS else "col" if ld.kind in epilogue.COL_KINDS else "full",
+                  _bits(ld.dtype)) for ld in code.inputs)
+
+
+def smem_budget(desc: GemmDesc, arch: str, cfg: CuteConfig) -> "sync.SmemBudget":
+    """The shared-memory split (and A/B stage count) the kernel would get for `desc` with `cfg`:
+    the same function the kernels' `_setup` calls (sync.smem_budget), from the descriptor."""
+    inputs = _input_classes(desc)
+    return sync.smem_budget(arch, cfg.tile, use_2cta=cfg.use_2cta, a_bits=_bits(desc.a.dtype),
+                            b_bits=_bits(desc.b.dtype), d_bits=_bits(desc.output.dtype),
+                            d_m_major=desc.output.layout == "col", dual=desc.b2 is not None,
+                            num_aux=len(desc.aux_stores), inputs=inputs,
+                            reductions=tuple(r.axis for r in desc.reductions), override=cfg.stages)
 
 
 def _candidates(arch: str) -> list[CuteConfig]:
@@ -123,14 +164,26 @@ def _candidates(arch: str) -> list[CuteConfig]:
 DUAL_MAX_TILE_N = 128
 
 
-def valid_config(cfg: CuteConfig, arch: str, dual: bool = False) -> str | None:
-    """None when the kernels accept `cfg` on `arch` (for a dual GEMM: `dual`), else why not."""
-    p = config_problem(cfg, arch, dual)
+def valid_config(cfg: CuteConfig, arch: str, dual: bool = False, desc: GemmDesc | None = None) -> str | None:
+    """None when the kernels accept `cfg` on `arch` (for a dual GEMM: `dual`), else why not.
+    With `desc`, also that the A/B ring keeps sync.MIN_AB_STAGES stages beside its epilogue."""
+    p = config_problem(cfg, arch, dual, desc)
     return p.reason if p else None
 
 
-def config_problem(cfg: CuteConfig, arch: str, dual: bool = False) -> SettingProblem | None:
+def config_problem(cfg: CuteConfig, arch: str, dual: bool = False, desc: GemmDesc | None = None) -> SettingProblem | None:
     """valid_config, saying which schedule setting (tile, cluster, stages) is the one at fault."""
+    if desc is not None:
+        dual = desc.b2 is not None
+    p = _shape_problem(cfg, arch, dual)
+    if p is None and desc is not None:
+        why = smem_budget(desc, arch, cfg).problem()
+        if why:
+            return SettingProblem("tile", f"tile {cfg.tile[0]}x{cfg.tile[1]}: {why}")
+    return p
+
+
+def _shape_problem(cfg: CuteConfig, arch: str, dual: bool) -> SettingProblem | None:
     (tm, tn), (cm, cn) = cfg.tile, cfg.cluster
     if dual and tn > DUAL_MAX_TILE_N:
         return SettingProblem("tile", f"tile N {tn} (a dual GEMM's two accumulators need tile N <= {DUAL_MAX_TILE_N})")
@@ -147,9 +200,11 @@ def config_problem(cfg: CuteConfig, arch: str, dual: bool = False) -> SettingPro
             return SettingProblem("tile", f"tile {tm}x{tn} (M 64 or 128; N 64, 128, 192 or 256)")
         return None
     if cfg.use_2cta:
-        if tm not in (128, 256) or cm % 2:
-            return SettingProblem("cluster" if tm in (128, 256) else "tile",
-                                  f"2-CTA tile {tm}x{tn} with cluster {cm}x{cn} (M 128 or 256, even cluster M)")
+        if tm != 256 or cm % 2:
+            # (128-row 2-CTA tiles, 64-row CTAs, are left out: their epilogue's strided N sub-tile
+            # has never been checked against its shared-memory buffer)
+            return SettingProblem("cluster" if tm == 256 else "tile",
+                                  f"2-CTA tile {tm}x{tn} with cluster {cm}x{cn} (M 256, even cluster M)")
     elif tm not in (64, 128):
         return SettingProblem("tile", f"tile {tm}x{tn} (M 64 or 128, or 256 with 2-CTA MMA)")
     if tn % 32 or not 32 <= tn <= 256:
@@ -183,8 +238,18 @@ def default_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None
     dual = desc.b2 is not None
     if desc.tile is not None:
         cfg = hint_config(desc, arch)
-        if valid_config(cfg, arch, dual) is None:
+        if valid_config(cfg, arch, desc=desc) is None:
             return cfg
+    cfg = _heuristic(desc, arch, m, n, dual)
+    if valid_config(cfg, arch, desc=desc) is None:
+        return cfg
+    # the epilogue's shared memory leaves too few A/B stages at the heuristic's tile: the largest
+    # candidate that keeps them (can_implement has declined a GEMM no tile fits)
+    fits = candidates(desc, arch)
+    return max(fits, key=lambda c: (c.tile[0] * c.tile[1], -c.cluster[0] * c.cluster[1])) if fits else cfg
+
+
+def _heuristic(desc: GemmDesc, arch: str, m, n, dual: bool) -> CuteConfig:
     small_m = isinstance(m, int) and m <= 64
     big = isinstance(m, int) and isinstance(n, int) and m >= 4096 and n >= 4096
     if dual:

@@ -23,7 +23,10 @@ from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
                                       transform_partitioned_tensor_layout)
 
+from kspec.core import KspecInternalError
+
 from . import reduce as red
+from . import sync
 
 
 class Sm100Gemm:
@@ -82,30 +85,35 @@ class Sm100Gemm:
         self.epi_tile = sm100_utils.compute_epilogue_tile_shape(self.cta_tile_shape_mnk, self.use_2cta_instrs,
                                                                 self.c_layout, self.c_dtype)
         self.epi_mn = (int(cute.size(self.epi_tile[0])), int(cute.size(self.epi_tile[1])))
-        smem_cap = utils.get_smem_capacity_in_bytes()
-        self.num_acc_stage = 2
+        if utils.get_smem_capacity_in_bytes() != sync.SMEM_CAPACITY:
+            raise KspecInternalError(f"the DSL's sm_100 shared memory is {utils.get_smem_capacity_in_bytes()} B, "
+                                     f"kspec plans with {sync.SMEM_CAPACITY} B")
+        self.num_acc_stage = sync.ACC_STAGES
+        self.num_c_stage = sync.EPI_STORE_STAGES["sm100a"]
+        # the shared-memory split and the A/B stage count: the planner computes the same (sync.py);
+        # the DSL's own sizes of the epilogue tile and of one stage must agree with it
+        self.smem_budget = sb = sync.smem_budget(
+            "sm100a", self.mma_tiler[:2], use_2cta=self.use_2cta_instrs, a_bits=self.a_dtype.width,
+            b_bits=self.b_dtype.width, d_bits=self.c_dtype.width, d_m_major=self.c_layout.is_m_major_c(),
+            dual=self.dual, num_aux=self.num_aux,
+            inputs=tuple(("row" if k in ROW_KINDS else "col" if k in COL_KINDS else "full", w)
+                         for k, w in zip(self.input_kinds, self.input_widths)),
+            reductions=tuple(axis for _op, axis in self.reductions), override=self.stages_override)
         a1 = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, 1)
         b1 = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, 1)
-        ab_bytes = cute.size_in_bytes(self.a_dtype, a1) + cute.size_in_bytes(self.b_dtype, b1) * (1 + int(self.dual))
         c1 = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
-        c_bytes = cute.size_in_bytes(self.c_dtype, c1)
-        self.num_c_stage = 2
-        # epilogue inputs staged in shared memory: row/col slices of the MMA tile (f32), full-tensor
-        # sub-tiles (their dtype, loaded by TMA)
-        in_bytes = 0
-        for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind in ROW_KINDS:
-                in_bytes += self.mma_tiler[1] * 4 + 128
-            elif kind in COL_KINDS:
-                in_bytes += self.mma_tiler[0] * 4 + 128
-            else:
-                in_bytes += 2 * self.epi_mn[0] * self.epi_mn[1] * width // 8 + 128   # double-buffered
-        for _op, axis in self.reductions:          # one f32 per MMA-tile row (column) per reduction
-            in_bytes += self.mma_tiler[0 if axis == "n" else 1] * 4 + 128
-        # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
-        stages = (smem_cap - 1024 - c_bytes * self.num_c_stage * (1 + self.num_aux) - in_bytes) // ab_bytes
-        if self.stages_override is not None:
-            stages = min(stages, self.stages_override)
+        dsl = (self.epi_mn, cute.size_in_bytes(self.a_dtype, a1), cute.size_in_bytes(self.b_dtype, b1),
+               cute.size_in_bytes(self.c_dtype, c1), self.mma_tiler[2])
+        mine = (sb.epi_tile, sb.a_tile_bytes, sb.b_tile_bytes, sb.epi_tile[0] * sb.epi_tile[1] * self.c_dtype.width // 8,
+                sync.k_tile(self.a_dtype.width))
+        if tuple(dsl) != mine:
+            raise KspecInternalError(f"sm_100a shared-memory plan: the DSL's (epilogue tile, A, B, D stage bytes, "
+                                     f"tile K) {dsl} != sync.smem_budget's {mine}")
+        why = sb.problem()
+        if why:
+            raise KspecInternalError(f"sm_100a GEMM tile {self.mma_tiler[0]}x{self.mma_tiler[1]}: {why} "
+                                     "(the planner refuses this configuration)")
+        stages = sb.stages
         self.num_ab_stage = stages
         self.a_smem_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, stages)
         self.b_smem_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, stages)
@@ -156,6 +164,10 @@ class Sm100Gemm:
             self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape, internal_type=tf32) for x in b2s]
         self.num_tma_load_bytes = (cute.size_in_bytes(self.a_dtype, a_smem)
                                    + cute.size_in_bytes(self.b_dtype, b_smem) * (1 + len(b2s))) * v
+        sb = self.smem_budget
+        sync.check_count("sm_100a A/B ring, full barrier transaction bytes", self.num_tma_load_bytes,
+                         sync.ab_stage_tx_bytes(sb.a_tile_bytes, sb.b_tile_bytes, 1 + len(b2s), self.use_2cta_instrs),
+                         f"(A {sb.a_tile_bytes} B + {1 + len(b2s)} x B {sb.b_tile_bytes} B) x {v} CTA(s) per MMA")
         aux_atoms, aux_tmas = [], []
         for x in auxes:
             atom, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), x,
@@ -196,6 +208,25 @@ class Sm100Gemm:
         crd_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank)
         tidx, _, _ = cute.arch.thread_idx()
 
+        # arrive counts, checked against the ones derived from the warp roles and the cluster routing
+        shape = sync.cluster_vmn(self.cluster_shape_mn, self.use_2cta_instrs)
+        cl = f"cluster {self.cluster_shape_mn[0]}x{self.cluster_shape_mn[1]}{' 2-CTA' if self.use_2cta_instrs else ''}"
+        ab_empty = sync.check_count(
+            "sm_100a A/B ring, empty barrier arrive count",
+            sync.sm100_ab_empty_arrivals(self.cluster_shape_mn, self.use_2cta_instrs),
+            sync.routed_arrivals(shape, sync.sm100_ab_empty_routes(shape), warps=1),
+            f"one tcgen05.commit from each MMA leader whose multicast reaches the barrier's CTA ({cl})")
+        acc_empty = sync.check_count(
+            "sm_100a accumulator ring, empty barrier arrive count", sync.sm100_acc_empty_arrivals(self.use_2cta_instrs),
+            sync.routed_arrivals(shape, sync.to_pair_leader_routes(shape), warps=len(self.epilogue_warp_id)),
+            f"{len(self.epilogue_warp_id)} epilogue warps x 1 elected lane x the CTAs of the MMA releasing in its leader ({cl})")
+        sync.check_count("sm_100a A/B ring, full barrier arrive count", sync.AB_FULL_ARRIVALS,
+                         sync.routed_arrivals(shape, sync.local_routes(shape, leaders_only=True), warps=1),
+                         "1 elected lane of the MMA leader's TMA warp")
+        sync.check_count("sm_100a accumulator ring, full barrier arrive count", sync.ACC_FULL_ARRIVALS,
+                         sync.routed_arrivals(shape, sync.acc_full_routes(shape), warps=1),
+                         "1 tcgen05.commit of the MMA leader, to each CTA of the MMA")
+
         @cute.struct
         class SharedStorage:
             ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
@@ -208,14 +239,13 @@ class Sm100Gemm:
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_mcast_a + self.num_mcast_b - 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_empty),
             tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True).make_participants()
         acc_pipe = pipeline.PipelineUmmaAsync.create(
             barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * (2 if use_2cta else 1)),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_empty),
             cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
         tmem = utils.TmemAllocator(
             storage.tmem_holding_buf.ptr,
@@ -341,18 +371,18 @@ class Sm100Gemm:
                 sIn.append(smem.allocate_tensor(self.acc_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
             else:
                 sIn.append(smem.allocate_tensor(inputs[j].element_type,
-                                                cute.make_layout((em, en, 2), stride=(en, 1, em * en)), 128))
+                                                cute.make_layout((em, en, sync.RESIDUAL_STAGES), stride=(en, 1, em * en)), 128))
                 n_full += 1
                 full_bytes += em * en * inputs[j].element_type.width // 8
         # reductions: one f32 per MMA-tile row (column), combined into global memory once per tile
         sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.mma_tiler[0 if axis == "n" else 1],)), 128)
                 for _op, axis in self.reductions]
-        in_bar = smem.allocate_array(cutlass.Int64, 2)
+        in_bar = smem.allocate_array(cutlass.Int64, sync.RESIDUAL_STAGES)
         if warp_idx < self.mma_warp_id:
             if cutlass.const_expr(n_full > 0):
                 if tidx == 0:
-                    cute.arch.mbarrier_init(in_bar, 1)
-                    cute.arch.mbarrier_init(in_bar + 1, 1)
+                    cute.arch.mbarrier_init(in_bar, sync.RESIDUAL_ARRIVALS)
+                    cute.arch.mbarrier_init(in_bar + 1, sync.RESIDUAL_ARRIVALS)
                 cute.arch.mbarrier_init_fence()
             tmem.allocate(self.num_tmem_cols)
             tmem.wait_for_alloc()
@@ -416,6 +446,9 @@ class Sm100Gemm:
             while work.is_valid_tile:
                 tc = work.tile_idx
                 mt = (tc[0] // v, tc[1], tc[2])
+                # tiles this CTA finished before this one: read BEFORE advancing (the scheduler
+                # counts the current tile inside advance_to_next_work; issue 22 item 1)
+                tiles_done = sched.num_tiles_executed
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
                 bSG_gC = bSG_gC_all[(None, None, None, *mt)]
@@ -433,7 +466,7 @@ class Sm100Gemm:
                     g_aux = aux_all[x][1][(None, None, None, *mt)]
                     aux_dst.append((aux_all[x][0], cute.group_modes(g_aux, 1, cute.rank(g_aux))))
                 n_sub = cute.size(tTR_tAcc.shape, mode=[3])
-                prev = sched.num_tiles_executed * n_sub
+                prev = sync.residual_start(tiles_done, n_sub)
                 cEpi = cute.group_modes(cEpi_all[(None, None, None, None, *mt)], 2, 4)
                 bIn = []
                 for f in cutlass.range_constexpr(n_full):
@@ -458,20 +491,20 @@ class Sm100Gemm:
                 if cutlass.const_expr(n_full > 0):
                     if warp_idx == self.epilogue_warp_id[0]:
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + prev % 2, full_bytes)
+                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + sync.ring_index(prev, sync.RESIDUAL_STAGES), full_bytes)
                         for f in cutlass.range_constexpr(n_full):
-                            cute.copy(full_atoms[f], bIn[f][1][(None, 0)], bIn[f][0][(None, prev % 2)],
-                                      tma_bar_ptr=in_bar + prev % 2)
+                            cute.copy(full_atoms[f], bIn[f][1][(None, 0)], bIn[f][0][(None, sync.ring_index(prev, sync.RESIDUAL_STAGES))],
+                                      tma_bar_ptr=in_bar + sync.ring_index(prev, sync.RESIDUAL_STAGES))
                 for s in cutlass.range_constexpr(n_sub):        # unrolled: each sub-tile's TMEM load overlaps the previous store
                     g = prev + s
                     if cutlass.const_expr(n_full > 0):
                         if warp_idx == self.epilogue_warp_id[0]:
                             if s + 1 < n_sub:
                                 with cute.arch.elect_one():
-                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + (g + 1) % 2, full_bytes)
+                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + sync.ring_index(g + 1, sync.RESIDUAL_STAGES), full_bytes)
                                 for f in cutlass.range_constexpr(n_full):
-                                    cute.copy(full_atoms[f], bIn[f][1][(None, s + 1)], bIn[f][0][(None, (g + 1) % 2)],
-                                              tma_bar_ptr=in_bar + (g + 1) % 2)
+                                    cute.copy(full_atoms[f], bIn[f][1][(None, s + 1)], bIn[f][0][(None, sync.ring_index(g + 1, sync.RESIDUAL_STAGES))],
+                                              tma_bar_ptr=in_bar + sync.ring_index(g + 1, sync.RESIDUAL_STAGES))
                     cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
                     for x in cutlass.range_constexpr(len(b2_atoms)):
                         cute.copy(copy_t2r, tTR_tAcc2[x][(None, None, None, s)], tTR_rAcc2[x])
@@ -479,7 +512,7 @@ class Sm100Gemm:
                         tTR_cC_s = tTR_cC[(None, None, None, s)]
                         sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
                         if cutlass.const_expr(n_full > 0):
-                            cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
+                            cute.arch.mbarrier_wait(in_bar + sync.ring_index(g, sync.RESIDUAL_STAGES), sync.ring_phase(g, sync.RESIDUAL_STAGES))
                         for e in cutlass.range_constexpr(n_v):
                             m, n, l = tTR_cC_s[e]
                             for j in cutlass.range_constexpr(len(self.input_kinds)):
@@ -489,7 +522,7 @@ class Sm100Gemm:
                                 elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][e] = sIn[j][m - m0]
                                 else:
-                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, g % 2].to(self.acc_dtype)
+                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(self.acc_dtype)
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars,
                                          *(copy_r2s.retile(r).load() for r in tTR_rAcc2))
@@ -498,7 +531,7 @@ class Sm100Gemm:
                         red.reduce_subtile(rRed, tTR_cC[(None, None, None, s)], 0, 0, M, N,
                                            m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
                     tRS_rC.store(values[0].to(self.c_dtype))
-                    buf = (prev + s) % self.num_c_stage
+                    buf = sync.ring_index(prev + s, self.num_c_stage)
                     cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
                     for x in cutlass.range_constexpr(self.num_aux):
                         tRS_rC.store(values[1 + x].to(self.c_dtype))

@@ -30,8 +30,7 @@ from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from kspec.core import KspecInternalError
 
 from . import reduce as red
-
-SMEM_CAPACITY = 232448 - 1024          # sm_90 opt-in shared memory per CTA, less a margin
+from . import sync
 
 
 class _Tf32WgmmaOp(MmaOp):
@@ -75,7 +74,7 @@ class Sm90Gemm:
         self.dual = dual
         # two consumer warpgroups share an M=128 tile when N is wide ("cooperative"), and in a dual
         # GEMM (each holds half of both accumulators)
-        self.atom_layout_mnk = (2, 1, 1) if tile_mn[0] > 64 and (tile_mn[1] > 128 or dual) else (1, 1, 1)
+        self.atom_layout_mnk = (2, 1, 1) if sync.sm90_cooperative(tile_mn, dual) else (1, 1, 1)
         self.num_mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_wg
@@ -107,30 +106,21 @@ class Sm90Gemm:
         self.num_mcast_a = self.cluster_shape_mn[1]
         self.num_mcast_b = self.cluster_shape_mn[0]
         tm, tn, tk = self.tile_shape_mnk
-        if self.atom_layout_mnk == (2, 1, 1):
-            self.epi_tile = (min(128, tm), min(32, tn))
-        else:
-            self.epi_tile = (min(64, tm), min(64 if self.d_dtype.width == 8 else 32, tn))
-        ab_bytes = (tm * tk * self.a_dtype.width + (1 + int(self.dual)) * tn * tk * self.b_dtype.width) // 8
-        self.epi_stage = 4
-        # D and every auxiliary output (same dtype and layout as D) have their own staging buffers
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.d_dtype.width // 8 * self.epi_stage * (1 + self.num_aux)
-        # epilogue inputs staged in shared memory: row/col slices of the tile (f32), full-tensor
-        # sub-tiles (their dtype, loaded by TMA)
-        in_bytes = 0
-        for kind, width in zip(self.input_kinds, self.input_widths):
-            if kind in ROW_KINDS:
-                in_bytes += tn * 4 + 128
-            elif kind in COL_KINDS:
-                in_bytes += tm * 4 + 128
-            else:
-                in_bytes += 2 * self.epi_tile[0] * self.epi_tile[1] * width // 8 + 128   # double-buffered
-        for _op, axis in self.reductions:          # one f32 per tile row (column) per reduction
-            in_bytes += (tm if axis == "n" else tn) * 4 + 128
-        stages = (SMEM_CAPACITY - 1024 - epi_bytes - in_bytes) // ab_bytes
-        if self.stages_override is not None:
-            stages = min(stages, self.stages_override)
-        self.ab_stage = stages
+        # the shared-memory split and the A/B stage count: the planner computes the same (sync.py)
+        self.smem_budget = sync.smem_budget(
+            "sm90a", (tm, tn), a_bits=self.a_dtype.width, b_bits=self.b_dtype.width, d_bits=self.d_dtype.width,
+            dual=self.dual, num_aux=self.num_aux,
+            inputs=tuple(("row" if k in ROW_KINDS else "col" if k in COL_KINDS else "full", w)
+                         for k, w in zip(self.input_kinds, self.input_widths)),
+            reductions=tuple(axis for _op, axis in self.reductions), override=self.stages_override)
+        if tk != sync.k_tile(self.a_dtype.width):
+            raise KspecInternalError(f"sm_90a tile K {tk} != sync.k_tile {sync.k_tile(self.a_dtype.width)}")
+        self.epi_tile = self.smem_budget.epi_tile
+        self.epi_stage = sync.EPI_STORE_STAGES["sm90a"]
+        why = self.smem_budget.problem()
+        if why:
+            raise KspecInternalError(f"sm_90a GEMM tile {tm}x{tn}: {why} (the planner refuses this configuration)")
+        self.ab_stage = self.smem_budget.stages
         a_major_k = self.a_layout.sm90_mma_major_mode() == cute.nvgpu.warpgroup.OperandMajorMode.K
         b_major_k = self.b_layout.sm90_mma_major_mode() == cute.nvgpu.warpgroup.OperandMajorMode.K
         a_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
@@ -240,6 +230,10 @@ class Sm90Gemm:
         tx_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
                     + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
                     * (1 + len(b2_atoms)))
+        sb = self.smem_budget
+        sync.check_count("sm_90a A/B ring, full barrier transaction bytes", tx_bytes,
+                         sync.ab_stage_tx_bytes(sb.a_tile_bytes, sb.b_tile_bytes, 1 + len(b2_atoms)),
+                         f"A {sb.a_tile_bytes} B + {1 + len(b2_atoms)} x B {sb.b_tile_bytes} B")
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -256,19 +250,29 @@ class Sm90Gemm:
             else:
                 # two sub-tile buffers: the next sub-tile's TMA load overlaps this one's math
                 sIn.append(smem.allocate_tensor(inputs[j].element_type, cute.make_layout(
-                    (*self.epi_tile, 2), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
+                    (*self.epi_tile, sync.RESIDUAL_STAGES), stride=(self.epi_tile[1], 1, self.epi_tile[0] * self.epi_tile[1])), 128))
                 n_full += 1
                 full_bytes += self.epi_tile[0] * self.epi_tile[1] * inputs[j].element_type.width // 8
         # reductions: one f32 per tile row (column), combined into global memory once per tile
         sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((tm if axis == "n" else tn,)), 128)
                 for _op, axis in self.reductions]
-        in_bar = smem.allocate_array(cutlass.Int64, 2)
+        in_bar = smem.allocate_array(cutlass.Int64, sync.RESIDUAL_STAGES)
         if cutlass.const_expr(n_full > 0):
             if tidx == 0:
-                cute.arch.mbarrier_init(in_bar, 1)
-                cute.arch.mbarrier_init(in_bar + 1, 1)
+                cute.arch.mbarrier_init(in_bar, sync.RESIDUAL_ARRIVALS)
+                cute.arch.mbarrier_init(in_bar + 1, sync.RESIDUAL_ARRIVALS)
             cute.arch.mbarrier_init_fence()
-        consumers = (self.num_mcast_a + self.num_mcast_b - 1) * self.num_mma_warp_groups * 4
+        # arrive counts, checked against the ones derived from the warp roles and the cluster routing
+        consumers = sync.sm90_ab_empty_arrivals(self.cluster_shape_mn, self.num_mma_warp_groups)
+        shape = (1, *self.cluster_shape_mn)
+        consumer_warps = (self.threads_per_cta - self.threads_per_wg) // 32      # every MMA warp releases
+        sync.check_count("sm_90a A/B ring, empty barrier arrive count", consumers,
+                         sync.routed_arrivals(shape, sync.sm90_ab_empty_routes(shape), warps=consumer_warps),
+                         f"{consumer_warps} consumer warps x one lane per CTA sharing a multicast row or column "
+                         f"with the barrier's CTA (cluster {self.cluster_shape_mn[0]}x{self.cluster_shape_mn[1]})")
+        sync.check_count("sm_90a A/B ring, full barrier arrive count", sync.AB_FULL_ARRIVALS,
+                         sync.routed_arrivals(shape, sync.local_routes(shape), warps=1),
+                         "1 elected lane of the TMA producer warp, in its own CTA")
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(), num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -415,7 +419,7 @@ class Sm90Gemm:
                 n_epi = cute.size(gD_epi, mode=[1])
                 epi_shape = gD_epi.shape[1]
                 epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                prev = sched.num_tiles_executed * n_epi
+                prev = sync.residual_start(sched.num_tiles_executed, n_epi)   # before the scheduler advances
                 aux_dst = []
                 for x in cutlass.range_constexpr(self.num_aux):
                     aux_dst.append(cute.nvgpu.cpasync.tma_partition(
@@ -450,10 +454,10 @@ class Sm90Gemm:
                 if cutlass.const_expr(n_full > 0):
                     if warp_idx == self.epi_store_warp_id:
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + prev % 2, full_bytes)
+                            cute.arch.mbarrier_arrive_and_expect_tx(in_bar + sync.ring_index(prev, sync.RESIDUAL_STAGES), full_bytes)
                         for f in cutlass.range_constexpr(n_full):
                             cute.copy(full_atoms[f], full_src[f][1][None, epi_layout.get_hier_coord(0)],
-                                      full_src[f][0][None, prev % 2], tma_bar_ptr=in_bar + prev % 2)
+                                      full_src[f][0][None, sync.ring_index(prev, sync.RESIDUAL_STAGES)], tma_bar_ptr=in_bar + sync.ring_index(prev, sync.RESIDUAL_STAGES))
                 for e in cutlass.range_constexpr(n_epi):
                     ec = epi_layout.get_hier_coord(e)
                     g = prev + e
@@ -461,11 +465,11 @@ class Sm90Gemm:
                         if cutlass.const_expr(e + 1 < n_epi):
                             if warp_idx == self.epi_store_warp_id:
                                 with cute.arch.elect_one():
-                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + (g + 1) % 2, full_bytes)
+                                    cute.arch.mbarrier_arrive_and_expect_tx(in_bar + sync.ring_index(g + 1, sync.RESIDUAL_STAGES), full_bytes)
                                 for f in cutlass.range_constexpr(n_full):
                                     cute.copy(full_atoms[f], full_src[f][1][None, epi_layout.get_hier_coord(e + 1)],
-                                              full_src[f][0][None, (g + 1) % 2], tma_bar_ptr=in_bar + (g + 1) % 2)
-                        cute.arch.mbarrier_wait(in_bar + g % 2, (g // 2) % 2)
+                                              full_src[f][0][None, sync.ring_index(g + 1, sync.RESIDUAL_STAGES)], tma_bar_ptr=in_bar + sync.ring_index(g + 1, sync.RESIDUAL_STAGES))
+                        cute.arch.mbarrier_wait(in_bar + sync.ring_index(g, sync.RESIDUAL_STAGES), sync.ring_phase(g, sync.RESIDUAL_STAGES))
                     for v in cutlass.range_constexpr(n_v):
                         tRS_rD[v] = tRS_rAcc[e * n_v + v]
                         for x in cutlass.range_constexpr(len(acc2)):
@@ -479,7 +483,7 @@ class Sm90Gemm:
                                 elif cutlass.const_expr(kind in COL_KINDS):
                                     rIn[j][v] = sIn[j][ec[0] * self.epi_tile[0] + lm]
                                 else:
-                                    rIn[j][v] = sIn[j][lm, ln, g % 2].to(self.acc_dtype)
+                                    rIn[j][v] = sIn[j][lm, ln, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(self.acc_dtype)
                     values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars,
                                          *(r.load() for r in tRS_rD2))
                     for r in cutlass.range_constexpr(len(self.reductions)):
@@ -487,7 +491,7 @@ class Sm90Gemm:
                         red.reduce_subtile(rRed, tRS_cL, m0 + ec[0] * self.epi_tile[0], n0 + ec[1] * self.epi_tile[1],
                                            M, N, m0 if self.reductions[r][1] == "n" else n0, sRed[r], plans[r])
                     tRS_rOut.store(values[0].to(self.d_dtype))
-                    buf = (prev + e) % self.epi_stage
+                    buf = sync.ring_index(prev + e, self.epi_stage)
                     cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
                     for x in cutlass.range_constexpr(self.num_aux):
                         tRS_rOut.store(values[1 + x].to(self.d_dtype))

@@ -100,6 +100,12 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int],
         x = to_compute(values[u])
         x = np.ascontiguousarray(_align(x, labels, o.axes + o.reduced))
         red = tuple(range(len(o.axes), len(o.axes) + len(o.reduced)))
+        if o.fn in ("max", "min") and any(x.shape[a] == 0 for a in red):
+            # over nothing: max is -inf and min +inf (as logsumexp is -inf and sum 0); the compiled
+            # kernels refuse such a call (kspec.runtime.emptycheck)
+            if is_int(o.dtype):
+                raise KspecReferenceError(f"{o.fn} over an empty axis of integers has no value")
+            return to_storage(np.full(x.shape[:len(o.axes)], -np.inf if o.fn == "max" else np.inf), o.dtype)
         fn = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean, "logsumexp": _logsumexp}[o.fn]
         out = fn(x, axis=red)
         return to_storage(out, o.dtype)
@@ -115,7 +121,8 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int],
         if o.kind == "broadcast" or o.fn == "copy" or o.kind == "cast":
             out = args[0]
         elif o.fn == "div":
-            out = divide(*args)
+            with np.errstate(divide="ignore", invalid="ignore"):    # inf and NaN, as on the GPU
+                out = divide(*args)
         elif o.fn in ("floordiv", "mod"):
             if np.any(np.asarray(args[1]) == 0):
                 raise KspecRuntimeError(f"integer division by zero in an index expression ('{o.fn}' over "

@@ -103,10 +103,10 @@ class _RowGen:
     def dim(self, key, value) -> int:
         """The index in p.dim of a launch size: ("ext", label) an extent of the row space,
         ("stride", buffer, axis) a buffer's element stride, ("extent", buffer, axis) a gathered
-        dimension's size."""
+        dimension's size, ("size", symbol) a size symbol read as a value."""
         if key not in self.dim_key:
             self.dim_key[key] = len(self.dims)
-            prefix = {"ext": "d", "stride": "s", "extent": "e"}[key[0]]
+            prefix = {"ext": "d", "stride": "s", "extent": "e", "size": "z"}[key[0]]
             self.dims.append((f"{prefix}{len(self.dims)}", value))
         return self.dim_key[key]
 
@@ -543,6 +543,8 @@ def _const(o) -> str:
 
 def _apply(gen: _RowGen, n, args: list[str]) -> str:
     o = op(gen.g, n)
+    if o.kind == "size":            # a size symbol's runtime value (`dmu[m] / N`): a launch size
+        return f"(float)p.dim[{gen.dim(('size', o.fn), o.fn)}]"
     if o.kind in ("broadcast", "cast") or o.fn == "copy":
         return args[0]
     if o.fn == "div":
@@ -625,6 +627,12 @@ namespace cg = cooperative_groups;
 #if defined(KSPEC_DEVICE) || defined(KSPEC_EMULATE)
 template <int N> struct kspec_w { static constexpr int value = N; };
 __device__ __forceinline__ long long kspec_minll(long long a, long long b) { return a < b ? a : b; }
+// an integer-valued node (a size read as a value, an integer cast) rounded and saturated like the
+// generic kernels do; the row kernel carries it as a float
+__device__ __forceinline__ long long kspec_sat(long long v, long long lo, long long hi) { return v < lo ? lo : v > hi ? hi : v; }
+__device__ __forceinline__ long long kspec_sat(float v, long long lo, long long hi) {
+  return kspec_sat((long long)rintf(fminf(fmaxf(v, (float)lo), (float)hi)), lo, hi);
+}
 __device__ __forceinline__ float kspec_f(float x) { return x; }
 __device__ __forceinline__ float kspec_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float kspec_f(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -41,6 +41,7 @@ from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strid
 from kspec.core import ARCH_TABLE, arch_of_cc, extent_value, split_offset_dim
 from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
+from kspec.runtime.emptycheck import check_no_empty_reduction
 from kspec.runtime.errors import KspecRuntimeError
 from kspec.runtime.glue import HostGlue, Prepared
 from kspec.runtime.indexcheck import check_before_launch
@@ -171,6 +172,8 @@ class Kernel:
         b = Binding(k, views, objs, allocate, sizes, params, handle, device, uses_torch)
         for t in (*(specs[n] for n in allocate), *k.intermediates):
             b.strides[t.name] = layout_strides(b.extents(t), t.layout)
+        check_no_empty_reduction(k.name, ((t.name, t.shape, tuple(views[t.name].shape)) for t in k.inputs),
+                                 ((t.name, t.shape, b.extents(t)) for t in k.outputs))
         self._check_alignment(b)
         self._check_overlap(b)
         return b

@@ -1,0 +1,306 @@
+"""How `kspec grad`'s backward kernels plan (what `kspec graph --strict` says, what `kspec compile`
+builds): kernel counts, kinds and backends per arch; GEMMs with the activation's derivative and the
+bias's column sum in their epilogues; cross-entropy as one kernel; the cases kspec cannot fuse yet
+(attention backward, the norms' dγ/dβ column sums) planned unfused with the reason.  The compile
+of the GEMM + gelu backward for both archs with tensor-core SASS is `slow` (CuTe DSL builds)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kspec.compile import plan_spec
+from kspec.core import KspecError
+from kspec.spec_lang import load_spec
+from kspec.spec_lang.grad import grad_program
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+ROOT = SPECS.parent
+ARCHS = ("sm90a", "sm100a")
+
+
+def _bwd(stem: str, strict: bool = True):
+    prog = load_spec(grad_program(load_spec(SPECS / f"{stem}.kspec")), is_text=True, file=f"{stem}_grad.kspec")
+    (sched,) = plan_spec(prog, ARCHS, f"{stem}_bwd", strict=strict)
+    return sched
+
+
+def _summary(sched):
+    """[(kind, {backend per arch}, fallback?)] per planned kernel."""
+    return [(p.kind, {c.backend for c in p.choices.values()}, any(c.fallback for c in p.choices.values()))
+            for p in sched.plans]
+
+
+def test_gemm_bias_gelu_backward_fuses_the_derivative_and_the_bias_sum():
+    sched = _bwd("gemm_bias_gelu_residual")
+    kinds = _summary(sched)
+    assert [k for k, _, _ in kinds] == ["gemm", "gemm", "gemm", "elementwise", "elementwise"]
+    assert all(b == {"cute"} for k, b, _ in kinds if k == "gemm") and not any(f for *_, f in kinds)
+    recompute = sched.plans[0].ir
+    fns = {o.fn for o in recompute.ops if o.kind == "elementwise"}
+    assert {"gelu", "where", "eq", "exp"} <= fns                     # gelu' in the recompute GEMM's epilogue
+    assert [(r.op, r.axis) for r in recompute.epilogue.reductions] == [("sum", "m")]   # dbias: a column sum
+    assert set(sched.plans[1].reads) >= {"B"} and set(sched.plans[2].reads) >= {"A"}
+
+
+@pytest.mark.parametrize("stem, gemms", [("mlp2", 5), ("swiglu_mlp", 7), ("gemm_bias_relu", 3),
+                                         ("gemm", 2), ("batched_gemm", 2)])
+def test_gemm_backwards_are_tensor_core_gemms(stem, gemms):
+    kinds = _summary(_bwd(stem))
+    assert sum(k == "gemm" for k, _, _ in kinds) == gemms
+    assert all(b == {"cute"} for k, b, _ in kinds if k == "gemm")
+    assert not any(f for *_, f in kinds)
+
+
+def test_swiglu_backward_mirrors_the_dual_gemm():
+    sched = _bwd("swiglu_mlp")
+    duals = [p for p in sched.plans if p.kind == "gemm" and p.ir.gemm.b2 is not None]
+    assert len(duals) == 1                       # the forward's dual GEMM, recomputed with silu' in its epilogue
+    assert {o.fn for o in duals[0].ir.ops if o.kind == "elementwise"} >= {"sigmoid", "mul"}
+
+
+def test_cross_entropy_backward_is_one_kernel_at_the_spec_minimum():
+    from kspec.compiler import cost
+    sched = _bwd("cross_entropy")
+    (p,) = sched.plans
+    assert p.kind == "elementwise" and set(p.reads) == {"logits", "mx", "label", "dloss", "lse_r"}
+    c = cost(sched, {"M": 4096, "V": 32000})
+    assert c.fused_bytes == pytest.approx(c.minimum_bytes, rel=1e-3)
+
+
+def test_row_softmax_backward_is_one_row_kernel():
+    (p,) = _bwd("row_softmax").plans
+    assert p.kind == "rowwise" and {c.backend for c in p.choices.values()} == {"rowwise"}
+
+
+@pytest.mark.parametrize("stem", ["rmsnorm", "layernorm", "add_rmsnorm"])
+def test_norm_backward_is_a_row_kernel_plus_column_sums(stem):
+    """dX is one row kernel; dγ/dβ are sums over the rows (columns of [M, N]): column-reduction
+    kernels of the generic backend (32 columns per CTA, the rows split over CTAs), no fallback."""
+    sched = _bwd(stem)
+    rows = [p for p in sched.plans if p.kind == "rowwise"]
+    assert len(rows) == 1 and "dx" in rows[0].writes
+    cols = [p for p in sched.plans if p.kind in ("reduction", "contraction")]
+    assert len(cols) == (2 if stem == "layernorm" else 1)
+    assert all({c.backend for c in p.choices.values()} == {"generic"} for p in cols)
+    assert not any(c.fallback for p in sched.plans for c in p.choices.values())
+
+
+@pytest.mark.parametrize("stem", ["attention_causal", "attention_varlen_padded", "attention_alibi"])
+def test_attention_backward_plans_unfused_and_says_why(stem):
+    """S, dP, dQ, dK, dV as tensor-core GEMMs, dO·O as a row kernel, the softmax backward as one
+    elementwise kernel; ALiBi's slope gradient is a sum over (b, i, j), a loop reduction for now."""
+    sched = _bwd(stem, strict=False)
+    assert any("attention backward" in n and "FlashAttention-4's backward" in n for n in sched.fusion.notes)
+    kinds = _summary(sched)
+    assert sum(k == "gemm" for k, _, _ in kinds) == 5 and ("rowwise", {"rowwise"}, False) in kinds
+    assert [p.writes for p in sched.plans if any(c.fallback for c in p.choices.values())] == \
+        ([("dslope",)] if stem == "attention_alibi" else [])
+    with pytest.raises(KspecError, match="attention backward"):
+        _bwd(stem)
+
+
+def test_gqa_backward_sums_query_heads_after_per_head_gemms():
+    sched = _bwd("attention_gqa", strict=False)
+    gemm_writes = [w for p in sched.plans if p.kind == "gemm" for w in p.writes]
+    assert any(w.startswith("dK_part") for w in gemm_writes) and any(w.startswith("dV_part") for w in gemm_writes)
+
+
+def test_emitted_recompute_gemm_selects_in_its_epilogue(tmp_path):
+    """--emit-only of the GEMM + gelu backward: the recompute GEMM's CuTe DSL epilogue calls F.where
+    and F.eq (gelu' at 0), for both archs, without building anything."""
+    spec = tmp_path / "g.kspec"
+    spec.write_text(grad_program(load_spec(SPECS / "gemm_bias_gelu_residual.kspec")))
+    r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(spec), "--kernel", "gemm_bias_gelu_residual_bwd",
+                        "--strict", "--emit-only", "-o", str(tmp_path / "src")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for arch in ARCHS:
+        src = (tmp_path / "src" / "g" / f"gemm_bias_gelu_residual_bwd_0.{arch}.py").read_text()
+        assert "F.where(" in src and "F.eq(" in src and "F.gelu(" in src
+
+
+@pytest.mark.slow
+def test_gemm_backward_compiles_with_tensor_cores(tmp_path):
+    from kspec.backends.toolchain import find_toolchain_or_reason
+    if find_toolchain_or_reason() is not None:
+        pytest.skip(f"no CUDA toolchain: {find_toolchain_or_reason()}")
+    spec = tmp_path / "g.kspec"
+    spec.write_text(grad_program(load_spec(SPECS / "gemm_bias_gelu_residual.kspec")))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "kspec", "compile", str(spec), "--kernel", "gemm_bias_gelu_residual_bwd",
+                        "--strict", "--arch", "sm90a,sm100a", "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "kspec", "inspect", str(out / "g")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("tensor core: HGMMA") == 3 and r.stdout.count("tensor core: UTCHMMA") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem", ["rmsnorm", "layernorm"])
+def test_norm_backward_row_kernel_runs_on_the_cpu_emulator(stem):
+    """The generated dX row kernel (CUDA text, compiled with g++ against tests/rowwise_emu.h) gives
+    the reference's dX: mean's 1/N is the row length read as a launch size."""
+    import numpy as np
+
+    import kspec
+    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.spec_lang import parse, print_program
+    from rowwise_harness import EmuKernel, available
+    if available():
+        pytest.skip(f"cannot emulate row kernels here: {available()}")
+    text = grad_program(load_spec(SPECS / f"{stem}.kspec"))
+    prog = parse(text)
+    bwd_only = print_program(type(prog)(tuple(k for k in prog.kernels if k.name.endswith("_bwd"))))
+    kern = EmuKernel(bwd_only, is_text=True, plan=0)
+    rng = np.random.default_rng(0)
+    M, N = 5, 40
+    g = load_spec(text, is_text=True)
+    fwd_k = g.kernel(f"{stem}_fwd")
+    xs = {t.name: rng.standard_normal(tuple(M if d == "M" else N for d in t.shape)).astype(storage_dtype(t.dtype))
+          for t in fwd_k.inputs}
+    fwd = kspec.reference(g, f"{stem}_fwd")(**xs)
+    arrays = {**xs, **fwd, "dy": rng.standard_normal((M, N)).astype(storage_dtype("bf16"))}
+    scratch = {n: np.full((M, N), np.nan, np.float32) for n in kern.lowered.names.values() if n.startswith("tmp_")}
+    got, _ = kern(arrays, outputs=scratch)
+    want = kspec.reference(g, f"{stem}_bwd")(**arrays)["dx"]
+    np.testing.assert_allclose(got["dx"].astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------- column reductions, on the CPU
+
+_COL_EMU = r"""
+#include <barrier>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __launch_bounds__(n)
+#define __shared__ static
+struct kspec_u3 { unsigned x, y, z; };
+static thread_local kspec_u3 blockIdx, threadIdx, blockDim, gridDim;
+static std::barrier<>* kspec_bar;
+inline void __syncthreads() { kspec_bar->arrive_and_wait(); }
+// CTAs run one after another (so a function-level static is one CTA's shared memory) and only one
+// thread per column adds: a plain add is the atomic here
+inline float atomicAdd(float* a, float v) { float old = *a; *a = old + v; return old; }
+#define KSPEC_DEVICE
+#define KSPEC_HOST
+"""
+
+_COL_RUN = r"""
+extern "C" int kspec_emu_run(const int64_t* dims, void* const* ptrs, const double* scalars, int64_t* launch,
+                             char* err, uint64_t cap) {
+  alignas(16) unsigned char blob[sizeof(Params)];
+  uint64_t size = 0;
+  uint32_t grid[3], block[3], cluster[3], smem = 0;
+  int rc = kspec_prepare(dims, ptrs, scalars, nullptr, 0, 132, blob, sizeof blob, &size, grid, block, cluster,
+                         &smem, err, cap);
+  if (rc) return rc;
+  Params p;
+  std::memcpy(&p, blob, sizeof p);
+  launch[0] = grid[0]; launch[1] = block[0];
+  for (unsigned b = 0; b < grid[0]; ++b) {
+    std::barrier<> bar(block[0]);
+    kspec_bar = &bar;
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < block[0]; ++t)
+      ts.emplace_back([&, b, t] {
+        blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; blockDim = {block[0], 1, 1}; gridDim = {grid[0], 1, 1};
+        kspec_kernel(p);
+      });
+    for (auto& th : ts) th.join();
+  }
+  return 0;
+}
+"""
+
+
+def test_column_reductions_of_the_norm_backward_run_on_the_cpu(tmp_path):
+    """dβ = sum(m) dy (a reduction) and dγ = sum(m) dy·x̂ (a dot product over rows): the generic
+    backend's column kernels (32 columns and a share of the rows per CTA, the rows split over CTAs
+    whose partials are added atomically into a zeroed output), compiled with g++ against a threaded
+    CUDA emulation, equal numpy; they are no fallback, so --strict plans the norm backward."""
+    import ctypes
+    import math
+
+    import numpy as np
+
+    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.compile import emit_spec
+    from rowwise_harness import cuda_include
+    if shutil.which("g++") is None or cuda_include() is None:
+        pytest.skip("no g++ or CUDA headers")
+    path = tmp_path / "ln.kspec"
+    path.write_text(grad_program(load_spec(SPECS / "layernorm.kspec")))
+    em = emit_spec(path, ("sm90a",), "layernorm_bwd")
+    cols = [eps[0] for eps in em.plans.values()
+            if eps[0].lowered.backend == "generic" and eps[0].emitted.init]
+    assert len(cols) == 2                                   # dβ's and dγ's column sums
+    rng = np.random.default_rng(3)
+    M, N = 700, 45                                          # 2 column blocks, the rows split in 3
+    sizes = {"M": M, "N": N}
+    for ep in cols:
+        so = tmp_path / f"{ep.lowered.ir.id}.so"
+        cpp = tmp_path / f"{ep.lowered.ir.id}.cpp"
+        cpp.write_text(_COL_EMU + ep.emitted.source + _COL_RUN)
+        subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{cuda_include()}", str(cpp),
+                        "-o", str(so)], check=True, capture_output=True, text=True)
+        lib = ctypes.CDLL(str(so))
+        names = ep.lowered.names
+        ir = ep.lowered.ir
+        arrays = {}
+        for a in ep.lowered.desc.args:
+            b = ir.buffer(names[a])
+            shape = tuple(d if isinstance(d, int) else sizes[d] for d in b.shape)
+            zeroed = names[a] in {names[x] for x, _ in ep.emitted.init}      # the loader's `init: zero`
+            arrays[names[a]] = np.zeros(shape, np.float32) if zeroed else \
+                rng.standard_normal(shape).astype(storage_dtype(b.dtype))
+        dims = [math.prod(v if isinstance(v, int) else sizes[v] for v in (d if isinstance(d, tuple) else (d,)))
+                for _, d in ep.lowered.dims]
+        ptrs = [arrays[names[a]].ctypes.data for a in ep.lowered.desc.args]
+        launch = (ctypes.c_int64 * 2)()
+        err = ctypes.create_string_buffer(256)
+        rc = lib.kspec_emu_run((ctypes.c_int64 * len(dims))(*dims), (ctypes.c_void_p * len(ptrs))(*ptrs),
+                               (ctypes.c_double * 1)(0.0), launch, err, ctypes.c_uint64(256))
+        assert rc == 0, err.value
+        assert launch[0] == 6 and launch[1] == 256
+        (out,) = [names[x] for x, _ in ep.emitted.init]
+        ins = [arrays[n] for n in arrays if n != out]
+        ins = [x.astype(np.float64) for x in ins]
+        want = (ins[0] * ins[1] if len(ins) == 2 else ins[0]).sum(axis=0)
+        np.testing.assert_allclose(arrays[out], want, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_model_part_runs(capsys):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import importlib
+    grad_bench = importlib.import_module("grad")
+    assert grad_bench.main(["--rows", "512", "--cols", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "cross_entropy                  1         0" in out and "(attention backward unfused)" in out
+
+
+@pytest.mark.parametrize("stem", ["gemm_bias_gelu_residual", "layernorm", "rmsnorm", "add_rmsnorm", "cross_entropy",
+                                  "swiglu_mlp", "mlp2", "row_softmax"])
+def test_forward_with_saved_values_plans_like_the_spec(stem):
+    """NAME_fwd (the forward plus its saved statistics) is as many kernels as the shipped spec: the
+    saved row statistics are stored by the kernels that compute them."""
+    g = load_spec(grad_program(load_spec(SPECS / f"{stem}.kspec")), is_text=True)
+    (fwd,) = plan_spec(g, ARCHS, f"{stem}_fwd", strict=True)
+    (orig,) = plan_spec(load_spec(SPECS / f"{stem}.kspec"), ARCHS, strict=True)
+    assert [p.kind for p in fwd.plans] == [p.kind for p in orig.plans]
+    written = {w for p in fwd.plans for w in p.writes}
+    assert {t.name for t in g.kernel(f"{stem}_fwd").outputs} <= written
+
+
+@pytest.mark.skipif(__import__("conftest").FA4_MISSING is not None, reason="FlashAttention-4 unavailable")
+@pytest.mark.parametrize("stem", ["attention_causal", "attention_gqa", "attention_varlen_padded", "attention_alibi"])
+def test_attention_forward_saves_its_lse_from_the_fused_kernel(stem):
+    g = load_spec(grad_program(load_spec(SPECS / f"{stem}.kspec")), is_text=True)
+    (fwd,) = plan_spec(g, ARCHS, f"{stem}_fwd", strict=True)
+    (p,) = fwd.plans
+    assert p.kind == "attention" and p.ir.attention.lse == "p_lse"
