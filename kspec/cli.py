@@ -80,7 +80,8 @@ def _plan(args, fuse_ops: bool = True):
     archs = _archs(args.arch, prog)
     if args.kernel:
         prog.kernel(args.kernel)
-    return prog, archs, plan_spec(prog, archs, args.kernel, args.backend, args.strict, fuse_ops)
+    return prog, archs, plan_spec(prog, archs, args.kernel, args.backend, args.strict, fuse_ops,
+                                  sizes=parse_sizes(getattr(args, "sizes", None)))
 
 
 def _plan_warnings(args, sched, c, given) -> None:

@@ -146,10 +146,12 @@ def _resolve_include_dirs(stored) -> list[str]:
 
 
 def plan_spec(program: CheckedProgram, archs: tuple[str, ...], kernel: str | None = None,
-              backend: str | None = None, strict: bool = False, fuse_ops: bool = True) -> list[KernelSchedule]:
+              backend: str | None = None, strict: bool = False, fuse_ops: bool = True,
+              sizes: dict[str, int] | None = None) -> list[KernelSchedule]:
     """Plan every kernel of a checked spec, choosing a backend per kernel and arch through the
-    registry (what `kspec graph`, `kspec lower` and `kspec compile` all use)."""
-    planner = registry.Planner(backend, strict)
+    registry (what `kspec graph`, `kspec lower` and `kspec compile` all use).  sizes: the `--sizes`
+    bucket, which a kernel may need (a GQA group known only per call)."""
+    planner = registry.Planner(backend, strict, sizes)
     kernels = [program.kernel(kernel)] if kernel else list(program.kernels)
     try:
         return [plan_kernel(k, archs, planner, fuse_ops=fuse_ops) for k in kernels]
@@ -198,7 +200,7 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
     also names the group of a GQA attention whose group is known only per call (with_sizes)."""
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
-    schedules = plan_spec(program, archs, kernel, backend, strict)
+    schedules = plan_spec(program, archs, kernel, backend, strict, sizes=sizes)
     plans: dict[str, list[EmittedPlan]] = {}
     for sched in schedules:
         for p in sched.plans:

@@ -313,7 +313,8 @@ def probe_task(task: BuildTask, programs: dict | None = None) -> tuple[TaskResul
     try:
         if task.spec not in programs:
             programs[task.spec] = load_spec(task.spec)
-        scheds = plan_spec(programs[task.spec], (task.arch,), task.kernel, task.backend, task.strict)
+        scheds = plan_spec(programs[task.spec], (task.arch,), task.kernel, task.backend, task.strict,
+                           sizes=dict(task.sizes) if task.sizes else None)
         tuned = TuningDB(task.tuning_db).chooser(dict(task.sizes)) if task.tuning_db else None
         toolchain = _TOOLCHAINS.get(find_toolchain)
         n, configs = 0, []

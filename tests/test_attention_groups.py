@@ -42,8 +42,10 @@ MQA = """kernel mqa {
 }"""
 
 
-def _plan(text, archs=("sm90a", "sm100a")):
-    (p,) = plan_kernel(load_spec(text, is_text=True).kernels[0], archs, Planner()).plans
+def _plan(text, archs=("sm90a", "sm100a"), sizes=None):
+    """Planned for these `--sizes` (default: ones naming every group these tests use)."""
+    sizes = {"G": 4, "H": 32, "KH": 8, "RR": 4} if sizes is None else sizes
+    (p,) = plan_kernel(load_spec(text, is_text=True).kernels[0], archs, Planner(sizes=sizes)).plans
     return p
 
 
@@ -51,9 +53,17 @@ def _plan(text, archs=("sm90a", "sm100a")):
     (GQA_PARAM, {"G": 4}, 4), (GQA_PARAM, {"H": 32, "KH": 8}, 4), (GQA_PARAM, {"H": 32}, None),
     (MQA, {"H": 16}, 16), (MQA, {"B": 2}, None),
 ])
-def test_a_per_call_group_fuses_and_the_sizes_name_it(text, sizes, group):
+def test_a_per_call_group_fuses_where_the_sizes_name_it(text, sizes, group):
+    """With the group named, one attention (gqa_group per call); without, the unfused plan, as
+    `kspec compile` would build it, and the reason says how to name it."""
     from kspec.backends.cute import attention as A
-    p = _plan(text)
+    sched = plan_kernel(load_spec(text, is_text=True).kernels[0], ("sm90a", "sm100a"), Planner(sizes=sizes))
+    if group is None:
+        assert "attention" not in [p.kind for p in sched.plans]
+        assert any("known only per call" in n and "with --sizes" in n for n in sched.fusion.notes), sched.fusion.notes
+        p = _plan(text)                                    # (sizes that name it)
+    else:
+        (p,) = sched.plans
     assert p.kind == "attention"
     for arch, choice in p.choices.items():
         assert choice.backend == "cute" and dict(choice.config)["gqa_group"].startswith("per call")

@@ -121,6 +121,22 @@ class CuteBackend:
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 
+    def size_problem(self, ir: KernelIR, arch: str, sizes: dict[str, int]) -> str | None:
+        """Why this kernel cannot be built for these `--sizes` (None: it can): a FlashAttention-4
+        attention whose GQA group is known only per call needs the sizes to name it (FA4 compiles the
+        group in), so without them it is planned unfused, as `kspec compile` would build it."""
+        if ir.kind != "attention":
+            return None
+        from . import attention
+        a = attention.fold_heads(ir, ir.attention) or ir.attention
+        if attention._group(a) is not None or attention.groups_named(ir, sizes):
+            return None
+        name = ("the head count " + dict(a.dims).get("H", "H") if a.kv_shared else
+                "H and KH" if isinstance(a.kv_group, str) and "/" in a.kv_group else
+                f"{a.kv_group} (or the query and K/V head counts)")
+        return (f"the GQA group (query heads per K/V head) is known only per call and FlashAttention-4 compiles it "
+                f"into the kernel: name {name} with --sizes to build it")
+
     def call_notes(self, ir: KernelIR, arch: str, sizes: dict[str, int], config=None) -> list[str]:
         """What a call at these sizes launches, where the artifact decides per call (`kspec graph
         --sizes`): for a FlashAttention-4 attention, whether it splits the key range and how many ways
