@@ -248,7 +248,7 @@ TABLE = {
   x[b, h, i, j] = exp(s[b, h, i, j] - mx[b, h, i])
   z[b, h, i] = sum(j) x[b, h, i, j]
   p[b, h, i, j] = x[b, h, i, j] / z[b, h, i]"""),
-    "/ sqrt(64.0) inside the sum": _spec(body=f"""  s[b, h, i, j] : f32 = sum(e) Q[b, h, i, e] * K[b, h / 4, j, e] / sqrt(64.0)
+    "/ sqrt(64.0) inside the sum": _spec(body="""  s[b, h, i, j] : f32 = sum(e) Q[b, h, i, e] * K[b, h / 4, j, e] / sqrt(64.0)
   p[b, h, i, j] = softmax(j) s[b, h, i, j]"""),
     "causal before an additive bias": _spec(body=f"""  s[b, h, i, j] : f32 = 0.125 * {QK4}
   m[b, h, i, j] = where(j <= i + (T - S), s[b, h, i, j], -inf) + bias[b, h, i, j]

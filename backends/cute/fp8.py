@@ -70,7 +70,7 @@ def descales(ir, a):
     """(Descales, the attention without them) when `a` is FP8 attention in the spelling above (or
     has no descale at all: Descales(None, None, None)); (None, a) when a score factor or the output
     scale is of another form."""
-    from kspec.compiler.kir import Op, Score
+    from kspec.compiler.kir import Score
     q = k = v = None
     score_mod = a.score_mod
     if score_mod is not None:
