@@ -79,10 +79,15 @@ def opt_in_reason(b: Backend, ir: KernelIR, arch: str) -> str | None:
             f"or --backend {b.name}")
 
 
-def _judge(b: Backend, ir: KernelIR, arch: str, opted: bool = False) -> tuple[str | None, SettingProblem | None]:
+def _judge(b: Backend, ir: KernelIR, arch: str, opted: bool = False,
+           sizes: dict[str, int] | None = None) -> tuple[str | None, SettingProblem | None]:
     """(why b does not build ir on arch as the spec asks, or None; the schedule setting b cannot
-    honour when that is why).  opted: the spec or the command line asked for b (opt-in paths)."""
+    honour when that is why).  opted: the spec or the command line asked for b (opt-in paths).
+    sizes: the `--sizes` the build is for; a backend whose kernel needs a size the spec leaves open
+    (`size_problem`: a GQA group FlashAttention-4 compiles in) says so."""
     why = _can_implement(b, ir, arch)
+    if why is None and hasattr(b, "size_problem"):
+        why = b.size_problem(ir, arch, sizes or {})
     if why is None and not opted:
         why = opt_in_reason(b, ir, arch)
     h = ir.hint(arch)
@@ -110,13 +115,14 @@ class Planner:
     pinned: the backend preferred for every kernel it can build (`--backend NAME`); a spec's
     `backend = NAME` schedule setting pins one kernel.  strict: a fallback is an error."""
 
-    def __init__(self, pinned: str | None = None, strict: bool = False):
+    def __init__(self, pinned: str | None = None, strict: bool = False, sizes: dict[str, int] | None = None):
         if pinned == "auto":
             pinned = None                    # the preference order
         if pinned is not None:
             get(pinned)                      # unknown names fail here, before any planning
         self.pinned = pinned
         self.strict = strict
+        self.sizes = dict(sizes or {})       # `--sizes`: what a kernel may need that the spec leaves open
 
     def _fast(self) -> list[Backend]:
         """The backends that may implement fused kernels (not the loop-kernel fallback)."""
@@ -158,7 +164,7 @@ class Planner:
             pin = ir.hint(arch).backend
             pinned = pin and ir.kind in _kinds(get_checked(pin, ir))
             for b in ([get(pin)] if pinned else self._fast()):
-                why, bad = _judge(b, ir, arch, opted=bool(pinned) or b.name == self.pinned)
+                why, bad = _judge(b, ir, arch, opted=bool(pinned) or b.name == self.pinned, sizes=self.sizes)
                 if why is None:
                     break
                 if bad is not None:
@@ -179,7 +185,7 @@ class Planner:
         # the spec (e.g. an elementwise one next to a pinned GEMM) are chosen as usual
         if pin and ir.kind in _kinds(get_checked(pin, ir)):
             b = get(pin)
-            why, bad = _judge(b, ir, arch, opted=True)
+            why, bad = _judge(b, ir, arch, opted=True, sizes=self.sizes)
             if bad is not None:
                 raise _unhonoured(ir, arch, [(pin, bad)], pinned=True)
             if why:
@@ -193,7 +199,7 @@ class Planner:
         unhonoured: list[tuple[str, SettingProblem]] = []
         opt_in: list[tuple[str, str]] = []
         for b in order:
-            why, bad = _judge(b, ir, arch, opted=b.name == self.pinned)
+            why, bad = _judge(b, ir, arch, opted=b.name == self.pinned, sizes=self.sizes)
             if why is None:
                 if unhonoured and b.is_fallback(ir):
                     # a schedule setting is never dropped for a loop kernel: it is an error at the setting

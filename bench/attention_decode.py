@@ -3,11 +3,13 @@ FlashAttention-4 called directly (its own num_splits / pack_gqa heuristic) and t
 backend, in one run (issue 25's numbers).
 
     python bench/attention_decode.py [--batches 1,8,64] [--kv 4096,32768,131072] [--rows 1]
-                                     [--paged] [--page 256] [--peak-gbs N] [--reps 30]
+                                     [--dense-only] [--page 256] [--peak-gbs N] [--reps 30]
 
 Shape: H = 32 query heads, KH = 8 K/V heads (GQA group 4), d = 128, bf16, `--rows` query rows per
 sequence (1: one decoding step).  Dense: Q [B, S, H, d], K/V [B, T, KH, d] (FlashAttention's layout,
-shared by all three).  Paged (--paged): K/V in a pool of pages of `--page` rows, a block table per
+shared by all three).  FA4 direct gets num_splits=0 (its own split heuristic) on sm_100a and 1 on
+sm_90a (FA4 b36 has no split-KV there); the `splits` column is kspec's count for the call (its
+split-KV kernel and combine when above 1, sm_100a).  Paged (default; --dense-only skips it): K/V in a pool of pages of `--page` rows, a block table per
 sequence, every sequence T keys long.  HBM bytes per call: K and V once (2 * B * T * KH * d * 2) plus
 Q and O; the bandwidth column is that over the median time, and the fraction is of the device's peak
 (a table of known SKUs, or --peak-gbs).  Ratios are kspec's time over the others' (> 1: kspec
@@ -87,12 +89,38 @@ def fused_or_reason(text: str, arch: str) -> str | None:
     return None
 
 
+def fa4_direct_kwargs(arch: str) -> dict:
+    """FlashAttention-4 called directly with its own split heuristic (num_splits=0: `_get_fwd_config`
+    picks the count, as kspec's split-KV glue does per call) and its own pack-GQA default.  FA4 b36
+    has no split-KV forward on sm_90a (it asserts "SplitKV not supported on SM 9.0"), so there it
+    gets num_splits=1, its only choice."""
+    return {"num_splits": 0 if arch == "sm100a" else 1}
+
+
+def kspec_splits(mod, kernel: str, arch: str, sizes: dict, sm_count: int) -> int:
+    """How many ways kspec's artifact splits the key range of a call at these sizes (1: a
+    single-pass kernel): the split kernel's workspace, as the runtime asks for it."""
+    from kspec.core import extent_value
+    (plan,) = getattr(mod, kernel).entry.plans
+    dims = [extent_value(v, sizes) for _r, v in plan.dims]
+    variants, ws = mod.launches(plan, arch, dims, 0, sm_count)
+    if len(variants) == 1:
+        return 1
+    roles = dict(zip((r for r, _v in plan.dims), dims))
+    rows, dv = roles["B"] * roles["S"] * roles["H"], D
+    for ns in range(2, 257):
+        if -(-(ns * rows * dv * 4) // 256) * 256 + -(-(ns * rows * 4) // 256) * 256 == ws:
+            return ns
+    return -1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--kv", default="4096,32768,131072", help="K/V lengths T")
     ap.add_argument("--rows", type=int, default=1, help="query rows per sequence (S)")
-    ap.add_argument("--paged", action="store_true", help="also time a paged KV cache")
+    ap.add_argument("--paged", action="store_true", default=True, help="also time a paged KV cache (default)")
+    ap.add_argument("--dense-only", dest="paged", action="store_false", help="no paged KV cache")
     ap.add_argument("--page", type=int, default=256, help="rows per page (--paged)")
     ap.add_argument("--peak-gbs", type=float, default=None, help="the device's HBM peak, GB/s")
     ap.add_argument("--reps", type=int, default=30)
@@ -115,7 +143,7 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     timer = Timer(torch, args.reps)
     tmp = Path(tempfile.mkdtemp(prefix="kspec-decode-bench-"))
-    kernels = {}
+    kernels, kern_mods = {}, {}
     for layout, text in (("dense", DENSE), *((("paged", PAGED),) if args.paged else ())):
         why = fused_or_reason(text, arch)
         if why:
@@ -126,7 +154,11 @@ def main(argv=None) -> int:
         path.write_text(text)
         mod = kspec.load(compile_spec(path, (arch,), tmp / f"out_{layout}"))
         kernels[layout] = getattr(mod, f"attention_decode_{layout}")
-    print(f"{'case':32s} {'kspec':>14s} {'FA4':>14s} {'SDPA best':>22s}  kspec/FA4 kspec/SDPA  (ms, GB/s, % peak)")
+        kern_mods[layout] = mod
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fa_split = fa4_direct_kwargs(arch)
+    print(f"{'case':32s} {'kspec':>14s} {'FA4':>14s} {'SDPA best':>22s}  kspec/FA4 kspec/SDPA splits "
+          f"(ms, GB/s, % peak; kspec's split count on {sms} SMs; FA4 num_splits={fa_split['num_splits']})")
     S = args.rows
     for layout in kernels:
         for B in (int(x) for x in args.batches.split(",")):
@@ -155,7 +187,7 @@ def main(argv=None) -> int:
                 t_fa4 = None
                 if flash_attn_func is not None:
                     try:
-                        t_fa4 = timer(lambda: flash_attn_func(q, k, v, causal=False, **fa_kw))
+                        t_fa4 = timer(lambda: flash_attn_func(q, k, v, causal=False, **fa_kw, **fa_split))
                     except Exception as e:       # noqa: BLE001
                         print(f"  FA4 {layout} B={B} T={T}: {type(e).__name__}: {e}")
                 best = (None, None)
@@ -175,8 +207,13 @@ def main(argv=None) -> int:
                 r1 = f"{t_fa4 / t_k:9.2f}" if t_k and t_fa4 else "        -"
                 r2 = f"{best[1] / t_k:10.2f}" if t_k and best[1] else "         -"
                 sdpa = f"{col(best[1])} ({best[0]})" if best[0] else "-"
-                print(f"{layout + f' B={B} T={T}':32s} {col(t_k):>14s} {col(t_fa4):>14s} {sdpa:>22s}  {r1} {r2}",
-                      flush=True)
+                ns = "-"
+                if kern is not None:
+                    sizes = {"B": B, "S": S, "T": T, "H": H, "KH": KH, "NP": k.shape[0], "P": k.shape[1],
+                             "MP": k.shape[0] // max(B, 1)}
+                    ns = str(kspec_splits(kern_mods[layout], f"attention_decode_{layout}", arch, sizes, sms))
+                print(f"{layout + f' B={B} T={T}':32s} {col(t_k):>14s} {col(t_fa4):>14s} {sdpa:>22s}  {r1} {r2} "
+                      f"{ns:>6s}", flush=True)
     return 0
 
 

@@ -122,6 +122,63 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
     ((root, root_labels),) = operands(g, sm)
     if not sp.path:
         return LiftedMods(None, None, (), frozenset())
+    expr, aux, nodes = _lift(g, root, {a: a for a in root_labels}, sp.score, labels, name_of)
+    # a mod's value may be read only by other mods (or the softmax): it never leaves the kernel
+    for n in sorted(nodes, key=str):
+        if any(s not in nodes and s != sm and s not in readers for s in g.successors(n)):
+            raise NotLiftable(f"{op(g, n).label()} (between QK^T and the softmax) is also used outside "
+                              "the attention, so it must be written to memory")
+    mask, score_mod = _split_mask(expr)
+    if isinstance(score_mod, Score):
+        score_mod = None
+    if mask is not None and any(isinstance(x, Score) for x in epi_nodes(mask)):
+        mask, score_mod = None, expr          # a score-dependent mask stays a score modification
+    return LiftedMods(score_mod, mask, tuple(aux), frozenset(nodes))
+
+
+def output_scale(g: nx.DiGraph, pv, batch: tuple[str, ...], name_of: Callable[[object], str] = lambda n: str(n)):
+    """`O = d[b, h / G] * sum(j) p V`: the attention's output multiplied by a value of its batch labels
+    only (FlashAttention-4's v_descale of FP8 attention): (the multiply, its scale as an expression
+    over Index(batch labels) and AuxLoads, the inputs it reads, the nodes computing it), or None."""
+    cs = list(g.successors(pv))
+    if len(cs) != 1:
+        return None
+    m = cs[0]
+    mo = op(g, m)
+    if mo.kind != "elementwise" or mo.fn != "mul" or len(operands(g, m)) != 2:
+        return None
+    (x, xl), (y, yl) = operands(g, m)
+    other, ol = (y, yl) if x == pv else (x, xl)
+    if other == pv or tuple(mo.axes) != tuple(op(g, pv).axes):
+        return None
+    to_attn = dict(zip(op(g, other).axes, ol))          # other's axes -> the attention's labels
+    extra: set = set()
+    root = other
+    if op(g, other).kind == "broadcast":
+        (root, ul), = operands(g, other)
+        to_attn = {a: to_attn[l] for a, l in zip(op(g, root).axes, ul) if l in to_attn}
+        extra = {other}
+    if not set(to_attn.values()) <= set(batch) or len(to_attn) != len(op(g, root).axes) or \
+            op(g, root).dtype in INT_DTYPES:
+        return None
+    try:
+        expr, aux, nodes = _lift(g, root, to_attn, None, tuple(batch), name_of)
+    except NotLiftable:
+        return None
+    if isinstance(expr, Const) or not aux:
+        return None                   # a constant factor is the caller's to fold; not a per-head scale
+    nodes = set(nodes) | extra
+    if any(s not in nodes and s != m for n in nodes for s in g.successors(n)):
+        return None
+    return m, expr, tuple(aux), frozenset(nodes)
+
+
+def _lift(g: nx.DiGraph, root, to_attn: dict, score, labels: tuple[str, ...],
+          name_of: Callable[[object], str]) -> tuple[EpiExpr, list, set]:
+    """The value of `root` (its axes named by the attention's labels through `to_attn`) as an
+    expression per element: (expression, inputs read as AuxLoad, graph nodes computed).  `score` is
+    the node whose value is Score()."""
+    sp = ScorePath(None, (), score, frozenset())
     nodes: set = set()
     aux: list = []
     memo: dict = {}
@@ -187,18 +244,8 @@ def lift_mods(g: nx.DiGraph, sm, sp: ScorePath, labels: tuple[str, ...],
         memo[key] = e
         return e
 
-    expr = lift(root, {a: a for a in root_labels})
-    # a mod's value may be read only by other mods (or the softmax): it never leaves the kernel
-    for n in sorted(nodes, key=str):
-        if any(s not in nodes and s != sm and s not in readers for s in g.successors(n)):
-            raise NotLiftable(f"{op(g, n).label()} (between QK^T and the softmax) is also used outside "
-                              "the attention, so it must be written to memory")
-    mask, score_mod = _split_mask(expr)
-    if isinstance(score_mod, Score):
-        score_mod = None
-    if mask is not None and any(isinstance(x, Score) for x in epi_nodes(mask)):
-        mask, score_mod = None, expr          # a score-dependent mask stays a score modification
-    return LiftedMods(score_mod, mask, tuple(aux), frozenset(nodes))
+    expr = lift(root, dict(to_attn))
+    return expr, aux, nodes
 
 
 def _through(g: nx.DiGraph, u, read_labels, m: dict) -> dict:
@@ -256,7 +303,8 @@ def kv_group_read(g: nx.DiGraph, n, head_label: str):
 
 def _group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
     """u (read under ul, whose labels to_attn maps to the attention's) computes `h / G` with h the
-    attention's head label: (G as a param name, an int or a size symbol, the nodes computing it)."""
+    attention's head label: (G as a param name, an int, a size symbol or the quotient "H/KH" of two
+    size symbols, the nodes computing it)."""
     uo = op(g, u)
     if uo.kind != "elementwise" or uo.fn != "floordiv":
         return None
@@ -271,6 +319,11 @@ def _group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
         return int(do.value), {u, num, den}
     if do.kind == "size":
         return do.fn, {u, num, den}
+    if do.kind == "elementwise" and do.fn == "floordiv" and not do.axes:
+        # `h / (H / KH)`: the group as the quotient of two size symbols, "H/KH" (known per call)
+        (a, _), (b, _) = operands(g, den)
+        if op(g, a).kind == "size" and op(g, b).kind == "size":
+            return f"{op(g, a).fn}/{op(g, b).fn}", {u, num, den, a, b}
     return None
 
 

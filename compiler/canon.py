@@ -799,10 +799,49 @@ def recognise_softmax(g: nx.DiGraph) -> int:
     return count
 
 
+def squeeze_unit_reads(g: nx.DiGraph) -> int:
+    """An input whose every read is a plain view that drops axes of extent 1 read at 0
+    (`K : [B, 1, T, d]` read as `K[b, 0, j, e]`) is that view: the input node takes the shape without
+    those axes (OpNode.squeezed records them; the bytes are the same) and its readers read it
+    directly, so `K[b, 0, j, e]` is `K[b, j, e]` (multi-query attention) to everything after."""
+    count = 0
+    for x in [n for n in g.nodes if op(g, n).kind == "input"]:
+        xo = op(g, x)
+        if xo.packed is not None or xo.squeezed or not g.out_degree(x):
+            continue
+        drop: set | None = None
+        for n in g.successors(x):
+            o = op(g, n)
+            if o.kind != "gather" or len(list(g.predecessors(n))) != 1 or \
+                    [pos for pos, _l in uses(g, x, n)] != [0] or len(o.subscripts) != len(xo.shape):
+                drop = None
+                break
+            zeros = {k for k, sub in enumerate(o.subscripts) if sub == "#0"}
+            kept = tuple(sub for k, sub in enumerate(o.subscripts) if k not in zeros)
+            if not zeros or (drop is not None and zeros != drop) or kept != tuple(o.axes) or \
+                    any(xo.shape[k] != 1 for k in zeros):
+                drop = None
+                break
+            drop = zeros
+        if not drop:
+            continue
+        if xo.layout == "col" and (len(xo.shape) - 1 in drop or len(xo.shape) - 2 in drop):
+            continue                # a col matrix keeps its last two axes (its layout names them)
+        keep = [k for k in range(len(xo.shape)) if k not in drop]
+        g.nodes[x]["op"] = replace(xo, axes=tuple(f"d{k}" for k in range(len(keep))),   # graph.py's input axes
+                                   shape=tuple(xo.shape[k] for k in keep),
+                                   squeezed=tuple(sorted(drop)))
+        for n in list(g.successors(x)):
+            _rewire(g, n, x)
+            g.remove_node(n)
+        count += 1
+    return count
+
+
 def canonicalize(g: nx.DiGraph) -> dict[str, int]:
     """Run every canonicalisation pass; returns how much each one changed."""
-    stats = {"copies": remove_copies(g), "folded": fold_constants(g), "merged": merge_common_subexpressions(g),
-             "dead": remove_dead(g)}
+    stats = {"copies": remove_copies(g), "squeezed": squeeze_unit_reads(g), "folded": fold_constants(g),
+             "merged": merge_common_subexpressions(g), "dead": remove_dead(g)}
     stats["operand_casts"] = absorb_operand_casts(g)
     stats["softmax"] = recognise_softmax(g)
     stats["commuted"] = order_commutative_operands(g)

@@ -16,7 +16,7 @@ import networkx as nx
 
 from kspec.core import dtype_bytes  # noqa: F401
 
-from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, paged_kv_read,
+from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, output_scale, paged_kv_read,
                         score_path)
 from .canon import GemmInfo, block_scaled_gemm_info, gathered_a, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
@@ -73,6 +73,7 @@ class AttentionInfo:
     page_size: object = None           # paged KV: rows per page (int or size symbol)
     orders: tuple = ()                 # Q, K, V, O: the labels in storage order; () = [batch.., seq, head]
     lse: object = None                 # `logsumexp(j)` of the softmax's operand, stored f32 (see attention_lse)
+    o_scale: object = None             # `O = d[b, h / G] * PV`: the multiply (compiler.attention.output_scale)
 
 
 def is_operator(g: nx.DiGraph, n) -> bool:
@@ -181,7 +182,10 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
         # Q, K, V and O in any storage order of their axes ([b, h, s, e] or FlashAttention's
         # [b, s, h, e]) with the head dim innermost; K and V alike
         kv_batch = tuple(x for x in lk if x not in (axis, head))
-        o_order = _stored_order(g, pv)
+        # an output scale of the batch labels (`v_descale[b, h / G] * sum(j) p V`) joins the kernel
+        osc = output_scale(g, pv, tuple(batch), lambda n: op(g, n).name or str(n))
+        o_last = osc[0] if osc is not None else pv
+        o_order = _stored_order(g, o_last)
         shapes_ok = (_same_axes(lq, (*batch, query, head)) and _same_axes(lk, (*kv_batch, axis, head))
                      and lv == lk and _is_subsequence(kv_batch, tuple(batch))
                      and set(po.axes) == {*batch, query, head} and _same_axes(o_order, (*batch, query, head)))
@@ -231,9 +235,12 @@ def fuse_attention(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = Fusion
                 orders = (*(orders or canonical), lse_order)
             info = replace(info, lse=lse, orders=orders)
         nodes = {qk, sm, pv, *sp.scale, *p_cast, *mods.nodes, *k_nodes, *v_nodes, *([lse] if lse is not None else [])}
-        # the output cast after PV belongs to the kernel too
-        for c in _consumers(g, pv):
-            if op(g, c).kind == "cast" and len(_consumers(g, pv)) == 1:
+        if osc is not None:
+            nodes |= {osc[0], *osc[3]}
+            info = replace(info, o_scale=osc[0])
+        # the output cast after PV (or after its scale) belongs to the kernel too
+        for c in _consumers(g, o_last):
+            if op(g, c).kind == "cast" and len(_consumers(g, o_last)) == 1:
                 nodes.add(c)
         if legal_group(g, nodes):
             _not_fused(res, g, sm, str(legal_group(g, nodes)))

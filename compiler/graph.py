@@ -48,6 +48,9 @@ class OpNode:
     # node, "#<int>" a literal, or "@<pos>" the integer value of operand <pos> at this point
     subscripts: tuple[str, ...] = ()
     subscript_text: tuple[str, ...] = ()  # gather: each subscript as the spec wrote it (for messages)
+    # input: axes of the declared tensor dropped by canon.squeeze_unit_reads (extent 1, only ever
+    # read at 0): the node's shape is the declared one without them, the same bytes
+    squeezed: tuple[int, ...] = ()
     span: Span | None = field(default=None, compare=False)
 
     def label(self) -> str:

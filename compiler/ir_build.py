@@ -12,7 +12,7 @@ import networkx as nx
 
 from kspec.core import KspecError, KspecInternalError, packed_rows_symbol
 
-from .attention import attention_scale, is_top_left_causal, lift_mods, score_path
+from .attention import attention_scale, is_top_left_causal, lift_mods, output_scale, score_path
 from .canon import GemmInfo
 from .graph import op, operands
 from .kir import (Accum, ArchHint, AttentionStructure, Const, EpiExpr, Epilogue, GemmStructure, IRBuffer, IROp,
@@ -281,6 +281,14 @@ def _attention(g, group, buffer_of, stores, bufs, ident=str) -> AttentionStructu
         if info.causal and is_top_left_causal(mask, info.query, info.key):
             mask = None                # `where(j <= i, s, -inf)` with S = T: the causal flag says it
         aux = tuple(dict.fromkeys(buffer_of(n) for n in mods.aux))
+    o_scale = None
+    if info.o_scale is not None:
+        found = output_scale(g, info.pv, tuple(info.batch), buffer_of)
+        if found is None or found[0] != info.o_scale:
+            raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: the attention's output scale changed "
+                                     "between fusion and the kernel IR")
+        o_scale = found[1]
+        aux = tuple(dict.fromkeys((*aux, *(buffer_of(n) for n in found[2]))))
     return AttentionStructure(
         qk=ident(qk), softmax=ident(info.softmax), pv=ident(info.pv), q=ident(info.q), k=ident(info.k), v=ident(info.v),
         q_buffer=buffer_of(info.q), k_buffer=buffer_of(info.k), v_buffer=buffer_of(info.v),
@@ -297,7 +305,8 @@ def _attention(g, group, buffer_of, stores, bufs, ident=str) -> AttentionStructu
         page_table=buffer_of(info.page_table) if info.page_table is not None else None,
         page_size=info.page_size, kv_len=key_length_bound(mask, info.key, tuple(info.batch)),
         orders=tuple(info.orders),
-        lse=next((b for n, b in stores if n == info.lse), None) if info.lse is not None else None)
+        lse=next((b for n, b in stores if n == info.lse), None) if info.lse is not None else None,
+        o_scale=o_scale)
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:

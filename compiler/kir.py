@@ -358,8 +358,9 @@ class AttentionStructure:
     score_mod: EpiExpr | None = None               # None: the scaled score as it is
     mask: EpiExpr | None = None                    # a boolean expression; None: nothing masked
     aux: tuple[str, ...] = ()                      # buffers the mods read (AuxLoad), all in ir.buffers
-    # GQA: K/V are read at head index h // kv_group: an int, a size symbol or the name of an i32
-    # param (`K[b, h / G, j, e]`); kv_head is the K/V head count
+    # GQA: K/V are read at head index h // kv_group: an int, a size symbol, the name of an i32
+    # param (`K[b, h / G, j, e]`) or "H/KH", the quotient of two size symbols (`K[b, h / (H / KH), ..]`);
+    # kv_head is the K/V head count
     kv_group: Extent | None = None
     kv_head: Extent | None = None                  # GQA: the K/V head count (extent of that axis)
     lse: str | None = None                         # buffer receiving the log-sum-exp [batch.., i], f32
@@ -378,6 +379,9 @@ class AttentionStructure:
     # A packed buffer (IRBuffer.packed) stores its first two axes (batch, seq) as one row axis.  With
     # an `lse` output, a fifth entry is its [batch.., query] order.
     orders: tuple[tuple[str, ...], ...] = ()
+    # An output scale: O = o_scale(b..) * sum_j p V, an expression over the batch labels (Index) and
+    # loads of aux buffers (FlashAttention-4's v_descale of FP8 attention, `v_descale[b, h / G] * ..`)
+    o_scale: EpiExpr | None = None
 
     @property
     def head_dim(self) -> Extent | None:
@@ -637,7 +641,10 @@ def verify(ir: KernelIR) -> KernelIR:
             if x not in seen:
                 bad(f"attention refers to unknown op {x}")
         labels = set(a.batch) | {a.query, a.key}
-        for what, e in (("score_mod", a.score_mod), ("mask", a.mask)):
+        for x in (epi_nodes(a.o_scale) if a.o_scale is not None else ()):
+            if isinstance(x, (Score, Accum)) or (isinstance(x, Index) and x.label not in a.batch):
+                bad(f"attention o_scale: {format_epi(x)} is not a value of the batch labels {list(a.batch)}")
+        for what, e in (("score_mod", a.score_mod), ("mask", a.mask), ("o_scale", a.o_scale)):
             for x in (epi_nodes(e) if e is not None else ()):
                 if isinstance(x, Accum) or (isinstance(x, Load) and x.kind != "scalar"):
                     bad(f"attention {what}: {format_epi(x)} has no meaning per score element")
@@ -725,6 +732,8 @@ def format_ir(ir: KernelIR) -> str:
             lines.append(f"    score_mod: {format_epi(a.score_mod)}")
         if a.mask is not None:
             lines.append(f"    mask: {format_epi(a.mask)}")
+        if a.o_scale is not None:
+            lines.append(f"    O scaled by: {format_epi(a.o_scale)}")
         if a.lse is not None:
             lines.append(f"    lse -> {a.lse}")
         if a.page_table is not None:
@@ -846,8 +855,11 @@ def _attention_to_json(a: AttentionStructure, plain, value) -> dict:
     d = {**plain(a), "scale": value(a.scale)}
     if not a.orders:
         del d["orders"]
-    for k in ("score_mod", "mask"):
-        d[k] = _epi_to_json(getattr(a, k)) if getattr(a, k) is not None else None
+    if a.o_scale is None:
+        del d["o_scale"]              # (so attentions without one keep the digests they had)
+    for k in ("score_mod", "mask", "o_scale"):
+        if k in d:
+            d[k] = _epi_to_json(getattr(a, k)) if getattr(a, k) is not None else None
     return d
 
 
@@ -872,8 +884,8 @@ def ir_from_json(d: dict) -> KernelIR:
     att = None
     if d.get("attention"):
         a = d["attention"]
-        mods = {k: (_epi_from_json(a[k]) if a.get(k) is not None else None) for k in ("score_mod", "mask")}
-        att = make(AttentionStructure, {**a, "scale": num(a["scale"]), "score_mod": None, "mask": None})
+        mods = {k: (_epi_from_json(a[k]) if a.get(k) is not None else None) for k in ("score_mod", "mask", "o_scale")}
+        att = make(AttentionStructure, {**a, "scale": num(a["scale"]), "score_mod": None, "mask": None, "o_scale": None})
         att = replace(att, **mods)
     return KernelIR(
         id=d["id"], kind=d["kind"], spec_kernel=d["spec_kernel"],

@@ -80,7 +80,8 @@ def _plan(args, fuse_ops: bool = True):
     archs = _archs(args.arch, prog)
     if args.kernel:
         prog.kernel(args.kernel)
-    return prog, archs, plan_spec(prog, archs, args.kernel, args.backend, args.strict, fuse_ops)
+    return prog, archs, plan_spec(prog, archs, args.kernel, args.backend, args.strict, fuse_ops,
+                                  sizes=parse_sizes(getattr(args, "sizes", None)))
 
 
 def _plan_warnings(args, sched, c, given) -> None:
@@ -105,6 +106,7 @@ def cmd_graph(args) -> int:
             text.append(f"graph of kernel {s.kernel.name}:")
             text.append(format_graph(s.graph))
             text.append(format_plan(s))
+            text += _call_notes(s, sizes)
             c = cost(s, sizes)
             text.append(format_cost(c))
             text.append("")
@@ -124,6 +126,21 @@ def cmd_graph(args) -> int:
             raise KspecError("--format svg needs -o PATH")
         _emit(to_svg(to_dot(scheds[0])), args.output)
     return 0
+
+
+def _call_notes(sched, sizes) -> list[str]:
+    """Per kernel and arch, what a call at the --sizes launches where the artifact decides per call
+    (a backend's `call_notes`, e.g. FlashAttention-4's split-KV count); nothing without --sizes."""
+    if not sizes:
+        return []
+    from kspec.backends import registry
+    out = []
+    for p in sched.plans:
+        for arch, choice in (p.choices or {}).items():
+            notes = getattr(registry.get(choice.backend), "call_notes", None)
+            for line in (notes(p.ir, arch, sizes) if notes else []):
+                out.append(f"  [{p.id}] {arch}: {line}")
+    return out
 
 
 def _emit(text: str | bytes, path: str | None) -> None:
@@ -274,7 +291,7 @@ def cmd_compile(args) -> int:
     sm_counts = parse_sm_counts(args.sm_count, archs)
     if args.emit_only:
         emitted = emit_spec(args.file, archs, args.kernel, backend=args.backend, strict=args.strict,
-                            tuned=_tuned(args), sm_counts=sm_counts)
+                            tuned=_tuned(args), sm_counts=sm_counts, sizes=parse_sizes(args.sizes))
         _compile_warnings(args, emitted)
         if args.output is None and args.print:
             for plist in emitted.plans.values():
@@ -291,7 +308,7 @@ def cmd_compile(args) -> int:
     cache = CompileCache()
     tuned = _tuned(args)
     emitted = emit_spec(args.file, archs, args.kernel, cache.root, backend=args.backend, strict=args.strict,
-                        tuned=tuned, sm_counts=sm_counts)
+                        tuned=tuned, sm_counts=sm_counts, sizes=parse_sizes(args.sizes))
     _compile_warnings(args, emitted)
     for sched in emitted.schedules:
         for p in sched.plans:
@@ -337,7 +354,10 @@ def _tuned(args):
 
 
 def cmd_inspect(args) -> int:
-    from kspec.inspect_artifact import inspect_artifact
+    from kspec.inspect_artifact import inspect_artifact, launch_choice
+    if args.sizes:
+        print(launch_choice(args.artifact, parse_sizes(args.sizes), args.sm_count, arch=args.arch))
+        return 0
     print(inspect_artifact(args.artifact, sass=args.sass, arch=args.arch))
     return 0
 
@@ -371,7 +391,9 @@ def _register_compile(sub) -> None:
     p.add_argument("--tuning-db", metavar="PATH",
                    help="apply this tuning database's winners (default $KSPEC_TUNING_DB, else "
                         "$KSPEC_CACHE_DIR/tuning.json when it exists)")
-    p.add_argument("--sizes", metavar="SIZES", help="the size bucket to take tuned configurations for, e.g. M=64")
+    p.add_argument("--sizes", metavar="SIZES", help="the size bucket to take tuned configurations for, e.g. M=64; "
+                   "it also names the GQA group of an attention whose group is known only per call (G=4, "
+                   "or H=32,KH=8)")
     p.add_argument("--sm-count", action="append", default=[], metavar="ARCH=N[,N...]",
                    help="SM counts of the GPU SKUs to build SKU-specific kernels (FlashAttention-4 attention) "
                         "for, e.g. sm90a=132,114 (H100 SXM/H200, H100 PCIe); repeatable; default sm90a=132, "
@@ -385,6 +407,10 @@ def _register_compile(sub) -> None:
     i.add_argument("artifact", metavar="ARTIFACT")
     i.add_argument("--sass", action="store_true", help="dump the full SASS")
     i.add_argument("--arch", help="only this arch")
+    i.add_argument("--sizes", help="instead: which kernels a call at these sizes launches, e.g. B=1,H=32,S=1,T=131072 "
+                                   "(FlashAttention-4's size variants and split-KV)")
+    i.add_argument("--sm-count", type=int, default=None,
+                   help="with --sizes: the device's SM count (default: the SKU each binary was built for first)")
     i.set_defaults(func=cmd_inspect)
 
     c = sub.add_parser("cache", help="show or clear the compile cache",

@@ -146,10 +146,12 @@ def _resolve_include_dirs(stored) -> list[str]:
 
 
 def plan_spec(program: CheckedProgram, archs: tuple[str, ...], kernel: str | None = None,
-              backend: str | None = None, strict: bool = False, fuse_ops: bool = True) -> list[KernelSchedule]:
+              backend: str | None = None, strict: bool = False, fuse_ops: bool = True,
+              sizes: dict[str, int] | None = None) -> list[KernelSchedule]:
     """Plan every kernel of a checked spec, choosing a backend per kernel and arch through the
-    registry (what `kspec graph`, `kspec lower` and `kspec compile` all use)."""
-    planner = registry.Planner(backend, strict)
+    registry (what `kspec graph`, `kspec lower` and `kspec compile` all use).  sizes: the `--sizes`
+    bucket, which a kernel may need (a GQA group known only per call)."""
+    planner = registry.Planner(backend, strict, sizes)
     kernels = [program.kernel(kernel)] if kernel else list(program.kernels)
     try:
         return [plan_kernel(k, archs, planner, fuse_ops=fuse_ops) for k in kernels]
@@ -175,16 +177,30 @@ def with_sm_counts(b, ir, arch: str, config, sm_counts: dict[str, tuple[int, ...
     return tuple((k, ",".join(map(str, sm_counts[arch])) if k == "sm_count" else v) for k, v in base)
 
 
+def with_sizes(b, ir, arch: str, config, sizes: dict[str, int] | None):
+    """config with a "sizes" item (the `--sizes` text) for a kernel whose build depends on a size it
+    cannot know from the spec: a FlashAttention-4 attention whose GQA group is known only per call
+    (its config's gqa_group says "per call"), built for the group those sizes name."""
+    if not sizes:
+        return config
+    base = config or b.default_config(ir, arch)
+    if not dict(base).get("gqa_group", "").startswith("per call"):
+        return config
+    return (*base, ("sizes", ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))))
+
+
 def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: str | None = None,
               cache_root: Path | None = None, backend: str | None = None, strict: bool = False,
-              tuned: ConfigChooser | None = None, sm_counts: dict[str, tuple[int, ...]] | None = None) -> EmittedSpec:
+              tuned: ConfigChooser | None = None, sm_counts: dict[str, tuple[int, ...]] | None = None,
+              sizes: dict[str, int] | None = None) -> EmittedSpec:
     """Plan and emit every kernel of a spec for every arch; all backend errors surface here,
     before any toolchain runs.  tuned: picks each kernel's configuration (default: the backend's);
     sm_counts: arch -> the SM counts of the GPU SKUs to build SKU-specific kernels for (with_sm_counts;
-    default: one per arch, backends.cute.compat.OFFLINE_SM_COUNT)."""
+    default: one per arch, backends.cute.compat.OFFLINE_SM_COUNT); sizes: the `--sizes` bucket, which
+    also names the group of a GQA attention whose group is known only per call (with_sizes)."""
     program = load_spec(path)
     archs = tuple(archs or program.targets or ARCHS)
-    schedules = plan_spec(program, archs, kernel, backend, strict)
+    schedules = plan_spec(program, archs, kernel, backend, strict, sizes=sizes)
     plans: dict[str, list[EmittedPlan]] = {}
     for sched in schedules:
         for p in sched.plans:
@@ -195,16 +211,17 @@ def emit_spec(path: str | Path, archs: tuple[str, ...] | None = None, kernel: st
                     config = tuned(p.ir, arch, choice.backend) if tuned else None
                     b = registry.get(choice.backend)
                     config = with_sm_counts(b, p.ir, arch, config, sm_counts)
+                    config = with_sizes(b, p.ir, arch, config, sizes)
                     lp = b.lower(p.ir, arch, config) if config else b.lower(p.ir, arch)
                     em = emit_cached(lp, cache_root)
                 except KspecError as e:
                     raise _located(e, sched, p, arch, program) from None
                 plans[p.id].append(EmittedPlan(lp, em))
-            _one_abi(plans[p.id], sched, p, cache_root, program, sm_counts)
+            _one_abi(plans[p.id], sched, p, cache_root, program, sm_counts, sizes)
     return EmittedSpec(program, archs, schedules, plans)
 
 
-def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program, sm_counts=None) -> None:
+def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program, sm_counts=None, sizes=None) -> None:
     """A plan has one ABI (manifest args, scalars, dims) on every arch.  The CuTe DSL and CUTLASS
     backends share an argument order, so archs may differ in backend; where the ABIs still differ,
     the archs whose backend does not match the first arch's are rebuilt by that backend."""
@@ -223,7 +240,8 @@ def _one_abi(eps: list[EmittedPlan], sched, p, cache_root, program, sm_counts=No
             raise KspecInternalError(f"plan {p.id}: backends {eps[0].backend} and {ep.backend} give different "
                                      f"ABIs and {first.name} cannot build {ep.lowered.arch}: {why}")
         try:
-            config = with_sm_counts(first, p.ir, ep.lowered.arch, None, sm_counts)
+            config = with_sizes(first, p.ir, ep.lowered.arch, with_sm_counts(first, p.ir, ep.lowered.arch, None,
+                                                                             sm_counts), sizes)
             lp = first.lower(p.ir, ep.lowered.arch, config) if config else first.lower(p.ir, ep.lowered.arch)
             eps[i] = EmittedPlan(lp, emit_cached(lp, cache_root))
         except KspecError as e:
@@ -297,15 +315,16 @@ def compile_spec(path: str | Path, archs: tuple[str, ...] | None = None, out_dir
                  kernel: str | None = None, jobs: int | None = None, cache=None,
                  progress: Callable | None = None, backend: str | None = None, strict: bool = False,
                  emitted: EmittedSpec | None = None, tuned: ConfigChooser | None = None,
-                 toolchain=None, sm_counts: dict[str, tuple[int, ...]] | None = None) -> Path:
+                 toolchain=None, sm_counts: dict[str, tuple[int, ...]] | None = None,
+                 sizes: dict[str, int] | None = None) -> Path:
     """Compile a spec to an artifact directory `out_dir/<spec stem>/`; returns its path.
     `emitted`: the spec already planned and emitted (by `emit_spec` with the same arguments);
-    `tuned`, `sm_counts`: see emit_spec."""
+    `tuned`, `sm_counts`, `sizes`: see emit_spec."""
     from kspec.backends.build import CompileCache, build_all
 
     cache = cache or CompileCache()
     prepare_output(out_dir, create=False)
-    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned, sm_counts)
+    emitted = emitted or emit_spec(path, archs, kernel, cache.root, backend, strict, tuned, sm_counts, sizes)
     out = prepare_output(out_dir)
     cache.reclaim()
     build_jobs = _jobs(emitted)
@@ -409,7 +428,7 @@ def _write_artifact(path, staging: Path, target: Path, emitted: EmittedSpec, bui
                                                  kind=p.choices[arch].kind)
                 if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
                     raise KspecInternalError(f"plan {p.id} has a different ABI on {arch}")
-            plans.append(_plan_entry(p, first, binaries))
+            plans.append(_plan_entry(p, first, binaries, _squeezed(sched)))
         entries.append(KernelEntry(
             name=k.name,
             inputs=tuple(_tensor_spec(t) for t in k.inputs),
@@ -528,11 +547,26 @@ def _build_binaries(emitted: EmittedSpec, cache_root: Path, jobs: int | None, pr
     return out
 
 
-def _plan_entry(p, ep: EmittedPlan, binaries):
+def _squeezed(sched) -> dict[str, tuple[int, ...]]:
+    """Inputs the kernels read without some extent-1 axes (canon.squeeze_unit_reads): name -> those
+    axes of the spec's tensor."""
+    from kspec.compiler import op
+    g = sched.graph
+    return {op(g, n).name: op(g, n).squeezed for n in g.nodes if op(g, n).kind == "input" and op(g, n).squeezed}
+
+
+def _spec_axis(squeezed: tuple[int, ...], axis: int) -> int:
+    """The spec tensor's axis that axis `axis` of its squeezed view is."""
+    kept = [k for k in range(axis + len(squeezed) + 1) if k not in squeezed]
+    return kept[axis]
+
+
+def _plan_entry(p, ep: EmittedPlan, binaries, squeezed: dict | None = None):
     from kspec.artifact import Plan
     lp, em = ep.lowered, ep.emitted
     names = lp.names
     dims = dict(lp.dims)
+    squeezed = squeezed or {}
     return Plan(
         id=p.id, kind=p.kind if p.kind in ("gemm", "attention") else "elementwise",
         dims=tuple((role, dims[role]) for role in em.dims),
@@ -541,7 +575,8 @@ def _plan_entry(p, ep: EmittedPlan, binaries):
         init={names[n]: v for n, v in em.init},
         alignment={names[n]: a for n, a in em.alignment},
         binaries=binaries,
-        strides={role: (names[a], axis) for role, a, axis in getattr(lp.desc, "strides", ())})
+        strides={role: (names[a], _spec_axis(squeezed.get(names[a], ()), axis))
+                 for role, a, axis in getattr(lp.desc, "strides", ())})
 
 
 def _resources(cubin: Path, toolchain, cache_root: Path | None = None,

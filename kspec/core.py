@@ -268,7 +268,8 @@ NAME_MAX = 128       # characters of a user name (plan ids, intermediate and fil
 RESERVED_ARG_NAMES: frozenset[str] = frozenset({"stream", "device", "self"})
 # attributes of a loaded module (kspec.runtime.module.Module): a kernel is an attribute of it too
 RESERVED_KERNEL_NAMES: frozenset[str] = frozenset({
-    "path", "manifest", "archs", "kernels", "binary", "variant", "glue", "image", "image_digest", "arch_for"})
+    "path", "manifest", "archs", "kernels", "binary", "variant", "glue", "image", "image_digest", "arch_for",
+    "split_variants", "launches"})
 
 
 def name_problem(name: object, what: str) -> str | None:

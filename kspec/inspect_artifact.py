@@ -1,5 +1,6 @@
 """`kspec inspect`: what a compiled artifact holds, per kernel plan and arch: launch facts from the
-manifest, registers, shared memory and a SASS summary (tensor-core MMA, TMA and other counts)."""
+manifest, registers, shared memory and a SASS summary (tensor-core MMA, TMA and other counts); with
+`--sizes`, which of its kernels a call at those sizes launches (launch_choice)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,8 +40,7 @@ def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = No
                 # a size-bucketed binary (FlashAttention-4): every variant with the SKUs (SM counts) it
                 # was built for and the sizes it serves there (kspec.runtime.module.sku_for picks the SKU)
                 for label, binary in ([("", b)] if not b.variants else
-                                      [(f"variant {i}{_skus(v)} for {_select(v.select)}: ", v)
-                                       for i, v in enumerate(b.variants)]):
+                                      [(f"variant {i}{_skus(v)} {_serves(v)}: ", v) for i, v in enumerate(b.variants)]):
                     if label:
                         own = " ".join(f"{key}={v}" for key, v in binary.config.items()
                                        if b.config.get(key) != v and key not in ("param_offsets", "sm_count"))
@@ -53,6 +53,17 @@ def inspect_artifact(path: str | Path, sass: bool = False, arch: str | None = No
     return "\n".join(lines)
 
 
+def _serves(v) -> str:
+    """Which calls a variant serves: its size boxes, or its part of a split-KV pair."""
+    role = v.config.get("role")
+    if role == "split":
+        return (f"split-KV (num_splits {v.config.get('num_splits', 'auto')}: taken when the call splits, "
+                "S >= 1)")
+    if role == "combine":
+        return "split-KV combine (after the split kernel)"
+    return f"for {_select(v.select)}"
+
+
 def _select(boxes) -> str:
     def rng(lo, hi):
         return f"{lo}..{hi}" if hi is not None else f">= {lo}"
@@ -62,3 +73,43 @@ def _select(boxes) -> str:
 def _skus(v) -> str:
     n = v.config.get("sm_count")
     return f" on {n.replace(',', '/')} SMs" if n else ""
+
+
+def launch_choice(path: str | Path, sizes: dict[str, int], sm_count: int | None = None,
+                  arch: str | None = None) -> str:
+    """Per kernel, plan and arch: the variants a call at these sizes launches on a device of
+    `sm_count` SMs (default: the first SKU each binary was built for), as the runtime picks them
+    (Module.launches: the split-KV pair when its glue asks for a workspace, else the size variant),
+    and the workspace; a call the artifact cannot serve says why.  Loads the host glue (no GPU)."""
+    import kspec
+    from kspec.core import extent_value
+    from kspec.runtime.errors import KspecRuntimeError
+    mod = kspec.load(path)
+    at = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    lines = [f"artifact {path} at {at}:"]
+    for k in mod.manifest.kernels:
+        for p in k.plans:
+            for a, b in p.binaries.items():
+                if arch is not None and a != arch.replace("sm_", "sm"):
+                    continue
+                skus = [int(x) for x in b.config.get("sm_count", "").split(",") if x.strip().isdigit()]
+                sms = sm_count or (skus[0] if skus else 0)
+                try:
+                    dims = [extent_value(v, sizes) for _r, v in p.dims]
+                except KeyError as e:
+                    lines.append(f"  {k.name} plan {p.id} {a}: give {e.args[0]} in --sizes")
+                    continue
+                where = f"  {k.name} plan {p.id} {a} on {sms} SMs: "
+                try:
+                    vs, ws = mod.launches(p, a, dims, 0, sms)
+                except KspecRuntimeError as e:
+                    lines.append(where + f"refused: {e.message}" + (f" ({e.hint})" if e.hint else ""))
+                    continue
+                if len(vs) == 2:
+                    lines.append(where + f"variants {vs[0]} then {vs[1]} (split-KV kernel, then the combine; "
+                                 f"{ws} bytes of workspace)")
+                elif vs[0] >= 0:
+                    lines.append(where + f"variant {vs[0]} ({_serves(b.variants[vs[0]])})")
+                else:
+                    lines.append(where + "its one kernel")
+    return "\n".join(lines)

@@ -283,7 +283,8 @@ def run_task(task: BuildTask) -> TaskResult:
                       cache_root=cache.root, measure_gpu=False, backend=task.backend, kernel=task.kernel,
                       only_missing=True)
         tuned = TuningDB(task.tuning_db).chooser(dict(task.sizes)) if task.tuning_db else None
-        emitted = emit_spec(task.spec, (task.arch,), task.kernel, cache.root, task.backend, task.strict, tuned)
+        emitted = emit_spec(task.spec, (task.arch,), task.kernel, cache.root, task.backend, task.strict, tuned,
+                            sizes=dict(task.sizes) if task.sizes else None)
         results = build_all(_jobs(emitted), _TOOLCHAINS.get(find_toolchain), cache, max_parallel=1)
     except KspecError as e:
         return TaskResult(task, False, seconds=time.monotonic() - t0, error=e.render(), host=host)
@@ -312,7 +313,8 @@ def probe_task(task: BuildTask, programs: dict | None = None) -> tuple[TaskResul
     try:
         if task.spec not in programs:
             programs[task.spec] = load_spec(task.spec)
-        scheds = plan_spec(programs[task.spec], (task.arch,), task.kernel, task.backend, task.strict)
+        scheds = plan_spec(programs[task.spec], (task.arch,), task.kernel, task.backend, task.strict,
+                           sizes=dict(task.sizes) if task.sizes else None)
         tuned = TuningDB(task.tuning_db).chooser(dict(task.sizes)) if task.tuning_db else None
         toolchain = _TOOLCHAINS.get(find_toolchain)
         n, configs = 0, []
@@ -323,6 +325,8 @@ def probe_task(task: BuildTask, programs: dict | None = None) -> tuple[TaskResul
                 config = tuned(p.ir, task.arch, choice.backend) if tuned else None
                 if config is None and task.tune and len(b.candidates(p.ir, task.arch)) > 1:
                     return None, cache.stats.corrupt          # not tuned yet: the task tunes first
+                from kspec.compile import with_sizes    # (a per-call GQA group: the bucket names it)
+                config = with_sizes(b, p.ir, task.arch, config, dict(task.sizes) if task.sizes else None)
                 lp = b.lower(p.ir, task.arch, config) if config else b.lower(p.ir, task.arch)
                 em = emit_cached(lp, cache.root, memo_only=True)
                 if em is None:
@@ -610,7 +614,7 @@ def assemble(library: Library, cache_root: str, tuning_db: str | None, skip=froz
             tuned = TuningDB(tuning_db).chooser(b.as_dict if b else None) if tuning_db else None
             target = artifact_dir(library, s, b)
             art = compile_spec(s.path, s.archs, target.parent, jobs=1, cache=cache, backend=s.backend,
-                               strict=s.strict, tuned=tuned, toolchain=toolchain)
+                               strict=s.strict, tuned=tuned, toolchain=toolchain, sizes=b.as_dict if b else None)
             manifest = json.loads((art / "manifest.json").read_text())
             index.append({"spec": Path(s.path).name, "bucket": b.name if b else None,
                           "sizes": dict(b.sizes) if b else {}, "size_key": bucket_key(b.as_dict if b else None),

@@ -153,6 +153,8 @@ def test_paged_spec_builds_one_fa4_kernel_per_arch_with_tensor_cores(paged_artif
         b = plan["binaries"][arch]
         assert b["backend"] == "cute" and b["config"]["paged_kv"] == "page_size=P"
         for v in b["variants"]:
+            if v["config"].get("role") == "combine":
+                continue                                        # split-KV's combine reads no K/V
             assert v["config"]["kv_loads"] == "cp.async"        # any page size at run time
             sass = cubin_sass(paged_artifact / v["cubin"])
             if sass is not None:
@@ -260,3 +262,34 @@ def test_paged_gqa_launches_with_the_pool_head_count(paged_gqa_artifact):
         with pytest.raises(KspecRuntimeError, match=r"8 query heads with 3 K/V heads: this kernel needs exactly 4"):
             call(h=8, kh=3)
         assert len(fake.launches) == 1
+
+
+@pytest.mark.cute
+def test_paged_decoding_splits_the_key_range_on_sm100a(paged_artifact):
+    """A long paged cache and one query token: the split-KV kernel (page table and key counts in its
+    parameters) then the combine, sharing the partials in one workspace; a short cache: one launch."""
+    from kspec.backends.cute import splitkv
+    from kspec.runtime.fakedriver import FakeDriver
+    mod = kspec.load(paged_artifact)
+    (plan,) = mod.attention_paged.entry.plans
+    B, H, MP, P = 2, 8, 64, 16
+    bt = np.arange(B * MP, dtype=np.int32).reshape(B, MP)
+    with FakeDriver(cc=(10, 0), sm_count=148) as fake:
+        _call(fake, mod, bt, np.array([1000, 7], np.int32), B=B, H=H, S=1, NP=B * MP, P=P)
+        rs, rc = fake.launches
+        ns = splitkv.num_splits(B, H, 1, MP * P, H, 148)
+        assert ns == 8 and rs.prepare.dims[:5] == (B, H, 1, MP * P, H)
+        roles = [plan.binaries["sm100a"].variants[int(r.what.rsplit(" ", 1)[1].rstrip(")"))].config["role"]
+                 for r in (rs, rc)]
+        assert roles == ["split", "combine"] and rs.prepare.workspace == rc.prepare.workspace
+        assert ns in rs.grid and rc.grid == (1, 1, B)
+        bt_ptr, kv_ptr = rs.prepare.ptrs[4], rs.prepare.ptrs[5]
+        words = {int.from_bytes(rs.params[i:i + 8], "little") for i in range(0, len(rs.params) - 7, 8)}
+        assert bt_ptr in words and kv_ptr in words                           # page table, seqused_k
+        words = {int.from_bytes(rc.params[i:i + 8], "little") for i in range(0, len(rc.params) - 7, 8)}
+        assert rc.prepare.ptrs[3] in words and bt_ptr not in words          # the combine writes O only
+        assert rs.prepare.ptrs[3] not in {int.from_bytes(rs.params[i:i + 8], "little")
+                                          for i in range(0, len(rs.params) - 7, 8)}
+        fake.launches.clear()
+        _call(fake, mod, bt[:, :4], np.array([60, 7], np.int32), B=B, H=H, S=1, NP=B * MP, P=P)
+        assert len(fake.launches) == 1                                       # 64 keys: no split

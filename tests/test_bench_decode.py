@@ -54,3 +54,27 @@ def test_the_decode_specs_are_one_gqa_attention_and_a_refusal_gives_the_reason()
     # K and V grouped differently: not one kernel, and the reason is what the bench prints
     why = m.fused_or_reason(m.DENSE.replace("V[b, j, h / 4, e]", "V[b, j, h / 2, e]"), "sm90a")
     assert why and ("different head groupings" in why or "no backend can build" in why), why
+
+
+def test_fa4_direct_uses_its_own_split_heuristic_where_it_has_one():
+    m = _module()
+    assert m.fa4_direct_kwargs("sm100a") == {"num_splits": 0}        # FA4's _get_fwd_config picks the count
+    assert m.fa4_direct_kwargs("sm90a") == {"num_splits": 1}         # FA4 b36: "SplitKV not supported on SM 9.0"
+
+
+def test_the_split_column_reads_the_workspace_the_runtime_asks_for():
+    from types import SimpleNamespace
+
+    from kspec.backends.cute import splitkv
+    m = _module()
+    plan = SimpleNamespace(dims=(("B", "B"), ("H", "H"), ("S", "S"), ("T", ("MP", "P")), ("HK", "KH")))
+    sizes = {"B": 1, "H": 32, "S": 1, "MP": 512, "P": 256, "KH": 8}
+
+    class Mod:
+        attention_decode_paged = SimpleNamespace(entry=SimpleNamespace(plans=(plan,)))
+
+        def launches(self, p, arch, dims, device, sms):
+            ns = splitkv.num_splits(*dims, sms)
+            return ([3, 4], splitkv.partial_bytes(ns, 1, 32, 1, 128)[2]) if ns > 1 else ([0], 0)
+    assert m.kspec_splits(Mod(), "attention_decode_paged", "sm100a", sizes, 132) == 16
+    assert m.kspec_splits(Mod(), "attention_decode_paged", "sm100a", {**sizes, "MP": 2}, 132) == 1

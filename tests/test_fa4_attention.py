@@ -107,7 +107,10 @@ def test_mod_source_has_no_user_text_and_distinct_hashes():
 def test_unsupported_kernels_have_reasons():
     assert "head dims" in A.unsupported(_ir(head_dims=(192, 192, 192)), "sm100a")
     assert A.unsupported(_ir(head_dims=(192, 192, 192)), "sm90a") is None
-    assert "integer literal" in A.unsupported(_ir(kv_group="G", kv_head="HK"), "sm90a")
+    # a group that is a size symbol is built per call (tests/test_attention_groups.py); an f32 param is not a group
+    assert A.unsupported(_ir(kv_group="G", kv_head="HK"), "sm90a") is None
+    assert "integer literal, a size symbol or an i32 param" in A.unsupported(_ir(kv_group="scale", kv_head="HK"),
+                                                                             "sm90a")
     assert "f16 or bf16" in A.unsupported(_ir(dtypes=("f32", "f32", "f32")), "sm90a")
 
 
@@ -162,7 +165,11 @@ def test_shipped_attention_specs_build_one_fa4_kernel_per_arch(fa4_artifacts, st
         assert b["backend"] == "cute" and b["kind"] == "attention"
         assert b["config"]["kernel"].startswith("FlashAttention-4")
         assert int(b["config"]["sm_count"]) == compat.OFFLINE_SM_COUNT[arch]
-        variants = b["variants"]
+        # the size-bucketed single-pass variants; on sm100a also the split-KV pair (split kernel, combine)
+        variants = [v for v in b["variants"] if v["config"].get("role") not in ("split", "combine")]
+        pair = [v["config"]["role"] for v in b["variants"] if v not in variants]
+        # (attention_causal and attention_lse are self-attention, T = S: never decode-shaped)
+        assert pair == (["split", "combine"] if arch == "sm100a" and stem == "attention" else [])
         assert variants and variants[0]["cubin"] == b["cubin"]
         lo = [v["select"][0]["S"] for v in variants]
         assert lo[0][0] == 0 and lo[-1][1] is None           # every query length is served
@@ -196,7 +203,7 @@ def test_launch_abi_and_variant_dispatch_through_the_fake_driver(fa4_artifacts, 
     b = json.loads((art / "manifest.json").read_text())["kernels"][0]["plans"][0]["binaries"][arch]
     base = 0x7F0000000000
     for S in (100, 1000):
-        B, H, T = 2, 4, 1000
+        B, H, T = 2, 4, 512             # 4 key blocks: never split (split-KV: tests/test_attention_splitkv.py)
         Q = FakeCAI(base, (B, H, S, 128))
         K = FakeCAI(base + 0x10000000, (B, H, T, 128))
         V = FakeCAI(base + 0x20000000, (B, H, T, 128))
@@ -280,7 +287,7 @@ def test_attention_variants_compile_offline(name, arch):
     assert A.unsupported(ir, arch) is None
     desc, names, dims, scalars = A.lower(ir, arch)
     built = A.build(desc, test_cache_root(), lengths=[4096])
-    (v,) = built.variants
+    (v,) = [v for v in built.variants if dict(v.config).get("role") not in ("split", "combine")]
     assert v.symbol.startswith("kernel_cutlass_kernel_flash_attn")
     sass = cubin_sass(v.cubin)
     if sass is not None:
@@ -389,8 +396,15 @@ def test_launch_abi_checked_against_the_cubin_by_the_fake_driver(fa4_artifacts, 
                 # (the DSL's launcher encodes its TMA descriptors in host code: check_launch finds every
                 # tensor's address in the parameter blob, inside them)
                 assert problems == [], f"{stem} {arch} {sizes}:\n" + "\n".join(problems)
-                (rec,) = call.launches
-                assert rec.symbol == mod[stem].entry.plans[0].binaries[arch].symbol
+                plan = mod[stem].entry.plans[0]
+                b = plan.binaries[arch]
+                if len(call.launches) == 2:
+                    # sm100a splits the key range where FA4's heuristic says so (T = 1000: 8 key blocks)
+                    assert arch == "sm100a" and [r.symbol for r in call.launches] == [
+                        b.variants[i].symbol for i in mod.split_variants(plan, arch, compat.OFFLINE_SM_COUNT[arch])]
+                else:
+                    (rec,) = call.launches
+                    assert rec.symbol == b.symbol
 
 
 @needs_fa4
@@ -408,7 +422,9 @@ def test_lse_output_is_a_launch_argument_checked_by_the_fake_driver(fa4_artifact
     assert tuple(plan.args) == ("Q", "K", "V", "O", "L")
     for arch, cc in (("sm90a", (9, 0)), ("sm100a", (10, 0))):
         with FakeDriver(cc, sm_count=compat.OFFLINE_SM_COUNT[arch]) as fake:
-            for S in (100, 1000):
+            # (T = S <= 512: 4 key blocks, never split; the LSE of a split call is the combine's:
+            # tests/test_attention_splitkv.py)
+            for S in (100, 400):
                 sizes = {"B": 2, "H": 4, "S": S}
                 call = fake_call(mod, "attention_lse", sizes, fake, pass_outputs=True)
                 problems = [p for p in check_call(call, arch, mod)
@@ -802,3 +818,84 @@ def test_fa4_varlen_lse_on_gpu_matches_float64(tmp_path):
         assert np.array_equal(np.isneginf(got), np.isneginf(want)), b       # rows with no key: -inf
         fin = np.isfinite(want)
         assert np.abs(got[fin] - want[fin]).max(initial=0) < 2e-2, b
+
+
+# ---------------------------------------------------------------------------------------------
+# split-KV decoding on sm100a (backends/cute/splitkv.py): one call, two launches
+# ---------------------------------------------------------------------------------------------
+
+def _split_call(mod, kernel, sizes, sms):
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    with FakeDriver((10, 0), sm_count=sms) as fake:
+        call = fake_call(mod, kernel, sizes, fake)
+        # (FA4's sm100a kernels declare 1 KiB of static shared memory beside the full dynamic opt-in,
+        # which the fake's limit check counts against every FA4 sm100a kernel alike: see test_fa4_skus)
+        problems = [p for p in check_call(call, "sm100a", mod) if "static shared memory exceed" not in p]
+    return call, problems
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_decoding_launches_the_split_kernel_and_the_combine(fa4_artifacts, stem="attention"):
+    # (with a log-sum-exp output: tests/test_attention_splitkv.py, the combine writes it)
+    import kspec
+    from kspec.backends.cute import splitkv
+    art = fa4_artifacts(stem)
+    mod = kspec.load(art)
+    (plan,) = mod[stem].entry.plans
+    b = plan.binaries["sm100a"]
+    split, combine = mod.split_variants(plan, "sm100a", 148)
+    assert b.variants[split].config["role"] == "split" and b.variants[combine].config["role"] == "combine"
+    for sms, (B, H, S, T) in ((148, (1, 8, 1, 32768)), (132, (1, 8, 1, 32768)), (148, (2, 4, 3, 4096))):
+        call, problems = _split_call(mod, stem, {"B": B, "H": H, "S": S, "T": T}, sms)
+        assert problems == [], problems
+        ns = splitkv.num_splits(B, H, S, T, H, sms)
+        assert ns > 1 and call.plan_ids == [plan.id, plan.id]
+        rs, rc = call.launches
+        assert (rs.symbol, rc.symbol) == (b.variants[split].symbol, b.variants[combine].symbol)
+        assert rs.prepare.workspace == rc.prepare.workspace != 0 and rs.prepare.sm_count == sms
+        # the partial buffers the pair shares: NS splits of f32 O and LSE in one workspace
+        o_partial, lse_partial = call.plan_args[0][3], call.plan_args[0][4]
+        assert o_partial.shape == (ns, B, S, H, 128) and lse_partial.shape == (ns, B, H, S)
+        assert call.plan_args[1][:2] == [o_partial, lse_partial]
+        assert math.prod(rs.grid) == B * H * -(-S // 128) * ns              # (sequence, head, split) CTAs
+        assert rc.grid == (-(-S * H // 8), 1, B) and rc.block == (256, 1, 1)
+        # the spec's O (and LSE) are written by the combine only; the split kernel reads Q, K, V
+        outs = [t.name for t in mod[stem].entry.outputs]
+        assert [a.name for a in call.plan_args[1][2:]] == outs
+        assert {a.name for a in call.plan_args[0]} & set(outs) == set()
+        words = {int.from_bytes(rc.params[i:i + 8], "little") for i in range(0, len(rc.params) - 7, 8)}
+        assert all(a.ptr in words for a in call.plan_args[1])                 # combine: raw pointers
+    # prefill-shaped calls keep the single-pass variants: one launch
+    call, problems = _split_call(mod, stem, {"B": 64, "H": 8, "S": 1, "T": 32768}, 148)
+    assert problems == [] and len(call.launches) == 1 and b.variants[mod.variant(
+        plan, "sm100a", call.binding.dims(plan), 148)].symbol == call.launches[0].symbol
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_inspect_lists_the_split_kv_pair(fa4_artifacts):
+    # the labels `kspec inspect` prints per variant (its SASS summaries are tests/test_inspect.py's)
+    from kspec.artifact import read_manifest
+    from kspec.inspect_artifact import _serves
+    (plan,) = read_manifest(fa4_artifacts("attention")).kernels[0].plans
+    labels = [_serves(v) for v in plan.binaries["sm100a"].variants]
+    assert labels[-2:] == ["split-KV (num_splits auto: taken when the call splits, S >= 1)",
+                           "split-KV combine (after the split kernel)"]
+    assert all(x.startswith("for S ") for x in labels[:-2])
+    assert all(x.startswith("for S ") for x in map(_serves, plan.binaries["sm90a"].variants))
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_inspect_sizes_says_what_a_call_launches(fa4_artifacts, capsys):
+    from kspec.cli import main
+    art = fa4_artifacts("attention")
+    assert main(["inspect", str(art), "--sizes", "B=1,H=8,S=1,T=32768"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    sm90, sm100 = (next(x for x in out if f" {a} on " in x) for a in ("sm90a", "sm100a"))
+    assert "sm90a on 132 SMs: variant 0 (for S" in sm90
+    assert "sm100a on 148 SMs: variants" in sm100 and "split-KV kernel, then the combine" in sm100
+    assert main(["inspect", str(art), "--sizes", "B=64,H=8,S=1,T=512", "--arch", "sm100a", "--sm-count", "132"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "plan" in x]
+    assert "on 132 SMs: variant " in line and "split" not in line

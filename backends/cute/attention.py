@@ -25,7 +25,12 @@ computes the same function for every shape (the heuristics choose speed, not sem
 **Layouts.**  kspec's tensors are row-major [B, H, S, D]; FA4 takes (b, s, h, d) with any strides, so
 Q/K/V/O are passed as strided views and nothing is copied.  LSE is [B, H, S] f32, FA4's layout.
 
-**Masks and score modifications**: backends/cute/attnmods.py.
+**Masks and score modifications**: backends/cute/attnmods.py.  **Split-KV decoding** (sm100a: a
+split kernel and FA4's combine beside the size variants): splitkv.py.  **FP8** (e4m3 with descales,
+sm100a): fp8.py.  **GQA groups known only per call** (`h / G` with a param or size symbol, MQA over
+a symbolic H): built once per group `kspec compile --sizes` names (groups_named, for_groups), each
+variant's boxes holding G = H / HK.  **Heads as two axes** (`Q[b, g, r, i, e]`, `K[b, g, j, e]`):
+fold_heads.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ from .. import cache as cache_entry
 from . import attnmods, compat
 
 BUILD_FORMAT = 2
-DTYPES = ("f16", "bf16")
+DTYPES = ("f16", "bf16", "f8e4m3")     # f8e4m3: sm100a only (fp8.py)
 ROLES = ("B", "H", "S", "T", "HK")          # ABI dims, in order; then G (a literal group) and extra symbols
 
 
@@ -101,12 +106,20 @@ class AttnDesc:
     # packed buffer's rows are the role S (T); () entries: the canonical [B, H, S, D]
     layouts: tuple[tuple[str, ...], ...] = ()
     sm_counts: tuple[int, ...] = ()    # every SKU (SM count) to build for, sm_count first; () = sm_count only
+    split: bool = False                # the split-KV build (splitkv.py): O and LSE partials in the workspace
+    # group 0: the GQA group is a size symbol or param (per call): built once per group in `groups`
+    # (named by `kspec compile --sizes`), each variant's boxes holding G = H / HK to that value
+    groups: tuple[int, ...] = ()
+    group_param: str | None = None     # the i32 param the spec divides the head by (checked against G)
+    descales: tuple[str | None, ...] = ()   # FP8: the q, k, v descale inputs (f32 [B, KH]; fp8.py), () none
+    self_attention: bool = False       # the key extent is the query extent (T = S): never decode-shaped
+    splits: int = 0                    # split-KV count fixed by a tuning winner (0: splitkv.num_splits' heuristic)
 
     @property
     def args(self) -> tuple[str, ...]:
         return (self.q, self.k, self.v, self.o, *((self.lse,) if self.lse else ()), *(a.name for a in self.aux),
                 *((self.page_table,) if self.page_table else ()), *((self.seqused_k,) if self.seqused_k else ()),
-                *(n for n in (self.cu_seqlens_q, self.cu_seqlens_k) if n))
+                *(n for n in (self.cu_seqlens_q, self.cu_seqlens_k) if n), *(n for n in self.descales if n))
 
     def alignment(self) -> tuple[tuple[str, int], ...]:
         out = [(n, 16) for n in (self.q, self.k, self.v, self.o)]
@@ -114,6 +127,7 @@ class AttnDesc:
             out.append((self.lse, 4))
         out += [(a.name, dtype_bytes(a.dtype)) for a in self.aux]
         out += [(n, 4) for n in (self.page_table, self.seqused_k, self.cu_seqlens_q, self.cu_seqlens_k) if n]
+        out += [(n, 4) for n in self.descales if n]
         return tuple(out)
 
 
@@ -121,17 +135,50 @@ class AttnDesc:
 # IR -> descriptor
 # ---------------------------------------------------------------------------------------------
 
+def fold_heads(ir, a):
+    """Heads written as two axes, `Q[b, g, r, i, e]` against `K[b, g, j, e]` (K/V head g, r the query
+    heads sharing it), as the one head axis FA4 takes: Q [B, KH, R, S, d] stored in that order is Q
+    [B, KH * R, S, d] with head h = g * R + r, and K is read at h / R, so the attention is GQA with
+    group R over KH K/V heads.  None when `a` is not such an attention (or one kspec folds: Q, K, V, O
+    in their canonical order, not paged or packed, mods that read no head index)."""
+    import dataclasses
+
+    from kspec.compiler.kir import AuxLoad, Index
+    if a is None or len(a.batch) != 3 or a.kv_shared != (a.batch[2],) or a.kv_group is not None or a.orders \
+            or a.page_table is not None or a.kv_len is not None:
+        return None
+    q = ir.buffer(a.q_buffer)
+    if q.packed is not None or len(q.shape) != 5:
+        return None
+    for e in (a.mask, a.score_mod):
+        for x in (_nodes(e) if e is not None else ()):
+            if isinstance(x, AuxLoad) or (isinstance(x, Index) and x.label in a.batch):
+                return None
+    b, kh, r = q.shape[:3]
+    h = kh * r if isinstance(kh, int) and isinstance(r, int) else (kh, r)
+    dims = tuple((k, h if k == "H" else b if k == "B" else v) for k, v in a.dims)
+    return dataclasses.replace(a, batch=a.batch[:2], kv_shared=(), kv_group=r, kv_head=kh, dims=dims)
+
+
 def unsupported(ir, arch: str) -> str | None:
     """Why FA4 (through this backend) cannot build this attention kernel IR (None when it can)."""
     a = ir.attention
     if a is None:
         return "not an attention kernel"
+    a = fold_heads(ir, a) or a
     if len(set(a.dtypes)) != 1 or a.dtypes[0] not in DTYPES:
-        return f"FlashAttention-4 takes f16 or bf16 Q, K and V of one dtype, not {', '.join(a.dtypes)}"
+        return (f"FlashAttention-4 takes f16 or bf16 (or, on sm100a, f8e4m3) Q, K and V of one dtype, not "
+                f"{', '.join(a.dtypes)}")
+    from . import fp8
+    why = fp8.unsupported(ir, a, arch)
+    if why:
+        return why
+    if a.dtypes[0] == fp8.FP8:
+        a = fp8.descales(ir, a)[1]            # the descale factors are FA4's, not a score_mod
     if len(a.out_buffers) != 1:
         return "fused attention stores exactly one output O"
     out = ir.buffer(a.out_buffers[0])
-    if out.dtype != a.dtypes[0]:
+    if out.dtype != a.dtypes[0] and a.dtypes[0] != fp8.FP8:
         return f"FlashAttention-4 writes O in the input dtype ({a.dtypes[0]}), not {out.dtype}"
     d, _dk, dv = a.head_dims
     if not (isinstance(d, int) and isinstance(dv, int) and a.head_dims[1] == d):
@@ -150,9 +197,9 @@ def unsupported(ir, arch: str) -> str | None:
             return f"the probabilities are rounded to {dt}; FlashAttention-4 multiplies them with V in {a.dtypes[0]}"
     if a.kv_shared and (len(a.batch) == 1 or a.kv_shared != (a.batch[-1],)):
         return "K and V may be shared across the heads only (multi-query attention), not across the batch"
-    if _group(a) is None:
-        return ("the GQA group (query heads per K/V head) must be an integer literal: FlashAttention-4 "
-                "compiles it into the kernel")
+    if _group(a) is None and not _per_call_group(ir, a):
+        return ("the GQA group (query heads per K/V head) must be an integer literal, a size symbol or an i32 "
+                "param dividing the head index: FlashAttention-4 compiles it into the kernel")
     for e in (a.score_mod, a.mask):
         why = e is not None and attnmods.unsupported(e)
         if why:
@@ -335,6 +382,38 @@ def _nodes(e):
     return epi_nodes(e)
 
 
+def _per_call_group(ir, a) -> bool:
+    """The group is known only at call time but FA4 can be built per value: a size symbol or an i32
+    param `G` in `h / G` with a K/V head axis, or MQA over a head count that is a size symbol."""
+    if a.kv_shared:
+        return isinstance(dict(a.dims).get("H"), str)
+    g = a.kv_group
+    if not isinstance(g, str) or a.kv_head is None:
+        return False
+    names = {b.name: b for b in ir.buffers}
+    return g not in names or (names[g].role == "param" and names[g].dtype == "i32")
+
+
+def groups_named(ir, sizes: dict[str, int]) -> tuple[int, ...]:
+    """The per-call GQA group an attention gets at these sizes (`kspec compile --sizes`): G itself, or
+    H / KH (MQA: H); () when the sizes do not fix it."""
+    a = fold_heads(ir, ir.attention) or ir.attention
+    h = dict(a.dims).get("H")
+    hv = h if isinstance(h, int) else sizes.get(h) if isinstance(h, str) else None
+    if a.kv_shared:
+        return (hv,) if hv else ()
+    if isinstance(a.kv_group, str) and a.kv_group in sizes:
+        return (sizes[a.kv_group],)
+    if isinstance(a.kv_group, str) and "/" in a.kv_group:          # "H/KH": the quotient of two sizes
+        num, den = a.kv_group.split("/")
+        if sizes.get(num) and sizes.get(den) and sizes[num] % sizes[den] == 0:
+            return (sizes[num] // sizes[den],)
+    kh = a.kv_head if isinstance(a.kv_head, int) else sizes.get(a.kv_head)
+    if hv and kh and hv % kh == 0:
+        return (hv // kh,)
+    return ()
+
+
 def _group(a) -> int | None:
     if a.kv_shared:
         h = dict(a.dims).get("H")
@@ -350,7 +429,11 @@ def lower(ir, arch: str, sm_count: int | None = None):
     why = unsupported(ir, arch)
     if why:
         raise KspecInternalError(f"attention lowering called for an unsupported kernel {ir.id}: {why}")
-    a = ir.attention
+    a = fold_heads(ir, ir.attention) or ir.attention
+    from . import fp8
+    descales = None
+    if a.dtypes[0] == fp8.FP8:
+        descales, a = fp8.descales(ir, a)    # FA4's DescaleTensors, out of the score_mod and o_scale
     names = Names()
     dims_map = dict(a.dims)
     roles: dict[str, object] = {"B": dims_map.get("B", 1),
@@ -363,9 +446,17 @@ def lower(ir, arch: str, sm_count: int | None = None):
     else:
         roles["HK"] = roles["H"]
     dim_roles = list(ROLES)
+    group_param = None
     if a.kv_group is not None and not a.kv_shared:
-        roles["G"] = a.kv_group
-        dim_roles.append("G")
+        if isinstance(a.kv_group, str) and any(b.name == a.kv_group and b.role == "param" for b in ir.buffers):
+            group_param = a.kv_group          # a param: checked against the kernel's group at launch
+        elif isinstance(a.kv_group, str) and "/" in a.kv_group:
+            pass                              # `h / (H / KH)`: the glue's H == G * HK check says it all
+        else:
+            roles["G"] = a.kv_group
+            dim_roles.append("G")
+    if group is None:
+        group = 0                             # per call: built for each group `kspec compile --sizes` names
     paged: dict[str, object] = {}
     if a.page_table is not None:
         pool, table = ir.buffer(a.k_buffer).shape, ir.buffer(a.page_table).shape
@@ -394,8 +485,10 @@ def lower(ir, arch: str, sm_count: int | None = None):
         return sym_role[ext]
 
     view, mod_roles = _fa4_view(ir, a, roles["S"])
-    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in view.aux)
     scalars: dict[str, object] = {}
+    if group_param is not None:
+        scalars[names(group_param)] = group_param
+    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(role_of(e) for e in ir.buffer(n).shape)) for n in view.aux)
     if isinstance(a.scale, str):
         scale: Load | Const = Load(names(a.scale), "scalar", "f32")
         scalars[scale.name] = a.scale
@@ -435,7 +528,9 @@ def lower(ir, arch: str, sm_count: int | None = None):
                     page_table=names(a.page_table) if a.page_table else None,
                     page_size=paged.get("P"), seqused_k=names(a.kv_len) if a.kv_len else None,
                     cu_seqlens_q=names(cu_q) if cu_q else None, cu_seqlens_k=names(cu_k) if cu_k else None,
-                    layouts=_layouts(a, cu_q, cu_k))
+                    layouts=_layouts(a, cu_q, cu_k), group_param=names(group_param) if group_param else None,
+                    descales=tuple(names(n) if n else None for n in (descales.q, descales.k, descales.v))
+                    if descales is not None else (), self_attention=roles["T"] == roles["S"])
     dims = tuple((r, roles[r]) for r in dim_roles)
     return desc, names.back(), dims, scalars
 
@@ -458,9 +553,12 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
     mask = ("causal (bottom-right)" if m.causal else "window" if m.window else "mask_mod" if m.mask_mod else "none")
     return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} " + ("FlashAttentionForwardSm90" if desc.arch == "sm90a"
                                                else "FlashAttentionForwardSm100")),
-            ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", str(desc.group)),
+            ("head_dims", f"{desc.head_dim},{desc.head_dim_v}"), ("gqa_group", _group_item(desc)),
             ("mask", mask), ("score_mod", "generated" if m.score_mod else "none"),
             ("lse", "yes" if desc.lse else "no"), ("sm_count", ",".join(map(str, skus(desc)))),
+            ("split_kv", _split_item(desc)),
+            *((("fp8", "e4m3, descale " + ("/".join(r for r, n in zip("qkv", desc.descales) if n) or "none")),)
+              if desc.dtype == "f8e4m3" else ()),
             *((("paged_kv", f"page_size={desc.page_size}"),) if desc.page_table else ()),
             *((("seqused_k", "yes"),) if desc.seqused_k else ()),
             *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_seqlens_q),
@@ -469,6 +567,31 @@ def config_items(desc: AttnDesc) -> tuple[tuple[str, str], ...]:
             *((("layout", " ".join("".join(r[0] if r != "HK" else "H" for r in lay) for lay in desc.layouts)),)
               if desc.layouts else ()),
             ("source", "FlashAttention-4 heuristics"))
+
+
+def _group_item(desc: AttnDesc) -> str:
+    if desc.group:
+        return str(desc.group)
+    if desc.groups:
+        return "per call, built for " + " and ".join(map(str, desc.groups))
+    return "per call (name the groups to build: kspec compile --sizes)"
+
+
+def for_groups(desc: AttnDesc, groups) -> AttnDesc:
+    """desc of a per-call GQA group, built for these groups (`kspec compile --sizes`)."""
+    gs = tuple(sorted({int(g) for g in groups}))
+    if desc.group or not gs or min(gs) < 1:
+        raise KspecInternalError(f"bad GQA groups {groups!r} for {desc.name}")
+    return replace(desc, groups=gs)
+
+
+def _split_item(desc: AttnDesc) -> str:
+    """The config's split_kv item: the split count rule of the split-KV variant, or why there is none."""
+    from . import splitkv
+    why = splitkv.split_unsupported(desc)
+    if why:
+        return "none (" + why.split(" (")[0].split(":")[0] + ")"
+    return f"{desc.splits} (tuned)" if desc.splits else "auto (FlashAttention-4 heuristic, per call)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,9 +648,19 @@ def _tensors(desc: AttnDesc):
     else:
         k = ("mK", 1, desc.dtype, *_modes(desc, 1, d))
         v = ("mV", 2, desc.dtype, *_modes(desc, 2, dv))
-    out = [("mQ", 0, desc.dtype, *_modes(desc, 0, d)), k, v, ("mO", 3, desc.dtype, *_modes(desc, 3, dv))]
+    if desc.split:
+        # FA4's split-KV outputs, in the workspace (splitkv.py): O partials (NS, B, S, H, dv) and LSE
+        # partials (NS, B, H, S), f32, contiguous; the spec's O (and LSE) are the combine's
+        o = ("mO", 3, "f32", ("NS", "B", "S", "H"), (("B", "S", "H", str(dv)), ("S", "H", str(dv)), ("H", str(dv)),
+                                                      (str(dv),)))
+    else:
+        o = ("mO", 3, desc.dtype, *_modes(desc, 3, dv))
+    out = [("mQ", 0, desc.dtype, *_modes(desc, 0, d)), k, v, o]
     i = 4
-    if desc.lse:
+    if desc.split:
+        out.append(("mLSE", i if desc.lse else -1, "f32", ("NS", "B", "H", "S"), (("B", "H", "S"), ("H", "S"), ("S",))))
+        i += 1 if desc.lse else 0
+    elif desc.lse:
         out.append(("mLSE", i, "f32", *_lse_modes(desc)))
         i += 1
     for k, a in enumerate(desc.aux):
@@ -544,6 +677,10 @@ def _tensors(desc: AttnDesc):
         if cu:
             out.append((name, i, "i32", ("(B + 1)",), ()))
             i += 1
+    for name, d in zip(("mQD", "mKD", "mVD"), desc.descales):
+        if d:
+            out.append((name, i, "f32", ("B", "HK"), (("HK",),)))     # FP8 descales [B, KH], contiguous
+            i += 1
     return out
 
 
@@ -553,6 +690,7 @@ class _GlueTensor:          # what build.capture_glue reads
     ptr_index: int
     dynamic_shapes: tuple[str, ...]
     dynamic_strides: tuple[tuple[str, ...], ...]
+    data: str | None = None     # the address, when not the ABI pointer (split-KV partials: the workspace)
 
 
 def _values(desc: AttnDesc) -> list[tuple[str, str]]:
@@ -588,6 +726,9 @@ def entry_source(desc: AttnDesc) -> str:
         kw.append("mSeqUsedK=mSK")
     if desc.page_table:
         kw.append("mPageTable=mPT")
+    if desc.descales:
+        kw.append("descale_tensors=DescaleTensors(" + ", ".join(
+            f"{r}_descale={n if d else 'None'}" for r, n, d in zip("qkv", ("mQD", "mKD", "mVD"), desc.descales)) + ")")
     kw.append(f"aux_data=AuxData({aux_t}, {aux_s})")
     call = (f"    FA(mQ, mK, mV, mO, {'mLSE' if 'mLSE' in names else 'None'}, softmax_scale, "
             + ", ".join(kw) + ", stream=stream)")
@@ -598,6 +739,7 @@ def entry_source(desc: AttnDesc) -> str:
         "import cutlass",
         "import cutlass.cute as cute",
         "from flash_attn.cute.utils import AuxData",
+        *(["from flash_attn.cute.flash_fwd_sm100 import DescaleTensors"] if desc.descales else []),
         "",
         "from kspec.backends.cute import dslops as F",
         "",
@@ -715,13 +857,15 @@ def _sweep_mode(interface, keys: _KeyLog, fake: bool):
             if str(kwargs.get("device")) == "cuda":
                 kwargs["device"] = "meta"
             return func(*args, **kwargs)
-    real = interface.is_fake_mode
+    real, validate = interface.is_fake_mode, interface._validate_tensor
     interface.is_fake_mode, keys.probe = (lambda: True), True
+    # (FA4 checks an FP8 descale tensor's device even when it runs fake; on meta it is not "cuda")
+    interface._validate_tensor = lambda t, name, *args, **kwargs: None
     try:
         with Meta():
             yield
     finally:
-        interface.is_fake_mode, keys.probe = real, False
+        interface.is_fake_mode, keys.probe, interface._validate_tensor = real, False, validate
 
 
 def _signature(obj) -> str:
@@ -734,10 +878,12 @@ def _signature(obj) -> str:
     return repr(([norm(a) for a in args], sorted((k, norm(v)) for k, v in kwargs.items())))
 
 
-def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object, list[tuple[int, int, int]]]]:
+def choose_variants(desc: AttnDesc, mod, points=None, num_splits: int = 1,
+                    seqlen_k: int | None = None) -> list[tuple[str, object, list[tuple[int, int, int]]]]:
     """[(signature, FA4 kernel object, (S, B, HK) sizes it serves)] in order of first use, from FA4's
     heuristics on the SKU desc.sm_count, at `points` (default: sweep_points); `mod` is the imported
-    entry module (its generated mods)."""
+    entry module (its generated mods).  num_splits, seqlen_k: FA4's split count and the key count
+    asked for (default: no split, as many keys as queries)."""
     import torch
 
     import cutlass.cute as cute
@@ -753,7 +899,7 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
     def stop(fa, *args, **kwargs):
         raise _Captured(fa)
 
-    tdt = torch.float16 if desc.dtype == "f16" else torch.bfloat16
+    tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f8e4m3": torch.float8_e4m3fn}[desc.dtype]
     w = desc.mods.window
     points = sweep_points(desc) if points is None else list(points)
     key_of: list = []                   # per point, FA4's compile key
@@ -782,13 +928,14 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                     # packed: s query rows in all (and as many key rows), split into `batch` sequences
                     q_rows = (s,) if desc.cu_seqlens_q else (batch, s)
                     q = torch.empty(*q_rows, h, desc.head_dim, dtype=tdt, device="cuda")
-                    kv_rows = (batch, max(s, 1))
+                    n_keys = max(seqlen_k or s, 1)
+                    kv_rows = (batch, n_keys)
                     paged = {}
                     if desc.page_table:
                         # a page size that is a size symbol may be anything at run time: FA4's
                         # cp.async page loads (any page size), which a non-tile page size selects
                         page = int(desc.page_size) if desc.page_size.isdigit() else 16
-                        pages = -(-max(s, 1) // page)
+                        pages = -(-n_keys // page)
                         kv_rows = (batch * pages, page)
                         paged["page_table"] = torch.empty(batch, pages, dtype=torch.int32, device="cuda")
                     if desc.seqused_k:
@@ -796,11 +943,14 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                     if desc.cu_seqlens_q:
                         paged["cu_seqlens_q"] = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
                     if desc.cu_seqlens_k:
-                        kv_rows = (max(s, 1),)
+                        kv_rows = (n_keys,)
                         paged["cu_seqlens_k"] = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
                     k = torch.empty(*kv_rows, hk, desc.head_dim, dtype=tdt, device="cuda")
                     v = torch.empty(*kv_rows, hk, desc.head_dim_v, dtype=tdt, device="cuda")
                     aux = [torch.empty(*(2 for _ in a.shape), dtype=torch.float32, device="cuda") for a in desc.aux]
+                    for r, dn in zip("qkv", desc.descales):
+                        if dn:
+                            paged[f"{r}_descale"] = torch.empty(batch, hk, dtype=torch.float32, device="cuda")
                     try:
                         interface._flash_attn_fwd(
                             q, k, v, causal=desc.mods.causal,
@@ -808,7 +958,8 @@ def choose_variants(desc: AttnDesc, mod, points=None) -> list[tuple[str, object,
                             window_size_right=None if w is None or w.right is None else 0,
                             score_mod=getattr(mod, "kspec_score_mod", None),
                             mask_mod=getattr(mod, "kspec_mask_mod", None),
-                            aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc, **paged)
+                            aux_tensors=aux or None, return_lse=bool(desc.lse), _arch=cc,
+                            num_splits=num_splits, **paged)
                     except _Captured as e:
                         fa = e.args[0]
                     except _Probed:
@@ -978,29 +1129,15 @@ def _fake_args(desc: AttnDesc):
 
 
 def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
+    from . import splitkv
     from .build import capture_glue
     tensors = []
+    data = {"mO": "ks_o_partial", "mLSE": "ks_lse_partial"} if desc.split else {}
     for name, i, _dt, shape, strides in _tensors(desc):
-        tensors.append(_GlueTensor(name, i, tuple(shape), tuple(tuple(s) for s in strides)))
-    checks = [f"    const int64_t {r} = dims[{k}];" for k, r in enumerate(desc.dims)]
-    checks += [f"    (void){r};" for r in desc.dims]
-    checks += [
-        "    if (B < 0 || H < 0 || S < 0 || T < 0 || HK < 1)",
-        "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld, K/V heads %lld)\", (long long)B, "
-        "(long long)H, (long long)S, (long long)T, (long long)HK);",
-        "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
-        "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
-        f"    if (H != HK * {desc.group})",
-        (f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
-         f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);" if desc.group > 1 else
-         "        KS_FAIL(\"%lld query heads with %lld K/V heads: they must be equal\", (long long)H, (long long)HK);"),
-        "    if (T == 0 && B != 0 && H != 0 && S != 0)",
-        "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
-    ]
-    if "G" in desc.dims:
-        checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
-                   "(long long)G);"]
-    checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
+        tensors.append(_GlueTensor(name, i, tuple(shape), tuple(tuple(s) for s in strides), data.get(name)))
+    checks = _checks(desc)
+    if desc.split:
+        checks += splitkv.prepare_lines(desc.head_dim_v)
     values = []
     if isinstance(desc.scale, Load):
         values.append(f"    float softmax_scale = (float)scalars[{desc.scalars.index(desc.scale.name)}];")
@@ -1025,8 +1162,41 @@ def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
         else:
             values.append(f"    int32_t c{k} = (int32_t)({ref});")
     args = [f"&{n}" for n, _t in _values(desc)]
+    split = {}
+    if desc.split:
+        split = {"workspace": splitkv.workspace_lines(desc.dims, desc.head_dim_v),
+                 "helpers": splitkv.chooser_c(desc.head_dim_v, desc.group > 1, desc.splits)}
     return capture_glue(tensors, checks, values, args, ciface, entry, offs, sizes, compat.SMEM_OPTIN[desc.arch],
-                        what="FlashAttention-4")
+                        what="FlashAttention-4", **split)
+
+
+def _checks(desc: AttnDesc) -> list[str]:
+    """C lines of kspec_prepare validating the ABI dims (KS_FAIL; KS_EMPTY for nothing to launch)."""
+    checks = [f"    const int64_t {r} = dims[{k}];" for k, r in enumerate(desc.dims)]
+    checks += [f"    (void){r};" for r in desc.dims]
+    checks += [
+        "    if (B < 0 || H < 0 || S < 0 || T < 0 || HK < 1)",
+        "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld, K/V heads %lld)\", (long long)B, "
+        "(long long)H, (long long)S, (long long)T, (long long)HK);",
+        "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
+        "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
+        f"    if (H != HK * {desc.group})",
+        (f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {desc.group} query heads "
+         f"per K/V head (H = {desc.group} x K/V heads)\", (long long)H, (long long)HK);" if desc.group > 1 else
+         "        KS_FAIL(\"%lld query heads with %lld K/V heads: they must be equal\", (long long)H, (long long)HK);"),
+        "    if (T == 0 && B != 0 && H != 0 && S != 0)",
+        "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
+    ]
+    if "G" in desc.dims:
+        checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
+                   "(long long)G);"]
+    if desc.group_param:
+        k = desc.scalars.index(desc.group_param)
+        checks += [f"    if ((int64_t)scalars[{k}] != {desc.group}) KS_FAIL(\"GQA group param = %lld, but the kernel "
+                   f"was built for {desc.group} query heads per K/V head (H = %lld, K/V heads %lld)\", "
+                   f"(long long)scalars[{k}], (long long)H, (long long)HK);"]
+    checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
+    return checks
 
 
 def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
@@ -1168,8 +1338,39 @@ def _dir(root: Path, desc: AttnDesc, lengths) -> tuple[str, Path]:
     return key, root / "cute-attention" / key[:2] / key
 
 
+def _per_group(desc: AttnDesc) -> list[AttnDesc]:
+    """desc once per GQA group it is built for (a per-call group: each `groups` value)."""
+    if desc.group:
+        return [desc]
+    if not desc.groups:
+        raise KspecError(f"attention kernel {desc.name} on {desc.arch}: its GQA group (query heads per K/V head) "
+                         "is known only at call time, and FlashAttention-4 compiles it into the kernel",
+                         hint="name the groups to build with `kspec compile --sizes`: the group symbol itself "
+                              "(G=4), or the query and K/V head counts (H=32,KH=8)")
+    return [replace(desc, group=g, groups=()) for g in desc.groups]
+
+
+def _grouped(desc: AttnDesc, builds: list[AttnBuild]) -> AttnBuild:
+    """One AttnBuild from the per-group builds of a per-call group: every variant's boxes also hold
+    G (= H / HK at call time) to its group, so the runtime picks the group's kernels."""
+    if desc.group:
+        return builds[0]
+    variants = []
+    for g, b in zip(desc.groups, builds):
+        for v in b.variants:
+            variants.append(replace(v, select=tuple({**box, "G": [g, g]} for box in v.select),
+                                    config=tuple((k, str(g) if k == "gqa_group" else x) for k, x in v.config)
+                                    + (() if any(k == "gqa_group" for k, _x in v.config) else (("gqa_group", str(g)),))))
+    key = hashlib.sha256(" ".join(b.key for b in builds).encode()).hexdigest()
+    return replace(builds[0], key=key, variants=tuple(variants), seconds=sum(b.seconds for b in builds),
+                   cached=all(b.cached for b in builds), config=config_items(desc))
+
+
 def lookup(desc: AttnDesc, cache_root: Path | None) -> AttnBuild | None:
     """The cached build, or None; never imports the DSL or FA4."""
+    if not desc.group:
+        builds = [lookup(one, cache_root) for one in _per_group(desc)]
+        return None if any(b is None for b in builds) else _grouped(desc, builds)
     if cache_root is None:
         return None
     parts = []
@@ -1189,6 +1390,8 @@ def build(desc: AttnDesc, cache_root: Path | None, lengths: list[int] | None = N
     why = compat.fa4_available()
     if why:
         raise KspecError(f"attention kernel {desc.name} on {desc.arch}: {why}")
+    if not desc.group:
+        return _grouped(desc, [build(one, cache_root, lengths) for one in _per_group(desc)])
     root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-attn-"))
     t0 = time.monotonic()
     parts, cached = [], True
@@ -1252,8 +1455,81 @@ def _build_sku(desc: AttnDesc, key: str, d: Path, lengths, done: list[tuple[str,
                        ["fa4_signature", sig_hash]]
                 variants.append({"dir": f"v{k}", **info, "select": box, "config": cfg,
                                  "sha256": {f: _sha(vd / f) for f in ("kernel.cubin", "kernel.so")}})
+        from . import splitkv
+        if splitkv.split_unsupported(desc) is None:
+            with compat.fa4_target(desc.arch, desc.sm_count):
+                variants += _build_split(desc, work, len(variants), reuse)
         meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "sm_count": desc.sm_count,
                 "variants": variants}
         shutil.rmtree(work / "__pycache__", ignore_errors=True)
         cache_entry.seal(work, meta)
         return cache_entry.install(work, d, BUILD_FORMAT)
+
+
+# Split-KV probe: the kernel FA4 builds for long decoding (one sequence, S = 1, 128k keys, 16 splits)
+SPLIT_PROBE = {"S": 1, "B": 1, "T": 131072, "num_splits": 16}
+
+
+def _build_split(desc: AttnDesc, work: Path, first: int, reuse: dict) -> list[dict]:
+    """The split-KV variant of desc (FA4's forward with is_split_kv, writing f32 O and LSE partials
+    into the workspace) and the combine kernel merging them (splitkv.py): two variant records, the
+    split one selected by the runtime when its glue asks for a workspace, the combine one never by
+    size (select []).  Runs inside _build_sku (under compat.fa4_target)."""
+    from . import splitkv
+    from .build import _sha
+    sdesc = replace(desc, split=True)
+    (work / "split").mkdir()
+    (work / "split" / "entry.py").write_text(entry_source(sdesc))
+    mod = _import_entry(work / "split" / "entry.py")
+    hk = 1 if desc.kv_shared else 8
+    p = SPLIT_PROBE
+    ((sig, fa, _pts),) = choose_variants(sdesc, mod, points=[(p["S"], p["B"], hk)], num_splits=p["num_splits"],
+                                         seqlen_k=p["T"])
+    if not getattr(fa, "is_split_kv", False):
+        raise KspecInternalError(f"FlashAttention-4 built no split-KV kernel for {desc.name} on {desc.arch}")
+    out = []
+    sig_hash = hashlib.sha256(("split " + sig).encode()).hexdigest()[:16]
+    vd = work / f"v{first}"
+    vd.mkdir()
+    if sig_hash in reuse:
+        src, prev = reuse[sig_hash]
+        for f in ("kernel.cubin", "kernel.so"):
+            shutil.copyfile(src / f, vd / f)
+        info = {"symbol": prev["symbol"], "param_offsets": prev["param_offsets"], "compile_seconds": 0.0,
+                "sm_independent": True}
+    else:
+        info = _compile_variant(vd, sdesc, mod, fa)
+    cfg = [["variant", f"{first}"], ["role", "split"], ["fa4_class", type(fa).__name__],
+           ["tile", f"{fa.m_block_size}x{fa.n_block_size}"], ["q_stage", str(fa.q_stage)],
+           ["pack_gqa", str(bool(fa.pack_gqa)).lower()],
+           ["s_ping_pong", str(bool(getattr(fa, "use_s_ping_pong", False))).lower()],
+           *([["kv_loads", "tma" if getattr(fa, "use_tma_KV", True) else "cp.async"]] if desc.page_table else []),
+           ["num_splits", str(desc.splits) if desc.splits else "auto"],
+           ["sm_count", str(desc.sm_count)], ["fa4_signature", sig_hash]]
+    out.append({"dir": f"v{first}", **info, "select": [{"S": [1, None]}], "config": cfg,
+                "sha256": {f: _sha(vd / f) for f in ("kernel.cubin", "kernel.so")}})
+    tile_m, k_block = splitkv.combine_params(desc.head_dim_v)
+    c_hash = hashlib.sha256(("combine " + splitkv.combine_source(desc) + repr((tile_m, k_block, splitkv.LOG_MAX_SPLITS,
+                             desc.dims, desc.layouts, desc.lse, desc.splits))).encode()).hexdigest()[:16]
+    cd = work / f"v{first + 1}"
+    cd.mkdir()
+    if c_hash in reuse:
+        src, prev = reuse[c_hash]
+        for f in ("kernel.cubin", "kernel.so"):
+            shutil.copyfile(src / f, cd / f)
+        cinfo = {"symbol": prev["symbol"], "param_offsets": prev["param_offsets"], "compile_seconds": 0.0,
+                 "sm_independent": True}
+    else:
+        lse_modes, lse_factors = _lse_modes(desc)
+        lse_strides = {r: (tuple(lse_factors[k]) if k < len(lse_factors) else ()) for k, r in enumerate(lse_modes)}
+        checks = _checks(desc) + splitkv.prepare_lines(desc.head_dim_v)
+        cinfo = splitkv.build_combine(cd, desc, _modes(desc, 3, desc.head_dim_v), lse_strides, checks,
+                                      compat.SMEM_OPTIN[desc.arch],
+                                      helpers=splitkv.chooser_c(desc.head_dim_v, desc.group > 1, desc.splits))
+    ccfg = [["variant", f"{first + 1}"], ["role", "combine"], ["kernel", "FlashAttentionForwardCombine"],
+            ["tile", f"{tile_m}x{k_block}"], ["max_splits", str(1 << splitkv.LOG_MAX_SPLITS)],
+            ["sm_count", str(desc.sm_count)], ["fa4_signature", c_hash]]
+    out.append({"dir": f"v{first + 1}", **cinfo, "select": [], "config": ccfg,
+                "sha256": {f: _sha(cd / f) for f in ("kernel.cubin", "kernel.so")}})
+    shutil.rmtree(work / "split", ignore_errors=True)
+    return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kspec.backends.api import Capabilities, LoweredPlan, SettingProblem
 from kspec.backends.desc import EmittedKernel, GemmDesc
 from kspec.compiler.kir import KernelIR
-from kspec.core import ARCHS, dtype_bytes
+from kspec.core import ARCHS, KspecError, dtype_bytes
 
 from . import epilogue as cute_epi
 from . import gemm as cute_gemm
@@ -122,6 +122,61 @@ class CuteBackend:
         desc = self._gemm_desc(ir, arch).desc
         return [tuple(c.as_dict().items()) for c in cute_gemm.candidates(desc, arch)]
 
+    def size_problem(self, ir: KernelIR, arch: str, sizes: dict[str, int]) -> str | None:
+        """Why this kernel cannot be built for these `--sizes` (None: it can): a FlashAttention-4
+        attention whose GQA group is known only per call needs the sizes to name it (FA4 compiles the
+        group in), so without them it is planned unfused, as `kspec compile` would build it."""
+        if ir.kind != "attention":
+            return None
+        from . import attention
+        a = attention.fold_heads(ir, ir.attention) or ir.attention
+        if attention._group(a) is not None or attention.groups_named(ir, sizes):
+            return None
+        name = ("the head count " + dict(a.dims).get("H", "H") if a.kv_shared else
+                "H and KH" if isinstance(a.kv_group, str) and "/" in a.kv_group else
+                f"{a.kv_group} (or the query and K/V head counts)")
+        return (f"the GQA group (query heads per K/V head) is known only per call and FlashAttention-4 compiles it "
+                f"into the kernel: name {name} with --sizes to build it")
+
+    def call_notes(self, ir: KernelIR, arch: str, sizes: dict[str, int], config=None) -> list[str]:
+        """What a call at these sizes launches, where the artifact decides per call (`kspec graph
+        --sizes`): for a FlashAttention-4 attention, whether it splits the key range and how many ways
+        on each SKU built for (backends/cute/splitkv.py)."""
+        if ir.kind != "attention":
+            return []
+        from kspec.core import extent_value
+
+        from . import attention, splitkv
+        text = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
+        try:
+            lp = self.lower(ir, arch, (*(config or self.default_config(ir, arch)), ("sizes", text)))
+        except KspecError as e:
+            return [f"{e.message} ({e.hint})" if e.hint else e.message]
+        desc = lp.desc
+        if desc.groups:
+            out = [f"GQA group {', '.join(map(str, desc.groups))} at these sizes: `kspec compile --sizes {text}` "
+                   "builds its kernels"]
+            desc = attention.replace(desc, group=desc.groups[0], groups=())
+        else:
+            out = []
+        why = splitkv.split_unsupported(desc)
+        if why:
+            return [*out, f"split-KV: none on {arch} ({why})"]
+        roles = dict(lp.dims)
+        try:
+            v = {r: extent_value(roles[r], sizes) for r in ("B", "H", "S", "T", "HK")}
+        except KeyError as e:
+            return [f"split-KV: give {e.args[0]} in --sizes to see the split count"]
+        at = ", ".join(f"{r}={v[r]}" for r in ("B", "H", "S", "T", "HK"))
+        counts = []
+        for sms in attention.skus(desc):
+            ns = splitkv.num_splits(v["B"], v["H"], v["S"], v["T"], v["HK"], sms, head_dim_v=desc.head_dim_v,
+                                    pack_gqa=desc.group > 1, override=desc.splits)
+            what = f"{ns} splits (the split-KV kernel, then the combine)" if ns > 1 else \
+                "no split (a single-pass kernel)"
+            counts.append(f"{what} on {sms} SMs")
+        return [*out, f"split-KV at {at}: " + "; ".join(counts)]
+
     # ---- lowering, emission, build ---------------------------------------------------------------
     def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
         """config: one of `candidates(ir, arch)` (a tuning winner); default: the heuristic's."""
@@ -131,6 +186,27 @@ class CuteBackend:
             skus = dict(config or ()).get("sm_count")      # `kspec compile --sm-count`: the SKUs to build for
             if skus:
                 desc = attention.for_skus(desc, skus.split(","))
+            splits = dict(config or ()).get("num_splits", "")  # a tuning winner fixing the split-KV count
+            if splits.isdigit() and int(splits) > 0:
+                from dataclasses import replace
+                desc = replace(desc, splits=int(splits))
+            sizes = dict(config or ()).get("sizes")            # `kspec compile --sizes`: a per-call group's value
+            if not desc.group and sizes:
+                from kspec.core import parse_sizes
+                groups = attention.groups_named(ir, parse_sizes(sizes))
+                if groups:
+                    desc = attention.for_groups(desc, groups)
+            if not desc.group and not desc.groups:
+                a = attention.fold_heads(ir, ir.attention) or ir.attention
+                quotient = isinstance(a.kv_group, str) and "/" in a.kv_group
+                what, eg = (("the head count H", "H=32") if a.kv_shared else
+                            ("the head counts " + " and ".join(a.kv_group.split("/")),
+                             ",".join(f"{x}={v}" for x, v in zip(a.kv_group.split("/"), (32, 8)))) if quotient else
+                            (f"{a.kv_group}, or H and {a.kv_head}", f"{a.kv_group}=4 or H=32,{a.kv_head}=8"))
+                raise KspecError(f"attention kernel {ir.id} on {arch}: its GQA group (query heads per K/V head) is "
+                                 f"known only at call time, and FlashAttention-4 compiles it into the kernel",
+                                 ir.span, f"name the group to build with `kspec compile --sizes` ({what}: e.g. "
+                                 f"{eg}); one artifact per group, or one `kspec build` bucket each")
             return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention.config_items(desc))
         lp = self._gemm_desc(ir, arch)
         cfg = self._config(lp.desc, ir, arch) if config is None else _from_items(config)

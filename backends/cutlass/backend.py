@@ -182,9 +182,10 @@ class CutlassBackend(NvccBuilt):
             return "more than two batch axes"
         if a.scale is None:
             return "the score scale must be one param or constant factor"
-        if a.score_mod is not None or a.mask is not None or a.kv_group is not None or a.lse is not None:
+        if a.score_mod is not None or a.mask is not None or a.kv_group is not None or a.lse is not None or \
+                a.o_scale is not None:
             return ("the CUTLASS FMHA templates implement no score modification, mask (other than top-left "
-                    "causal), grouped K/V heads or log-sum-exp output")
+                    "causal), grouped K/V heads, log-sum-exp output or output scale")
         if a.page_table is not None or a.kv_len is not None:
             return "the CUTLASS FMHA templates read dense K/V (no paged KV cache, no per-sequence key counts)"
         if a.kv_shared:

@@ -263,7 +263,10 @@ def execute(sched: KernelSchedule, inputs: Mapping[str, np.ndarray], params: Map
     poison: dict = {}           # node -> _Poison: points holding a discarded out-of-range gather
     for b in sched.buffers.values():
         if b.kind == "input":
-            buffers[b.name] = inputs[b.name]
+            a = inputs[b.name]
+            squeezed = op(g, b.node).squeezed if b.node is not None else ()
+            # an input read only as a view without its extent-1 axes (canon.squeeze_unit_reads)
+            buffers[b.name] = np.squeeze(a, axis=squeezed) if squeezed else a
         elif b.kind == "param":
             buffers[b.name] = np.asarray(params[b.name], dtype=storage_dtype(b.dtype))
     for plan in sched.plans:

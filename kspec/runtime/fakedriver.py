@@ -654,7 +654,10 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
                    f"limit was set to {rec.smem_limit} (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)")
     # pointers
     maps = rec.prepare.tensor_maps if rec.prepare is not None else ()
-    if rec.prepare is not None and tuple(rec.prepare.ptrs) != tuple(a.ptr for a in args):
+    # (a split-KV launch's glue gets the plan's pointers but uses partial buffers in the workspace
+    # for some: its args name those "<...>", and the blob checks below cover them)
+    if rec.prepare is not None and not any(a.name.startswith("<") for a in args) and \
+            tuple(rec.prepare.ptrs) != tuple(a.ptr for a in args):
         out.append(f"{what}: the glue got pointers {[hex(p) for p in rec.prepare.ptrs]}, expected "
                    f"{[f'{a.name}=0x{a.ptr:x}' for a in args]}")
     # Descriptors the fake encoder wrote are findable in the blob: check those the kernel will
@@ -756,10 +759,14 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
     first = len(fake.launches)
     result = mod[kernel](**args)
     launches = fake.launches[first:]
-    if len(launches) != len(k.plans):
-        raise KspecInternalError(f"{kernel}: {len(k.plans)} plans but {len(launches)} launches recorded")
+    by_id = {p.id: p for p in k.plans}
+    ids = [_launch_plan(rec.what) for rec in launches]
+    # one launch per plan, or a split-KV pair (split kernel, then combine) for an attention plan
+    if [i for n, i in enumerate(ids) if n == 0 or ids[n - 1] != i] != [p.id for p in k.plans]:
+        raise KspecInternalError(f"{kernel}: {len(k.plans)} plans but launches {ids} recorded")
     plan_args = []
-    for plan, rec in zip(k.plans, launches):
+    for pid, rec in zip(ids, launches):
+        plan = by_id[pid]
         tensors = []
         for name, ptr in zip(plan.args, rec.prepare.ptrs if rec.prepare else ()):
             spec = k.tensor(name)
@@ -771,6 +778,9 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
             else:
                 strides = binding.strides[name]
             tensors.append(ArgTensor(name, int(ptr), tuple(shape), tuple(strides), spec.dtype))
+        role = _launch_role(plan, rec.what)
+        if role is not None:
+            tensors = _split_kv_args(role, tensors, fake, rec, binding, k, plan)
         plan_args.append(tensors)
     # allocated outputs: the pointers the glue got must be the ones returned to the caller
     for name, out in result.items():
@@ -779,7 +789,68 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
             used = {a.ptr for tl in plan_args for a in tl if a.name == name}
             if ptr is not None and used and used != {ptr}:
                 raise KspecInternalError(f"{kernel}: output '{name}' returned at 0x{ptr:x} but written at {used}")
-    return FakeCall(kernel, dict(sizes), binding, launches, plan_args, [p.id for p in k.plans])
+    return FakeCall(kernel, dict(sizes), binding, launches, plan_args, ids)
+
+
+def _launch_plan(what: str) -> str:
+    """The plan id in a launch's description ("plan '<id>' (<arch>[, variant <n>])")."""
+    import re
+    m = re.search(r"plan '([^']*)'", what)
+    if m is None:
+        raise KspecInternalError(f"a launch described as {what!r} names no plan")
+    return m.group(1)
+
+
+def _launch_role(plan, what: str) -> str | None:
+    """"split" or "combine" when the launch is one of a split-KV pair (the variant's config role)."""
+    import re
+    m = re.search(r"\((sm\w+), variant (\d+)\)", what)
+    if m is None or m.group(1) not in plan.binaries:
+        return None
+    variants = plan.binaries[m.group(1)].variants
+    role = variants[int(m.group(2))].config.get("role") if int(m.group(2)) < len(variants) else None
+    return role if role in ("split", "combine") else None
+
+
+@dataclass(frozen=True)
+class SplitWorkspace:
+    """The split-KV partial buffers a pair of launches shares (backends/cute/splitkv.py): NS splits,
+    O partials [NS, B, S, H, dv] f32 at the workspace, LSE partials [NS, B, H, S] f32 after them."""
+    num_splits: int
+    o_partial: ArgTensor
+    lse_partial: ArgTensor
+    nbytes: int
+
+
+def split_workspace(fake: "FakeDriver", rec: LaunchRecord, B: int, H: int, S: int, dv: int) -> SplitWorkspace:
+    """The partial buffers of a split-KV launch, from its workspace's size and the call's sizes: the
+    split count is the one whose buffers (each 256-byte aligned) fill the workspace."""
+    ws = rec.prepare.workspace if rec.prepare is not None else 0
+    owner = fake._owner(ws) if ws else None
+    if owner is None:
+        raise KspecInternalError(f"{rec.what}: a split-KV launch without a workspace")
+    nbytes = owner.ptr + owner.nbytes - ws
+    rows = B * S * H
+    for ns in range(2, 257):
+        o = -(-(ns * rows * dv * 4) // 256) * 256
+        if o + -(-(ns * rows * 4) // 256) * 256 == nbytes:
+            return SplitWorkspace(
+                ns, ArgTensor("<O partials>", ws, (ns, B, S, H, dv), (rows * dv, S * H * dv, H * dv, dv, 1), "f32"),
+                ArgTensor("<LSE partials>", ws + o, (ns, B, H, S), (rows, H * S, S, 1), "f32"), nbytes)
+    raise KspecInternalError(f"{rec.what}: a {nbytes}-byte workspace is no split-KV partial layout "
+                             f"(B={B}, H={H}, S={S}, dv={dv})")
+
+
+def _split_kv_args(role: str, tensors: list[ArgTensor], fake, rec: LaunchRecord, binding, k, plan) -> list[ArgTensor]:
+    """What a launch of a split-KV pair reads and writes: the split kernel Q, K, V (and the plan's
+    other inputs) with the partials in place of O and the LSE; the combine the partials, O and LSE."""
+    roles = dict(zip((r for r, _v in plan.dims), binding.dims(plan)))
+    ws = split_workspace(fake, rec, roles["B"], roles["H"], roles["S"], tensors[3].shape[-1])
+    if role == "split":
+        return [*tensors[:3], ws.o_partial, ws.lse_partial,
+                *(t for t in tensors[4:] if k.tensor(t.name) is not None and
+                  t.name not in {x.name for x in k.outputs})]
+    return [ws.o_partial, ws.lse_partial, *(t for t in tensors[3:] if t.name in {x.name for x in k.outputs})]
 
 
 def check_call(call: FakeCall, arch: str, mod) -> list[str]:
@@ -787,7 +858,9 @@ def check_call(call: FakeCall, arch: str, mod) -> list[str]:
     through TMA descriptors."""
     out = []
     k = mod[call.kernel].entry
-    for plan, rec, args in zip(k.plans, call.launches, call.plan_args):
+    by_id = {p.id: p for p in k.plans}
+    for pid, rec, args in zip(call.plan_ids, call.launches, call.plan_args):
+        plan = by_id[pid]
         config = plan.binaries[arch].config if arch in plan.binaries else {}
         # CUTLASS GEMMs on sm90a/sm100a load both operands with TMA
         need = tuple(plan.args[:2]) if plan.kind == "gemm" and "kernel_schedule" in config else ()

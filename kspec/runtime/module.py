@@ -48,6 +48,7 @@ from kspec.runtime.indexcheck import check_before_launch
 from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
 
 _SCRATCH_ALIGN = 256
+_PAIR_ROLES = ("split", "combine")     # variants launched together (split-KV), never chosen by size
 
 
 def load(path: str | Path, verify: bool = True, check_indices: bool = True) -> "Module":
@@ -456,15 +457,58 @@ class Module:
         b = plan.binaries[arch]
         if not b.variants:
             return -1
-        values = {role: v for (role, _), v in zip(plan.dims, dims)}
+        values = _select_values(plan, dims)
         sku = sku_for(b, sm_count)
         for i, v in enumerate(b.variants):
+            if v.config.get("role") in _PAIR_ROLES:
+                continue                  # split-KV kernels: taken by split_variants, not by size
             if v.holds(values) and (sku is None or not variant_skus(v) or sku in variant_skus(v)):
                 return i
-        sizes = ", ".join(f"{r}={v}" for r, v in values.items())
+        _missing_group(plan, arch, b, values)
+        sizes = ", ".join(f"{r}={v}" for r, v in values.items() if r in dict(plan.dims))
         on = "" if sku is None else f" built for {sku} SMs"
         raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): no kernel variant{on} in the artifact serves {sizes}",
                                 hint="recompile the artifact without restricting its size buckets")
+
+    def split_variants(self, plan: Plan, arch: str, sm_count: int | None = None,
+                       dims: list[int] | None = None) -> tuple[int, int] | None:
+        """(split kernel, combine kernel) variant numbers of a split-KV binary on the SKU `sku_for` picks
+        (FlashAttention-4 decoding, backends/cute/splitkv.py), or None when the binary has none.  The
+        split one runs when its glue asks for a workspace for the call (its split count is above 1)."""
+        b = plan.binaries[arch]
+        sku = sku_for(b, sm_count)
+        values = _select_values(plan, dims) if dims is not None else None
+
+        def find(role):
+            # (a per-call GQA group: the pair built for the call's group, G in its boxes)
+            return next((i for i, v in enumerate(b.variants) if v.config.get("role") == role and
+                         (values is None or all(_box_group_ok(box, values) for box in v.select[:1])) and
+                         (sku is None or not variant_skus(v) or sku in variant_skus(v))), None)
+        split, combine = find("split"), find("combine")
+        if split is None:
+            return None
+        if combine is None:
+            raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the artifact has a split-KV kernel but no combine "
+                                    "kernel for it", hint="rebuild the artifact with `kspec compile`")
+        return split, combine
+
+    def launches(self, plan: Plan, arch: str, dims: list[int], device: int, sm_count: int | None
+                 ) -> tuple[list[int], int]:
+        """The variants launched for one plan (in order) and the workspace bytes they share: the split-KV
+        kernel and its combine when the split kernel's glue asks for a workspace at these sizes, else
+        the single variant `variant` picks (its own workspace)."""
+        pair = self.split_variants(plan, arch, sm_count, dims)
+        if pair is not None:
+            ws = self.glue(plan, arch, pair[0]).workspace_size(dims, device, sm_count or 0)
+            if ws > 0:
+                other = self.glue(plan, arch, pair[1]).workspace_size(dims, device, sm_count or 0)
+                if other != ws:
+                    raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the split-KV kernel and its combine size "
+                                            f"the workspace differently ({ws} and {other} bytes); the artifact is "
+                                            "inconsistent", hint="rebuild the artifact with `kspec compile`")
+                return list(pair), ws
+        v = self.variant(plan, arch, dims, sm_count)
+        return [v], self.glue(plan, arch, v).workspace_size(dims, device, sm_count or 0)
 
     def glue(self, plan: Plan, arch: str, variant: int = -1) -> HostGlue:
         key = (plan.id, arch, variant)
@@ -523,9 +567,8 @@ class Module:
                 if check_indices and k.index_ranges:
                     check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
-            variants = [self.variant(p, arch, b.dims(p), sms) for p in k.plans]
-            glues = [self.glue(p, arch, v) for p, v in zip(k.plans, variants)]
-            ws_sizes = [g.workspace_size(b.dims(p), device, sms) for g, p in zip(glues, k.plans)]
+            chosen = [self.launches(p, arch, b.dims(p), device, sms) for p in k.plans]
+            ws_sizes = [ws for _vs, ws in chosen]
             # one scratch block: every intermediate, then one workspace reused by the plans in turn
             offsets, total = {}, 0
             for t in k.intermediates:
@@ -540,14 +583,18 @@ class Module:
                 # every plan's launch is prepared (and judged) before the first one is queued: a call
                 # that one of them cannot run launches nothing
                 prepared = []
-                for plan, glue, ws, v in zip(k.plans, glues, ws_sizes, variants):
-                    pr = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
-                                      scratch + ws_offset if ws else 0, device, sms)
-                    _check_launch_shape(pr, plan, arch, b.dims(plan))
-                    prepared.append(pr)
-                for plan, glue, ws, v, pr in zip(k.plans, glues, ws_sizes, variants, prepared):
-                    self._run_plan(drv, b, plan, arch, glue, ctx, ptrs,
-                                   scratch + ws_offset if ws else 0, ws, device, sms, v, pr)
+                for plan, (vs, ws) in zip(k.plans, chosen):
+                    for v in vs:
+                        glue = self.glue(plan, arch, v)
+                        pr = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
+                                          scratch + ws_offset if ws else 0, device, sms)
+                        _check_launch_shape(pr, plan, arch, b.dims(plan))
+                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1))
+                for plan, glue, ws, v, pr, pair in prepared:
+                    # a split-KV pair's workspace holds partials the split kernel writes in full and the
+                    # combine reads: it is not cleared (FA4 allocates them uninitialised too)
+                    self._run_plan(drv, b, plan, arch, glue, ctx, ptrs, scratch + ws_offset if ws else 0,
+                                   0 if pair else ws, device, sms, v, pr)
             finally:
                 if scratch:
                     drv.free_async(scratch, stream)
@@ -644,6 +691,38 @@ class Module:
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+def _select_values(plan: Plan, dims: list[int]) -> dict[str, int]:
+    """The values a variant's select boxes are over: the plan's dims by role, and for attention the
+    GQA group G = H / HK (query heads per K/V head), which FlashAttention-4 compiles in."""
+    values = {role: v for (role, _), v in zip(plan.dims, dims)}
+    if "H" in values and "HK" in values and values["HK"] > 0 and "G" not in values:
+        values["G"] = values["H"] // values["HK"] if values["H"] % values["HK"] == 0 else -1
+    return values
+
+
+def _box_group_ok(box: dict, values: dict[str, int]) -> bool:
+    if "G" not in box:
+        return True
+    lo, hi = box["G"]
+    return lo <= values.get("G", -1) and (hi is None or values.get("G", -1) <= hi)
+
+
+def _missing_group(plan: Plan, arch: str, binary, values: dict[str, int]) -> None:
+    """Raise the named error for a call whose GQA group has no kernel in the artifact (the group is
+    compiled into FlashAttention-4's kernels; an artifact holds the groups it was built for)."""
+    built = sorted({box["G"][0] for v in binary.variants for box in v.select if "G" in box})
+    if not built or values.get("G") in built:
+        return
+    h, hk, g = values.get("H"), values.get("HK"), values.get("G")
+    call = f"{h} query heads on {hk} K/V heads" + (f" (group {g})" if g is not None and g > 0 else
+                                                 " (not a whole group per K/V head)")
+    hint = (f"rebuild the artifact for that group: `kspec compile --sizes H={h},KH={hk}` (or the group symbol, "
+            f"G={g})" if g is not None and g > 0 else "H must be a multiple of the K/V head count")
+    raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the artifact holds FlashAttention-4 kernels for the GQA "
+                            f"group{'s' if len(built) > 1 else ''} {', '.join(map(str, built))} (query heads per K/V "
+                            f"head), and this call has {call}", hint=hint)
+
 
 def variant_skus(v) -> tuple[int, ...]:
     """The SM counts (GPU SKUs) a variant was built for: its config "sm_count" ("132,114"); () if none."""
