@@ -283,27 +283,36 @@ def test_every_file_of_a_cute_entry_damaged_every_way(clean_gemm, tmp_path, name
     assert sum("is damaged" in l for l in r.stderr.splitlines()) == 1, r.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.cute
-@pytest.mark.parametrize("name", ["entry.py", "meta.json", "v0/kernel.cubin", "v0/kernel.so"])
-@pytest.mark.parametrize("how", ["truncate", "delete"])
-def test_every_file_of_an_attention_entry_damaged(tmp_path, name, how):
+def _compile_attention(cache: Path, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KSPEC_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, "-m", "kspec", "compile", str(ROOT / "specs" / "attention_decode.kspec"),
+                           "--arch", "sm90a", "-o", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def clean_attention(tmp_path_factory):
+    """One cold FlashAttention-4 build (cache and artifact), copied by each damage case."""
     from kspec.backends.cute import compat
     why = compat.fa4_available()
     if why is not None:
         pytest.skip(f"needs FlashAttention-4: {why}")
-    cache = tmp_path / "cache"
-
-    def compile_(out):
-        env = {**os.environ, "KSPEC_CACHE_DIR": str(cache)}
-        return subprocess.run([sys.executable, "-m", "kspec", "compile", str(ROOT / "specs" / "attention_decode.kspec"),
-                               "--arch", "sm90a", "-o", str(out)], capture_output=True, text=True, env=env, cwd=ROOT)
-    r = compile_(tmp_path / "clean")
+    base = tmp_path_factory.mktemp("attention-cache")
+    r = _compile_attention(base / "cache", base / "clean")
     assert r.returncode == 0, r.stderr
-    clean = _tree(tmp_path / "clean")
+    return base, _tree(base / "clean")
+
+
+@pytest.mark.slow
+@pytest.mark.cute
+@pytest.mark.parametrize("name", ["entry.py", "meta.json", "v0/kernel.cubin", "v0/kernel.so"])
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_every_file_of_an_attention_entry_damaged(clean_attention, tmp_path, name, how):
+    base, clean = clean_attention
+    cache = tmp_path / "cache"
+    shutil.copytree(base / "cache", cache)
     (d,) = list(cache.glob("cute-attention/*/*"))
     _damage(d / name, how)
-    r = compile_(tmp_path / "again")
+    r = _compile_attention(cache, tmp_path / "again")
     assert r.returncode == 0, r.stderr
     assert sum("is damaged" in l for l in r.stderr.splitlines()) == 1, r.stderr
     assert _tree(tmp_path / "again") == clean
