@@ -274,29 +274,34 @@ def _place_inputs(mem: _Memory, entry, host: dict, offset: int = 0) -> dict[str,
 
 def reduced_sizes(entry) -> list[str]:
     """Size symbols only inputs have (a GEMM's K, a softmax's vocabulary, attention's T): at 0 with
-    the outputs not empty, every output value would be a reduction over nothing."""
-    outs = {e for t in entry.outputs for e in t.shape if isinstance(e, str)}
-    return sorted({e for t in entry.inputs for e in t.shape if isinstance(e, str) and "+" not in e} - outs)
+    the outputs not empty, every output value would be a reduction over nothing.  Derived extents
+    (`E+1` offsets, `K/128` block-scale counts) and packed row counts are not symbols of their own."""
+    from kspec.core import split_offset_dim
+    def own(e) -> bool:
+        return isinstance(e, str) and "+" not in e and "/" not in e
+    outs = {e for t in entry.outputs for e in t.shape if own(e)}
+    # a packed output ranges over its packing's sequences: the `B` of offsets `[B+1]`
+    for t in entry.outputs:
+        if t.packed:
+            outs |= {split_offset_dim(e)[0] for e in entry.tensor(t.packed).shape
+                     if isinstance(e, str) and split_offset_dim(e)}
+    return sorted({e for t in entry.inputs for e in t.shape if own(e) and not (t.packed and e == t.shape[0])} - outs)
 
 
-def run_empty_check(mod, kname: str, sizes: dict[str, int], sym: str, drv) -> tuple[bool, str]:
-    """`sym` = 0 is refused by name before any launch (issue 22 item 3; kspec.runtime.emptycheck)."""
-    from kspec.artifact import layout_strides
-    from kspec.core import extent_value
-    from kspec.runtime import DeviceBuffer, KspecRuntimeError, dtypes
+def run_empty_check(mod, program, kname: str, sizes: dict[str, int], sym: str, drv, seed: int) -> tuple[bool, str]:
+    """`sym` = 0 is refused by name before any launch (issue 22 item 3; kspec.runtime.emptycheck).
+    The inputs are those of the other checks (kspec.run.random_inputs: block-scale extents rounded
+    up, varlen offsets drawn) at `sym` = 0."""
+    from kspec.run import random_inputs
+    from kspec.runtime import KspecRuntimeError
     kernel = mod[kname]
     entry = kernel.entry
-    sizes = {**sizes, sym: 0}
+    host = random_inputs(program.kernel(kname), {**sizes, sym: 0}, seed)
     mem = _Memory(drv)
     first = len(getattr(drv, "launches", ()))
     try:
-        args: dict[str, Any] = {p.name: (p.default if p.default is not None else 1.5) for p in entry.params}
-        for t in entry.inputs:
-            shape = tuple(extent_value(e, sizes) for e in t.shape)
-            nbytes = math.prod(shape) * dtypes.itemsize(t.dtype)
-            args[t.name] = DeviceBuffer(mem.alloc(nbytes), shape, dtypes.storage(t.dtype),
-                                        strides=layout_strides(shape, t.layout))
-        kernel(**args)
+        params = {p.name: (p.default if p.default is not None else 1.5) for p in entry.params}
+        kernel(**params, **_place_inputs(mem, entry, host))
     except KspecRuntimeError as e:
         launched = len(getattr(drv, "launches", ())) - first
         ok = f"{sym} = 0" in e.message and not launched
@@ -502,7 +507,7 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
                         say(f"  {tag} {kname:<24} {sname:<7} {variant:<8} {detail}")
                 for sym in reduced_sizes(mod[kname].entry):
                     try:
-                        good, detail = run_empty_check(mod, kname, size_sets["small"], sym, drv)
+                        good, detail = run_empty_check(mod, program, kname, size_sets["small"], sym, drv, seed)
                     except kspec.KspecError as e:
                         good, detail = False, str(e).splitlines()[0]
                     checks.append(Check(art.name, kname, "small", f"{sym}=0", good, detail,
