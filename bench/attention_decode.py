@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=256, help="rows per page (--paged)")
     ap.add_argument("--peak-gbs", type=float, default=None, help="the device's HBM peak, GB/s")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prebuilt", metavar="DIR", help="load DIR/attention_decode_dense and _paged (bench/prebuild.py) "
+                    "instead of compiling")
     args = ap.parse_args(argv)
     from bench import Timer, cuda_torch
     found = cuda_torch("attention_decode")
@@ -131,7 +133,6 @@ def main(argv=None) -> int:
         return 0
     torch, arch = found
     import kspec
-    from kspec.compile import compile_spec
     name = torch.cuda.get_device_name()
     peak = peak_gbs(name, args.peak_gbs)
     print(f"device {name} ({arch}), HBM peak {peak or '?'} GB/s; H={H} KH={KH} d={D} bf16 S={args.rows}")
@@ -150,9 +151,13 @@ def main(argv=None) -> int:
             print(f"kspec {layout}: not one fused attention ({why}); no kspec column")
             kernels[layout] = None
             continue
-        path = tmp / f"{layout}.kspec"
-        path.write_text(text)
-        mod = kspec.load(compile_spec(path, (arch,), tmp / f"out_{layout}"))
+        if args.prebuilt:
+            mod = kspec.load(Path(args.prebuilt) / f"attention_decode_{layout}")
+        else:
+            from kspec.compile import compile_spec
+            path = tmp / f"{layout}.kspec"
+            path.write_text(text)
+            mod = kspec.load(compile_spec(path, (arch,), tmp / f"out_{layout}"))
         kernels[layout] = getattr(mod, f"attention_decode_{layout}")
         kern_mods[layout] = mod
     sms = torch.cuda.get_device_properties(0).multi_processor_count

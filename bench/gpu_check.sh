@@ -7,10 +7,11 @@
 # no nvcc.  Artifacts come prebuilt from a CPU machine (`python bench/prebuild.py --wheels`, which
 # writes bench/prebuilt/ for sm90a and sm100a and the wheels of lark/networkx/ml_dtypes/pytest into
 # .whl/); modules missing here are installed from .whl/ into a temporary folder, offline.
-# Steps (each time-boxed; the whole run stays under 8 minutes on one H200):
+# Steps (each time-boxed; the whole run stays under 10 minutes on one H200):
 #   1. pytest -m "gpu and not nvcc": the GPU tests that need no compiler (tests/test_prebuilt_gpu.py),
 #   2. kspec selftest on every prebuilt artifact (reference comparison at several sizes + torch bench),
-#   3. bench/bench.py --quick on the prebuilt artifacts.
+#   3. bench/bench.py --quick on the prebuilt artifacts,
+#   4. the issues' benchmarks on the prebuilt artifacts (decode attention, RoPE, derived backwards).
 # The summary file lists pass/fail per spec, each step's time and rc, and the benchmark ratios.
 # Exit status: 0 all passed; 1 a failure; 3 no usable CUDA device (summary says so).
 # Rehearsal on a CPU machine: KSPEC_GPU_CHECK_FAKE=sm90a|sm100a runs step 2 as `kspec selftest
@@ -96,7 +97,7 @@ step() {  # step NAME SECONDS CMD...  -> runs with a time box, logs to $WORK/NAM
 
 # 1. GPU tests that need no compiler (the reference comparison itself is step 2)
 export KSPEC_PREBUILT="$PREBUILT"
-[ -n "$FAKE" ] && note "step pytest_gpu: skipped (rehearsal)" || step pytest_gpu 90 $PY -m pytest -q -m "gpu and not nvcc" -p no:cacheprovider -k "not test_prebuilt_matches_reference" \
+[ -n "$FAKE" ] && note "step pytest_gpu: skipped (rehearsal)" || step pytest_gpu 60 $PY -m pytest -q -m "gpu and not nvcc" -p no:cacheprovider -k "not test_prebuilt_matches_reference" \
   "$ROOT/tests/test_prebuilt_gpu.py"
 [ -f "$WORK/pytest_gpu.log" ] && tail -n 3 "$WORK/pytest_gpu.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 
@@ -107,7 +108,7 @@ if [ ${#arts[@]} -eq 0 ]; then
   note "step selftest: no prebuilt artifacts in $PREBUILT (run python bench/prebuild.py on a CPU machine)"
   status=1
 else
-  step selftest 240 $PY -m kspec selftest "${arts[@]}" --reps 10 --json "$WORK/selftest.json" ${FAKE:+--fake "$FAKE"}
+  step selftest 200 $PY -m kspec selftest "${arts[@]}" --reps 10 --json "$WORK/selftest.json" ${FAKE:+--fake "$FAKE"}
   $PY - "$WORK/selftest.json" <<'PYEOF' | tee -a "$SUMMARY"
 import json, sys
 try:
@@ -146,8 +147,21 @@ fi
 if [ -n "$FAKE" ]; then
   note "step bench_quick: skipped (rehearsal)"
 else
-  step bench_quick 120 $PY "$ROOT/bench/bench.py" --quick --reps 10 --prebuilt "$PREBUILT"
+  step bench_quick 100 $PY "$ROOT/bench/bench.py" --quick --reps 10 --prebuilt "$PREBUILT"
   grep -E "kspec|speed-up|failed|skipped|no CUDA" "$WORK/bench_quick.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+fi
+
+# 4. the issues' own benchmarks on the prebuilt artifacts: decoding attention (issue 25), RoPE
+#    (issue 23), the derived row backwards (issue 26); each prints ratios against baselines in the same run
+if [ -n "$FAKE" ]; then
+  note "step bench_issues: skipped (rehearsal)"
+else
+  step bench_decode 75 $PY "$ROOT/bench/attention_decode.py" --prebuilt "$PREBUILT" --batches 1,8,64 --kv 4096,32768 --reps 10
+  grep -E "^(dense|paged|kspec|device|note)" "$WORK/bench_decode.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+  step bench_rope 45 $PY "$ROOT/bench/rope.py" --prebuilt "$PREBUILT" --no-compile --batches 1,8 --seqlens 4096 --reps 10
+  grep -vE "^\s*$" "$WORK/bench_rope.log" | tail -n 12 | sed 's/^/  /' | tee -a "$SUMMARY"
+  step bench_grad 60 $PY "$ROOT/bench/grad.py" --gpu --prebuilt "$PREBUILT" --rows 8192 --cols 4096 --reps 10
+  grep -E "kspec backward|failed|Error" "$WORK/bench_grad.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 fi
 
 note "total time: $(( $(date +%s) - START ))s"

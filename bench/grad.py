@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
 PATTERNS = ("gemm_bias_gelu_residual", "mlp2", "swiglu_mlp", "layernorm", "rmsnorm", "cross_entropy",
             "attention_causal", "attention_gqa")
+GPU_PATTERNS = ("layernorm", "rmsnorm", "cross_entropy")     # the ones timed on a GPU (`gpu`)
 
 
 def _sizes(rows: int, cols: int) -> dict:
@@ -48,7 +49,7 @@ def model(rows: int, cols: int) -> None:
               f"{c.minimum_bytes / 1e9:8.3f} GB {c.fused_bytes / max(c.minimum_bytes, 1):6.2f}{unfused}")
 
 
-def gpu(rows: int, cols: int, reps: int, out: Path) -> int:
+def gpu(rows: int, cols: int, reps: int, out: Path, prebuilt: Path | None = None) -> int:
     try:
         import torch
     except ImportError:
@@ -88,10 +89,16 @@ def gpu(rows: int, cols: int, reps: int, out: Path) -> int:
                           lambda a: F.cross_entropy(a["logits"].float(), a["label"].long(), reduction="none"),
                           "loss", dloss),
     }
+    assert tuple(forwards) == GPU_PATTERNS
     for stem, (ins, torch_fwd, out_name, grad_out) in forwards.items():
-        spec = out / f"{stem}_grad.kspec"
-        spec.write_text(grad_program(load_spec(SPECS / f"{stem}.kspec")))
-        mod = kspec.load(compile_spec(spec, (arch,), out, progress=Progress(enabled=False)), check_indices=False)
+        if prebuilt is not None:        # bench/prebuild.py built `{stem}_grad` on a CPU machine
+            art = prebuilt / f"{stem}_grad"
+            spec = art / kspec.load(art).manifest.spec.file
+        else:
+            spec = out / f"{stem}_grad.kspec"
+            spec.write_text(grad_program(load_spec(SPECS / f"{stem}.kspec")))
+            art = compile_spec(spec, (arch,), out, progress=Progress(enabled=False))
+        mod = kspec.load(art, check_indices=False)
         fwd, bwd = getattr(mod, f"{stem}_fwd"), getattr(mod, f"{stem}_bwd")
         saved = fwd(**ins)
         args = {**ins, **saved, f"d{out_name}": grad_out}
@@ -122,9 +129,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", action="store_true", help="also measure on the CUDA device")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("-o", "--output", default=str(ROOT / "build" / "bench_grad"), help="artifact directory")
+    ap.add_argument("--prebuilt", metavar="DIR", help="load the backwards bench/prebuild.py built (DIR/<pattern>_grad) "
+                    "instead of compiling")
     args = ap.parse_args(argv)
     model(args.rows, args.cols)
-    return gpu(args.rows, args.cols, args.reps, Path(args.output)) if args.gpu else 0
+    return gpu(args.rows, args.cols, args.reps, Path(args.output),
+               Path(args.prebuilt) if args.prebuilt else None) if args.gpu else 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +30,20 @@ WHEELS = ("lark", "networkx", "ml_dtypes", "pytest", "iniconfig", "pluggy", "pac
 
 def folder_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def bench_specs() -> dict[str, str]:
+    """Spec texts that bench/attention_decode.py and bench/grad.py compile for themselves, by the
+    artifact name their `--prebuilt DIR` loads."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import attention_decode
+    import grad
+    from kspec.spec_lang import load_spec
+    from kspec.spec_lang.grad import grad_program
+    out = {"attention_decode_dense": attention_decode.DENSE, "attention_decode_paged": attention_decode.PAGED}
+    for stem in grad.GPU_PATTERNS:
+        out[f"{stem}_grad"] = grad_program(load_spec(ROOT / "specs" / f"{stem}.kspec"))
+    return out
 
 
 def download_wheels(dest: Path) -> int:
@@ -54,6 +69,12 @@ def main(argv=None) -> int:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     sources = {p.stem: p for d in (ROOT / "specs", ROOT / "bench" / "risks") for p in sorted(d.glob("*.kspec"))}
+    # the specs some bench scripts write themselves (decode attention, derived backwards): written
+    # to a temporary folder under the names those scripts load with --prebuilt
+    tmp = Path(tempfile.mkdtemp(prefix="kspec-prebuild-"))
+    for stem, text in bench_specs().items():
+        (tmp / f"{stem}.kspec").write_text(text)
+        sources[stem] = tmp / f"{stem}.kspec"
     stems = args.only.split(",") if args.only else list(sources)
     lines = []
     for stem in stems:

@@ -186,7 +186,7 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
     kernel = mod[kname]
     entry = kernel.entry
     ck = program.kernel(kname)
-    host = random_inputs(ck, sizes, seed)
+    host = within_index_ranges(entry, random_inputs(ck, sizes, seed))
     # params: the declared default, else 1.5; the same values go to the reference
     params = {p.name: (p.default if p.default is not None else 1.5) for p in entry.params}
     mem = _Memory(drv)
@@ -255,6 +255,27 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
         return not bad, detail, errors
     finally:
         mem.free_all()
+
+
+def within_index_ranges(entry, host: dict) -> dict:
+    """The random inputs with every value of a recorded index range (`KernelEntry.index_ranges`:
+    subscripts, and key lengths such as a paged cache's `kv_len`, which the spec alone does not
+    bound) folded into its valid range, so the checks compare numbers rather than meet the runtime's
+    refusal; offsets (monotonic) are drawn valid by kspec.run.random_inputs already."""
+    import numpy as np
+    sizes = {e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)}
+    for r in entry.index_ranges or ():
+        if r.monotonic or r.ends or r.tensor not in host:
+            continue
+        a = host[r.tensor]
+        span = r.bound(sizes) + (1 if r.inclusive else 0)
+        if span <= 0:
+            continue
+        bad = (a >= span) | ((a < 0) if not r.negative else False)
+        if r.ignore is not None:
+            bad &= a != r.ignore
+        host[r.tensor] = np.where(bad, np.abs(a) % span, a).astype(a.dtype)
+    return host
 
 
 def _place_inputs(mem: _Memory, entry, host: dict, offset: int = 0) -> dict[str, Any]:
