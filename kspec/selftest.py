@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kspec.core import split_quotient_dim
+from kspec.core import split_offset_dim, split_quotient_dim
 from kspec.runtime import dtypes as rt_dtypes
 
 EXIT_OK, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 3
@@ -47,6 +47,21 @@ SIZE_SETS: dict[str, dict[str, int]] = {
               "NP": 4, "P": 8, "MP": 3},
 }
 OFFSET = 256
+
+# CUDA errors after which the context is unusable: every later call in the process fails the same
+# way, so `run` goes on with the remaining artifacts in a fresh process (`_continue_elsewhere`)
+STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS",
+          "CUDA_ERROR_INVALID_PC", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_HARDWARE_STACK_ERROR",
+          "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_TIMEOUT",
+          "CUDA_ERROR_ECC_UNCORRECTABLE",
+          # the same faults as torch words them (a benchmark's baseline or allocation after one)
+          "illegal instruction was encountered", "illegal memory access was encountered", "misaligned address",
+          "unspecified launch failure")
+
+
+def context_lost(detail: str) -> bool:
+    """Whether a check's failure left the CUDA context unusable (STICKY)."""
+    return any(code in detail for code in STICKY)
 
 # What the checks of an artifact settle on a GPU that no CPU test can (issue 22): by artifact name
 # (bench/risks/*.kspec and shipped specs; bench/prebuild.py builds both), printed with its results.
@@ -368,6 +383,79 @@ def run_index_check(mod, program, kname: str, sizes: dict[str, int], drv, seed: 
     return False, f"{where} was launched, not refused"
 
 
+def _check_artifact(mod, program, art: Path, arch: str, risk: str, size_sets: dict, drv, seed: int,
+                    fake: str | None, checks: list[Check], say) -> None:
+    """Every check of one artifact, appended to `checks`; raises _ContextLost after a check whose
+    failure left the CUDA context unusable."""
+    import kspec
+    for kname in mod.kernels:
+        for sname, sizes in size_sets.items():
+            for variant in ("declared", "offset"):
+                t0 = time.perf_counter()
+                try:
+                    good, detail, errs = run_kernel_check(mod, program, kname, sizes, variant, drv, arch,
+                                                          seed, fake is not None)
+                except kspec.KspecError as e:
+                    good, detail, errs = False, str(e).splitlines()[0], {}
+                dt = time.perf_counter() - t0
+                is_open = bool(errs.pop("open", 0.0))
+                checks.append(Check(art.name, kname, sname, variant, good, detail, errs, dt, risk, is_open))
+                tag = "OPEN" if is_open else "PASS" if good else "FAIL"
+                say(f"  {tag} {kname:<24} {sname:<7} {variant:<8} {detail}")
+                if not good and context_lost(detail) and not fake:
+                    raise _ContextLost(art.name)
+        for sym in reduced_sizes(mod[kname].entry):
+            try:
+                good, detail = run_empty_check(mod, program, kname, size_sets["small"], sym, drv, seed)
+            except kspec.KspecError as e:
+                good, detail = False, str(e).splitlines()[0]
+            checks.append(Check(art.name, kname, "small", f"{sym}=0", good, detail,
+                                risk="a reduction over nothing is refused before launch (issue 22 item 3)"))
+            say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {'small':<7} {sym + '=0':<8} {detail.splitlines()[0][:120]}")
+        if mod[kname].entry.index_ranges:
+            try:
+                good, detail = run_index_check(mod, program, kname, size_sets["small"], drv, seed)
+            except kspec.KspecError as e:
+                good, detail = False, str(e).splitlines()[0]
+            checks.append(Check(art.name, kname, "small", "bad-index", good, detail))
+            say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {'small':<7} {'bad-index':<8} {detail}")
+
+
+class _ContextLost(Exception):
+    """A check faulted the CUDA context (STICKY): nothing more can run in this process."""
+
+
+def _continue_elsewhere(paths: list[str], sizes_extra, bench: bool, reps: int, seed: int, say):
+    """`kspec selftest` on `paths` in a fresh process (a faulted context cannot be recovered in
+    this one); its output is passed on, its checks and benchmark rows returned."""
+    import subprocess
+    import tempfile
+    if not paths:
+        return [], [], EXIT_OK
+    with tempfile.TemporaryDirectory(prefix="kspec-selftest-") as tmp:
+        js = str(Path(tmp) / "rest.json")
+        cmd = [sys.executable, "-m", "kspec", "selftest", *paths, "--reps", str(reps), "--seed", str(seed),
+               "--json", js]
+        if sizes_extra:
+            cmd += ["--sizes", ",".join(f"{k}={v}" for k, v in sizes_extra.items())]
+        if not bench:
+            cmd.append("--no-bench")
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tables = False                  # the combined benchmark table and count are the caller's to print
+        for line in proc.stdout.splitlines():
+            tables = tables or line.startswith("benchmark (mean of")
+            if not (tables or line.startswith("selftest on ")):
+                say(line)
+        try:
+            data = json.loads(Path(js).read_text())
+        except (OSError, ValueError) as e:
+            say(f"selftest: the fresh process wrote no results (exit {proc.returncode}: {e})")
+            return [Check(Path(p).name, "*", "-", "-", False, "not run: the fresh process failed") for p in paths], [], EXIT_FAIL
+    checks = [Check(**c) for c in data["checks"]]
+    rows = [BenchRow(**{k: v for k, v in r.items() if k != "ratio"}) for r in data["bench"]]
+    return checks, rows, proc.returncode
+
+
 # ------------------------------------------------------------------------------------------ bench
 
 def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
@@ -381,8 +469,12 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
     for kname in mod.kernels:
         entry = mod[kname].entry
         kinds = {p.kind for p in entry.plans}
-        sizes = {"M": 4096, "N": 4096, "K": 4096, "L": 8, "B": 4, "H": 16, "S": 2048, "T": 2048,
-                 "NP": 512, "P": 16, "MP": 128}        # a paged KV cache: 2048 keys per sequence
+        sizes = {"M": 4096, "N": 4096, "K": 4096, "L": 8, "B": 4, "H": 16, "KH": 4, "S": 2048, "T": 2048,
+                 "NP": 512, "P": 16, "MP": 128, "E": 8}  # a paged KV cache: 2048 keys per sequence; GQA group 4
+        # packed (varlen, grouped) tensors: 1024 rows per sequence, offsets evenly spaced (valid: the
+        # timed calls skip the index checks, and a garbage offset faults the context)
+        seq_rows = 1024
+        offsets: dict[str, int] = {}                      # offsets tensor -> its sequence count
         if "attention" in kinds:
             pass
         elif entry.inputs and len(entry.inputs[0].shape) == 3:
@@ -394,11 +486,21 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
                 hi = math.prod(e if isinstance(e, int) else sizes.get(e, 1024)
                                for e in (r.extent if isinstance(r.extent, tuple) else (r.extent,)))
                 bounds[r.tensor] = min(hi, bounds.get(r.tensor, hi))
+            def extent(e):
+                if isinstance(e, int):
+                    return e
+                off, quo = split_offset_dim(e), split_quotient_dim(e)      # `B+1` offsets, `K/32` block scales
+                return extent(off[0]) + off[1] if off else sizes.get(quo[0], 1024) // quo[1] if quo else sizes.get(e, 1024)
+            for t in (*entry.inputs, *entry.outputs):
+                if t.packed:
+                    offsets[t.packed] = extent(entry.tensor(t.packed).shape[0]) - 1
+                    sizes.setdefault(t.shape[0], offsets[t.packed] * seq_rows)
             for t in (*entry.inputs, *entry.outputs):      # outputs passed: allocation is not timed
-                def extent(e):
-                    quo = split_quotient_dim(e)             # `K/32` block scales
-                    return e if isinstance(e, int) else sizes.get(quo[0], 1024) // quo[1] if quo else sizes.get(e, 1024)
                 shape = tuple(extent(e) for e in t.shape)
+                if t.name in offsets:
+                    args[t.name] = (torch.arange(offsets[t.name] + 1, device="cuda") * seq_rows).to(torch.int32)
+                    shapes[t.name] = shape
+                    continue
                 tdt = getattr(torch, rt_dtypes.DTYPES[t.dtype].torch)
                 if t.dtype == "f8e8m0":                     # MX scales: positive powers of two
                     args[t.name] = (torch.rand(shape, device="cuda") + 0.5).to(tdt)
@@ -425,7 +527,8 @@ def bench_artifact(mod, art: str, reps: int) -> list[BenchRow]:
             ins = [args[t.name] for t in entry.inputs]
             causal = any(str(b.config.get("mask", "")).startswith("causal")
                          for p in entry.plans for b in p.binaries.values())
-            if "attention" in kinds and len(ins) >= 3:
+            if "attention" in kinds and len(ins) >= 3 and ins[1].shape[0] == ins[0].shape[0] \
+                    and ins[1].shape[1] == ins[0].shape[1]:           # SDPA: dense K/V with Q's heads
                 import torch.nn.functional as F
                 q, k_, v = ins[:3]
                 base = "torch sdpa" + (" causal" if causal else "")
@@ -498,7 +601,7 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
             size_sets["given"] = {**SIZE_SETS["tiles"], **sizes_extra}
         checks: list[Check] = []
         rows: list[BenchRow] = []
-        for p in paths:
+        for i, p in enumerate(paths):
             art = Path(p)
             try:
                 mod = kspec.load(art)
@@ -512,37 +615,24 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
             if not risk and arch == "sm100a" and any(p.kind == "attention" for k in mod.manifest.kernels for p in k.plans):
                 risk = FA4_SMEM_RISK
             say(f"{art.name} ({arch}):" + (f"  [settles: {risk}]" if risk else ""))
-            for kname in mod.kernels:
-                for sname, sizes in size_sets.items():
-                    for variant in ("declared", "offset"):
-                        t0 = time.perf_counter()
-                        try:
-                            good, detail, errs = run_kernel_check(mod, program, kname, sizes, variant, drv, arch,
-                                                                  seed, fake is not None)
-                        except kspec.KspecError as e:
-                            good, detail, errs = False, str(e).splitlines()[0], {}
-                        dt = time.perf_counter() - t0
-                        is_open = bool(errs.pop("open", 0.0))
-                        checks.append(Check(art.name, kname, sname, variant, good, detail, errs, dt, risk, is_open))
-                        tag = "OPEN" if is_open else "PASS" if good else "FAIL"
-                        say(f"  {tag} {kname:<24} {sname:<7} {variant:<8} {detail}")
-                for sym in reduced_sizes(mod[kname].entry):
-                    try:
-                        good, detail = run_empty_check(mod, program, kname, size_sets["small"], sym, drv, seed)
-                    except kspec.KspecError as e:
-                        good, detail = False, str(e).splitlines()[0]
-                    checks.append(Check(art.name, kname, "small", f"{sym}=0", good, detail,
-                                        risk="a reduction over nothing is refused before launch (issue 22 item 3)"))
-                    say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {'small':<7} {sym + '=0':<8} {detail.splitlines()[0][:120]}")
-                if mod[kname].entry.index_ranges:
-                    try:
-                        good, detail = run_index_check(mod, program, kname, size_sets["small"], drv, seed)
-                    except kspec.KspecError as e:
-                        good, detail = False, str(e).splitlines()[0]
-                    checks.append(Check(art.name, kname, "small", "bad-index", good, detail))
-                    say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {'small':<7} {'bad-index':<8} {detail}")
+            try:
+                _check_artifact(mod, program, art, arch, risk, size_sets, drv, seed, fake, checks, say)
+            except _ContextLost:
+                say(f"  {art.name}: the CUDA context is lost (a kernel faulted); its remaining checks are not run"
+                    + (f", the other {len(paths) - i - 1} artifact(s) run in a fresh process" if i + 1 < len(paths) else ""))
+                more_checks, more_rows, _rc = _continue_elsewhere(paths[i + 1:], sizes_extra, bench, reps, seed, say)
+                checks += more_checks
+                rows += more_rows
+                break
             if bench and not fake:
                 rows += bench_artifact(mod, art.name, reps)
+                if any(context_lost(r.note) for r in rows[-len(mod.kernels):]) and i + 1 < len(paths):
+                    say(f"  {art.name}: the CUDA context is lost in its benchmark; the other "
+                        f"{len(paths) - i - 1} artifact(s) run in a fresh process")
+                    more_checks, more_rows, _rc = _continue_elsewhere(paths[i + 1:], sizes_extra, bench, reps, seed, say)
+                    checks += more_checks
+                    rows += more_rows
+                    break
         if rows:
             say("benchmark (mean of %d calls after warm-up; ratio = torch time / kspec time):" % reps)
             for r in rows:
