@@ -56,7 +56,7 @@ def _plan(text, archs=("sm90a", "sm100a"), sizes=None):
 @pytest.mark.parametrize("text, sizes, group", [
     (GQA_PARAM, {"G": 4}, 4), (GQA_PARAM, {"H": 32, "KH": 8}, 4), (GQA_PARAM, {"H": 32}, None),
     (MQA, {"H": 16}, 16), (MQA, {"B": 2}, None),
-])
+], ids=["gqa-G=4", "gqa-H=32,KH=8", "gqa-H=32", "mqa-H=16", "mqa-B=2"])
 def test_a_per_call_group_fuses_where_the_sizes_name_it(text, sizes, group):
     """With the group named, one attention (gqa_group per call); without, the unfused plan, as
     `kspec compile` would build it, and the reason says how to name it."""
