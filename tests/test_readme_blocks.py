@@ -13,16 +13,23 @@
   `<!-- readme-test: gpu REASON -->` (Python is compiled and each `kspec` command's arguments are
   parsed, nothing runs), `<!-- readme-test: slow REASON -->` (the same), or
   `<!-- readme-test: fragment REASON -->` (grammar, output or a partial statement: not run).
+- A block that needs an optional package says which, and why, in the same place:
+  `<!-- readme-test: needs MODULE[,MODULE...] REASON -->` (e.g. `needs torch`). Where every module
+  imports, it runs like any other block; where one is missing (the README's `pip install -e ".[test]"`
+  installs neither torch nor FlashAttention-4), it is checked as a `gpu` block is (compiled or
+  parsed, not run), and the test warns which blocks it did not run and why.
   A block that is none of the above and has no comment fails the test: say what it is.
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import subprocess
 import sys
 import textwrap
 import tomllib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +59,17 @@ class Block:
     line: int
     lang: str
     body: str
-    kind: str | None        # gpu, slow, fragment (the comment above the fence), or None
+    kind: str | None        # gpu, slow, fragment, needs (the comment above the fence), or None
     why: str | None
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The modules a `needs` block imports (the first word of its comment, comma-separated)."""
+        return tuple(self.why.split(" ", 1)[0].split(",")) if self.kind == "needs" else ()
+
+    def missing(self) -> tuple[str, ...]:
+        """Those of its modules that are not installed here."""
+        return tuple(m for m in self.needs if importlib.util.find_spec(m) is None)
 
 
 def blocks() -> list[Block]:
@@ -126,7 +142,12 @@ def test_every_block_is_runnable_or_says_why():
     bs = blocks()
     assert len(bs) >= 15
     for b in bs:
-        if b.kind is not None:
+        if b.kind == "needs":
+            assert all(re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", m) for m in b.needs), \
+                f"line {b.line}: `needs` names modules, comma-separated: {b.why!r}"
+            reason = b.why.split(" ", 1)[1] if " " in b.why else ""
+            assert len(reason) >= 10, f"line {b.line}: say what the block needs {', '.join(b.needs)} for"
+        elif b.kind is not None:
             assert b.kind in ("gpu", "slow", "fragment"), f"line {b.line}: unknown readme-test kind {b.kind!r}"
             assert len(b.why) >= 10, f"line {b.line}: say why the block is not run"
         elif b.lang == "":
@@ -139,13 +160,21 @@ def test_every_block_is_runnable_or_says_why():
 
 def test_readme_blocks_run_in_order(workdir):
     """The README top to bottom: each failure names the README line of its block."""
+    not_run = []
     for b in blocks():
         where = f"README.md block at line {b.line}"
-        if b.kind == "fragment":
+        kind = b.kind
+        if kind == "needs":
+            # run where its modules are installed; else checked as a gpu block is (not run), and said so
+            missing = b.missing()
+            kind = "absent" if missing else None
+            if missing:
+                not_run.append(f"{where} ({b.why.split(' ', 1)[1]}): {', '.join(missing)} not installed")
+        if kind == "fragment":
             continue
         if b.lang == "python":
             compile(b.body, where, "exec")
-            if b.kind is None:
+            if kind is None:
                 src = workdir / f"block_{b.line}.py"
                 src.write_text(b.body)
                 r = subprocess.run([sys.executable, "-c", _RUNNER, str(src), str(b.line)], cwd=workdir,
@@ -158,7 +187,7 @@ def test_readme_blocks_run_in_order(workdir):
             (workdir / "library.toml").write_text(b.body)
             assert load_library(workdir / "library.toml").specs, where
             continue
-        shell = b.lang == "bash" or b.body.lstrip().startswith("$ ") or b.kind in ("gpu", "slow")
+        shell = b.lang == "bash" or b.body.lstrip().startswith("$ ") or kind in ("gpu", "slow", "absent")
         if not shell:
             name = re.match(r"# (\S+\.kspec)\n", b.body)
             spec = workdir / (name[1] if name else f"block_{b.line}.kspec")
@@ -170,9 +199,9 @@ def test_readme_blocks_run_in_order(workdir):
             for part in (p.strip() for p in cmd.split("&&")):
                 argv = _kspec_argv(part)
                 if argv is None:
-                    _check_shell_word(part, run=b.kind is None)
+                    _check_shell_word(part, run=kind is None)
                     continue
-                if b.kind in ("gpu", "slow"):
+                if kind in ("gpu", "slow", "absent"):
                     from kspec.cli import build_parser
                     try:
                         build_parser().parse_args(argv)
@@ -185,3 +214,5 @@ def test_readme_blocks_run_in_order(workdir):
                     got = [ln.rstrip() for ln in r.stdout.rstrip("\n").splitlines()]
                     assert got == [ln.rstrip() for ln in expected], \
                         f"{where}: `{part}` prints\n" + "\n".join(got) + "\nbut the README shows\n" + "\n".join(expected)
+    if not_run:
+        warnings.warn("README blocks not run (an optional package is missing): " + "; ".join(not_run))

@@ -567,6 +567,10 @@ class Module:
                 if check_indices and k.index_ranges:
                     check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
             results, ptrs = self._outputs(drv, b, device, ctx)
+            if all(math.prod(b.extents(t)) == 0 for t in k.outputs):
+                # every output is empty: nothing to compute, so nothing is launched, whatever the backend
+                # (a glue need not take zero sizes: CUTLASS's refuse them; emptycheck.py)
+                return results
             chosen = [self.launches(p, arch, b.dims(p), device, sms) for p in k.plans]
             ws_sizes = [ws for _vs, ws in chosen]
             # one scratch block: every intermediate, then one workspace reused by the plans in turn
