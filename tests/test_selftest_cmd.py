@@ -86,3 +86,22 @@ def test_numeric_path_with_an_emulating_fake(art, corrupt, tmp_path):
         assert rc == 0, out.getvalue()
         assert all(c["errors"]["D"] < 1e-6 and c["errors"]["rmax"] < 1e-6 for c in sa)
 
+
+
+def test_a_faulted_context_hands_the_remaining_artifacts_to_a_fresh_process(art):
+    """After a kernel faults (a sticky CUDA error: every later call in the process fails the same
+    way) the remaining artifacts are checked by `kspec selftest` in a fresh process, whose output
+    is passed on and whose JSON results are merged (on the H200 one faulting benchmark failed all
+    later artifacts).  Here the fresh process finds no GPU: exit 3, no checks, its reason passed on."""
+    from kspec.runtime import cuda_available
+    from kspec.selftest import _continue_elsewhere, context_lost
+    assert context_lost("error: cuCtxSynchronize failed: CUDA_ERROR_ILLEGAL_INSTRUCTION (an illegal instruction)")
+    assert context_lost("AcceleratorError: CUDA error: an illegal memory access was encountered")
+    assert not context_lost("O: max relative error 0.5 > 0.01")
+    assert not context_lost("error: argument 'A': dtype f32, expected f16")
+    if cuda_available()[0]:
+        pytest.skip("this machine has a GPU")
+    said: list[str] = []
+    checks, rows, rc = _continue_elsewhere([str(art)], {"M": 64}, True, 3, 0, said.append)
+    assert (checks, rows, rc) == ([], [], 3)
+    assert any("no CUDA device" in line for line in said), said

@@ -99,3 +99,51 @@ def test_the_fa4_shared_memory_question_is_open_not_failed_in_a_rehearsal(compil
     assert opened and all("static shared memory exceed" in c["detail"] and c["risk"] == FA4_SMEM_RISK for c in opened)
     assert "open: only a GPU answers them" in text
     assert [c for c in res["checks"] if c["variant"] == "T=0"], "attention over T = 0 keys is refused by name"
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_selftest_checks_the_quantized_and_grouped_gemms(compiled, tmp_path):
+    """The block-scaled and MoE artifacts go through every selftest check on the fake driver: the
+    reduction-over-nothing check sets the reduced size (K, D) to 0, never a derived extent (`K/128`
+    block-scale counts, `E+1` offsets, packed row counts) nor a packed output's sequence count E
+    (E = 0 empties the output, which is a legal call), and the inputs satisfy the spec's own
+    divisibility (K a multiple of 128 for 128-wide blocks)."""
+    from kspec.selftest import run
+    arts = [compiled(stem, ("sm90a",)) for stem in ("fp8_gemm_blockwise", "moe_grouped_gemm", "moe_gather_gemm")]
+    out = io.StringIO()
+    rc = run([str(a) for a in arts], fake="sm90a", bench=False, json_path=str(tmp_path / "r.json"), out=out)
+    text = out.getvalue()
+    assert rc == 0, text
+    variants = {}
+    for c in json.loads((tmp_path / "r.json").read_text())["checks"]:
+        variants.setdefault(c["artifact"], set()).add(c["variant"])
+    assert "K=0" in variants["fp8_gemm_blockwise"] and not any("/" in v for v in variants["fp8_gemm_blockwise"])
+    for moe in ("moe_grouped_gemm", "moe_gather_gemm"):
+        assert "D=0" in variants[moe] and "E=0" not in variants[moe], variants[moe]
+        assert not any("+" in v or "rows" in v for v in variants[moe]), variants[moe]
+
+
+def test_random_inputs_are_folded_into_the_recorded_index_ranges():
+    """A key-length tensor the spec only compares against (a paged cache's kv_len) has no bound in
+    the spec; the selftest folds its random values into the range the runtime checks, leaving
+    valid values and an allowed sentinel alone."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kspec.core import IndexRange
+    from kspec.selftest import within_index_ranges
+    entry = SimpleNamespace(
+        inputs=[SimpleNamespace(name="bt", shape=("B", "MP")), SimpleNamespace(name="kv_len", shape=("B",)),
+                SimpleNamespace(name="label", shape=("B",))],
+        index_ranges=[IndexRange("kv_len", "bt", 1, ("MP", "P"), inclusive=True),
+                      IndexRange("label", "bt", 1, "MP", ignore=-100)])
+    host = {"bt": np.zeros((3, 4), np.int32), "kv_len": np.array([-4, 70, 64], np.int32),
+            "label": np.array([-100, 9, 2], np.int32)}
+    # P is no input's extent: the bound falls back on the shapes the entry names, so give it through MP*P
+    entry.inputs.append(SimpleNamespace(name="pages", shape=("P",)))
+    host["pages"] = np.zeros(16, np.int32)
+    got = within_index_ranges(entry, host)
+    assert got["kv_len"].tolist() == [4, 70 % 65, 64]          # [0, MP*P] = [0, 64]
+    assert got["label"].tolist() == [-100, 9 % 4, 2]           # the sentinel stays
