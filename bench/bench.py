@@ -6,7 +6,8 @@ For every case it prints kspec's time and TFLOP/s (or GB/s) and ratios against, 
 torch.matmul (cuBLAS), the torch eager sequence of unfused ops, torch.compile of that sequence
 (when it works here), and for attention torch's scaled_dot_product_attention on the flash backend.
 Timing: warm-up, CUDA events around each call, an L2 flush (a 256 MiB write) before each call,
-median of --reps calls.  Without a CUDA device (or without torch) it says so and exits 0.
+median of --reps calls; the GPU spins ~2 ms before each timed call so the events bracket GPU time
+only, not the host's launch (bench/launch_overhead.py reports that host cost separately).  Without a CUDA device (or without torch) it says so and exits 0.
 This is not a test: nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -51,15 +52,24 @@ class Timer:
         self.reps = reps
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
+    # A device-side head start before each timed call: the GPU spins while the host enqueues the
+    # start event, the call and the end event, so the interval is the call's GPU time, not the host
+    # time of launching it (kspec's Python launch path cost ~250 us per call on the H200 on
+    # 2026-12-04, more than many kernels run; bench/launch_overhead.py measures that host cost).
+    HEAD_START_CYCLES = 4_000_000        # ~2 ms at H200/B200 clocks
+
     def __call__(self, fn) -> float:
-        """Median milliseconds of fn() over reps calls, each after an L2 flush."""
+        """Median milliseconds of fn()'s GPU time over reps calls, each after an L2 flush."""
         torch = self.torch
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
         times = []
+        sleep = getattr(torch.cuda, "_sleep", None)
         for _ in range(self.reps):
             self.flush.zero_()
+            if sleep is not None:
+                sleep(self.HEAD_START_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
