@@ -47,7 +47,6 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated spec stems (default: every spec in specs/)")
     ap.add_argument("--wheels", action="store_true", help="also download the wheels gpu_check.sh may need into .whl/")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from kspec.compile import compile_spec
     from kspec.core import NoBackendError, normalize_arch
     from kspec.spec_lang import load_spec

@@ -114,7 +114,6 @@ def main(argv=None) -> int:
     ap.add_argument("--interleaved", action="store_true", help="also time GPT-J's interleaved RoPE (GPTJ, compiled "
                     "here: needs nvcc) against QuACK's interleaved=True")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     try:
         import torch
     except ImportError:

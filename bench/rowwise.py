@@ -138,7 +138,6 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("-o", "--output", default=str(ROOT / "build" / "bench"), help="artifact directory")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     model(args.rows, args.cols)
     return gpu(args.rows, args.cols, args.reps, Path(args.output)) if args.gpu else 0
 

@@ -7,6 +7,19 @@ Importing kspec is cheap: the compiler, the runtime and the backends load on fir
 """
 __version__ = "0.1.0"
 
+# pyproject.toml maps the checkout's top-level folders (spec_lang, compiler, backends, specs) under
+# `kspec`.  When this file is imported from a source checkout (a git worktree, `bench/` scripts, a GPU
+# machine with nothing installed), resolve those subpackages from the same checkout: otherwise an
+# editable install of another checkout would supply them and mix two trees.
+def _checkout_root():
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    return str(root) if (root / "pyproject.toml").is_file() and (root / "backends").is_dir() else None
+
+
+if _checkout_root() and _checkout_root() not in __path__:
+    __path__.append(_checkout_root())
+
 from kspec.core import KspecError, KspecInternalError, KspecRuntimeError  # noqa: E402
 
 
