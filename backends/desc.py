@@ -100,6 +100,10 @@ class EmittedKernel:
     scalars: scalar parameter names in ABI order.
     init:    outputs the loader must fill before launch (atomic reductions): name -> "zero" | "neg_inf".
     alignment: required byte alignment per tensor argument.
+    multiples: size roles (of dims) whose value must be a multiple of a number: the kernel has no
+             tail handling there (e.g. the CuTe DSL GEMM whose A rows are gathered reads whole
+             128-byte K tiles).  The manifest records them (plans[*].multiples) and the runtime
+             refuses other sizes before any launch.
     config:  the tile/cluster/stages/schedule actually chosen, for the manifest and `kspec inspect`.
     """
     name: str
@@ -113,3 +117,4 @@ class EmittedKernel:
     init: tuple[tuple[str, str], ...] = ()
     alignment: tuple[tuple[str, int], ...] = ()
     config: tuple[tuple[str, str], ...] = ()
+    multiples: tuple[tuple[str, int], ...] = ()

@@ -34,6 +34,7 @@ Layout of an artifact directory::
           "scalars": ["alpha"],
           "init": {"rowmax": "neg_inf"},
           "alignment": {"A": 16, "B": 16, "D": 16},
+          "multiples": {"K": 64},               # optional
           "binaries": {"sm90a": {
               "cubin": "gemm_bias_relu_0.sm90a.cubin", "host": "gemm_bias_relu_0.sm90a.so",
               "sha256": {"cubin": "<hex>", "host": "<hex>"},
@@ -79,6 +80,9 @@ Meaning of the fields
   "zero" or "neg_inf" (-inf for floats; the most negative value for ints and f8e4m3).
 - plans[*].alignment: required byte alignment of the data pointer of a tensor argument; every
   non-unit stride of that tensor, in bytes, must be a multiple of it too (row pitches).
+- plans[*].multiples (optional): dims roles whose value must be a multiple of the given positive
+  int (the kernel has no tail handling along it: a GEMM whose A rows are gathered reads whole
+  128-byte K tiles); the runtime refuses a call whose sizes are not, before any launch.  Absent: {}.
 - plans[*].strides (optional): dims roles whose value is a tensor argument's actual stride, in
   elements, along one axis ({role: [tensor, axis]}) rather than its dense layout's.  A row-layout
   tensor whose every axis but the last has such a role in every plan taking it may be passed with
@@ -211,6 +215,7 @@ class Plan:
     alignment: dict[str, int] = field(default_factory=dict)
     binaries: dict[str, Binary] = field(default_factory=dict)
     strides: dict[str, tuple[str, int]] = field(default_factory=dict)   # dims role -> (tensor, axis)
+    multiples: dict[str, int] = field(default_factory=dict)             # dims role -> what it is a multiple of
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,8 @@ def _plan_json(p: Plan) -> dict[str, Any]:
     return {"id": p.id, "kind": p.kind, "dims": [[r, list(v) if isinstance(v, tuple) else v] for r, v in p.dims], "args": list(p.args),
             "scalars": list(p.scalars), "init": dict(p.init), "alignment": dict(p.alignment),
             "binaries": {a: _binary_json(b) for a, b in p.binaries.items()},
-            **({"strides": {r: [t, a] for r, (t, a) in p.strides.items()}} if p.strides else {})}
+            **({"strides": {r: [t, a] for r, (t, a) in p.strides.items()}} if p.strides else {}),
+            **({"multiples": dict(p.multiples)} if p.multiples else {})}
 
 
 def manifest_to_json(m: Manifest) -> dict[str, Any]:
@@ -525,7 +531,15 @@ class _Reader:
                     and not isinstance(ref[1], bool) and 0 <= ref[1] < kernel.rank[ref[0]]):
                 raise self.fail(f"{where}.strides.{role}", "expected [tensor argument, axis]")
             strides[role] = (ref[0], ref[1])
-        return Plan(pid, kind, tuple(dims), args, tuple(scalars), dict(init), dict(alignment), binaries, strides)
+        multiples: dict[str, int] = {}
+        for role, m in self.get(obj, "multiples", where, dict, optional=True, default={}).items():
+            if role not in roles:
+                raise self.fail(f"{where}.multiples", f"'{role}' is not a dims role of this plan")
+            if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+                raise self.fail(f"{where}.multiples.{role}", "expected a positive int")
+            multiples[role] = m
+        return Plan(pid, kind, tuple(dims), args, tuple(scalars), dict(init), dict(alignment), binaries, strides,
+                    multiples)
 
     def kernel(self, obj: Any, where: str, archs: tuple[str, ...]) -> KernelEntry:
         name = self.user_name(self.get(obj, "name", where, str), "kernel", f"{where}.name")
@@ -811,6 +825,8 @@ def plan_interface(k: KernelEntry, plan: Plan, arch: str) -> list[list]:
             ["strides", {r: [t, a] for r, (t, a) in sorted(plan.strides.items())}],
             ["alignment", {a: plan.alignment[a] for a in plan.args if a in plan.alignment}],
             ["scalars", list(plan.scalars)]]
+    if plan.multiples:           # (recorded only where a plan has them: older records stay as they were)
+        out.append(["multiples", dict(sorted(plan.multiples.items()))])
     params = {p.name: p for p in k.params}
     for sc in plan.scalars:
         if isinstance(sc, str) and sc in params:
@@ -911,7 +927,7 @@ def stamp_interfaces(directory: str | os.PathLike, manifest: Manifest) -> Manife
                 bins[arch] = Binary(b.cubin, b.host, rehash(b.sha256, b.host), b.symbol, b.config, b.registers,
                                     b.smem, b.backend, b.kind, variants)
             plans.append(Plan(plan.id, plan.kind, plan.dims, plan.args, plan.scalars, plan.init, plan.alignment,
-                              bins, plan.strides))
+                              bins, plan.strides, plan.multiples))
         kernels.append(KernelEntry(k.name, k.inputs, k.outputs, k.params, k.intermediates, tuple(plans),
                                    k.index_ranges))
     return Manifest(manifest.spec, manifest.archs, tuple(kernels), manifest.toolchain, manifest.kspec_version,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -428,7 +429,7 @@ def _write_artifact(path, staging: Path, target: Path, emitted: EmittedSpec, bui
                                                  kind=p.choices[arch].kind)
                 if ep.emitted.args != first.emitted.args or ep.emitted.scalars != first.emitted.scalars:
                     raise KspecInternalError(f"plan {p.id} has a different ABI on {arch}")
-            plans.append(_plan_entry(p, first, binaries, _squeezed(sched)))
+            plans.append(_plan_entry(p, first, binaries, _squeezed(sched), emitted.plans[p.id]))
         entries.append(KernelEntry(
             name=k.name,
             inputs=tuple(_tensor_spec(t) for t in k.inputs),
@@ -561,12 +562,18 @@ def _spec_axis(squeezed: tuple[int, ...], axis: int) -> int:
     return kept[axis]
 
 
-def _plan_entry(p, ep: EmittedPlan, binaries, squeezed: dict | None = None):
+def _plan_entry(p, ep: EmittedPlan, binaries, squeezed: dict | None = None, every: list | None = None):
+    """The manifest's plan from its first arch's emission `ep`; `every`: the emissions of every arch,
+    whose size multiples all hold (the least common multiple per role)."""
     from kspec.artifact import Plan
     lp, em = ep.lowered, ep.emitted
     names = lp.names
     dims = dict(lp.dims)
     squeezed = squeezed or {}
+    multiples: dict[str, int] = {}
+    for e in every or [ep]:
+        for role, m in (e.emitted.multiples if e.emitted is not None else ()):
+            multiples[role] = math.lcm(multiples.get(role, 1), m)
     return Plan(
         id=p.id, kind=p.kind if p.kind in ("gemm", "attention") else "elementwise",
         dims=tuple((role, dims[role]) for role in em.dims),
@@ -576,7 +583,8 @@ def _plan_entry(p, ep: EmittedPlan, binaries, squeezed: dict | None = None):
         alignment={names[n]: a for n, a in em.alignment},
         binaries=binaries,
         strides={role: (names[a], _spec_axis(squeezed.get(names[a], ()), axis))
-                 for role, a, axis in getattr(lp.desc, "strides", ())})
+                 for role, a, axis in getattr(lp.desc, "strides", ())},
+        multiples=multiples)
 
 
 def _resources(cubin: Path, toolchain, cache_root: Path | None = None,

@@ -37,15 +37,18 @@ EXIT_OK, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 3
 # K and N (contiguous extents of the shipped layouts) stay multiples of 16 elements: TMA needs
 # 16-byte aligned rows for every dtype down to fp8.
 # Attention: H is a multiple of 4 (attention_gqa's literal group) over KH K/V heads; a paged KV
-# cache has NP pages of P keys, MP pages per sequence.
+# cache has NP pages of P keys, MP pages per sequence.  Mixture of experts: E experts, D the hidden
+# size (a GEMM's K).  A kernel's own constraints (block scales over whole blocks of K, kernels
+# without a K tail) round these up per kernel: call_sizes.
 SIZE_SETS: dict[str, dict[str, int]] = {
     "tiles": {"M": 256, "N": 384, "K": 256, "L": 2, "B": 2, "H": 4, "KH": 1, "S": 256, "T": 256, "F": 512, "V": 512,
-              "NP": 32, "P": 16, "MP": 16},
+              "NP": 32, "P": 16, "MP": 16, "E": 4, "D": 256},
     "ragged": {"M": 200, "N": 144, "K": 80, "L": 3, "B": 1, "H": 8, "KH": 2, "S": 136, "T": 200, "F": 136, "V": 1000,
-               "NP": 40, "P": 16, "MP": 13},
+               "NP": 40, "P": 16, "MP": 13, "E": 3, "D": 80},
     "small": {"M": 8, "N": 16, "K": 16, "L": 1, "B": 1, "H": 4, "KH": 1, "S": 8, "T": 24, "F": 16, "V": 24,
-              "NP": 4, "P": 8, "MP": 3},
+              "NP": 4, "P": 8, "MP": 3, "E": 1, "D": 16},
 }
+DEFAULT_SIZE = 16            # a size symbol no size set names (call_sizes)
 OFFSET = 256
 
 # CUDA errors after which the context is unusable: every later call in the process fails the same
@@ -314,6 +317,58 @@ def _place_inputs(mem: _Memory, entry, host: dict, offset: int = 0) -> dict[str,
     return args
 
 
+def call_sizes(entry, base: dict[str, int], *, default: int = DEFAULT_SIZE, keep=()) -> dict[str, int]:
+    """`base` completed and adjusted for one call of kernel `entry` (a manifest KernelEntry), as the
+    artifact's own declarations require: every size symbol of its arguments' shapes gets a value
+    (the B of an offsets extent `B+1` and the K of a block-scale extent `K/32` too), from `base`,
+    else `default`; and each is rounded up to a multiple of what the artifact says it needs:
+    q for a `K/q` extent (block scales cover whole blocks), a plan's `multiples` for the size it
+    binds to that role (no tail handling there), and, for a tensor a plan wants `alignment`-byte
+    aligned, a row pitch that keeps the alignment (the runtime checks every non-unit stride).
+    Packed row counts (`cu_rows`) are not invented: kspec.runtime.fakedriver._packed_offsets derives
+    them from the offsets.  Symbols in `keep` keep base's value (sizes a user gave).  The other keys
+    of `base` are kept as they are."""
+    from kspec.core import packed_rows_symbol, split_offset_dim
+    packed = {packed_rows_symbol(t.packed) for t in (*entry.inputs, *entry.outputs) if t.packed}
+    need: dict[str, int] = {}
+
+    def symbol(e) -> tuple[str, int] | None:
+        """(size symbol, q) of an extent whose value is symbol / q; None for anything else."""
+        if not isinstance(e, str):
+            return None                       # an int literal or a product
+        if split_offset_dim(e) is not None:
+            need.setdefault(split_offset_dim(e)[0], 1)     # `B+1` binds B, whatever it is
+            return None
+        return split_quotient_dim(e) or (e, 1)
+
+    def require(e, m: int) -> None:
+        s = symbol(e)
+        if s is not None:
+            need[s[0]] = math.lcm(need.get(s[0], 1), m * s[1])
+
+    for t in (*entry.inputs, *entry.outputs, *entry.intermediates):
+        for e in t.shape:
+            require(e, 1)
+    for plan in entry.plans:
+        dims = dict(plan.dims)
+        for role, m in plan.multiples.items():
+            require(dims[role], m)
+        for name, align in plan.alignment.items():
+            t = entry.tensor(name)
+            if t is None or len(t.shape) < 2:
+                continue
+            # the least non-unit stride of a dense tensor is its contiguous extent; the rest are multiples
+            inner = t.shape[-2] if t.layout == "col" else t.shape[-1]
+            require(inner, align // math.gcd(align, rt_dtypes.itemsize(t.dtype)))
+    out = dict(base)
+    for sym, m in need.items():
+        if sym in packed:
+            continue
+        v = base.get(sym, default)
+        out[sym] = v if sym in keep else -(-v // m) * m
+    return out
+
+
 def reduced_sizes(entry) -> list[str]:
     """Size symbols only inputs have (a GEMM's K, a softmax's vocabulary, attention's T): at 0 with
     the outputs not empty, every output value would be a reduction over nothing.  Derived extents
@@ -338,7 +393,7 @@ def run_empty_check(mod, program, kname: str, sizes: dict[str, int], sym: str, d
     from kspec.runtime import KspecRuntimeError
     kernel = mod[kname]
     entry = kernel.entry
-    host = random_inputs(program.kernel(kname), {**sizes, sym: 0}, seed)
+    host = within_index_ranges(entry, random_inputs(program.kernel(kname), {**sizes, sym: 0}, seed))
     mem = _Memory(drv)
     first = len(getattr(drv, "launches", ()))
     try:
@@ -390,12 +445,17 @@ def run_index_check(mod, program, kname: str, sizes: dict[str, int], drv, seed: 
 
 
 def _check_artifact(mod, program, art: Path, arch: str, risk: str, size_sets: dict, drv, seed: int,
-                    fake: str | None, checks: list[Check], say) -> None:
+                    fake: str | None, checks: list[Check], say, given=()) -> None:
     """Every check of one artifact, appended to `checks`; raises _ContextLost after a check whose
-    failure left the CUDA context unusable."""
+    failure left the CUDA context unusable.  `given`: the size symbols a user gave (`--sizes`),
+    kept as given."""
     import kspec
     for kname in mod.kernels:
-        for sname, sizes in size_sets.items():
+        entry = mod[kname].entry
+        small = call_sizes(entry, size_sets["small"])
+        for sname, base in size_sets.items():
+            # the kernel's own constraints on top of the set (not on the sizes a user gave)
+            sizes = call_sizes(entry, base, keep=given if sname == "given" else ())
             for variant in ("declared", "offset"):
                 t0 = time.perf_counter()
                 try:
@@ -410,17 +470,17 @@ def _check_artifact(mod, program, art: Path, arch: str, risk: str, size_sets: di
                 say(f"  {tag} {kname:<24} {sname:<7} {variant:<8} {detail}")
                 if not good and context_lost(detail) and not fake:
                     raise _ContextLost(art.name)
-        for sym in reduced_sizes(mod[kname].entry):
+        for sym in reduced_sizes(entry):
             try:
-                good, detail = run_empty_check(mod, program, kname, size_sets["small"], sym, drv, seed)
+                good, detail = run_empty_check(mod, program, kname, small, sym, drv, seed)
             except kspec.KspecError as e:
                 good, detail = False, str(e).splitlines()[0]
             checks.append(Check(art.name, kname, "small", f"{sym}=0", good, detail,
                                 risk="a reduction over nothing is refused before launch (issue 22 item 3)"))
             say(f"  {'PASS' if good else 'FAIL'} {kname:<24} {'small':<7} {sym + '=0':<8} {detail.splitlines()[0][:120]}")
-        if mod[kname].entry.index_ranges:
+        if entry.index_ranges:
             try:
-                good, detail = run_index_check(mod, program, kname, size_sets["small"], drv, seed)
+                good, detail = run_index_check(mod, program, kname, small, drv, seed)
             except kspec.KspecError as e:
                 good, detail = False, str(e).splitlines()[0]
             checks.append(Check(art.name, kname, "small", "bad-index", good, detail))
@@ -626,7 +686,8 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
             say(f"{art.name} ({arch}):" + (f"  [settles: {risk}]" if risk else "")
                 + (f"  [settles nothing on {arch}: its risk is on {', '.join(RISK_ARCHS[art.name])}]" if elsewhere else ""))
             try:
-                _check_artifact(mod, program, art, arch, risk, size_sets, drv, seed, fake, checks, say)
+                _check_artifact(mod, program, art, arch, risk, size_sets, drv, seed, fake, checks, say,
+                                given=tuple(sizes_extra or ()))
             except _ContextLost:
                 say(f"  {art.name}: the CUDA context is lost (a kernel faulted); its remaining checks are not run"
                     + (f", the other {len(paths) - i - 1} artifact(s) run in a fresh process" if i + 1 < len(paths) else ""))

@@ -26,6 +26,14 @@ CUTE_ONLY = frozenset({"gemm_int8", "gemm_int8_dequant", "fp8_gemm_amax", "fp8_g
 NO_BACKEND_YET: frozenset[str] = frozenset()
 
 
+def spec_archs(stem: str, archs: tuple[str, ...] = ("sm90a", "sm100a")) -> tuple[str, ...]:
+    """The archs of `archs` that specs/<stem>.kspec's `target` line allows (all of them without one),
+    as bench/prebuild.py builds it; where it allows none of them, the first arch it targets."""
+    from kspec.spec_lang import load_spec
+    targets = load_spec(SPECS / f"{stem}.kspec").targets
+    return tuple(a for a in archs if not targets or a in targets) or tuple(targets[:1])
+
+
 def _fa4_missing() -> str | None:
     from kspec.backends.cute import compat
     return compat.fa4_available()
@@ -101,11 +109,13 @@ def kernel_cache():
 
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory, kernel_cache):
-    """compiled(stem, archs=("sm90a", "sm100a"), backend="auto") -> artifact directory of specs/<stem>.kspec."""
+    """compiled(stem, archs=None, backend="auto") -> artifact directory of specs/<stem>.kspec; archs
+    None: sm90a and sm100a, as far as the spec's `target` line allows (spec_archs)."""
     out = tmp_path_factory.mktemp("artifacts")
     done: dict = {}
 
-    def get(stem: str, archs: tuple[str, ...] = ("sm90a", "sm100a"), backend: str = "auto") -> Path:
+    def get(stem: str, archs: tuple[str, ...] | None = None, backend: str = "auto") -> Path:
+        archs = spec_archs(stem) if archs is None else archs
         key = (stem, tuple(archs), backend)
         if key not in done:
             from kspec.compile import compile_spec

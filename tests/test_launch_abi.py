@@ -46,7 +46,7 @@ from kspec.runtime.fakedriver import (
     fake_call,
     parse_cutlass_tma_report,
 )
-from kspec.selftest import SIZE_SETS
+from kspec.selftest import SIZE_SETS, call_sizes
 
 ARCH_CC = {"sm90a": (9, 0), "sm100a": (10, 0)}
 
@@ -231,12 +231,14 @@ def test_tensor_map_checks_against_tensors():
 @pytest.mark.nvcc
 @pytest.mark.parametrize("stem", shipped_params(SHIPPED))
 def test_shipped_spec_launch_abi(compiled, stem):
-    art = compiled(stem)
+    art = compiled(stem)                        # the archs the spec's `target` line allows
     mod = kspec.load(art)
     for arch in mod.archs:
         with FakeDriver(ARCH_CC[arch], sm_count=132) as fake:
-            for sizes in SIZE_SETS.values():    # tile multiples, ragged, smaller than a tile
+            for base in SIZE_SETS.values():     # tile multiples, ragged, smaller than a tile
                 for kname in mod.kernels:
+                    # with the sizes the kernel declares it needs (block-scale quotients, multiples)
+                    sizes = call_sizes(mod[kname].entry, base)
                     call = fake_call(mod, kname, sizes, fake)
                     problems = check_call(call, arch, mod)
                     # Open on sm100a, to verify on a B200 (as in tests/test_fa4_attention.py): FA4's

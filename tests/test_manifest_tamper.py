@@ -93,6 +93,28 @@ def test_a_tampered_field_is_refused_by_name(art, what, edit, field):
     assert "built for" in msg and ".so" in msg and "rebuild the artifact" in msg
 
 
+def test_size_multiples_travel_with_the_plan_and_cannot_be_edited_away(tmp_path):
+    """plans[*].multiples (a size role the kernel needs a multiple of a number) is written only where a
+    plan has them, read back, and part of the interface record: dropping or lowering it is refused."""
+    from dataclasses import replace
+    d = tmp_path / "gemm"
+    m = _fake_artifact(d)
+    k = m.kernels[0]
+    m = replace(m, kernels=(replace(k, plans=(replace(k.plans[0], multiples={"K": 64}),)),))
+    write_manifest(d, m)
+    assert read_manifest(d).kernels[0].plans[0].multiples == {"K": 64}
+    assert _plan(json.loads((d / "manifest.json").read_text()))["multiples"] == {"K": 64}
+    plain = tmp_path / "plain"
+    write_manifest(plain, _fake_artifact(plain))
+    assert "multiples" not in _plan(json.loads((plain / "manifest.json").read_text()))
+    _edit(d, lambda o: _plan(o)["multiples"].update(K=32))
+    assert "built for" in _refused(d, "'multiples'")
+    _edit(d, lambda o: _plan(o).pop("multiples"))
+    _refused(d, "the library was built with 'multiples', which the manifest lacks")
+    _edit(plain, lambda o: _plan(o).update(multiples={"K": 64}))
+    _refused(plain, "the manifest has 'multiples', which the library was not built with")
+
+
 def test_a_host_library_from_another_plan_is_refused(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     write_manifest(a, _fake_artifact(a))

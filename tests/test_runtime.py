@@ -305,6 +305,69 @@ def test_cai_byte_strides_must_divide(mod):
     _check_fails(mod.fixed, x, match=r"byte strides \(33, 4\) are not multiples of the 4-byte element size")
 
 
+
+# ---- sizes a kernel declares it needs: plans[*].multiples, block-scale quotients, row pitches
+
+def _moe_like(tmp_path: Path):
+    """A grouped GEMM over gathered rows whose K role (bound to D) the kernel needs a multiple of 64
+    (plans[*].multiples, as the CuTe DSL backend records it), next to a block-scaled GEMM whose
+    f8e8m0 scales [M, K / 32] are read in 4-byte rows."""
+    d = tmp_path / "moe"
+    d.mkdir()
+    (d / "x.cubin").write_bytes(b"cubin")
+    (d / "x.so").write_bytes(b"glue")
+    b = {"sm90a": make_binary(d, "x.cubin", "x.so")}
+    moe = KernelEntry(
+        "moe",
+        inputs=(TensorSpec("X", "bf16", ("N", "D")), TensorSpec("idx", "i32", ("off_rows",), packed="off"),
+                TensorSpec("off", "i32", ("E+1",)), TensorSpec("W", "bf16", ("E", "F", "D"))),
+        outputs=(TensorSpec("Y", "bf16", ("off_rows", "F"), packed="off"),),
+        plans=(Plan("moe_0", "gemm", (("M", "off_rows"), ("N", "F"), ("K", "D"), ("L", "E"), ("R", "N")),
+                    ("X", "W", "off", "idx", "Y"), (), {}, {"X": 16, "W": 16, "Y": 16}, b,
+                    multiples={"K": 64}),))
+    mx = KernelEntry(
+        "mx",
+        inputs=(TensorSpec("A", "f8e4m3", ("M", "K")), TensorSpec("sa", "f8e8m0", ("M", "K/32"))),
+        outputs=(TensorSpec("D", "bf16", ("M", "M")),),
+        plans=(Plan("mx_0", "gemm", (("M", "M"), ("N", "M"), ("K", "K"), ("L", 1)), ("A", "sa", "D"), (), {},
+                    {"A": 16, "sa": 4, "D": 16}, b),))
+    write_manifest(d, Manifest(SpecRef("moe.kspec", "0" * 64), ("sm90a",), (moe, mx)))
+    return kspec.load(d)
+
+
+def test_a_size_the_kernel_needs_a_multiple_of_is_refused_by_name(tmp_path):
+    mod = _moe_like(tmp_path)
+    assert mod.manifest.kernels[0].plans[0].multiples == {"K": 64}
+
+    def args(D):
+        return dict(X=DeviceBuffer(BASE, (10, D), "bf16"), idx=DeviceBuffer(BASE + 0x10000, (12,), "i32"),
+                    off=DeviceBuffer(BASE + 0x20000, (3,), "i32"), W=DeviceBuffer(BASE + 0x30000, (2, 128, D), "bf16"))
+    mod.moe.check(**args(128))
+    e = _check_fails(mod.moe, **args(72), match=r"D = 72 \(from 'X'\) is not a multiple of 64, which plan 'moe_0' "
+                                                  r"needs \(its size K")
+    assert e.hint == "pad D to a multiple of 64"
+
+
+def test_call_sizes_completes_and_rounds_a_size_set_as_the_artifact_declares(tmp_path):
+    """kspec.selftest.call_sizes: every size symbol of the arguments gets a value (E only in the
+    offsets' extent E+1 too), rounded up to the plan's multiples (D: the K role, 64), to whole
+    blocks of a `K/32` quotient and to 4-byte rows of the f8e8m0 scales (K: 128); packed row
+    counts are left to the offsets; the rest of the set is kept."""
+    from kspec.selftest import SIZE_SETS, call_sizes
+    mod = _moe_like(tmp_path)
+    moe, mx = mod.manifest.kernels
+    base = {"M": 200, "N": 144, "K": 80, "F": 136, "T": 7}
+    got = call_sizes(moe, base)
+    assert got == {**base, "D": 64, "E": 16}                   # D, E: the default 16, D rounded up
+    assert call_sizes(moe, {**base, "D": 80, "E": 3}, default=8) == {**base, "D": 128, "E": 3}
+    assert "off_rows" not in got
+    assert call_sizes(mx, base) == {**base, "K": 128}
+    assert call_sizes(mx, {**base, "K": 100}, keep=("K",))["K"] == 100     # a size a user gave: as given
+    for s in SIZE_SETS.values():
+        sizes = call_sizes(moe, s)
+        assert sizes["D"] % 64 == 0 and sizes["E"] == s["E"]
+        assert call_sizes(mx, s)["K"] % 128 == 0
+
 # ---- DLPack: real capsules built with ctypes, as a producer would
 
 from kspec.runtime.tensors import _DLManagedTensor, _DLManagedTensorVersioned  # noqa: E402

@@ -229,7 +229,7 @@ class CuteBackend:
             include_dirs=(), flags=(), dims=("M", "N", "K", "L", *(("R",) if desc.a_rows else ())), args=names,
             scalars=tuple(l.name for l in code.scalars), init=desc.reduction_init(),
             alignment=tuple((names[t.ptr_index], t.alignment) for t in tensors),
-            config=tuple(cfg.as_dict().items()))
+            config=tuple(cfg.as_dict().items()), multiples=cute_gemm.size_multiples(desc))
 
     def build_jobs(self, emitted, label: str) -> list:
         return []            # no nvcc: see build_binaries

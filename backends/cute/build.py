@@ -191,8 +191,9 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
     ]
     if any("R" in t.shape for t in tensors):      # a gathered A's own row count
         checks.insert(1, "    const int64_t R = dims[4];")
-        # its rows are read in whole 128-byte K tiles by cp.async (no K-tail predication)
-        kt = 128 // dtype_bytes(tensors[0].dtype)
+        # its rows are read in whole 128-byte K tiles by cp.async (no K-tail predication;
+        # gemm.size_multiples: the manifest says so too)
+        kt = gemm.GATHER_K_BYTES // dtype_bytes(tensors[0].dtype)
         checks.append(f"    if (K % {kt} != 0) KS_FAIL(\"K = %lld: a GEMM whose A rows are gathered needs K to be a "
                       f"multiple of {kt}\", (long long)K);")
     for t in tensors:

@@ -394,6 +394,17 @@ class TensorABI:
         return self.shape[self.stride.index(1)]
 
 
+# A gathered A's rows are read in whole 128-byte K tiles by cp.async (no K-tail predication)
+GATHER_K_BYTES = 128
+
+
+def size_multiples(desc: GemmDesc) -> tuple[tuple[str, int], ...]:
+    """The size roles whose value the kernel needs to be a multiple of a number
+    (EmittedKernel.multiples; the host glue refuses other values too): K of a GEMM whose A rows
+    are gathered."""
+    return (("K", GATHER_K_BYTES // dtype_bytes(desc.a.dtype)),) if desc.a_rows else ()
+
+
 def _grouped_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]:
     """A (M = all rows, K), B (N, K, L), the offsets (L + 1), the epilogue vectors, D (M, N): the
     order of abi_names."""

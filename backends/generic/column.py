@@ -82,10 +82,10 @@ def lower_column(gen: _Gen, r, space, plan_id) -> LoweredPlan:
     gen.inline = {x.id for x in ir.internal if x.kind != "const"} - {r}   # the operand's ops, per element
     for label, ext in zip(o.reduced, o.reduced_shape):
         gen.dim(label, ext)
-    (t,) = ir.stores_of(r)
-    out = ir.buffer(t)
+    # every buffer the reduction is stored to (an output may alias another: `t2[l] = t1[l]`)
+    stores = ir.stores_of(r)
     atomic = o.kind == "contraction" or o.fn in ("sum", "mean")
-    atomic = atomic and out.dtype == "f32"
+    atomic = atomic and all(ir.buffer(t).dtype == "f32" for t in stores)
     ncols = " * ".join(gen.dimx(gen.dim_of[l]) for l in space)
     nred = " * ".join(gen.dimx(gen.dim_of[l]) for l in o.reduced)
     blocks = f"(({ncols}) + 31LL) / 32LL"
@@ -134,11 +134,12 @@ def lower_column(gen: _Gen, r, space, plan_id) -> LoweredPlan:
         body.append("  acc_ = acc_ / (float)nred_;")
     # the column's own indices again (the decode above is scoped to the accumulation)
     body += ["  " + x for x in _decode(gen, space, "col_", "c_")]
-    off = gen.offset(t, ir.store_labels(r, t))
-    if atomic:
-        body.append(f"  atomicAdd(((float*)p.ptr[{{{gen.ptr(t)}}}]) + ({off}), acc_);")
-    else:
-        body.append("  " + _store(out.dtype, f"p.ptr[{{{gen.ptr(t)}}}]", off, _round(o.dtype, "acc_")))
+    for t in stores:
+        off = gen.offset(t, ir.store_labels(r, t))
+        if atomic:
+            body.append(f"  atomicAdd(((float*)p.ptr[{{{gen.ptr(t)}}}]) + ({off}), acc_);")
+        else:
+            body.append("  " + _store(ir.buffer(t).dtype, f"p.ptr[{{{gen.ptr(t)}}}]", off, _round(o.dtype, "acc_")))
     body.append("}")
     names = gen.names
     text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
@@ -146,7 +147,7 @@ def lower_column(gen: _Gen, r, space, plan_id) -> LoweredPlan:
     desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=gen.arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dim_values), threads=threads,
                        arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args),
-                       init=((gen.ptr(t), "zero"),) if atomic else ())
+                       init=tuple((gen.ptr(t), "zero") for t in stores) if atomic else ())
     return LoweredPlan(ir, gen.arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
 
 

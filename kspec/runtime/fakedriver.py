@@ -709,6 +709,24 @@ class FakeCall:
 RAGGED_ROWS = 2 ** 30
 
 
+def _check_sizes_named(k, sizes: dict[str, int]) -> None:
+    """Every size symbol of kernel entry k's arguments has a value in `sizes` (packed row counts
+    aside: _packed_offsets derives them), the B of an offsets extent `B+1` and the K of a
+    block-scale extent `K/32` included."""
+    from kspec.core import packed_rows_symbol, split_offset_dim, split_quotient_dim
+    rows = {packed_rows_symbol(t.packed) for t in (*k.inputs, *k.outputs) if t.packed}
+    missing = set()
+    for t in (*k.inputs, *k.outputs):
+        for e in t.shape:
+            if isinstance(e, str) and e not in sizes:
+                sym = (split_offset_dim(e) or split_quotient_dim(e) or (e,))[0]
+                if sym not in sizes and sym not in rows:
+                    missing.add(sym)
+    if missing:
+        raise KspecInternalError(f"{k.name}: the sizes give no {', '.join(sorted(missing))} "
+                                 "(kspec.selftest.call_sizes completes a size set for a kernel)")
+
+
 def _packed_offsets(k, sizes: dict[str, int]) -> dict[str, Any]:
     """Valid offsets for every packed (varlen) batch of kernel entry k: B sequences of 100 + 17 b rows
     each, unless `sizes` gives the row count (split evenly then); sizes gets the row counts."""
@@ -738,6 +756,7 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
     k = mod[kernel].entry
     args: dict[str, Any] = {}
     sizes = dict(sizes)
+    _check_sizes_named(k, sizes)
     offsets = _packed_offsets(k, sizes)
     for t in (*k.inputs, *(k.outputs if pass_outputs else ())):
         shape = tuple(extent_value(e, sizes) for e in t.shape)

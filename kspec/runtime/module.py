@@ -173,6 +173,7 @@ class Kernel:
         b = Binding(k, views, objs, allocate, sizes, params, handle, device, uses_torch)
         for t in (*(specs[n] for n in allocate), *k.intermediates):
             b.strides[t.name] = layout_strides(b.extents(t), t.layout)
+        self._check_multiples(b, origin)
         check_no_empty_reduction(k.name, ((t.name, t.shape, tuple(views[t.name].shape)) for t in k.inputs),
                                  ((t.name, t.shape, b.extents(t)) for t in k.outputs))
         self._check_alignment(b)
@@ -246,6 +247,24 @@ class Kernel:
                 if n != sizes[sym] // q:
                     raise KspecRuntimeError(f"argument '{name}': dimension {axis} ({e}) must be {sizes[sym] // q} "
                                             f"({sym} = {sizes[sym]} from '{origin[sym]}'), got {n}")
+
+    @staticmethod
+    def _check_multiples(b: Binding, origin: dict[str, str]) -> None:
+        """Every size role a plan needs to be a multiple of a number (plans[*].multiples: the kernel has
+        no tail handling along it) is one, before anything launches."""
+        for plan in b.kernel.plans:
+            if not plan.multiples:
+                continue
+            values = dict(zip((r for r, _ in plan.dims), b.dims(plan)))
+            for role, m in plan.multiples.items():
+                if values[role] % m == 0:
+                    continue
+                ext = dict(plan.dims)[role]
+                name = ext if isinstance(ext, str) else role
+                src = f" (from '{origin[ext]}')" if isinstance(ext, str) and ext in origin else ""
+                raise KspecRuntimeError(
+                    f"{name} = {values[role]}{src} is not a multiple of {m}, which plan '{plan.id}' needs "
+                    f"(its size {role}: the kernel has no tail handling there)", hint=f"pad {name} to a multiple of {m}")
 
     @staticmethod
     def _check_tensor(spec: TensorSpec, v: TensorView, sizes: dict[str, int], origin: dict[str, str],
