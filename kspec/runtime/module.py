@@ -97,6 +97,8 @@ class Binding:
     device: int | None
     uses_torch: bool
     strides: dict[str, tuple[int, ...]] = field(default_factory=dict)   # of allocated tensors
+    # what the call's signature fixes (Kernel.check's cache), None for a Binding built by hand
+    fixed: "_Fixed | None" = field(default=None, repr=False, compare=False)
 
     def extents(self, spec: TensorSpec) -> tuple[int, ...]:
         return tuple(extent_value(e, self.sizes) for e in spec.shape)
@@ -124,6 +126,10 @@ class Kernel:
         self.name = entry.name
         # read and range-check the index tensors before each launch (kspec.runtime.indexcheck)
         self.check_indices = check_indices
+        self._calls = _SignatureCache()
+        self._input_names = tuple(_names(entry.inputs))
+        self._output_names = frozenset(_names(entry.outputs))
+        self._pspecs = {p.name: p for p in entry.params}
         self.__doc__ = describe_kernel(entry, module.archs)
         sig = _signature(entry)
         if sig is not None:
@@ -148,7 +154,22 @@ class Kernel:
         for name, obj in objs.items():
             if name not in views:
                 views[name] = as_view(obj, f"argument '{name}'", handle)
+        key = _signature_key(views)
+        fixed = self._calls.get(key)
+        if fixed is None:
+            b = self._check_all(views, objs, params, handle, uses_torch)
+            self._calls.put(key, b.fixed)
+            return b
+        # a signature validated before: only what depends on the pointers is left to check
+        fixed.check_pointers(k, views)
+        return Binding(k, views, objs, fixed.allocate, dict(fixed.sizes), params, handle, fixed.device,
+                       uses_torch, dict(fixed.strides), fixed)
 
+    def _check_all(self, views: dict[str, TensorView], objs: dict[str, Any], params: dict[str, float | int],
+                   handle: int, uses_torch: bool) -> Binding:
+        """Every check of a call, for a signature not seen before; the Binding carries what the
+        signature fixes (`_Fixed`) for the next call with the same one."""
+        k = self.entry
         specs = {t.name: t for t in (*k.inputs, *k.outputs)}
         sizes: dict[str, int] = {}
         origin: dict[str, str] = {}
@@ -177,13 +198,14 @@ class Kernel:
                                  ((t.name, t.shape, b.extents(t)) for t in k.outputs))
         self._check_alignment(b)
         self._check_overlap(b)
+        b.fixed = _Fixed.of(b)
         return b
 
     def _assign(self, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, float | int]]:
         k = self.entry
-        inputs = _names(k.inputs)
-        outputs = _names(k.outputs)
-        pspecs = {p.name: p for p in k.params}
+        inputs = self._input_names
+        outputs = self._output_names
+        pspecs = self._pspecs
         if len(args) > len(inputs):
             raise KspecRuntimeError(
                 f"{k.name}() takes {len(inputs)} positional input(s) ({', '.join(inputs)}), got {len(args)}",
@@ -329,9 +351,7 @@ class Kernel:
                 if view is not None:
                     what, shape, strides = f"argument '{name}'", view.shape, view.strides
                     if view.ptr % align:
-                        raise KspecRuntimeError(
-                            f"{what}: data pointer 0x{view.ptr:x} is not {align}-byte aligned "
-                            f"(plan '{plan.id}' requires it)", hint="pass a tensor that starts at an aligned address (not an offset view)")
+                        raise _misaligned(name, view.ptr, align, plan.id)
                 else:
                     role = "output" if name in _names(k.outputs) else "intermediate"
                     what, shape, strides = f"{role} '{name}'", b.extents(spec), b.strides[name]
@@ -348,20 +368,9 @@ class Kernel:
 
     @staticmethod
     def _check_overlap(b: Binding) -> None:
-        k = b.kernel
-        outs = [n for n in _names(k.outputs) if n in b.views]
-        ranges = {n: v.byte_range() for n, v in b.views.items()}
-        for i, o in enumerate(outs):
-            ro = ranges[o]
-            if ro is None:
-                continue
-            others = [n for n in outs[:i]] + [n for n in _names(k.inputs)]
-            for other in others:
-                r = ranges[other]
-                if r is not None and ro[0] < r[1] and r[0] < ro[1]:
-                    kind = "output" if other in outs else "input"
-                    raise KspecRuntimeError(f"argument '{o}': output overlaps {kind} '{other}' in memory; "
-                                            f"outputs must not alias other arguments")
+        outs = [n for n in _names(b.kernel.outputs) if n in b.views]
+        if outs:
+            _check_overlap_ranges(b.kernel, outs, {n: v.byte_range() for n, v in b.views.items()})
 
     # ------------------------------------------------------------------ host arrays
     def to_device(self, *args, device: int = 0, stream: int = 0, **kwargs) -> dict[str, Any]:
@@ -691,6 +700,128 @@ class Module:
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+# ---- the per-signature cache of Kernel.check and Module._launch
+
+_SIGNATURE_CACHE_SIZE = 64      # signatures remembered per kernel (oldest first out)
+
+
+def _signature_key(views: dict[str, TensorView]) -> tuple:
+    """What every check of `Kernel.check` depends on besides the pointer values: per argument (in
+    the order bound), its name (which inputs and outputs were passed: the allocated outputs and
+    which tensor is checked against which spec), storage dtype, shape and strides (the size
+    symbols, layout and pitch checks, the alignment of strides, the empty-reduction check, every
+    plan's dims), device (the one-device check) and read-only flag (outputs must be writable).
+    Params are not part of it: they are checked on every call and only feed the glue's scalars."""
+    return tuple((name, v.dtype, v.shape, v.strides, v.device, v.readonly) for name, v in views.items())
+
+
+class _SignatureCache:
+    """Kernel.check's cache: `_signature_key` -> `_Fixed`, at most _SIGNATURE_CACHE_SIZE entries.
+    Only signatures that passed every check are stored, so a hit means the call differs from a
+    valid one in its pointers (and params, stream, objects) only; what depends on those is
+    checked again on every call (`_Fixed.check_pointers`, Module._launch)."""
+
+    def __init__(self, size: int = _SIGNATURE_CACHE_SIZE):
+        self.size = size
+        self._entries: dict[tuple, _Fixed] = {}
+
+    def get(self, key: tuple) -> "_Fixed | None":
+        return self._entries.get(key)
+
+    def put(self, key: tuple, fixed: "_Fixed") -> None:
+        entries = self._entries
+        while len(entries) >= self.size:
+            entries.pop(next(iter(entries)), None)
+        entries[key] = fixed
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+@dataclass
+class _Fixed:
+    """What one validated call signature fixes (see `_signature_key`): the size symbols' values, the
+    outputs to allocate and the strides of allocated tensors, the device; the checks left for each
+    call because they read the pointers: each argument's alignment (`pointer_checks`, in the order
+    `_check_alignment` makes them) and the overlap of passed outputs with the other arguments
+    (`spans`: each argument's byte range relative to its pointer); and, per (arch, device, SM
+    count), how the call launches (`launch`, filled by Module._launch)."""
+    sizes: dict[str, int]
+    allocate: tuple[str, ...]
+    strides: dict[str, tuple[int, ...]]
+    device: int | None
+    pointer_checks: tuple[tuple[str, int, str], ...]      # (argument, alignment, plan id)
+    outputs_passed: tuple[str, ...]
+    spans: dict[str, tuple[int, int] | None]              # for the overlap check, when an output is passed
+    launch: dict[tuple, "_LaunchPlan"] = field(default_factory=dict)
+
+    @staticmethod
+    def of(b: Binding) -> "_Fixed":
+        k = b.kernel
+        checks = tuple((name, align, plan.id) for plan in k.plans for name, align in plan.alignment.items()
+                       if name in b.views)
+        outs = tuple(n for n in _names(k.outputs) if n in b.views)
+        spans = {}
+        if outs:
+            for n, v in b.views.items():
+                r = v.byte_range()
+                spans[n] = None if r is None else (r[0] - v.ptr, r[1] - v.ptr)
+        return _Fixed(dict(b.sizes), b.allocate, dict(b.strides), b.device, checks, outs, spans)
+
+    def check_pointers(self, k: KernelEntry, views: dict[str, TensorView]) -> None:
+        """The checks of a call with this signature that depend on the pointer values."""
+        for name, align, plan_id in self.pointer_checks:
+            ptr = views[name].ptr
+            if ptr % align:
+                raise _misaligned(name, ptr, align, plan_id)
+        if self.outputs_passed:
+            ranges = {}
+            for n, span in self.spans.items():
+                ptr = views[n].ptr
+                ranges[n] = None if span is None else (ptr + span[0], ptr + span[1])
+            _check_overlap_ranges(k, self.outputs_passed, ranges)
+
+
+@dataclass
+class _LaunchPlan:
+    """How a call of one signature launches on one (arch, device, SM count): every plan's dims,
+    variants and workspace bytes (`Module.launches`; the glue's workspace size is a function of
+    dims, device and SM count), the scratch block's layout, the outputs to allocate and the
+    initial fills; `shapes_ok` remembers launch geometries `_check_launch_shape` accepted."""
+    dims: list[list[int]]
+    chosen: list[tuple[list[int], int]]
+    offsets: dict[str, int]                  # intermediates in the scratch block
+    ws_offset: int
+    total: int
+    outputs: list[tuple[str, tuple[int, ...], tuple[int, ...], str]]      # name, shape, strides, dtype
+    fills: list[list[tuple[str, int, int, int]]]     # per plan: (tensor, pattern, width, count)
+    shapes_ok: set = field(default_factory=set)
+
+
+def _misaligned(name: str, ptr: int, align: int, plan_id: str) -> KspecRuntimeError:
+    return KspecRuntimeError(
+        f"argument '{name}': data pointer 0x{ptr:x} is not {align}-byte aligned "
+        f"(plan '{plan_id}' requires it)", hint="pass a tensor that starts at an aligned address (not an offset view)")
+
+
+def _check_overlap_ranges(k: KernelEntry, outs, ranges: dict[str, tuple[int, int] | None]) -> None:
+    """Passed outputs `outs` must not overlap one another or any input ([lo, hi) byte ranges)."""
+    for i, o in enumerate(outs):
+        ro = ranges[o]
+        if ro is None:
+            continue
+        others = [n for n in outs[:i]] + [n for n in _names(k.inputs)]
+        for other in others:
+            r = ranges[other]
+            if r is not None and ro[0] < r[1] and r[0] < ro[1]:
+                kind = "output" if other in outs else "input"
+                raise KspecRuntimeError(f"argument '{o}': output overlaps {kind} '{other}' in memory; "
+                                        f"outputs must not alias other arguments")
+
 
 def _select_values(plan: Plan, dims: list[int]) -> dict[str, int]:
     """The values a variant's select boxes are over: the plan's dims by role, and for attention the
