@@ -431,6 +431,8 @@ class Module:
         self._glue: dict[tuple[str, str], HostGlue] = {}
         self._images: dict[tuple[str, str], bytes] = {}
         self._digests: dict[tuple[str, str], str] = {}
+        self._archs: dict[tuple[int, int], str] = {}
+        self._offsets: dict[tuple[str, str, int], tuple[int, ...] | None] = {}
 
     def __getattr__(self, name: str) -> Kernel:
         kernels = self.__dict__.get("_kernels", {})
@@ -526,6 +528,12 @@ class Module:
                                        f"kernel '{self._kernel_of(plan)}', plan '{plan.id}' ({arch})", plan.args)
         return self._glue[key]
 
+    def _param_offsets(self, plan: Plan, arch: str, variant: int, binary, what: str) -> tuple[int, ...] | None:
+        key = (plan.id, arch, variant)
+        if key not in self._offsets:
+            self._offsets[key] = _param_offsets(binary, what)
+        return self._offsets[key]
+
     def _kernel_of(self, plan: Plan) -> str:
         return next((k.name for k in self.manifest.kernels if plan in k.plans), "?")
 
@@ -560,7 +568,7 @@ class Module:
         stream = b.stream
         device, ctx = self._place(drv, b)
         major, minor, sms, dev_name = drv.facts(device)
-        arch = self.arch_for((major, minor), dev_name, device)
+        arch = self._arch(major, minor, dev_name, device)
         with drv.current(ctx):
             for name, v in b.views.items():
                 if v.device is None:
@@ -575,39 +583,79 @@ class Module:
                         drv.order_after(int(v.stream), stream)
                 if check_indices and k.index_ranges:
                     check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
-            results, ptrs = self._outputs(drv, b, device, ctx)
-            chosen = [self.launches(p, arch, b.dims(p), device, sms) for p in k.plans]
-            ws_sizes = [ws for _vs, ws in chosen]
-            # one scratch block: every intermediate, then one workspace reused by the plans in turn
-            offsets, total = {}, 0
-            for t in k.intermediates:
-                offsets[t.name] = total
-                total += _round_up(_nbytes(b.extents(t), b.strides[t.name], t.dtype), _SCRATCH_ALIGN)
-            ws_offset, ws_bytes = total, max(ws_sizes, default=0)
-            total += ws_bytes
+            lp = self._launch_plan(b, arch, device, sms)
+            results, ptrs = self._outputs(drv, b, device, ctx, lp)
+            total, ws_offset = lp.total, lp.ws_offset
             scratch = drv.alloc_async(total, stream, f"{k.name} scratch") if total else 0
             try:
-                for name, off in offsets.items():
+                for name, off in lp.offsets.items():
                     ptrs[name] = scratch + off
                 # every plan's launch is prepared (and judged) before the first one is queued: a call
                 # that one of them cannot run launches nothing
                 prepared = []
-                for plan, (vs, ws) in zip(k.plans, chosen):
+                for i, (plan, dims, (vs, ws)) in enumerate(zip(k.plans, lp.dims, lp.chosen)):
+                    scalars = b.scalars(plan)
+                    args = [ptrs[a] for a in plan.args]
                     for v in vs:
                         glue = self.glue(plan, arch, v)
-                        pr = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
-                                          scratch + ws_offset if ws else 0, device, sms)
-                        _check_launch_shape(pr, plan, arch, b.dims(plan))
-                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1))
-                for plan, glue, ws, v, pr, pair in prepared:
+                        pr = glue.prepare(dims, args, scalars, scratch + ws_offset if ws else 0, device, sms)
+                        shape = (i, v, pr.grid, pr.block, pr.cluster)
+                        if shape not in lp.shapes_ok:
+                            _check_launch_shape(pr, plan, arch, dims)
+                            lp.shapes_ok.add(shape)
+                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1, lp.fills[i]))
+                for plan, glue, ws, v, pr, pair, fills in prepared:
                     # a split-KV pair's workspace holds partials the split kernel writes in full and the
                     # combine reads: it is not cleared (FA4 allocates them uninitialised too)
                     self._run_plan(drv, b, plan, arch, glue, ctx, ptrs, scratch + ws_offset if ws else 0,
-                                   0 if pair else ws, device, sms, v, pr)
+                                   0 if pair else ws, device, sms, v, pr, fills)
             finally:
                 if scratch:
                     drv.free_async(scratch, stream)
         return results
+
+    def _arch(self, major: int, minor: int, dev_name: str, device: int) -> str:
+        """`arch_for`, remembered per compute capability (a refusal is not remembered)."""
+        arch = self._archs.get((major, minor))
+        if arch is None:
+            arch = self._archs[(major, minor)] = self.arch_for((major, minor), dev_name, device)
+        return arch
+
+    def _launch_plan(self, b: Binding, arch: str, device: int, sms: int) -> "_LaunchPlan":
+        """How this call launches: from the cache of its signature (`b.fixed`) when it launched
+        on this (arch, device, SM count) before, else worked out (and remembered there)."""
+        key = (arch, device, sms)
+        fixed = b.fixed
+        lp = fixed.launch.get(key) if fixed is not None else None
+        if lp is not None:
+            return lp
+        k = b.kernel
+        dims = [b.dims(p) for p in k.plans]
+        chosen = [self.launches(p, arch, d, device, sms) for p, d in zip(k.plans, dims)]
+        # one scratch block: every intermediate, then one workspace reused by the plans in turn
+        offsets, total = {}, 0
+        for t in k.intermediates:
+            offsets[t.name] = total
+            total += _round_up(_nbytes(b.extents(t), b.strides[t.name], t.dtype), _SCRATCH_ALIGN)
+        ws_offset = total
+        total += max((ws for _vs, ws in chosen), default=0)
+        outputs = [(t.name, b.extents(t), b.strides[t.name], t.dtype) for t in k.outputs if t.name not in b.passed]
+        fills = []
+        for plan in k.plans:
+            plan_fills = []
+            for name, how in plan.init.items():
+                spec = k.tensor(name)
+                d = dtypes.DTYPES[spec.dtype]
+                count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
+                if count:
+                    plan_fills.append((name, 0 if how == "zero" else d.neg_inf, d.itemsize, count))
+            fills.append(plan_fills)
+        lp = _LaunchPlan(dims, chosen, offsets, ws_offset, total, outputs, fills)
+        if fixed is not None:
+            if len(fixed.launch) >= 8:
+                fixed.launch.clear()
+            fixed.launch[key] = lp
+        return lp
 
     def _place(self, drv, b: Binding):
         """The device and context of the call: the tensors' device, the stream's context when it
@@ -623,42 +671,46 @@ class Module:
             raise KspecRuntimeError(f"stream: belongs to cuda:{sdev}, but the tensors are on cuda:{device}")
         return device, (sctx if sctx is not None else drv.primary_context(device))
 
-    def _outputs(self, drv, b: Binding, device: int, ctx) -> tuple[dict[str, Any], dict[str, int]]:
-        k = b.kernel
+    def _outputs(self, drv, b: Binding, device: int, ctx, lp: "_LaunchPlan"
+                 ) -> tuple[dict[str, Any], dict[str, int]]:
         ptrs = {n: v.ptr for n, v in b.views.items()}
-        results: dict[str, Any] = {}
-        torch = sys.modules.get("torch")
-        use_torch = torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_available()
-        for t in k.outputs:
-            if t.name in b.passed:
-                results[t.name] = b.passed[t.name]
-                continue
-            shape, strides = b.extents(t), b.strides[t.name]
-            if use_torch:
-                out = torch.empty_strided(shape, strides, dtype=getattr(torch, dtypes.DTYPES[t.dtype].torch),
-                                          device=f"cuda:{device}")
-                if int(torch.cuda.current_stream(device).cuda_stream) != b.stream:
+        results: dict[str, Any] = {n: b.passed[n] for n in _names(b.kernel.outputs) if n in b.passed}
+        if not lp.outputs:
+            return results, ptrs
+        torch = _torch_with_cuda()
+        if torch is not None:
+            on = f"cuda:{device}"
+            other_stream = int(torch.cuda.current_stream(device).cuda_stream) != b.stream
+        for name, shape, strides, dtype in lp.outputs:
+            if torch is not None:
+                out = torch.empty_strided(shape, strides, dtype=getattr(torch, dtypes.DTYPES[dtype].torch), device=on)
+                if other_stream:
                     # the caching allocator must not hand the block out again before our stream is done
-                    out.record_stream(torch.cuda.ExternalStream(b.stream, device=f"cuda:{device}"))
-                ptrs[t.name] = int(out.data_ptr())
+                    out.record_stream(torch.cuda.ExternalStream(b.stream, device=on))
+                ptrs[name] = int(out.data_ptr())
             else:
-                out = _driver.DeviceArray(shape, t.dtype, strides, device=device, stream=b.stream, _ctx=ctx)
-                ptrs[t.name] = out.ptr
-            results[t.name] = out
-        return results, ptrs
+                out = _driver.DeviceArray(shape, dtype, strides, device=device, stream=b.stream, _ctx=ctx)
+                ptrs[name] = out.ptr
+            results[name] = out
+        return {t.name: results[t.name] for t in b.kernel.outputs}, ptrs
 
     def _run_plan(self, drv, b: Binding, plan: Plan, arch: str, glue: HostGlue, ctx, ptrs: dict[str, int],
                   workspace: int, ws_bytes: int, device: int, sms: int, variant: int = -1,
-                  prepared: "Prepared | None" = None) -> None:
+                  prepared: "Prepared | None" = None, fills=None) -> None:
+        """Launch one prepared plan.  fills: the plan's initial fills as `_LaunchPlan` holds them
+        ((tensor, pattern, width, count)); None to work them out here."""
         k = b.kernel
         what = f"plan '{plan.id}' ({arch})"
-        for name, how in plan.init.items():
-            spec = k.tensor(name)
-            d = dtypes.DTYPES[spec.dtype]
-            count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
-            if count:
-                pattern = 0 if how == "zero" else d.neg_inf
-                drv.fill(ptrs[name], pattern, d.itemsize, count, b.stream, f"'{name}' of {what}")
+        if fills is None:
+            fills = []
+            for name, how in plan.init.items():
+                spec = k.tensor(name)
+                d = dtypes.DTYPES[spec.dtype]
+                count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
+                if count:
+                    fills.append((name, 0 if how == "zero" else d.neg_inf, d.itemsize, count))
+        for name, pattern, width, count in fills:
+            drv.fill(ptrs[name], pattern, width, count, b.stream, f"'{name}' of {what}")
         if ws_bytes:
             # the ABI's prepare has no stream to clear a workspace on; semaphores expect zeros
             drv.fill(workspace, 0, 1, ws_bytes, b.stream, f"the workspace of {what}")
@@ -674,7 +726,7 @@ class Module:
         # and a new module at an old id must not get the old module's function
         func = drv.function(ctx, (self.image_digest(plan, arch, variant), plan.id, arch),
                             self.image(plan, arch, variant), binary.symbol, what)
-        offsets = _param_offsets(binary, what)
+        offsets = self._param_offsets(plan, arch, variant, binary, what)
         if offsets is not None:
             # a kernel of several parameters (CuTe DSL): the manifest's offsets must be the cubin's
             # own, and the glue's blob must hold every parameter
@@ -923,6 +975,22 @@ def _param_offsets(binary, what: str) -> tuple[int, ...] | None:
         raise KspecRuntimeError(f"{what}: malformed param_offsets in the manifest",
                                 hint="rebuild the artifact with `kspec compile`")
     return offs
+
+
+_torch_cuda = False     # torch.cuda.is_available() once seen True: it stays so for the process
+
+
+def _torch_with_cuda():
+    """torch, when the caller has imported it and it has CUDA (outputs are then torch tensors)."""
+    global _torch_cuda
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(torch, "cuda", None) is None:
+        return None
+    if not _torch_cuda:
+        if not torch.cuda.is_available():
+            return None
+        _torch_cuda = True
+    return torch
 
 
 def _names(specs) -> list[str]:
