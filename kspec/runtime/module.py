@@ -433,6 +433,7 @@ class Module:
         self._digests: dict[tuple[str, str], str] = {}
         self._archs: dict[tuple[int, int], str] = {}
         self._offsets: dict[tuple[str, str, int], tuple[int, ...] | None] = {}
+        self._layouts: dict[tuple, tuple[int, ...]] = {}
 
     def __getattr__(self, name: str) -> Kernel:
         kernels = self.__dict__.get("_kernels", {})
@@ -533,6 +534,15 @@ class Module:
         if key not in self._offsets:
             self._offsets[key] = _param_offsets(binary, what)
         return self._offsets[key]
+
+    def _layout_offsets(self, layout: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+        """The offsets of a parameter layout the driver reports, remembered per layout."""
+        offs = self._layouts.get(layout)
+        if offs is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            offs = self._layouts[layout] = tuple(o for o, _ in layout)
+        return offs
 
     def _kernel_of(self, plan: Plan) -> str:
         return next((k.name for k in self.manifest.kernels if plan in k.plans), "?")
@@ -731,7 +741,7 @@ class Module:
             # a kernel of several parameters (CuTe DSL): the manifest's offsets must be the cubin's
             # own, and the glue's blob must hold every parameter
             layout = drv.param_layout(func)
-            if layout is not None and tuple(o for o, _ in layout) != offsets:
+            if layout is not None and self._layout_offsets(layout) != offsets:
                 raise KspecRuntimeError(f"{what}: the manifest places the kernel's parameters at byte offsets "
                                         f"{list(offsets)[:8]} but the kernel declares {[o for o, _ in layout][:8]}; "
                                         "the artifact is inconsistent", hint="rebuild the artifact with `kspec compile`")
