@@ -4,6 +4,9 @@ Calling a kernel, `mod.gemm(A, B, bias, D=None, alpha=1.0, stream=None) -> dict[
 1. the driver must initialise and report a device, else `KspecRuntimeError("no CUDA device: ...")`;
 2. `Kernel.check(...)` validates every argument without touching the GPU (also callable on its
    own, e.g. to test argument handling on a machine without a GPU) and returns a `Binding`;
+   what a call's signature fixes (`_signature_key`: each argument's dtype, shape, strides, device)
+   is checked once and remembered per kernel (`_SignatureCache`, with how it launches per arch,
+   device and SM count); a repeat call re-checks only its pointers, params, stream and devices;
 3. the binary for the device's compute capability is chosen (9.0 -> sm90a, 10.0 -> sm100a);
 4. the index tensors (integer inputs used as subscripts, `KernelEntry.index_ranges`) are read and
    range-checked unless `check_indices` is off or the stream is capturing (kspec.runtime.indexcheck);
