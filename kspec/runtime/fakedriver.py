@@ -280,11 +280,15 @@ class _Allocation:
     what: str
 
 
+_UNREAD = object()
+
+
 class _FakeFunction:
     _next = 1
 
     def __init__(self, image: bytes, symbol: str):
         self.image, self.symbol = image, symbol
+        self.params = _UNREAD                   # FakeDriver._params_of
         self.handle = _FakeFunction._next
         _FakeFunction._next += 1
 
@@ -416,26 +420,32 @@ class FakeDriver:
             self._functions[k] = _FakeFunction(bytes(image), symbol)
         return self._functions[k]
 
+    @staticmethod
+    def _params_of(func):
+        """The parameters the cubin declares for the function's kernel, read once per function
+        (like the real driver, which caches cuFuncGetParamInfo per CUfunction)."""
+        if func.params is _UNREAD:
+            from kspec.runtime.cubin import parse_cubin
+            info = parse_cubin(func.image, func.symbol).kernels.get(func.symbol)
+            func.params = tuple(info.params) if info is not None and info.params else None
+        return func.params
+
     def param_size(self, func) -> int | None:
         """The size the cubin declares for parameter 0 (what cuFuncGetParamInfo reports)."""
         if not self._param_sizes:
             return None
-        from kspec.runtime.cubin import parse_cubin
-        info = parse_cubin(func.image, func.symbol).kernels.get(func.symbol)
-        if info is None or not info.params:
-            return None
-        return info.params[0].size
+        params = self._params_of(func)
+        return params[0].size if params else None
 
     def param_layout(self, func) -> tuple[tuple[int, int], ...] | None:
         """(offset, size) of each parameter the cubin declares (EIATTR_KPARAM_INFO), offsets relative
         to the first's (what cuFuncGetParamInfo reports, rebased)."""
         if not self._param_sizes:
             return None
-        from kspec.runtime.cubin import parse_cubin
-        info = parse_cubin(func.image, func.symbol).kernels.get(func.symbol)
-        if info is None or not info.params:
+        params = self._params_of(func)
+        if not params:
             return None
-        return tuple((p.offset - info.params[0].offset, p.size) for p in info.params)
+        return tuple((p.offset - params[0].offset, p.size) for p in params)
 
     def set_dynamic_smem(self, func, nbytes: int, what: str) -> None:
         self._smem[int(func)] = max(self._smem.get(int(func), 0), int(nbytes))

@@ -4,6 +4,9 @@ Calling a kernel, `mod.gemm(A, B, bias, D=None, alpha=1.0, stream=None) -> dict[
 1. the driver must initialise and report a device, else `KspecRuntimeError("no CUDA device: ...")`;
 2. `Kernel.check(...)` validates every argument without touching the GPU (also callable on its
    own, e.g. to test argument handling on a machine without a GPU) and returns a `Binding`;
+   what a call's signature fixes (`_signature_key`: each argument's dtype, shape, strides, device)
+   is checked once and remembered per kernel (`_SignatureCache`, with how it launches per arch,
+   device and SM count); a repeat call re-checks only its pointers, params, stream and devices;
 3. the binary for the device's compute capability is chosen (9.0 -> sm90a, 10.0 -> sm100a);
 4. the index tensors (integer inputs used as subscripts, `KernelEntry.index_ranges`) are read and
    range-checked unless `check_indices` is off or the stream is capturing (kspec.runtime.indexcheck);
@@ -97,6 +100,8 @@ class Binding:
     device: int | None
     uses_torch: bool
     strides: dict[str, tuple[int, ...]] = field(default_factory=dict)   # of allocated tensors
+    # what the call's signature fixes (Kernel.check's cache), None for a Binding built by hand
+    fixed: "_Fixed | None" = field(default=None, repr=False, compare=False)
 
     def extents(self, spec: TensorSpec) -> tuple[int, ...]:
         return tuple(extent_value(e, self.sizes) for e in spec.shape)
@@ -124,6 +129,10 @@ class Kernel:
         self.name = entry.name
         # read and range-check the index tensors before each launch (kspec.runtime.indexcheck)
         self.check_indices = check_indices
+        self._calls = _SignatureCache()
+        self._input_names = tuple(_names(entry.inputs))
+        self._output_names = frozenset(_names(entry.outputs))
+        self._pspecs = {p.name: p for p in entry.params}
         self.__doc__ = describe_kernel(entry, module.archs)
         sig = _signature(entry)
         if sig is not None:
@@ -148,7 +157,22 @@ class Kernel:
         for name, obj in objs.items():
             if name not in views:
                 views[name] = as_view(obj, f"argument '{name}'", handle)
+        key = _signature_key(views)
+        fixed = self._calls.get(key)
+        if fixed is None:
+            b = self._check_all(views, objs, params, handle, uses_torch)
+            self._calls.put(key, b.fixed)
+            return b
+        # a signature validated before: only what depends on the pointers is left to check
+        fixed.check_pointers(k, views)
+        return Binding(k, views, objs, fixed.allocate, dict(fixed.sizes), params, handle, fixed.device,
+                       uses_torch, dict(fixed.strides), fixed)
 
+    def _check_all(self, views: dict[str, TensorView], objs: dict[str, Any], params: dict[str, float | int],
+                   handle: int, uses_torch: bool) -> Binding:
+        """Every check of a call, for a signature not seen before; the Binding carries what the
+        signature fixes (`_Fixed`) for the next call with the same one."""
+        k = self.entry
         specs = {t.name: t for t in (*k.inputs, *k.outputs)}
         sizes: dict[str, int] = {}
         origin: dict[str, str] = {}
@@ -178,13 +202,14 @@ class Kernel:
                                  ((t.name, t.shape, b.extents(t)) for t in k.outputs))
         self._check_alignment(b)
         self._check_overlap(b)
+        b.fixed = _Fixed.of(b)
         return b
 
     def _assign(self, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, float | int]]:
         k = self.entry
-        inputs = _names(k.inputs)
-        outputs = _names(k.outputs)
-        pspecs = {p.name: p for p in k.params}
+        inputs = self._input_names
+        outputs = self._output_names
+        pspecs = self._pspecs
         if len(args) > len(inputs):
             raise KspecRuntimeError(
                 f"{k.name}() takes {len(inputs)} positional input(s) ({', '.join(inputs)}), got {len(args)}",
@@ -348,9 +373,7 @@ class Kernel:
                 if view is not None:
                     what, shape, strides = f"argument '{name}'", view.shape, view.strides
                     if view.ptr % align:
-                        raise KspecRuntimeError(
-                            f"{what}: data pointer 0x{view.ptr:x} is not {align}-byte aligned "
-                            f"(plan '{plan.id}' requires it)", hint="pass a tensor that starts at an aligned address (not an offset view)")
+                        raise _misaligned(name, view.ptr, align, plan.id)
                 else:
                     role = "output" if name in _names(k.outputs) else "intermediate"
                     what, shape, strides = f"{role} '{name}'", b.extents(spec), b.strides[name]
@@ -367,20 +390,9 @@ class Kernel:
 
     @staticmethod
     def _check_overlap(b: Binding) -> None:
-        k = b.kernel
-        outs = [n for n in _names(k.outputs) if n in b.views]
-        ranges = {n: v.byte_range() for n, v in b.views.items()}
-        for i, o in enumerate(outs):
-            ro = ranges[o]
-            if ro is None:
-                continue
-            others = [n for n in outs[:i]] + [n for n in _names(k.inputs)]
-            for other in others:
-                r = ranges[other]
-                if r is not None and ro[0] < r[1] and r[0] < ro[1]:
-                    kind = "output" if other in outs else "input"
-                    raise KspecRuntimeError(f"argument '{o}': output overlaps {kind} '{other}' in memory; "
-                                            f"outputs must not alias other arguments")
+        outs = [n for n in _names(b.kernel.outputs) if n in b.views]
+        if outs:
+            _check_overlap_ranges(b.kernel, outs, {n: v.byte_range() for n, v in b.views.items()})
 
     # ------------------------------------------------------------------ host arrays
     def to_device(self, *args, device: int = 0, stream: int = 0, **kwargs) -> dict[str, Any]:
@@ -441,6 +453,9 @@ class Module:
         self._glue: dict[tuple[str, str], HostGlue] = {}
         self._images: dict[tuple[str, str], bytes] = {}
         self._digests: dict[tuple[str, str], str] = {}
+        self._archs: dict[tuple[int, int], str] = {}
+        self._offsets: dict[tuple[str, str, int], tuple[int, ...] | None] = {}
+        self._layouts: dict[tuple, tuple[int, ...]] = {}
 
     def __getattr__(self, name: str) -> Kernel:
         kernels = self.__dict__.get("_kernels", {})
@@ -536,6 +551,21 @@ class Module:
                                        f"kernel '{self._kernel_of(plan)}', plan '{plan.id}' ({arch})", plan.args)
         return self._glue[key]
 
+    def _param_offsets(self, plan: Plan, arch: str, variant: int, binary, what: str) -> tuple[int, ...] | None:
+        key = (plan.id, arch, variant)
+        if key not in self._offsets:
+            self._offsets[key] = _param_offsets(binary, what)
+        return self._offsets[key]
+
+    def _layout_offsets(self, layout: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+        """The offsets of a parameter layout the driver reports, remembered per layout."""
+        offs = self._layouts.get(layout)
+        if offs is None:
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            offs = self._layouts[layout] = tuple(o for o, _ in layout)
+        return offs
+
     def _kernel_of(self, plan: Plan) -> str:
         return next((k.name for k in self.manifest.kernels if plan in k.plans), "?")
 
@@ -570,7 +600,7 @@ class Module:
         stream = b.stream
         device, ctx = self._place(drv, b)
         major, minor, sms, dev_name = drv.facts(device)
-        arch = self.arch_for((major, minor), dev_name, device)
+        arch = self._arch(major, minor, dev_name, device)
         with drv.current(ctx):
             for name, v in b.views.items():
                 if v.device is None:
@@ -585,43 +615,84 @@ class Module:
                         drv.order_after(int(v.stream), stream)
                 if check_indices and k.index_ranges:
                     check_before_launch(k.name, k.index_ranges, b.views, b.sizes, stream)
-            results, ptrs = self._outputs(drv, b, device, ctx)
-            if all(math.prod(b.extents(t)) == 0 for t in k.outputs):
+            lp = self._launch_plan(b, arch, device, sms)
+            results, ptrs = self._outputs(drv, b, device, ctx, lp)
+            if lp.empty:
                 # every output is empty: nothing to compute, so nothing is launched, whatever the backend
                 # (a glue need not take zero sizes: CUTLASS's refuse them; emptycheck.py)
                 return results
-            chosen = [self.launches(p, arch, b.dims(p), device, sms) for p in k.plans]
-            ws_sizes = [ws for _vs, ws in chosen]
-            # one scratch block: every intermediate, then one workspace reused by the plans in turn
-            offsets, total = {}, 0
-            for t in k.intermediates:
-                offsets[t.name] = total
-                total += _round_up(_nbytes(b.extents(t), b.strides[t.name], t.dtype), _SCRATCH_ALIGN)
-            ws_offset, ws_bytes = total, max(ws_sizes, default=0)
-            total += ws_bytes
+            total, ws_offset = lp.total, lp.ws_offset
             scratch = drv.alloc_async(total, stream, f"{k.name} scratch") if total else 0
             try:
-                for name, off in offsets.items():
+                for name, off in lp.offsets.items():
                     ptrs[name] = scratch + off
                 # every plan's launch is prepared (and judged) before the first one is queued: a call
                 # that one of them cannot run launches nothing
                 prepared = []
-                for plan, (vs, ws) in zip(k.plans, chosen):
+                for i, (plan, dims, (vs, ws)) in enumerate(zip(k.plans, lp.dims, lp.chosen)):
+                    scalars = b.scalars(plan)
+                    args = [ptrs[a] for a in plan.args]
                     for v in vs:
                         glue = self.glue(plan, arch, v)
-                        pr = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
-                                          scratch + ws_offset if ws else 0, device, sms)
-                        _check_launch_shape(pr, plan, arch, b.dims(plan))
-                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1))
-                for plan, glue, ws, v, pr, pair in prepared:
+                        pr = glue.prepare(dims, args, scalars, scratch + ws_offset if ws else 0, device, sms)
+                        shape = (i, v, pr.grid, pr.block, pr.cluster)
+                        if shape not in lp.shapes_ok:
+                            _check_launch_shape(pr, plan, arch, dims)
+                            lp.shapes_ok.add(shape)
+                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1, lp.fills[i]))
+                for plan, glue, ws, v, pr, pair, fills in prepared:
                     # a split-KV pair's workspace holds partials the split kernel writes in full and the
                     # combine reads: it is not cleared (FA4 allocates them uninitialised too)
                     self._run_plan(drv, b, plan, arch, glue, ctx, ptrs, scratch + ws_offset if ws else 0,
-                                   0 if pair else ws, device, sms, v, pr)
+                                   0 if pair else ws, device, sms, v, pr, fills)
             finally:
                 if scratch:
                     drv.free_async(scratch, stream)
         return results
+
+    def _arch(self, major: int, minor: int, dev_name: str, device: int) -> str:
+        """`arch_for`, remembered per compute capability (a refusal is not remembered)."""
+        arch = self._archs.get((major, minor))
+        if arch is None:
+            arch = self._archs[(major, minor)] = self.arch_for((major, minor), dev_name, device)
+        return arch
+
+    def _launch_plan(self, b: Binding, arch: str, device: int, sms: int) -> "_LaunchPlan":
+        """How this call launches: from the cache of its signature (`b.fixed`) when it launched
+        on this (arch, device, SM count) before, else worked out (and remembered there)."""
+        key = (arch, device, sms)
+        fixed = b.fixed
+        lp = fixed.launch.get(key) if fixed is not None else None
+        if lp is not None:
+            return lp
+        k = b.kernel
+        dims = [b.dims(p) for p in k.plans]
+        empty = all(math.prod(b.extents(t)) == 0 for t in k.outputs)      # then nothing launches
+        chosen = [] if empty else [self.launches(p, arch, d, device, sms) for p, d in zip(k.plans, dims)]
+        # one scratch block: every intermediate, then one workspace reused by the plans in turn
+        offsets, total = {}, 0
+        for t in k.intermediates:
+            offsets[t.name] = total
+            total += _round_up(_nbytes(b.extents(t), b.strides[t.name], t.dtype), _SCRATCH_ALIGN)
+        ws_offset = total
+        total += max((ws for _vs, ws in chosen), default=0)
+        outputs = [(t.name, b.extents(t), b.strides[t.name], t.dtype) for t in k.outputs if t.name not in b.passed]
+        fills = []
+        for plan in k.plans:
+            plan_fills = []
+            for name, how in plan.init.items():
+                spec = k.tensor(name)
+                d = dtypes.DTYPES[spec.dtype]
+                count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
+                if count:
+                    plan_fills.append((name, 0 if how == "zero" else d.neg_inf, d.itemsize, count))
+            fills.append(plan_fills)
+        lp = _LaunchPlan(dims, chosen, offsets, ws_offset, total, outputs, fills, empty)
+        if fixed is not None:
+            if len(fixed.launch) >= 8:
+                fixed.launch.clear()
+            fixed.launch[key] = lp
+        return lp
 
     def _place(self, drv, b: Binding):
         """The device and context of the call: the tensors' device, the stream's context when it
@@ -637,42 +708,46 @@ class Module:
             raise KspecRuntimeError(f"stream: belongs to cuda:{sdev}, but the tensors are on cuda:{device}")
         return device, (sctx if sctx is not None else drv.primary_context(device))
 
-    def _outputs(self, drv, b: Binding, device: int, ctx) -> tuple[dict[str, Any], dict[str, int]]:
-        k = b.kernel
+    def _outputs(self, drv, b: Binding, device: int, ctx, lp: "_LaunchPlan"
+                 ) -> tuple[dict[str, Any], dict[str, int]]:
         ptrs = {n: v.ptr for n, v in b.views.items()}
-        results: dict[str, Any] = {}
-        torch = sys.modules.get("torch")
-        use_torch = torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_available()
-        for t in k.outputs:
-            if t.name in b.passed:
-                results[t.name] = b.passed[t.name]
-                continue
-            shape, strides = b.extents(t), b.strides[t.name]
-            if use_torch:
-                out = torch.empty_strided(shape, strides, dtype=getattr(torch, dtypes.DTYPES[t.dtype].torch),
-                                          device=f"cuda:{device}")
-                if int(torch.cuda.current_stream(device).cuda_stream) != b.stream:
+        results: dict[str, Any] = {n: b.passed[n] for n in _names(b.kernel.outputs) if n in b.passed}
+        if not lp.outputs:
+            return results, ptrs
+        torch = _torch_with_cuda()
+        if torch is not None:
+            on = f"cuda:{device}"
+            other_stream = int(torch.cuda.current_stream(device).cuda_stream) != b.stream
+        for name, shape, strides, dtype in lp.outputs:
+            if torch is not None:
+                out = torch.empty_strided(shape, strides, dtype=getattr(torch, dtypes.DTYPES[dtype].torch), device=on)
+                if other_stream:
                     # the caching allocator must not hand the block out again before our stream is done
-                    out.record_stream(torch.cuda.ExternalStream(b.stream, device=f"cuda:{device}"))
-                ptrs[t.name] = int(out.data_ptr())
+                    out.record_stream(torch.cuda.ExternalStream(b.stream, device=on))
+                ptrs[name] = int(out.data_ptr())
             else:
-                out = _driver.DeviceArray(shape, t.dtype, strides, device=device, stream=b.stream, _ctx=ctx)
-                ptrs[t.name] = out.ptr
-            results[t.name] = out
-        return results, ptrs
+                out = _driver.DeviceArray(shape, dtype, strides, device=device, stream=b.stream, _ctx=ctx)
+                ptrs[name] = out.ptr
+            results[name] = out
+        return {t.name: results[t.name] for t in b.kernel.outputs}, ptrs
 
     def _run_plan(self, drv, b: Binding, plan: Plan, arch: str, glue: HostGlue, ctx, ptrs: dict[str, int],
                   workspace: int, ws_bytes: int, device: int, sms: int, variant: int = -1,
-                  prepared: "Prepared | None" = None) -> None:
+                  prepared: "Prepared | None" = None, fills=None) -> None:
+        """Launch one prepared plan.  fills: the plan's initial fills as `_LaunchPlan` holds them
+        ((tensor, pattern, width, count)); None to work them out here."""
         k = b.kernel
         what = f"plan '{plan.id}' ({arch})"
-        for name, how in plan.init.items():
-            spec = k.tensor(name)
-            d = dtypes.DTYPES[spec.dtype]
-            count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
-            if count:
-                pattern = 0 if how == "zero" else d.neg_inf
-                drv.fill(ptrs[name], pattern, d.itemsize, count, b.stream, f"'{name}' of {what}")
+        if fills is None:
+            fills = []
+            for name, how in plan.init.items():
+                spec = k.tensor(name)
+                d = dtypes.DTYPES[spec.dtype]
+                count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
+                if count:
+                    fills.append((name, 0 if how == "zero" else d.neg_inf, d.itemsize, count))
+        for name, pattern, width, count in fills:
+            drv.fill(ptrs[name], pattern, width, count, b.stream, f"'{name}' of {what}")
         if ws_bytes:
             # the ABI's prepare has no stream to clear a workspace on; semaphores expect zeros
             drv.fill(workspace, 0, 1, ws_bytes, b.stream, f"the workspace of {what}")
@@ -688,12 +763,12 @@ class Module:
         # and a new module at an old id must not get the old module's function
         func = drv.function(ctx, (self.image_digest(plan, arch, variant), plan.id, arch),
                             self.image(plan, arch, variant), binary.symbol, what)
-        offsets = _param_offsets(binary, what)
+        offsets = self._param_offsets(plan, arch, variant, binary, what)
         if offsets is not None:
             # a kernel of several parameters (CuTe DSL): the manifest's offsets must be the cubin's
             # own, and the glue's blob must hold every parameter
             layout = drv.param_layout(func)
-            if layout is not None and tuple(o for o, _ in layout) != offsets:
+            if layout is not None and self._layout_offsets(layout) != offsets:
                 raise KspecRuntimeError(f"{what}: the manifest places the kernel's parameters at byte offsets "
                                         f"{list(offsets)[:8]} but the kernel declares {[o for o, _ in layout][:8]}; "
                                         "the artifact is inconsistent", hint="rebuild the artifact with `kspec compile`")
@@ -714,6 +789,129 @@ class Module:
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+# ---- the per-signature cache of Kernel.check and Module._launch
+
+_SIGNATURE_CACHE_SIZE = 64      # signatures remembered per kernel (oldest first out)
+
+
+def _signature_key(views: dict[str, TensorView]) -> tuple:
+    """What every check of `Kernel.check` depends on besides the pointer values: per argument (in
+    the order bound), its name (which inputs and outputs were passed: the allocated outputs and
+    which tensor is checked against which spec), storage dtype, shape and strides (the size
+    symbols, layout and pitch checks, the alignment of strides, the empty-reduction check, every
+    plan's dims), device (the one-device check) and read-only flag (outputs must be writable).
+    Params are not part of it: they are checked on every call and only feed the glue's scalars."""
+    return tuple((name, v.dtype, v.shape, v.strides, v.device, v.readonly) for name, v in views.items())
+
+
+class _SignatureCache:
+    """Kernel.check's cache: `_signature_key` -> `_Fixed`, at most _SIGNATURE_CACHE_SIZE entries.
+    Only signatures that passed every check are stored, so a hit means the call differs from a
+    valid one in its pointers (and params, stream, objects) only; what depends on those is
+    checked again on every call (`_Fixed.check_pointers`, Module._launch)."""
+
+    def __init__(self, size: int = _SIGNATURE_CACHE_SIZE):
+        self.size = size
+        self._entries: dict[tuple, _Fixed] = {}
+
+    def get(self, key: tuple) -> "_Fixed | None":
+        return self._entries.get(key)
+
+    def put(self, key: tuple, fixed: "_Fixed") -> None:
+        entries = self._entries
+        while len(entries) >= self.size:
+            entries.pop(next(iter(entries)), None)
+        entries[key] = fixed
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+@dataclass
+class _Fixed:
+    """What one validated call signature fixes (see `_signature_key`): the size symbols' values, the
+    outputs to allocate and the strides of allocated tensors, the device; the checks left for each
+    call because they read the pointers: each argument's alignment (`pointer_checks`, in the order
+    `_check_alignment` makes them) and the overlap of passed outputs with the other arguments
+    (`spans`: each argument's byte range relative to its pointer); and, per (arch, device, SM
+    count), how the call launches (`launch`, filled by Module._launch)."""
+    sizes: dict[str, int]
+    allocate: tuple[str, ...]
+    strides: dict[str, tuple[int, ...]]
+    device: int | None
+    pointer_checks: tuple[tuple[str, int, str], ...]      # (argument, alignment, plan id)
+    outputs_passed: tuple[str, ...]
+    spans: dict[str, tuple[int, int] | None]              # for the overlap check, when an output is passed
+    launch: dict[tuple, "_LaunchPlan"] = field(default_factory=dict)
+
+    @staticmethod
+    def of(b: Binding) -> "_Fixed":
+        k = b.kernel
+        checks = tuple((name, align, plan.id) for plan in k.plans for name, align in plan.alignment.items()
+                       if name in b.views)
+        outs = tuple(n for n in _names(k.outputs) if n in b.views)
+        spans = {}
+        if outs:
+            for n, v in b.views.items():
+                r = v.byte_range()
+                spans[n] = None if r is None else (r[0] - v.ptr, r[1] - v.ptr)
+        return _Fixed(dict(b.sizes), b.allocate, dict(b.strides), b.device, checks, outs, spans)
+
+    def check_pointers(self, k: KernelEntry, views: dict[str, TensorView]) -> None:
+        """The checks of a call with this signature that depend on the pointer values."""
+        for name, align, plan_id in self.pointer_checks:
+            ptr = views[name].ptr
+            if ptr % align:
+                raise _misaligned(name, ptr, align, plan_id)
+        if self.outputs_passed:
+            ranges = {}
+            for n, span in self.spans.items():
+                ptr = views[n].ptr
+                ranges[n] = None if span is None else (ptr + span[0], ptr + span[1])
+            _check_overlap_ranges(k, self.outputs_passed, ranges)
+
+
+@dataclass
+class _LaunchPlan:
+    """How a call of one signature launches on one (arch, device, SM count): every plan's dims,
+    variants and workspace bytes (`Module.launches`; the glue's workspace size is a function of
+    dims, device and SM count), the scratch block's layout, the outputs to allocate and the
+    initial fills, whether every output is empty; `shapes_ok` remembers launch geometries `_check_launch_shape` accepted."""
+    dims: list[list[int]]
+    chosen: list[tuple[list[int], int]]
+    offsets: dict[str, int]                  # intermediates in the scratch block
+    ws_offset: int
+    total: int
+    outputs: list[tuple[str, tuple[int, ...], tuple[int, ...], str]]      # name, shape, strides, dtype
+    fills: list[list[tuple[str, int, int, int]]]     # per plan: (tensor, pattern, width, count)
+    empty: bool = False                      # every output is empty: the call launches nothing
+    shapes_ok: set = field(default_factory=set)
+
+
+def _misaligned(name: str, ptr: int, align: int, plan_id: str) -> KspecRuntimeError:
+    return KspecRuntimeError(
+        f"argument '{name}': data pointer 0x{ptr:x} is not {align}-byte aligned "
+        f"(plan '{plan_id}' requires it)", hint="pass a tensor that starts at an aligned address (not an offset view)")
+
+
+def _check_overlap_ranges(k: KernelEntry, outs, ranges: dict[str, tuple[int, int] | None]) -> None:
+    """Passed outputs `outs` must not overlap one another or any input ([lo, hi) byte ranges)."""
+    for i, o in enumerate(outs):
+        ro = ranges[o]
+        if ro is None:
+            continue
+        others = [n for n in outs[:i]] + [n for n in _names(k.inputs)]
+        for other in others:
+            r = ranges[other]
+            if r is not None and ro[0] < r[1] and r[0] < ro[1]:
+                kind = "output" if other in outs else "input"
+                raise KspecRuntimeError(f"argument '{o}': output overlaps {kind} '{other}' in memory; "
+                                        f"outputs must not alias other arguments")
+
 
 def _select_values(plan: Plan, dims: list[int]) -> dict[str, int]:
     """The values a variant's select boxes are over: the plan's dims by role, and for attention the
@@ -815,6 +1013,22 @@ def _param_offsets(binary, what: str) -> tuple[int, ...] | None:
         raise KspecRuntimeError(f"{what}: malformed param_offsets in the manifest",
                                 hint="rebuild the artifact with `kspec compile`")
     return offs
+
+
+_torch_cuda = False     # torch.cuda.is_available() once seen True: it stays so for the process
+
+
+def _torch_with_cuda():
+    """torch, when the caller has imported it and it has CUDA (outputs are then torch tensors)."""
+    global _torch_cuda
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(torch, "cuda", None) is None:
+        return None
+    if not _torch_cuda:
+        if not torch.cuda.is_available():
+            return None
+        _torch_cuda = True
+    return torch
 
 
 def _names(specs) -> list[str]:
