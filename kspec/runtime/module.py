@@ -677,16 +677,7 @@ class Module:
         ws_offset = total
         total += max((ws for _vs, ws in chosen), default=0)
         outputs = [(t.name, b.extents(t), b.strides[t.name], t.dtype) for t in k.outputs if t.name not in b.passed]
-        fills = []
-        for plan in k.plans:
-            plan_fills = []
-            for name, how in plan.init.items():
-                spec = k.tensor(name)
-                d = dtypes.DTYPES[spec.dtype]
-                count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
-                if count:
-                    plan_fills.append((name, 0 if how == "zero" else d.neg_inf, d.itemsize, count))
-            fills.append(plan_fills)
+        fills = [_plan_fills(b, plan) for plan in k.plans]
         lp = _LaunchPlan(dims, chosen, offsets, ws_offset, total, outputs, fills, empty)
         if fixed is not None:
             if len(fixed.launch) >= 8:
@@ -739,13 +730,7 @@ class Module:
         k = b.kernel
         what = f"plan '{plan.id}' ({arch})"
         if fills is None:
-            fills = []
-            for name, how in plan.init.items():
-                spec = k.tensor(name)
-                d = dtypes.DTYPES[spec.dtype]
-                count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
-                if count:
-                    fills.append((name, 0 if how == "zero" else d.neg_inf, d.itemsize, count))
+            fills = _plan_fills(b, plan)
         for name, pattern, width, count in fills:
             drv.fill(ptrs[name], pattern, width, count, b.stream, f"'{name}' of {what}")
         if ws_bytes:
@@ -873,6 +858,20 @@ class _Fixed:
                 ptr = views[n].ptr
                 ranges[n] = None if span is None else (ptr + span[0], ptr + span[1])
             _check_overlap_ranges(k, self.outputs_passed, ranges)
+
+
+def _plan_fills(b: Binding, plan: Plan) -> list[tuple[str, int, int, int]]:
+    """The initial fills a plan asks for (`plan.init`: zeros, or -inf for max reductions) at this
+    call's extents: (tensor, pattern, element width, element count); empty tensors need none."""
+    k = b.kernel
+    fills = []
+    for name, how in plan.init.items():
+        spec = k.tensor(name)
+        d = dtypes.DTYPES[spec.dtype]
+        count = _nbytes(b.extents(spec), _strides_of(b, name), spec.dtype) // d.itemsize
+        if count:
+            fills.append((name, 0 if how == "zero" else d.neg_inf, d.itemsize, count))
+    return fills
 
 
 @dataclass
