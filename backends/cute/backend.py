@@ -54,7 +54,8 @@ class CuteBackend:
     def can_implement(self, ir: KernelIR, arch: str) -> str | None:
         if ir.kind == "attention":
             from . import attention, compat
-            return compat.fa4_available() or attention.unsupported(ir, arch)
+            # what FlashAttention-4 cannot do first: installing it would not help there
+            return attention.unsupported(ir, arch) or compat.fa4_available()
         if ir.kind != "gemm":
             return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
         packed = [b for b in ir.buffers if b.packed]
