@@ -607,12 +607,24 @@ def test_mxfp8_plans_the_tcgen05_block_scaled_mma_on_sm100a_only():
     assert [(s.dtype, s.block_k, s.block_mn) for s in p.ir.gemm.block_scales] == [("f8e8m0", 32, 1)] * 2
     from kspec.backends.cute.backend import CuteBackend
     assert "sm100a only" in CuteBackend().can_implement(p.ir, "sm90a")
-    # MXFP4 (FP4 data): not written yet, said by name
+    # one table of block-scaled kinds: MXFP4 (FP4 data, E8M0 per 32) and NVFP4 (FP4, E4M3 per 16) too
     from kspec.backends.desc import BlockScale
-    d = GemmDesc("k_0", "sm100a", Operand("t0", "f4e2m1", "row"), Operand("t1", "f4e2m1", "col"), "f32",
-                 Store("t4", Accum(), "bf16"), scales=(BlockScale("t2", "a", "f8e8m0", 32, 1),
-                                                       BlockScale("t3", "b", "f8e8m0", 32, 1)))
-    assert "MXFP4 / NVFP4 are not written yet" in gemm._block_scale_problem(d, "sm100a")
+
+    def desc(data, scale, block):
+        return GemmDesc("k_0", "sm100a", Operand("t0", data, "row"), Operand("t1", data, "col"), "f32",
+                        Store("t4", Accum(), "bf16"), scales=(BlockScale("t2", "a", scale, block, 1),
+                                                              BlockScale("t3", "b", scale, block, 1)))
+    assert [k.name for k in gemm.MX_KINDS] == ["MXFP8", "MXFP4", "NVFP4"]
+    for data, scale, block, name, kmul in (("f8e4m3", "f8e8m0", 32, "MXFP8", 128), ("f4e2m1", "f8e8m0", 32, "MXFP4", 256),
+                                           ("f4e2m1", "f8e4m3", 16, "NVFP4", 256)):
+        d = desc(data, scale, block)
+        assert gemm.mx_kind(d).name == name and gemm._block_scale_problem(d, "sm100a") is None
+        assert gemm.size_multiples(d) == (("K", kmul),)
+        assert "sm100a only" in gemm._block_scale_problem(d, "sm90a")
+    # fp8 data with NVFP4's scales, FP4 data with scales no kind has: refused by name
+    assert "takes NVFP4 (f4e2m1 data)" in gemm._block_scale_problem(desc("f8e4m3", "f8e4m3", 16), "sm100a")
+    assert "FP4 data is read by the block-scaled MMA only" in gemm.can_implement(desc("f4e2m1", "f8e4m3", 32),
+                                                                                 "sm100a")
 
 
 @needs_dsl
@@ -621,7 +633,8 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
     """tcgen05.cp of both scale tiles to tensor memory (UTCCP) and block-scaled UTCQMMA (scale-factor
     operands in tensor memory), the scales copied 4 bytes a row by cp.async (LDGSTS + mbarrier
     arrivals), A/B by TMA; launches match the cubin; a K that is not a multiple of 32 is refused by
-    the quotient check, one that is not a multiple of 128 by the 4-byte row rule, before launch."""
+    the quotient check, one that is not a multiple of 128 (the K tile) by the plan's size multiple,
+    before launch."""
     import kspec
     from kspec.core import KspecRuntimeError
     from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
@@ -629,7 +642,7 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
     m = json.loads((art / "manifest.json").read_text())
     (plan,) = m["kernels"][0]["plans"]
     assert list(plan["binaries"]) == ["sm100a"] and plan["args"] == ["A", "B", "sa", "sb", "D"]
-    assert plan["alignment"]["sa"] == 4 and plan["alignment"]["sb"] == 4
+    assert plan["alignment"]["sa"] == 4 and plan["alignment"]["sb"] == 4 and plan["multiples"] == {"K": 128}
     sass = cubin_sass(art / plan["binaries"]["sm100a"]["cubin"])
     if sass is not None:
         assert sass.count("UTCCP.T.S.4x32dp128bit") == 2 and sass.count("UTCQMMA") == 4
@@ -644,7 +657,7 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
         n = len(fake.launches)
         with pytest.raises(KspecRuntimeError, match=r"K = 100 .* not a multiple of 32"):
             fake_call(mod, "mxfp8_gemm", {"M": 64, "N": 128, "K": 100}, fake)
-        with pytest.raises(KspecRuntimeError, match=r"a multiple of 4"):
+        with pytest.raises(KspecRuntimeError, match=r"K = 96 .* not a multiple of 128"):
             fake_call(mod, "mxfp8_gemm", {"M": 64, "N": 128, "K": 96}, fake)
         assert len(fake.launches) == n
 
