@@ -359,7 +359,8 @@ def call_sizes(entry, base: dict[str, int], *, default: int = DEFAULT_SIZE, keep
                 continue
             # the least non-unit stride of a dense tensor is its contiguous extent; the rest are multiples
             inner = t.shape[-2] if t.layout == "col" else t.shape[-1]
-            require(inner, align // math.gcd(align, rt_dtypes.itemsize(t.dtype)))
+            # (in values: 32 of a 4-bit dtype fill 16 bytes)
+            require(inner, align * 8 // math.gcd(align * 8, rt_dtypes.bits(t.dtype)))
     out = dict(base)
     for sym, m in need.items():
         if sym in packed:
