@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from kspec.core import DTYPE_TABLE, split_offset_dim, split_quotient_dim
+from kspec.core import split_offset_dim, split_quotient_dim
 
 from .canon import block_scale_nodes, is_recomputed, value_bytes
 from .graph import op, operands
@@ -115,8 +115,6 @@ def _node_flops(g: nx.DiGraph, n, sizes) -> int:
 def _buffer_bytes(b: Buffer, sizes) -> int:
     if b.kind == "param":
         return 0     # scalars are passed by value in the launch parameters, not read from DRAM
-    if DTYPE_TABLE[b.dtype].bits < 8:
-        return -(-_numel(b.shape, sizes) * DTYPE_TABLE[b.dtype].bits // 8)     # packed (f4e2m1: two a byte)
     return _numel(b.shape, sizes) * DTYPE_BYTES[b.dtype]
 
 
