@@ -818,3 +818,20 @@ def test_kspec_graph_plans_nvfp4_as_one_kernel(capsys):
     assert rc == 0 and "kernel nvfp4_gemm: 1 fused kernel" in out
     assert "block scales (inside the sum): sa of A per 1x16; sb of B per 1x16" in out
     assert re.search(r"nvfp4_gemm_0\s+gemm\s+\S+ GFLOP", out), out
+
+
+def test_selftest_uploads_fp4_two_values_a_byte():
+    """`kspec selftest` uploads f4e2m1 inputs as the device holds them: two E2M1 codes a byte along
+    the contiguous axis, value 2i in the low nibble (torch's float4_e2m1fn_x2), after the layout's
+    transpose; a row of odd length is refused."""
+    import ml_dtypes
+
+    from kspec.selftest import _storage, pack_fp4
+    v = np.array([[0.5, 1.0, -6.0, 3.0], [0.0, 1.5, 2.0, 4.0]], dtype=ml_dtypes.float4_e2m1fn)
+    # E2M1 codes: 0.5 -> 1, 1 -> 2, -6 -> 0xF (sign 8 + 7), 3 -> 5, 0 -> 0, 1.5 -> 3, 2 -> 4, 4 -> 6
+    assert pack_fp4(v).tolist() == [[0x21, 0x5F], [0x30, 0x64]]
+    assert _storage(v, "row", "f4e2m1") == bytes([0x21, 0x5F, 0x30, 0x64])
+    # col: the storage is the transpose [4, 2], packed along its last axis
+    assert _storage(v, "col", "f4e2m1") == bytes([0x01, 0x32, 0x4F, 0x65])
+    with pytest.raises(ValueError, match="do not fill whole bytes"):
+        pack_fp4(v[:, :3])
