@@ -162,12 +162,28 @@ class _Memory:
         self.owned.clear()
 
 
-def _storage(a, layout: str):
-    """Bytes of a logical array in the declared layout (col: last two axes swapped in memory)."""
+def _storage(a, layout: str, dtype: str = ""):
+    """Bytes of a logical array in the declared layout (col: last two axes swapped in memory).
+    f4e2m1 (one ml_dtypes value a byte on the host) is packed two values a byte along the
+    contiguous axis, the first in the low nibble, as the device and torch's float4_e2m1fn_x2 hold it
+    (kspec.runtime.dtypes.span_bytes)."""
     import numpy as np
     if layout == "col" and a.ndim >= 2:
         a = np.swapaxes(a, -1, -2)
-    return np.ascontiguousarray(a).tobytes()
+    a = np.ascontiguousarray(a)
+    if dtype == "f4e2m1":
+        return pack_fp4(a).tobytes()
+    return a.tobytes()
+
+
+def pack_fp4(a):
+    """E2M1 values (ml_dtypes float4_e2m1fn, a byte each, the code in the low 4 bits) packed two a
+    byte along the last axis, whose length must be even: value 2i in the low nibble of byte i."""
+    import numpy as np
+    codes = np.ascontiguousarray(a).view(np.uint8) & 0xF
+    if codes.shape[-1] % 2:
+        raise ValueError(f"f4e2m1 rows of {codes.shape[-1]} values do not fill whole bytes")
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
 def _from_storage(raw: bytes, shape, layout: str, np_dtype):
@@ -309,7 +325,7 @@ def _place_inputs(mem: _Memory, entry, host: dict, offset: int = 0) -> dict[str,
     args: dict[str, Any] = {}
     for t in entry.inputs:
         a = host[t.name]
-        data = _storage(a, t.layout)
+        data = _storage(a, t.layout, t.dtype)
         base = mem.alloc(len(data) + offset)
         mem.upload(base + offset, data)
         args[t.name] = DeviceBuffer(base + offset, a.shape, dtypes.storage(t.dtype),
@@ -359,7 +375,8 @@ def call_sizes(entry, base: dict[str, int], *, default: int = DEFAULT_SIZE, keep
                 continue
             # the least non-unit stride of a dense tensor is its contiguous extent; the rest are multiples
             inner = t.shape[-2] if t.layout == "col" else t.shape[-1]
-            require(inner, align // math.gcd(align, rt_dtypes.itemsize(t.dtype)))
+            # (in values: 32 of a 4-bit dtype fill 16 bytes)
+            require(inner, align * 8 // math.gcd(align * 8, rt_dtypes.bits(t.dtype)))
     out = dict(base)
     for sym, m in need.items():
         if sym in packed:

@@ -21,7 +21,7 @@ NEED_FA4 = frozenset({"attention_gqa", "attention_alibi", "attention_sliding_win
 # Shipped GEMM specs only the CuTe DSL backend builds with tensor cores (int8 operands, float epilogues
 # on i32 accumulators, full m-and-n epilogue reductions: CUTLASS C++ declines them).
 CUTE_ONLY = frozenset({"gemm_int8", "gemm_int8_dequant", "fp8_gemm_amax", "fp8_gemm_blockwise",
-                       "moe_grouped_gemm", "moe_gather_gemm", "mxfp8_gemm"})
+                       "moe_grouped_gemm", "moe_gather_gemm", "mxfp8_gemm", "nvfp4_gemm"})
 # Shipped specs no backend builds at all (none today).
 NO_BACKEND_YET: frozenset[str] = frozenset()
 

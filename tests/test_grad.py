@@ -149,6 +149,11 @@ def _mxfp8(p, t):
     return {"D": (t["A"] * t["sa"].repeat_interleave(32, 1)) @ (t["B"] * t["sb"].repeat_interleave(32, 1)).T}
 
 
+def _nvfp4(p, t):
+    return {"D": p["alpha"] * ((t["A"] * t["sa"].repeat_interleave(16, 1)) @
+                               (t["B"] * t["sb"].repeat_interleave(16, 1)).T)}
+
+
 def _rope(p, t):
     q = t["Q"]
     rot = torch.cat([-q[..., 64:], q[..., :64]], -1)
@@ -184,6 +189,7 @@ CASES = {
     "gemm_int8_dequant": (dict(M=4, K=6, N=5), {}, {"A": np.arange(24).reshape(4, 6) % 11 - 5,
                                                     "B": np.arange(30).reshape(5, 6) % 7 - 3}, _int8_dequant),
     "mxfp8_gemm": (dict(M=3, K=64, N=4), {}, {}, _mxfp8),
+    "nvfp4_gemm": (dict(M=3, K=64, N=4), {"alpha": 0.75}, {}, _nvfp4),
     "fp8_gemm_scaled": (dict(M=4, K=8, N=5), {"scale_a": 1.0, "scale_b": 1.0}, {},
                         lambda p, t: {"D": p["scale_a"] * p["scale_b"] * (t["A"] @ t["B"])}),
     "gemm": (dict(M=4, K=6, N=5), {}, {}, lambda p, t: {"D": t["A"] @ t["B"]}),
@@ -213,8 +219,8 @@ REFUSED = {
     "attention_paged": "used only as a value",
 }
 # tolerance (max |error| / max |gradient|) by the spec's least precise dtype
-TOL = {"f32": 2e-5, "f16": 2e-2, "bf16": 6e-2, "tf32": 5e-3, "f8e4m3": 0.3}
-_LOW = re.compile(r"\b(bf16|f16|tf32|f8e4m3|f8e5m2)\b")
+TOL = {"f32": 2e-5, "f16": 2e-2, "bf16": 6e-2, "tf32": 5e-3, "f8e4m3": 0.3, "f4e2m1": 0.4}
+_LOW = re.compile(r"\b(bf16|f16|tf32|f8e4m3|f8e5m2|f4e2m1)\b")
 
 
 def test_every_shipped_spec_is_covered():

@@ -7,6 +7,7 @@ kernel per arch with tensor-core SASS); launches go through the fake driver."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import ml_dtypes
@@ -607,12 +608,24 @@ def test_mxfp8_plans_the_tcgen05_block_scaled_mma_on_sm100a_only():
     assert [(s.dtype, s.block_k, s.block_mn) for s in p.ir.gemm.block_scales] == [("f8e8m0", 32, 1)] * 2
     from kspec.backends.cute.backend import CuteBackend
     assert "sm100a only" in CuteBackend().can_implement(p.ir, "sm90a")
-    # MXFP4 (FP4 data): not written yet, said by name
+    # one table of block-scaled kinds: MXFP4 (FP4 data, E8M0 per 32) and NVFP4 (FP4, E4M3 per 16) too
     from kspec.backends.desc import BlockScale
-    d = GemmDesc("k_0", "sm100a", Operand("t0", "f4e2m1", "row"), Operand("t1", "f4e2m1", "col"), "f32",
-                 Store("t4", Accum(), "bf16"), scales=(BlockScale("t2", "a", "f8e8m0", 32, 1),
-                                                       BlockScale("t3", "b", "f8e8m0", 32, 1)))
-    assert "MXFP4 / NVFP4 are not written yet" in gemm._block_scale_problem(d, "sm100a")
+
+    def desc(data, scale, block):
+        return GemmDesc("k_0", "sm100a", Operand("t0", data, "row"), Operand("t1", data, "col"), "f32",
+                        Store("t4", Accum(), "bf16"), scales=(BlockScale("t2", "a", scale, block, 1),
+                                                              BlockScale("t3", "b", scale, block, 1)))
+    assert [k.name for k in gemm.MX_KINDS] == ["MXFP8", "MXFP4", "NVFP4"]
+    for data, scale, block, name, kmul in (("f8e4m3", "f8e8m0", 32, "MXFP8", 128), ("f4e2m1", "f8e8m0", 32, "MXFP4", 256),
+                                           ("f4e2m1", "f8e4m3", 16, "NVFP4", 256)):
+        d = desc(data, scale, block)
+        assert gemm.mx_kind(d).name == name and gemm._block_scale_problem(d, "sm100a") is None
+        assert gemm.size_multiples(d) == (("K", kmul),)
+        assert "sm100a only" in gemm._block_scale_problem(d, "sm90a")
+    # fp8 data with NVFP4's scales, FP4 data with scales no kind has: refused by name
+    assert "takes NVFP4 (f4e2m1 data)" in gemm._block_scale_problem(desc("f8e4m3", "f8e4m3", 16), "sm100a")
+    assert "FP4 data is read by the block-scaled MMA only" in gemm.can_implement(desc("f4e2m1", "f8e4m3", 32),
+                                                                                 "sm100a")
 
 
 @needs_dsl
@@ -621,7 +634,8 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
     """tcgen05.cp of both scale tiles to tensor memory (UTCCP) and block-scaled UTCQMMA (scale-factor
     operands in tensor memory), the scales copied 4 bytes a row by cp.async (LDGSTS + mbarrier
     arrivals), A/B by TMA; launches match the cubin; a K that is not a multiple of 32 is refused by
-    the quotient check, one that is not a multiple of 128 by the 4-byte row rule, before launch."""
+    the quotient check, one that is not a multiple of 128 (the K tile) by the plan's size multiple,
+    before launch."""
     import kspec
     from kspec.core import KspecRuntimeError
     from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
@@ -629,7 +643,7 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
     m = json.loads((art / "manifest.json").read_text())
     (plan,) = m["kernels"][0]["plans"]
     assert list(plan["binaries"]) == ["sm100a"] and plan["args"] == ["A", "B", "sa", "sb", "D"]
-    assert plan["alignment"]["sa"] == 4 and plan["alignment"]["sb"] == 4
+    assert plan["alignment"]["sa"] == 4 and plan["alignment"]["sb"] == 4 and plan["multiples"] == {"K": 128}
     sass = cubin_sass(art / plan["binaries"]["sm100a"]["cubin"])
     if sass is not None:
         assert sass.count("UTCCP.T.S.4x32dp128bit") == 2 and sass.count("UTCQMMA") == 4
@@ -644,7 +658,7 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
         n = len(fake.launches)
         with pytest.raises(KspecRuntimeError, match=r"K = 100 .* not a multiple of 32"):
             fake_call(mod, "mxfp8_gemm", {"M": 64, "N": 128, "K": 100}, fake)
-        with pytest.raises(KspecRuntimeError, match=r"a multiple of 4"):
+        with pytest.raises(KspecRuntimeError, match=r"K = 96 .* not a multiple of 128"):
             fake_call(mod, "mxfp8_gemm", {"M": 64, "N": 128, "K": 96}, fake)
         assert len(fake.launches) == n
 
@@ -661,3 +675,163 @@ def test_e8m0_host_arrays_round_trip_through_the_device():
         assert back.dtype == a.dtype and np.array_equal(back.astype(np.float32), a.astype(np.float32))
         with pytest.raises(KspecRuntimeError, match="f4e2m1"):
             transfer.from_numpy(np.zeros((2, 4), ml_dtypes.float4_e2m1fn), "f4e2m1")
+
+
+# ------------------------------------------------------------------ NVFP4 / MXFP4 (FP4 data, block-scaled)
+
+NVFP4_SPEC = (SPECS / "nvfp4_gemm.kspec").read_text()
+MXFP4 = """target sm100a
+kernel mxfp4_gemm {
+  in  A  : f4e2m1[M, K]
+  in  B  : f4e2m1[N, K]
+  in  sa : f8e8m0[M, K / 32]
+  in  sb : f8e8m0[N, K / 32]
+  out D  : bf16[M, N]
+  D[m, n] = sum(k) A[m, k] * sa[m, k / 32] * B[n, k] * sb[n, k / 32]
+}"""
+E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1(codes):
+    """FP4 E2M1 values of 4-bit codes, by table: bit 3 the sign, bits 0..2 index 0, .5, 1, 1.5, 2, 3, 4, 6."""
+    codes = np.asarray(codes)
+    return np.where(codes & 8, -1.0, 1.0) * np.array(E2M1_TABLE)[codes & 7]
+
+
+def _e4m3(bits):
+    """E4M3 (fn) values of bytes: sign, 4 exponent bits (bias 7), 3 mantissa bits; subnormals at e = 0."""
+    bits = np.asarray(bits).astype(np.int64)
+    e, m = (bits >> 3) & 15, bits & 7
+    mag = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    return np.where(bits & 0x80, -mag, mag)
+
+
+def test_nvfp4_and_mxfp4_references_match_float64_numpy_decoded_by_table():
+    rng = np.random.default_rng(24)
+    M, N, K = 7, 12, 64
+    ca, cb = rng.integers(0, 16, (M, K)), rng.integers(0, 16, (N, K))
+    A4 = _e2m1(ca).astype(ml_dtypes.float4_e2m1fn)          # exact: every value is an E2M1 value
+    B4 = _e2m1(cb).astype(ml_dtypes.float4_e2m1fn)
+    assert np.array_equal(A4.view(np.uint8) & 15, ca)        # and the codes are the table's
+    # E4M3 scales: positive, normal and subnormal, never NaN (0x7F)
+    qa, qb = rng.integers(0x01, 0x60, (M, K // 16)), rng.integers(0x01, 0x60, (N, K // 16))
+    sa, sb = qa.astype(np.uint8).view(E4M3), qb.astype(np.uint8).view(E4M3)
+    out = reference(NVFP4_SPEC)(A=A4, B=B4, sa=sa, sb=sb, alpha=0.75)
+    a = _e2m1(ca) * np.repeat(_e4m3(qa), 16, axis=1)
+    b = _e2m1(cb) * np.repeat(_e4m3(qb), 16, axis=1)
+    np.testing.assert_allclose(out["D"].astype(np.float64), 0.75 * (a @ b.T), rtol=8e-3, atol=1e-6)
+    # MXFP4: E8M0 scales per 32 (2^(byte - 127))
+    ea, eb = rng.integers(120, 134, (M, K // 32)), rng.integers(120, 134, (N, K // 32))
+    out = reference(MXFP4)(A=A4, B=B4, sa=ea.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu),
+                           sb=eb.astype(np.uint8).view(ml_dtypes.float8_e8m0fnu))
+    a = _e2m1(ca) * np.repeat(2.0 ** (ea - 127.0), 32, axis=1)
+    b = _e2m1(cb) * np.repeat(2.0 ** (eb - 127.0), 32, axis=1)
+    np.testing.assert_allclose(out["D"].astype(np.float64), a @ b.T, rtol=8e-3, atol=1e-6)
+
+
+def test_nvfp4_and_mxfp4_plan_one_block_scaled_gemm_on_sm100a():
+    for src, kind, scale in ((SPECS / "nvfp4_gemm.kspec", "NVFP4", ("f8e4m3", 16, 1)),
+                             (MXFP4, "MXFP4", ("f8e8m0", 32, 1))):
+        (p,) = _plans(src, ("sm100a",)).plans
+        assert p.kind == "gemm" and p.choices["sm100a"].backend == "cute"
+        assert [(s.dtype, s.block_k, s.block_mn) for s in p.ir.gemm.block_scales] == [scale] * 2
+        from kspec.backends.cute.backend import CuteBackend
+        desc = CuteBackend()._gemm_desc(p.ir, "sm100a").desc
+        assert gemm.mx_kind(desc).name == kind and gemm.k_tile(desc.a.dtype) == 256
+        assert "sm100a only" in CuteBackend().can_implement(p.ir, "sm90a")
+
+
+def test_fp4_views_count_values_packed_two_a_byte():
+    """The one rule for f4e2m1 tensors (kspec.runtime.dtypes.span_bytes): shapes and strides count
+    values, packed two a byte along the contiguous axis; other strides are even.  torch's
+    float4_e2m1fn_x2 (and its DLPack export, 4 bits x 2 lanes) counts bytes: converted to values."""
+    from kspec.core import KspecRuntimeError
+    from kspec.runtime import dtypes, tensors
+    assert dtypes.span_bytes("f4e2m1", (3, 64), (64, 1)) == 96
+    assert dtypes.span_bytes("f4e2m1", (1, 5), (6, 1)) == 3 and dtypes.span_bytes("f8e4m3", (3, 64), (64, 1)) == 192
+    assert dtypes.span_bytes("f4e2m1", (0, 64), (64, 1)) == 0
+    assert dtypes.from_dlpack(17, 4, 2) == "f4e2m1" and dtypes.from_dlpack(17, 4, 1) == "f4e2m1"
+    assert tensors._fp4_values((4, 32), (32, 1)) == ((4, 64), (64, 1))
+    assert tensors._fp4_values((2, 4, 8), (32, 8, 1)) == ((2, 4, 16), (64, 16, 1))
+    v = tensors.as_view(tensors.DeviceBuffer(0x1000, (4, 64), "f4e2m1", strides=(64, 1)), "argument 'A'", 0)
+    assert v.byte_range() == (0x1000, 0x1000 + 128)
+    with pytest.raises(KspecRuntimeError, match=r"argument 'A': f4e2m1 strides \(65, 1\).*two a byte"):
+        tensors.as_view(tensors.DeviceBuffer(0x1000, (4, 64), "f4e2m1", strides=(65, 1)), "argument 'A'", 0)
+
+
+@needs_dsl
+@pytest.mark.cute
+def test_nvfp4_builds_block_scaled_utcomma_and_launches(quant_artifacts, tmp_path):
+    """NVFP4 and MXFP4 on the one block-scaled kernel: tcgen05.cp of the scale tiles (four 128 x 4
+    chunks each: 16 scales a row per 256-value K tile for NVFP4, 8 for MXFP4) and the FP4 block-scaled
+    MMA (UTCOMMA, kind::mxf4nvf4, scale factors in tensor memory), scales by 4-byte cp.async, A/B
+    (packed FP4) by TMA; launches match the cubin with alpha in the parameters; an odd K is refused
+    by the FP4 packing rule (rows start on a byte), one not a multiple of 16 by the quotient check,
+    one not a multiple of 256 by the plan's size multiple, all before any launch."""
+    import kspec
+    from kspec.compile import compile_spec
+    from kspec.core import KspecRuntimeError
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    art = quant_artifacts("nvfp4_gemm")
+    (tmp_path / "mxfp4_gemm.kspec").write_text(MXFP4)
+    from kspec.backends.build import CompileCache
+    mx = compile_spec(tmp_path / "mxfp4_gemm.kspec", None, tmp_path / "out",
+                      cache=CompileCache(test_cache_root()), backend="cute")
+    for a, copies in ((art, 8), (mx, 4)):
+        m = json.loads((a / "manifest.json").read_text())
+        (plan,) = m["kernels"][0]["plans"]
+        assert list(plan["binaries"]) == ["sm100a"] and plan["args"] == ["A", "B", "sa", "sb", "D"]
+        assert plan["alignment"]["sa"] == 4 and plan["multiples"] == {"K": 256}
+        sass = cubin_sass(a / plan["binaries"]["sm100a"]["cubin"])
+        if sass is not None:
+            assert sass.count("UTCCP.T.S.4x32dp128bit") == copies and sass.count("UTCOMMA") == 4
+            assert "UTCQMMA" not in sass and "UTCHMMA" not in sass
+            mma = next(line for line in sass.splitlines() if "UTCOMMA" in line)
+            assert mma.count("tmem[") == 3                # D, and the two scale-factor operands
+            assert "LDGSTS.E" in sass and "ARRIVES.LDGSTSBAR" in sass and "UTMALDG.3D" in sass
+    mod = kspec.load(art)
+    with FakeDriver((10, 0), sm_count=148) as fake:
+        for sz in ({"M": 256, "N": 256, "K": 512}, {"M": 200, "N": 384, "K": 256}):
+            call = fake_call(mod, "nvfp4_gemm", sz, fake, params={"alpha": 0.5})
+            assert check_call(call, "sm100a", mod) == []
+            assert struct.pack("<f", 0.5) in call.launches[0].params
+            args = {x.name: x for x in call.plan_args[0]}
+            assert args["A"].shape == (sz["M"], sz["K"]) and args["sa"].shape == (sz["M"], sz["K"] // 16)
+        n = len(fake.launches)
+        for k, why in ((100, r"K = 100 .* not a multiple of 16"), (255, r"'A': f4e2m1 strides \(255, 1\).*two a byte"),
+                       (64, r"K = 64 .* not a multiple of 256")):
+            with pytest.raises(KspecRuntimeError, match=why):
+                fake_call(mod, "nvfp4_gemm", {"M": 64, "N": 128, "K": k}, fake)
+        assert len(fake.launches) == n
+    mod = kspec.load(mx)
+    with FakeDriver((10, 0), sm_count=148) as fake:
+        call = fake_call(mod, "mxfp4_gemm", {"M": 128, "N": 256, "K": 768}, fake)
+        assert check_call(call, "sm100a", mod) == []
+        with pytest.raises(KspecRuntimeError, match=r"K = 128 .* not a multiple of 256"):
+            fake_call(mod, "mxfp4_gemm", {"M": 64, "N": 128, "K": 128}, fake)
+
+
+def test_kspec_graph_plans_nvfp4_as_one_kernel(capsys):
+    from kspec.cli import main
+    rc = main(["graph", str(SPECS / "nvfp4_gemm.kspec"), "--sizes", "M=1024,N=1024,K=1024"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "kernel nvfp4_gemm: 1 fused kernel" in out
+    assert "block scales (inside the sum): sa of A per 1x16; sb of B per 1x16" in out
+    assert re.search(r"nvfp4_gemm_0\s+gemm\s+\S+ GFLOP", out), out
+
+
+def test_selftest_uploads_fp4_two_values_a_byte():
+    """`kspec selftest` uploads f4e2m1 inputs as the device holds them: two E2M1 codes a byte along
+    the contiguous axis, value 2i in the low nibble (torch's float4_e2m1fn_x2), after the layout's
+    transpose; a row of odd length is refused."""
+    import ml_dtypes
+
+    from kspec.selftest import _storage, pack_fp4
+    v = np.array([[0.5, 1.0, -6.0, 3.0], [0.0, 1.5, 2.0, 4.0]], dtype=ml_dtypes.float4_e2m1fn)
+    # E2M1 codes: 0.5 -> 1, 1 -> 2, -6 -> 0xF (sign 8 + 7), 3 -> 5, 0 -> 0, 1.5 -> 3, 2 -> 4, 4 -> 6
+    assert pack_fp4(v).tolist() == [[0x21, 0x5F], [0x30, 0x64]]
+    assert _storage(v, "row", "f4e2m1") == bytes([0x21, 0x5F, 0x30, 0x64])
+    # col: the storage is the transpose [4, 2], packed along its last axis
+    assert _storage(v, "col", "f4e2m1") == bytes([0x01, 0x32, 0x4F, 0x65])
+    with pytest.raises(ValueError, match="do not fill whole bytes"):
+        pack_fp4(v[:, :3])

@@ -527,7 +527,7 @@ def test_rope_rotates_each_half_by_the_position_angles():
 
 # shipped specs whose reference tests live in tests/test_quant_gemm.py
 QUANT_TESTED = {"gemm_int8_dequant", "fp8_gemm_amax", "fp8_gemm_blockwise", "moe_grouped_gemm",
-                "moe_gather_gemm", "mxfp8_gemm"}
+                "moe_gather_gemm", "mxfp8_gemm", "nvfp4_gemm"}
 
 
 def test_every_shipped_spec_has_a_reference_test():

@@ -238,7 +238,7 @@ def test_fused_attention_bytes_never_include_the_score_matrix(spec, dt, e):
     assert c.fused_flops == 2 * B * H * S * T_ * e * 2 + B * H * S * T_ + 5 * B * H * S * T_
 
 
-BLOCK_SCALED = ("fp8_gemm_blockwise", "mxfp8_gemm")      # scales inside the sum: [M, K, N] products unfused
+BLOCK_SCALED = ("fp8_gemm_blockwise", "mxfp8_gemm", "nvfp4_gemm")      # scales inside the sum: [M, K, N] products unfused
 
 
 @pytest.mark.parametrize("spec", sorted(p.stem for p in SPECS.glob("*.kspec")))

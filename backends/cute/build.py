@@ -179,9 +179,11 @@ _DIM_INDEX = {"M": 0, "N": 1, "K": 2, "L": 3}
 
 
 def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, entry: str,
-                offsets: tuple[int, ...], sizes: tuple[int, ...], cluster_size: int, smem_optin: int) -> str:
-    """kspec_workspace_size / kspec_prepare (backends/ABI.md) for one exported CuTe DSL GEMM."""
-    from kspec.core import dtype_bytes
+                offsets: tuple[int, ...], sizes: tuple[int, ...], cluster_size: int, smem_optin: int,
+                multiples: tuple[tuple[str, int], ...] = ()) -> str:
+    """kspec_workspace_size / kspec_prepare (backends/ABI.md) for one exported CuTe DSL GEMM;
+    multiples: gemm.size_multiples (size roles the kernel needs to be a multiple of a number)."""
+    from kspec.core import DTYPE_TABLE, dtype_bytes
     checks = [
         "    const int64_t M = dims[0], N = dims[1], K = dims[2], L = dims[3];",
         "    if (M < 0 || N < 0 || K < 0 || L < 0) KS_FAIL(\"negative size (M=%lld N=%lld K=%lld L=%lld)\", (long long)M, (long long)N, (long long)K, (long long)L);",
@@ -191,11 +193,13 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
     ]
     if any("R" in t.shape for t in tensors):      # a gathered A's own row count
         checks.insert(1, "    const int64_t R = dims[4];")
-        # its rows are read in whole 128-byte K tiles by cp.async (no K-tail predication;
-        # gemm.size_multiples: the manifest says so too)
-        kt = gemm.GATHER_K_BYTES // dtype_bytes(tensors[0].dtype)
-        checks.append(f"    if (K % {kt} != 0) KS_FAIL(\"K = %lld: a GEMM whose A rows are gathered needs K to be a "
-                      f"multiple of {kt}\", (long long)K);")
+    for role, m in multiples:
+        # gemm.size_multiples (the manifest says so too): a gathered A's rows are read in whole
+        # 128-byte K tiles by cp.async; the block-scaled kernel reads whole K tiles (no K tail)
+        why = ("a GEMM whose A rows are gathered" if any("R" in t.shape for t in tensors) else
+               f"the block-scaled {tensors[0].dtype} GEMM, which reads whole K tiles")
+        checks.append(f"    if ({role} % {m} != 0) KS_FAIL(\"{role} = %lld: {why} needs {role} to be a "
+                      f"multiple of {m}\", (long long){role});")
     for t in tensors:
         if not t.tma and t.alignment > dtype_bytes(t.dtype):
             # (e.g. MX scales, read 4 bytes a row at a time): every row starts as aligned as the base
@@ -206,7 +210,7 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
                               f"{t.alignment}-byte rows of {t.dtype} here (a multiple of {q})\", (long long)({expr}));")
         if t.tma:
             lead = t.leading()
-            el = 16 // dtype_bytes(t.dtype)
+            el = 128 // DTYPE_TABLE[t.dtype].bits          # (32 values of a 4-bit dtype, two a byte)
             checks.append(f"    if ({lead} % {el} != 0) KS_FAIL(\"{lead} = %lld: the CuTe DSL kernel needs it to be a "
                           f"multiple of {el} ({t.dtype}, 16-byte TMA rows)\", (long long){lead});")
     values = [f"    float s{k} = (float)scalars[{k}];" for k in range(num_scalars)]
@@ -393,7 +397,7 @@ def _compile_into(work: Path, desc: GemmDesc, arch: str, cfg: gemm.CuteConfig, k
                           [f"float s{k}" for k in range(len(code.scalars))])
     cluster = cfg.cluster[0] * cfg.cluster[1]
     (work / "glue.c").write_text(glue_source(tensors, len(code.scalars), ciface, entry, offs, sizes, cluster,
-                                                  compat.SMEM_OPTIN[arch]))
+                                                  compat.SMEM_OPTIN[arch], gemm.size_multiples(desc)))
     link_host(work / "kernel.o", work / "glue.c", work / "kernel.so", work / "link.log")
     return {"symbol": entry, "param_offsets": list(offs), "param_sizes": list(sizes), "compile_seconds": seconds}
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kspec.backends.api import MAX_CLUSTER_CTAS, SettingProblem
 from kspec.backends.desc import GemmDesc
 from kspec.compiler.kir import VECTOR_AXIS, Load, epi_nodes
-from kspec.core import FP8_DTYPES, dtype_bytes
+from kspec.core import DTYPE_TABLE, FP8_DTYPES, dtype_bytes
 
 from . import epilogue, sync
 
@@ -72,6 +72,10 @@ def can_implement(desc: GemmDesc, arch: str) -> str | None:
     elif a == "i8":
         if b != "i8":
             return f"mixed operand dtypes {a} x {b}"
+    elif a in FP4_DTYPES or b in FP4_DTYPES:
+        if mx_kind(desc) is None:
+            return (f"{a} x {b} operands: FP4 data is read by the block-scaled MMA only (MXFP4: f8e8m0 scales "
+                    "per 32 values of K; NVFP4: f8e4m3 scales per 16), per row of A and column of B")
     else:
         return f"operand dtype {a} is not supported by the CuTe DSL backend"
     if (a == "i8") != (desc.acc_dtype == "i32"):
@@ -154,22 +158,75 @@ def grouped_problem(ir, arch: str) -> str | None:
 BLOCK_SCALED_TILE = (128, 128)
 
 
+@dataclass(frozen=True)
+class MxKind:
+    """One block-scaled format tcgen05's block-scaled MMA reads (sm100_mx.py): operand dtypes, the
+    scale dtype and how many values along K one scale covers (its `sf_vec`)."""
+    name: str
+    operands: tuple[str, ...]
+    scale: str
+    sf_vec: int
+
+    def k_multiple(self) -> int:
+        """What K must be a multiple of: the kernel's K tile (128 bytes of an operand row; no K tail)."""
+        return k_tile(self.operands[0])
+
+
+FP4_DTYPES = ("f4e2m1",)
+# The block-scaled kinds the sm100a kernel builds, one table (the MMA kind follows from the
+# operands: kind::mxf8f6f4 for fp8, kind::mxf4nvf4 for FP4): MXFP8 and MXFP4 (OCP MX, E8M0 scales per
+# 32) and NVFP4 (E4M3 scales per 16; its global scale is the epilogue's `alpha *`).
+MX_KINDS = (MxKind("MXFP8", FP8_DTYPES, "f8e8m0", 32),
+            MxKind("MXFP4", FP4_DTYPES, "f8e8m0", 32),
+            MxKind("NVFP4", FP4_DTYPES, "f8e4m3", 16))
+
+
+def _mx_scales(desc: GemmDesc) -> tuple[str, int] | None:
+    """(scale dtype, sf_vec) when desc has one scale per row of A and one per column of B, both of
+    one dtype and block along K, row-major [rows, K / block]; None otherwise."""
+    if len(desc.scales) != 2 or {sc.operand for sc in desc.scales} != {"a", "b"}:
+        return None
+    keys = {(sc.dtype, sc.block_k, sc.block_mn, sc.order) for sc in desc.scales}
+    if len(keys) != 1:
+        return None
+    (dtype, block_k, block_mn, order), = keys
+    if block_mn != 1 or order != "mk" or not any((k.scale, k.sf_vec) == (dtype, block_k) for k in MX_KINDS):
+        return None
+    return dtype, block_k
+
+
+def mx_kind(desc: GemmDesc) -> MxKind | None:
+    """The MX_KINDS entry desc is (scales and operands), or None."""
+    sc = _mx_scales(desc)
+    if sc is None:
+        return None
+    for k in MX_KINDS:
+        if (k.scale, k.sf_vec) == sc and desc.a.dtype in k.operands and desc.b.dtype in k.operands:
+            return k
+    return None
+
+
 def is_mx(desc: GemmDesc) -> bool:
-    """MX block scales (E8M0 per 32 values along K, per row of A and column of B): tcgen05's
-    block-scaled MMA on sm100a (sm100_mx.py)."""
-    return len(desc.scales) == 2 and {sc.operand for sc in desc.scales} == {"a", "b"} and all(
-        (sc.dtype, sc.block_k, sc.block_mn, sc.order) == ("f8e8m0", 32, 1, "mk") for sc in desc.scales)
+    """Block scales per row of A and column of B at one of MX_KINDS' (scale dtype, block): tcgen05's
+    block-scaled MMA on sm100a (sm100_mx.py), whatever the operands (mx_kind says if they fit)."""
+    return _mx_scales(desc) is not None
 
 
 def _block_scale_problem(desc: GemmDesc, arch: str) -> str | None:
     if is_mx(desc):
+        sc = _mx_scales(desc)
         if arch != "sm100a":
-            return "MX block-scaled GEMMs (E8M0 scales per 32 values) use tcgen05's block-scaled MMA: sm100a only"
-        if desc.a.dtype not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES:
-            return (f"MX operands {desc.a.dtype} x {desc.b.dtype}: the sm100a MX kernel takes fp8 (MXFP8); "
-                    "MXFP4 / NVFP4 are not written yet")
+            return (f"block-scaled GEMMs with {sc[0]} scales per {sc[1]} values use tcgen05's block-scaled MMA: "
+                    "sm100a only")
+        kind = mx_kind(desc)
+        if kind is None:
+            fits = [f"{k.name} ({'/'.join(k.operands)} data)" for k in MX_KINDS if (k.scale, k.sf_vec) == sc]
+            return (f"operands {desc.a.dtype} x {desc.b.dtype} with {sc[0]} scales per {sc[1]}: the sm100a "
+                    f"block-scaled kernel takes {' or '.join(fits)}")
         if (desc.a.layout, desc.b.layout) != ("row", "col") or desc.batched or desc.b2 is not None:
-            return "the MX kernel reads K-major A and B, not batched"
+            return f"the {kind.name} kernel reads K-major A and B, not batched"
+        if desc.acc_dtype != "f32":
+            return f"the {kind.name} kernel accumulates in f32 (got {desc.acc_dtype})"
         return None
     a = desc.a.dtype
     if a not in FP8_DTYPES or desc.b.dtype not in FP8_DTYPES or desc.acc_dtype != "f32":
@@ -203,7 +260,7 @@ def candidates(desc: GemmDesc, arch: str) -> list[CuteConfig]:
 
 
 def _bits(dtype: str) -> int:
-    return dtype_bytes(dtype) * 8
+    return DTYPE_TABLE[dtype].bits
 
 
 @functools.lru_cache(maxsize=512)
@@ -300,8 +357,9 @@ def _shape_problem(cfg: CuteConfig, arch: str, dual: bool) -> SettingProblem | N
 
 
 def k_tile(dtype: str) -> int:
-    """The K extent of every CTA tile: four MMA instructions' K, 128 bytes of each operand row."""
-    return 128 // dtype_bytes(dtype)
+    """The K extent of every CTA tile: four MMA instructions' K, 128 bytes of each operand row
+    (256 values of a 4-bit dtype)."""
+    return sync.k_tile(_bits(dtype))
 
 
 def hint_config(desc: GemmDesc, arch: str, dims: dict[str, int] | None = None) -> CuteConfig:
@@ -402,6 +460,11 @@ def size_multiples(desc: GemmDesc) -> tuple[tuple[str, int], ...]:
     """The size roles whose value the kernel needs to be a multiple of a number
     (EmittedKernel.multiples; the host glue refuses other values too): K of a GEMM whose A rows
     are gathered."""
+    kind = mx_kind(desc)
+    if kind is not None:
+        # the block-scaled kernel has no K tail: whole K tiles (128 for fp8, 256 for FP4 data), so
+        # whole scale blocks and whole bytes of packed FP4 rows too
+        return (("K", kind.k_multiple()),)
     return (("K", GATHER_K_BYTES // dtype_bytes(desc.a.dtype)),) if desc.a_rows else ()
 
 
@@ -436,6 +499,7 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
     n_in = len(code.inputs)
     # pointers before the epilogue inputs: A, B (, B2), the block scales
     nb = (2 if desc.b2 is None else 3) + len(desc.scales)
+    mx = is_mx(desc)
     d_stride = (("N",), 1, ("M", "N")) if d_row else (1, ("M",), ("M", "N"))
     b_stride = (1, ("N",), ("K", "N")) if b_row else (("K",), 1, ("K", "N"))
     out = [
@@ -453,9 +517,9 @@ def tensor_abi(desc: GemmDesc, code: "epilogue.EpilogueCode") -> list[TensorABI]
             f"({'M' if sc.operand == 'a' else 'N'} / {sc.block_mn})"
         kb = f"(K / {sc.block_k})"
         shape = (mn, kb) if sc.order == "mk" else (kb, mn)
-        # (MX scales: each row's 4 scales of a K tile by one 4-byte cp.async)
+        # (MX scales: each row's scales of a K tile by 4-byte cp.asyncs)
         out.append(TensorABI(f"q{j}", sc.dtype, shape, ((shape[1],), 1), False, 2 + (desc.b2 is not None) + j,
-                             4 if sc.dtype == "f8e8m0" else 0))
+                             4 if mx else 0))
     for j, ld in enumerate(code.inputs):
         if ld.kind in ("row", "col"):
             out.append(TensorABI(f"i{j}", ld.dtype, (VECTOR_AXIS[ld.kind].upper(),), (1,), False, nb + j))
@@ -518,7 +582,8 @@ def entry_source(desc: GemmDesc, arch: str, cfg: CuteConfig, code: "epilogue.Epi
         ctor = f"{cls}(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {gkinds!r}, {ns}, {cfg.stages!r}{gather})"
         imp = f"from kspec.backends.cute.{'sm90' if arch == 'sm90a' else 'sm100'}_grouped import {cls}"
     elif desc.scales and arch == "sm100a" and is_mx(desc):
-        ctor = f"Sm100MxGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {kinds}, {ns}, {cfg.stages!r})"
+        ctor = (f"Sm100MxGemm(cutlass.{acc}, {cfg.tile!r}, kspec_epilogue, {kinds}, {ns}, {cfg.stages!r}, "
+                f"sf_vec={mx_kind(desc).sf_vec})")
         imp = "from kspec.backends.cute.sm100_mx import Sm100MxGemm"
     elif desc.scales and arch == "sm100a":
         scales = tuple((sc.operand, sc.block_mn, sc.order) for sc in desc.scales)

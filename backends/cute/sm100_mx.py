@@ -1,18 +1,23 @@
-"""MXFP8 GEMMs on sm_100a with tcgen05's block-scaled MMA (`kind::mxf8f6f4`, one E8M0 scale per 32
-values along K): `sum(k) A[m, k] sa[m, k / 32] B[n, k] sb[n, k / 32]` with A, B fp8 and sa, sb
-f8e8m0, the scales stored as written, row-major [M, K / 32] and [N, K / 32].
+"""Block-scaled GEMMs on sm_100a with tcgen05's block-scaled MMA: `sum(k) A[m, k] sa[m, k / V]
+B[n, k] sb[n, k / V]`, the scales stored as written, row-major [M, K / V] and [N, K / V].  The kinds
+(gemm.MX_KINDS, one table): MXFP8 (fp8 data, E8M0 scales, V = 32; `kind::mxf8f6f4`), MXFP4 (FP4 E2M1
+data two values a byte, E8M0 scales, V = 32) and NVFP4 (FP4 data, E4M3 scales, V = 16; both FP4
+kinds `kind::mxf4nvf4`).  The operand dtypes choose the MMA kind and K: a K tile is four MMA
+instructions, 128 bytes of an operand row (128 fp8 values, 256 FP4 values).
 
 The tensor cores read the scales from tensor memory in their own blocked layout (the
 BlockScaledBasicChunk of `cutlass.utils.blockscaled_layout`: 128 rows x 4 scale columns = 512 bytes
-per 128-value K tile).  A row-major scale row holds a K tile's 4 scales in 4 consecutive bytes, which
-the blocked layout also keeps together, so four extra warps (6..9) copy each row's 4 bytes by
-cp.async straight into the stage's blocked shared-memory tile (no reformatting pass over memory,
-no TMA: a 4-byte row is below TMA's 16-byte minimum) and arrive on the stage's full barrier beside
-the TMA loads of A and B.  The MMA warp copies the stage's scales to tensor memory (tcgen05.cp,
+per chunk, the chunks of a K tile one after another).  A row-major scale row holds a K tile's
+scales (4 for MXFP8, 8 for MXFP4, 16 for NVFP4) in consecutive bytes, and the blocked layout keeps
+each group of 4 together, so four extra warps (6..9) copy each row's groups of 4 bytes by cp.async
+straight into the stage's blocked shared-memory tile (no reformatting pass over memory, no TMA: a
+4-byte group is below TMA's 16-byte minimum) and arrive on the stage's full barrier beside the TMA
+loads of A and B.  The MMA warp copies the stage's scales to tensor memory (tcgen05.cp,
 `Cp4x32x128bOp`) and issues the block-scaled MMAs; the epilogue is Sm100Gemm's (row/column vectors,
-scalars).  1-CTA UMMA 128 x 128, clusters 1x1, K a multiple of 128.  kspec's own kernel on the DSL
-wheel's block-scaled building blocks (the CUTLASS DSL examples' dense_blockscaled_gemm shows their
-use with TMA-loaded, pre-blocked scales).
+scalars: NVFP4's global scale is `alpha * sum(k) ...`).  1-CTA UMMA 128 x 128, clusters 1x1, K a
+multiple of the K tile (gemm.size_multiples; the host glue checks it).  kspec's own kernel on the DSL
+wheel's block-scaled building blocks (the CUTLASS DSL examples' dense_blockscaled_gemm_persistent
+shows their use, for the same kinds, with TMA-loaded, pre-blocked scales).
 """
 from __future__ import annotations
 
@@ -32,38 +37,51 @@ from kspec.core import KspecInternalError
 
 from .sm100 import Sm100Gemm
 
-SF_VEC = 32
 SF_WARPS = (6, 7, 8, 9)
+SF_GROUP = 4                  # scales per cp.async: the 4 scale columns of a BlockScaledBasicChunk
 
 
-def blocked_offsets(rows: int, k_tile: int) -> list[int]:
-    """Byte offset, in one stage's blocked scale tile, of each row's 4 scales of a K tile (trace time:
-    the BlockScaledBasicChunk tiled over (rows, k_tile), (2, 1) order as make_smem_layout_sfa does);
-    checks that the 4 scales of a row are consecutive bytes and that the rows cover the tile."""
-    layout = cute.tile_to_shape(blockscaled_utils.BlockScaledBasicChunk(SF_VEC).layout, (rows, k_tile), (2, 1))
+def blocked_offsets(rows: int, k_tile: int, sf_vec: int) -> list[list[int]]:
+    """Byte offset, in one stage's blocked scale tile, of each row's groups of 4 scales of a K tile
+    (trace time: the BlockScaledBasicChunk tiled over (rows, k_tile), (2, 1) order as
+    make_smem_layout_sfa does); checks that each group's 4 scales are consecutive bytes and that
+    the rows cover the tile."""
+    layout = cute.tile_to_shape(blockscaled_utils.BlockScaledBasicChunk(sf_vec).layout, (rows, k_tile), (2, 1))
+    per = k_tile // sf_vec
     offs = []
     seen = set()
     for m in range(rows):
-        row = [cute.crd2idx((m, j * SF_VEC), layout) for j in range(k_tile // SF_VEC)]
-        if any(not isinstance(x, int) for x in row) or row != list(range(row[0], row[0] + len(row))):
-            raise KspecInternalError("MX scales: a row's scales are not consecutive in the blocked layout")
+        row = [cute.crd2idx((m, j * sf_vec), layout) for j in range(per)]
+        if any(not isinstance(x, int) for x in row):
+            raise KspecInternalError("MX scales: the blocked layout is not static")
+        groups = [row[g:g + SF_GROUP] for g in range(0, per, SF_GROUP)]
+        if any(grp != list(range(grp[0], grp[0] + SF_GROUP)) for grp in groups):
+            raise KspecInternalError("MX scales: a row's groups of 4 scales are not consecutive in the blocked layout")
         seen.update(row)
-        offs.append(row[0])
-    if seen != set(range(rows * k_tile // SF_VEC)):
+        offs.append([grp[0] for grp in groups])
+    if seen != set(range(rows * per)):
         raise KspecInternalError("MX scales: the rows do not cover the blocked scale tile")
     return offs
 
 
-class Sm100MxGemm(Sm100Gemm):
-    """mma_tiler_mn: (128, 128); A and B fp8 (K-major), scales f8e8m0 per 32 values of K."""
+def group_offset(rows: int, r: int, g: int) -> int:
+    """Where _copy_row puts group g of row r's scales (the BlockScaledBasicChunk: 32-row sub-blocks
+    of 16 bytes, 4 of them side by side; the K tile's chunks of rows x 4 bytes one after another)."""
+    return g * rows * SF_GROUP + (r % 32) * 16 + (r // 32) * SF_GROUP
 
-    def __init__(self, acc_dtype, mma_tiler_mn, epi_fn, input_kinds, num_scalars, stages=None):
+
+class Sm100MxGemm(Sm100Gemm):
+    """mma_tiler_mn: (128, 128); A and B fp8 or FP4 (K-major), one scale (f8e8m0 or f8e4m3) per
+    sf_vec values of K (gemm.MX_KINDS)."""
+
+    def __init__(self, acc_dtype, mma_tiler_mn, epi_fn, input_kinds, num_scalars, stages=None, sf_vec=32):
         super().__init__(acc_dtype, mma_tiler_mn, (1, 1), False, epi_fn, input_kinds, num_scalars, stages)
         self.threads_per_cta = 32 * 10
+        self.sf_vec = sf_vec
 
     def _tiled_mma(self):
         return sm100_utils.make_blockscaled_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype, self.a_major, self.b_major, self.sf_dtype, SF_VEC, tcgen05.CtaGroup.ONE,
+            self.a_dtype, self.b_dtype, self.a_major, self.b_major, self.sf_dtype, self.sf_vec, tcgen05.CtaGroup.ONE,
             self.mma_tiler[:2])
 
     @cute.jit
@@ -80,21 +98,20 @@ class Sm100MxGemm(Sm100Gemm):
         self.num_aux = 0
         tiled_mma = self._tiled_mma()
         self._setup()
-        # the stages also hold each K tile's blocked scales (tm x 4 and tn x 4 bytes): fewer of them
+        # the stages also hold each K tile's blocked scales (tm x per and tn x per bytes): fewer of them
         tm, tn, tk = self.mma_tiler
-        sf_bytes = (tm + tn) * tk // SF_VEC
+        sf_bytes = (tm + tn) * tk // self.sf_vec
         a1 = cute.size_in_bytes(self.a_dtype, cute.slice_(self.a_smem_staged, (None, None, None, 0)))
         b1 = cute.size_in_bytes(self.b_dtype, cute.slice_(self.b_smem_staged, (None, None, None, 0)))
         self.num_ab_stage = max(2, self.num_ab_stage * (a1 + b1) // (a1 + b1 + sf_bytes) - 1)
         self.a_smem_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, self.num_ab_stage)
         self.b_smem_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, self.num_ab_stage)
-        self.sfa_smem_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, SF_VEC,
+        self.sfa_smem_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec,
                                                                       self.num_ab_stage)
-        self.sfb_smem_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, SF_VEC,
+        self.sfb_smem_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec,
                                                                       self.num_ab_stage)
-        self.sf_stage_bytes = (tm * tk // SF_VEC, tn * tk // SF_VEC)
-        per = tk // SF_VEC
-        self._check_blocked(tm, tn, tk, per)
+        self.sf_stage_bytes = (tm * tk // self.sf_vec, tn * tk // self.sf_vec)
+        self._check_blocked(tm, tn, tk)
         # TMEM: the double-buffered accumulator, then A's and B's scale columns
         self.num_acc_cols = tn * self.num_acc_stage
         self.num_sfa_cols = (tm // 32) * 4
@@ -120,26 +137,31 @@ class Sm100MxGemm(Sm100Gemm):
                     self.sfb_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), stream=stream)
 
-    def _check_blocked(self, tm, tn, tk, per):
-        """Trace time: the blocked scale tiles are the 128 x 4 chunks _copy_row writes into."""
+    def _check_blocked(self, tm, tn, tk):
+        """Trace time: the blocked scale tiles are the 128 x 4 chunks _copy_row writes into, whole
+        groups of 4 scales a row per K tile."""
+        if (tk // self.sf_vec) % SF_GROUP:
+            raise KspecInternalError(f"MX scales: {tk // self.sf_vec} scales a row per K tile, not whole groups "
+                                     f"of {SF_GROUP}")
         for rows, staged, stage_bytes in ((tm, self.sfa_smem_staged, self.sf_stage_bytes[0]),
                                           (tn, self.sfb_smem_staged, self.sf_stage_bytes[1])):
-            offs = blocked_offsets(rows, tk)
-            if offs != [(r % 32) * 16 + (r // 32) * per for r in range(rows)] or \
-                    cute.cosize(staged) != stage_bytes * self.num_ab_stage:
-                raise KspecInternalError("MX scales: the blocked shared-memory tile is not the 128 x 4 chunk "
+            offs = blocked_offsets(rows, tk, self.sf_vec)
+            want = [[group_offset(rows, r, g) for g in range(len(offs[0]))] for r in range(rows)]
+            if offs != want or cute.cosize(staged) != stage_bytes * self.num_ab_stage:
+                raise KspecInternalError("MX scales: the blocked shared-memory tile is not the 128 x 4 chunks "
                                          "this kernel's scale loads assume")
 
     @cute.jit
     def _load_scales(self, mSFA: cute.Tensor, mSFB: cute.Tensor, sSFA_base, sSFB_base, ab_pipe, sched_params,
                      k_tiles, tidx):
-        """Warps 6..9: per tile and K tile, wait for the stage, copy each row's 4 scale bytes of A's
-        and B's tile rows by cp.async into the stage's blocked tile, arrive on its full barrier."""
+        """Warps 6..9: per tile and K tile, wait for the stage, copy each row's scales of A's and
+        B's tile rows, 4 bytes at a time by cp.async, into the stage's blocked tile, arrive on its
+        full barrier."""
         tm, tn, tk = self.mma_tiler
         nthr = 32 * len(SF_WARPS)
         t = tidx - 32 * SF_WARPS[0]
-        per = tk // SF_VEC                              # scales of a row in one K tile (4)
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.sf_dtype, num_bits_per_copy=8 * per)
+        groups = tk // self.sf_vec // SF_GROUP          # groups of 4 scales of a row in one K tile
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.sf_dtype, num_bits_per_copy=8 * SF_GROUP)
         M = mSFA.shape[0]
         N = mSFB.shape[0]
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
@@ -151,25 +173,31 @@ class Sm100MxGemm(Sm100Gemm):
                 ab_pipe.sync_object_empty.wait(state.index, state.phase)
                 for j in cutlass.range_constexpr(tm // nthr):
                     r = t + j * nthr
-                    src = cute.local_tile(mSFA[cutlass.min(tc[0] * tm + r, M - 1), None], (per,), (k,))
-                    self._copy_row(atom, src, sSFA_base, state.index * self.sf_stage_bytes[0], r, per)
+                    ktile = cute.local_tile(mSFA[cutlass.min(tc[0] * tm + r, M - 1), None],
+                                            (groups * SF_GROUP,), (k,))
+                    for g in cutlass.range_constexpr(groups):
+                        src = cute.local_tile(ktile, (SF_GROUP,), (g,))
+                        self._copy_row(atom, src, sSFA_base, state.index * self.sf_stage_bytes[0], tm, r, g)
                 for j in cutlass.range_constexpr(tn // nthr):
                     r = t + j * nthr
-                    src = cute.local_tile(mSFB[cutlass.min(tc[1] * tn + r, N - 1), None], (per,), (k,))
-                    self._copy_row(atom, src, sSFB_base, state.index * self.sf_stage_bytes[1], r, per)
+                    ktile = cute.local_tile(mSFB[cutlass.min(tc[1] * tn + r, N - 1), None],
+                                            (groups * SF_GROUP,), (k,))
+                    for g in cutlass.range_constexpr(groups):
+                        src = cute.local_tile(ktile, (SF_GROUP,), (g,))
+                        self._copy_row(atom, src, sSFB_base, state.index * self.sf_stage_bytes[1], tn, r, g)
                 cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(state))
                 state.advance()
             sched.advance_to_next_work()
             work = sched.get_current_work()
 
     @cute.jit
-    def _copy_row(self, atom, src, base, stage_off, r, per: cutlass.Constexpr):
-        """cp.async of row r's scales to their place in the stage's blocked tile, byte
-        (r % 32) * 16 + (r // 32) * 4 (the BlockScaledBasicChunk; __call__ checks this against the
-        layout the MMA's shared-memory descriptors use)."""
-        off = (r % 32) * 16 + (r // 32) * per
-        # (4-byte aligned by construction: the stage and row offsets are multiples of 4)
-        dst = cute.make_tensor((base + stage_off + off).align(4), cute.make_layout(per))
+    def _copy_row(self, atom, src, base, stage_off, rows: cutlass.Constexpr, r, g: cutlass.Constexpr):
+        """cp.async of group g of row r's scales to its place in the stage's blocked tile, byte
+        g * rows * 4 + (r % 32) * 16 + (r // 32) * 4 (group_offset: the BlockScaledBasicChunk;
+        __call__ checks this against the layout the MMA's shared-memory descriptors use)."""
+        off = g * rows * SF_GROUP + (r % 32) * 16 + (r // 32) * SF_GROUP
+        # (4-byte aligned by construction: the stage and group offsets are multiples of 4)
+        dst = cute.make_tensor((base + stage_off + off).align(4), cute.make_layout(SF_GROUP))
         cute.copy(atom, src, dst)
 
     @cute.kernel
@@ -274,11 +302,11 @@ class Sm100MxGemm(Sm100Gemm):
             # the scales' tensor-memory columns follow the accumulator's
             tCtSFA = cute.make_tensor(
                 cute.recast_ptr(acc_tmem_ptr + self.num_acc_cols, dtype=self.sf_dtype),
-                blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, SF_VEC,
+                blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec,
                                                        cute.slice_(sfa_smem_staged, (None, None, None, 0))))
             tCtSFB = cute.make_tensor(
                 cute.recast_ptr(acc_tmem_ptr + self.num_acc_cols + self.num_sfa_cols, dtype=self.sf_dtype),
-                blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, SF_VEC,
+                blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec,
                                                        cute.slice_(sfb_smem_staged, (None, None, None, 0))))
             s2t_a, sSFA_s2t, tSFA_s2t = self._s2t(sSFA, tCtSFA)
             s2t_b, sSFB_s2t, tSFB_s2t = self._s2t(sSFB, tCtSFB)

@@ -318,7 +318,7 @@ class DeviceArray:
         self.strides = tuple(strides) if strides is not None else _c_strides(self.shape)
         self.device = device
         self.stream = stream
-        self.nbytes = _span_bytes(self.shape, self.strides, dtypes.itemsize(self.dtype))
+        self.nbytes = dtypes.span_bytes(self.dtype, self.shape, self.strides)
         self._ctx = _ctx if _ctx is not None else drv.primary_context(device)
         if _ptr is not None:
             self.ptr = _ptr
@@ -394,12 +394,6 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         return f"DeviceArray({self.dtype}{list(self.shape)}, strides={self.strides}, cuda:{self.device}, 0x{self.ptr:x})"
-
-
-def _span_bytes(shape, strides, item) -> int:
-    if math.prod(shape) == 0:
-        return 0
-    return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * item
 
 
 def _numpy_dtype(name: str):

@@ -71,7 +71,31 @@ def from_typestr(typestr: str) -> str:
     return _FROM_TYPESTR.get(typestr, f"typestr {typestr!r}")
 
 
+def bits(name: str) -> int:
+    """Storage bits of one value (4 for f4e2m1)."""
+    return DTYPE_TABLE[name].bits
+
+
+def span_bytes(name: str, shape, strides) -> int:
+    """Bytes of memory a view of these extents and (non-negative) strides covers.  The one rule for
+    a sub-byte dtype (f4e2m1): shapes and strides count values, packed two a byte along the
+    contiguous axis, every other stride even (each row starts on a byte; tensors.check_packed), so
+    the span is its values' bits rounded up to whole bytes."""
+    shape, strides = tuple(shape), tuple(strides)
+    if any(int(n) == 0 for n in shape):
+        return 0
+    values = sum((int(n) - 1) * int(s) for n, s in zip(shape, strides)) + 1
+    return (values * bits(name) + 7) // 8 if name in DTYPE_TABLE else values * itemsize(name)
+
+
+# torch's float4_e2m1fn_x2 (and its DLPack export: code 17, 4 bits x 2 lanes) counts bytes of two
+# values; kspec's f4e2m1 views count values (DLPack's own packed f4e2m1: 4 bits x 1 lane)
+FP4_X2_DLPACK = (17, 4, 2)
+
+
 def from_dlpack(code: int, bits: int, lanes: int) -> str:
+    if (code, bits, lanes) == FP4_X2_DLPACK:
+        return "f4e2m1"
     if lanes != 1:
         return f"vector dtype (code {code}, {bits} bits x {lanes})"
     return _FROM_DLPACK.get((code, bits), f"DLPack dtype (code {code}, {bits} bits)")

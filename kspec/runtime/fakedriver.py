@@ -771,8 +771,7 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
     for t in (*k.inputs, *(k.outputs if pass_outputs else ())):
         shape = tuple(extent_value(e, sizes) for e in t.shape)
         strides = layout_strides(shape, t.layout)
-        nbytes = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dtypes.itemsize(t.dtype) \
-            if math.prod(shape) else 0
+        nbytes = dtypes.span_bytes(t.dtype, shape, strides)
         ptr = fake.alloc(nbytes, f"'{t.name}'")
         if fill is not None and nbytes:
             fake.upload(ptr, bytes([fill]) * nbytes)

@@ -368,7 +368,7 @@ class Kernel:
         for plan in k.plans:
             for name, align in plan.alignment.items():
                 spec = k.tensor(name)
-                item = dtypes.itemsize(spec.dtype)
+                bits = dtypes.bits(spec.dtype)          # (strides in values: 4 bits each for f4e2m1)
                 view = b.views.get(name)
                 if view is not None:
                     what, shape, strides = f"argument '{name}'", view.shape, view.strides
@@ -378,13 +378,13 @@ class Kernel:
                     role = "output" if name in _names(k.outputs) else "intermediate"
                     what, shape, strides = f"{role} '{name}'", b.extents(spec), b.strides[name]
                 for axis, (n, s) in enumerate(zip(shape, strides)):
-                    if n > 1 and s != 1 and (s * item) % align:
+                    if n > 1 and s != 1 and (s * bits) % (align * 8):
                         sym = spec.shape[axis]
                         inner = [spec.shape[i] for i, st in enumerate(strides) if st == 1 and shape[i] > 1]
-                        hint = (f"make {inner[0]} a multiple of {max(align // item, 1)}" if inner and
+                        hint = (f"make {inner[0]} a multiple of {max(align * 8 // bits, 1)}" if inner and
                                 isinstance(inner[0], str) else None)
                         raise KspecRuntimeError(
-                            f"{what}: stride of dimension {axis} ({sym}) is {s} elements = {s * item} bytes, "
+                            f"{what}: stride of dimension {axis} ({sym}) is {s} elements = {s * bits / 8:g} bytes, "
                             f"not a multiple of the {align}-byte alignment plan '{plan.id}' requires",
                             hint=hint)
 
@@ -1050,10 +1050,7 @@ def _strides_of(b: Binding, name: str) -> tuple[int, ...]:
 
 
 def _nbytes(shape, strides, dtype: str) -> int:
-    item = dtypes.itemsize(dtype)
-    if math.prod(shape) == 0:
-        return 0
-    return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * item
+    return dtypes.span_bytes(dtype, shape, strides)
 
 
 def _round_up(n: int, a: int) -> int:

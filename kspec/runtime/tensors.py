@@ -45,12 +45,13 @@ class TensorView:
         """[lo, hi) of the bytes the tensor spans, None when empty."""
         if self.numel == 0:
             return None
-        size = dtypes.itemsize(self.dtype) if self.dtype in dtypes.DTYPES else 1
+        bits = dtypes.bits(self.dtype) if self.dtype in dtypes.DTYPES else 8
         lo = hi = 0
         for n, s in zip(self.shape, self.strides):
             span = s * (n - 1)
             lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
-        return self.ptr + lo * size, self.ptr + hi * size + size
+        # (sub-byte values: whole bytes, the span rounded outwards)
+        return self.ptr + (lo * bits) // 8, self.ptr + ((hi + 1) * bits + 7) // 8
 
 
 class DeviceBuffer:
@@ -112,6 +113,33 @@ def is_tensor_like(obj: Any) -> bool:
 def as_view(obj: Any, what: str, stream: int) -> TensorView:
     """Describe `obj` (argument `what`, e.g. "argument 'A'").  `stream` is the launch stream, given
     to DLPack producers so they order their pending work before it."""
+    v = _as_view(obj, what, stream)
+    if v.dtype == "f4e2m1":
+        check_packed(v.shape, v.strides, what)
+    return v
+
+
+def check_packed(shape, strides, what: str) -> None:
+    """The rule for f4e2m1 (dtypes.span_bytes): values packed two a byte along the one contiguous
+    axis, so every other stride (of an axis longer than 1) is even: each row starts on a byte."""
+    odd = [(i, s) for i, (n, s) in enumerate(zip(shape, strides)) if n > 1 and s != 1 and s % 2]
+    if odd or any(s < 0 for s in strides):
+        raise KspecRuntimeError(
+            f"{what}: f4e2m1 strides {tuple(strides)} (in values): FP4 values are packed two a byte along the "
+            "contiguous axis, so every other stride must be even and non-negative (rows start on a byte)",
+            hint="make the contiguous extent even (e.g. K a multiple of 2)")
+
+
+def _fp4_values(shape, strides):
+    """Shape and strides of a torch float4_e2m1fn_x2 tensor (bytes of two values) in values: the
+    contiguous axis twice as long, the other strides doubled."""
+    unit = next((i for i in range(len(shape) - 1, -1, -1) if strides[i] == 1), None)
+    shape = tuple(n * 2 if i == unit else n for i, n in enumerate(shape))
+    strides = tuple(s if i == unit else s * 2 for i, s in enumerate(strides))
+    return shape, strides
+
+
+def _as_view(obj: Any, what: str, stream: int) -> TensorView:
     if isinstance(obj, DeviceBuffer):
         return TensorView(obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, "DeviceBuffer")
     view_fn = getattr(obj, "_kspec_view", None)
@@ -132,8 +160,11 @@ def _from_torch(t: Any, what: str) -> TensorView:
     if not t.is_cuda:
         raise KspecRuntimeError(f"{what}: torch tensor is on {t.device}; expected a CUDA tensor",
                                 hint="move it with .cuda()")
-    return TensorView(int(t.data_ptr()), tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()),
-                      dtypes.from_torch(t.dtype), int(t.device.index or 0), "torch")
+    shape, strides = tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride())
+    dtype = dtypes.from_torch(t.dtype)
+    if dtype == "f4e2m1":                  # float4_e2m1fn_x2: bytes of two values
+        shape, strides = _fp4_values(shape, strides)
+    return TensorView(int(t.data_ptr()), shape, strides, dtype, int(t.device.index or 0), "torch")
 
 
 def _from_cai(obj: Any, what: str) -> TensorView:
@@ -248,6 +279,8 @@ def _from_dlpack(obj: Any, what: str, stream: int) -> TensorView:
     shape = tuple(int(t.shape[i]) for i in range(ndim))
     strides = tuple(int(t.strides[i]) for i in range(ndim)) if t.strides else _c_strides(shape)
     dtype = dtypes.from_dlpack(t.dtype.code, t.dtype.bits, t.dtype.lanes)
+    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) == dtypes.FP4_X2_DLPACK:     # torch's float4_e2m1fn_x2
+        shape, strides = _fp4_values(shape, strides)
     ptr = int(t.data or 0) + int(t.byte_offset)
     # The capsule stays unconsumed: its destructor calls the producer's deleter when we drop it.
     return TensorView(ptr, shape, strides, dtype, int(dev_id), "DLPack", readonly=readonly,
