@@ -147,18 +147,17 @@ def main(argv=None) -> int:
     kernels, kern_mods = {}, {}
     for layout, text in (("dense", DENSE), *((("paged", PAGED),) if args.paged else ())):
         # a prebuilt artifact was planned where it was built (FlashAttention-4 may be missing here)
-        why = None if args.prebuilt else fused_or_reason(text, arch)
         if args.prebuilt:
             mod = kspec.load(Path(args.prebuilt) / f"attention_decode_{layout}")
             kinds = [p.kind for k in mod.manifest.kernels for p in k.plans]
             why = None if kinds == ["attention"] else f"the prebuilt artifact has {len(kinds)} kernels ({', '.join(kinds)})"
+        else:
+            why = fused_or_reason(text, arch)
         if why:
             print(f"kspec {layout}: not one fused attention ({why}); no kspec column")
             kernels[layout] = None
             continue
-        if args.prebuilt:
-            mod = kspec.load(Path(args.prebuilt) / f"attention_decode_{layout}")
-        else:
+        if not args.prebuilt:
             from kspec.compile import compile_spec
             path = tmp / f"{layout}.kspec"
             path.write_text(text)

@@ -17,8 +17,10 @@ def _checkout_root():
     return str(root) if (root / "pyproject.toml").is_file() and (root / "backends").is_dir() else None
 
 
-if _checkout_root() and _checkout_root() not in __path__:
-    __path__.append(_checkout_root())
+_root = _checkout_root()
+if _root and _root not in __path__:
+    __path__.append(_root)
+del _root
 
 from kspec.core import KspecError, KspecInternalError, KspecRuntimeError  # noqa: E402
 

@@ -702,25 +702,26 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
                 risk = FA4_SMEM_RISK
             say(f"{art.name} ({arch}):" + (f"  [settles: {risk}]" if risk else "")
                 + (f"  [settles nothing on {arch}: its risk is on {', '.join(RISK_ARCHS[art.name])}]" if elsewhere else ""))
+            lost = ""
             try:
                 _check_artifact(mod, program, art, arch, risk, size_sets, drv, seed, fake, checks, say,
                                 given=tuple(sizes_extra or ()))
             except _ContextLost:
-                say(f"  {art.name}: the CUDA context is lost (a kernel faulted); its remaining checks are not run"
-                    + (f", the other {len(paths) - i - 1} artifact(s) run in a fresh process" if i + 1 < len(paths) else ""))
-                more_checks, more_rows, _rc = _continue_elsewhere(paths[i + 1:], sizes_extra, bench, reps, seed, say)
+                lost = "a kernel faulted; its remaining checks are not run"
+            else:
+                if bench and not fake:
+                    bench_rows = bench_artifact(mod, art.name, reps)
+                    rows += bench_rows
+                    if any(context_lost(r.note) for r in bench_rows):
+                        lost = "in its benchmark"
+            if lost:
+                rest = paths[i + 1:]
+                say(f"  {art.name}: the CUDA context is lost ({lost})"
+                    + (f"; the other {len(rest)} artifact(s) run in a fresh process" if rest else ""))
+                more_checks, more_rows, _rc = _continue_elsewhere(rest, sizes_extra, bench, reps, seed, say)
                 checks += more_checks
                 rows += more_rows
                 break
-            if bench and not fake:
-                rows += bench_artifact(mod, art.name, reps)
-                if any(context_lost(r.note) for r in rows[-len(mod.kernels):]) and i + 1 < len(paths):
-                    say(f"  {art.name}: the CUDA context is lost in its benchmark; the other "
-                        f"{len(paths) - i - 1} artifact(s) run in a fresh process")
-                    more_checks, more_rows, _rc = _continue_elsewhere(paths[i + 1:], sizes_extra, bench, reps, seed, say)
-                    checks += more_checks
-                    rows += more_rows
-                    break
         if rows:
             say("benchmark (mean of %d calls after warm-up; ratio = torch time / kspec time):" % reps)
             for r in rows:
