@@ -234,7 +234,7 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
         args: dict[str, Any] = {**params, **_place_inputs(mem, entry, host, OFFSET if variant == "offset" else 0)}
         placed: dict[str, tuple[int, tuple[int, ...], str, str]] = {}
         if variant == "offset":
-            sym = {**{e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)}}
+            sym = host_sizes(entry, host)
             for t in entry.outputs:
                 shape = tuple(e if isinstance(e, int) else sym.get(e, sizes.get(e, 64)) for e in t.shape)
                 nbytes = math.prod(shape) * dtypes.itemsize(t.dtype)
@@ -297,13 +297,18 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
         mem.free_all()
 
 
+def host_sizes(entry, host: dict) -> dict[str, int]:
+    """Each size symbol of the entry's inputs at the extent its host array has."""
+    return {e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)}
+
+
 def within_index_ranges(entry, host: dict) -> dict:
     """The random inputs with every value of a recorded index range (`KernelEntry.index_ranges`:
     subscripts, and key lengths such as a paged cache's `kv_len`, which the spec alone does not
     bound) folded into its valid range, so the checks compare numbers rather than meet the runtime's
     refusal; offsets (monotonic) are drawn valid by kspec.run.random_inputs already."""
     import numpy as np
-    sizes = {e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)}
+    sizes = host_sizes(entry, host)
     for r in entry.index_ranges or ():
         if r.monotonic or r.ends or r.tensor not in host:
             continue
@@ -439,7 +444,7 @@ def run_index_check(mod, program, kname: str, sizes: dict[str, int], drv, seed: 
     idx = host[r.tensor]
     if idx.size == 0:
         return True, f"'{r.tensor}' is empty at these sizes"
-    bound = r.bound({e: n for t in entry.inputs for e, n in zip(t.shape, host[t.name].shape) if isinstance(e, str)})
+    bound = r.bound(host_sizes(entry, host))
     pos = tuple(int(i) for i in np.unravel_index(idx.size // 2, idx.shape))
     bad = bound + 1 if r.inclusive else bound        # the first value out of range
     idx[pos] = bad if bad <= np.iinfo(idx.dtype).max else -1
