@@ -22,13 +22,13 @@ ROW_SPECS = ("layernorm", "rmsnorm", "add_rmsnorm", "row_softmax", "cross_entrop
 
 
 def _ideal(kernel, sizes) -> int:
-    from kspec.compiler.schedule import DTYPE_BYTES
+    from kspec.compiler.canon import tensor_bytes
     total = 0
     for t in (*kernel.inputs, *kernel.outputs):
         n = 1
         for d in t.shape:
             n *= d if isinstance(d, int) else sizes[d]
-        total += n * DTYPE_BYTES[t.dtype]
+        total += tensor_bytes(t.dtype, n)
     return total
 
 

@@ -10,14 +10,23 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from kspec.core import INT_DTYPES, dtype_bytes
+from kspec.core import DTYPE_TABLE, INT_DTYPES, dtype_bytes
 
 from .graph import GENERATED_KINDS, OpNode, op, operands, uses
 
 
 def value_bytes(dtype: str) -> int:
-    """Bytes per element of a value of `dtype` (a condition, "bool", as one byte)."""
+    """Bytes per element of a value of `dtype` (a condition, "bool", as one byte; f4e2m1 as one,
+    for ordering values by width: memory sizes are `tensor_bytes`)."""
     return 1 if dtype == "bool" else dtype_bytes(dtype)
+
+
+def tensor_bytes(dtype: str, numel: int) -> int:
+    """Bytes of memory `numel` values of `dtype` occupy: a 4-bit f4e2m1 packs two a byte (the
+    runtime's rule, kspec.runtime.dtypes.span_bytes), a condition takes a byte."""
+    if dtype == "bool":
+        return numel
+    return (numel * DTYPE_TABLE[dtype].bits + 7) // 8
 
 
 def _rewire(g: nx.DiGraph, old, new, relabel=None) -> None:

@@ -21,9 +21,9 @@ import networkx as nx
 
 from kspec.core import split_offset_dim, split_quotient_dim
 
-from .canon import block_scale_nodes, is_recomputed, value_bytes
+from .canon import block_scale_nodes, is_recomputed, tensor_bytes
 from .graph import op, operands
-from .schedule import DTYPE_BYTES, Buffer, KernelSchedule
+from .schedule import Buffer, KernelSchedule
 
 DEFAULT_SIZE = 1024
 L2_RESIDENT_BYTES = 24 * 2 ** 20   # about half the L2 of an H100 (50 MB)
@@ -115,7 +115,7 @@ def _node_flops(g: nx.DiGraph, n, sizes) -> int:
 def _buffer_bytes(b: Buffer, sizes) -> int:
     if b.kind == "param":
         return 0     # scalars are passed by value in the launch parameters, not read from DRAM
-    return _numel(b.shape, sizes) * DTYPE_BYTES[b.dtype]
+    return tensor_bytes(b.dtype, _numel(b.shape, sizes))
 
 
 def _source(g, u):
@@ -237,6 +237,6 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             src = op(g, node)
             if src.kind in ("param", "const") or (not src.axes and src.kind != "reduction"):
                 continue
-            ubytes += _numel(src.shape, sizes) * value_bytes(src.dtype)
-        ubytes += _numel(o.shape, sizes) * value_bytes(o.dtype)
+            ubytes += tensor_bytes(src.dtype, _numel(src.shape, sizes))
+        ubytes += tensor_bytes(o.dtype, _numel(o.shape, sizes))
     return CostReport(sizes, tuple(plans), n_kernels, ubytes, uflops, minimum)

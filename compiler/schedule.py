@@ -19,9 +19,6 @@ from .graph import op, operands
 from .ir_build import build_ir
 from .kir import ArchHint, BackendChoice, IRBuffer, KernelIR, verify
 
-DTYPE_BYTES = {name: d.itemsize for name, d in DTYPE_TABLE.items()}
-
-
 @dataclass(frozen=True)
 class Buffer:
     name: str

@@ -172,18 +172,9 @@ def _storage(a, layout: str, dtype: str = ""):
         a = np.swapaxes(a, -1, -2)
     a = np.ascontiguousarray(a)
     if dtype == "f4e2m1":
+        from kspec.runtime.hostimage import pack_fp4
         return pack_fp4(a).tobytes()
     return a.tobytes()
-
-
-def pack_fp4(a):
-    """E2M1 values (ml_dtypes float4_e2m1fn, a byte each, the code in the low 4 bits) packed two a
-    byte along the last axis, whose length must be even: value 2i in the low nibble of byte i."""
-    import numpy as np
-    codes = np.ascontiguousarray(a).view(np.uint8) & 0xF
-    if codes.shape[-1] % 2:
-        raise ValueError(f"f4e2m1 rows of {codes.shape[-1]} values do not fill whole bytes")
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
 def _from_storage(raw: bytes, shape, layout: str, np_dtype):

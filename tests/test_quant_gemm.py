@@ -664,17 +664,49 @@ def test_mxfp8_builds_block_scaled_utcqmma_and_launches(quant_artifacts):
 
 
 def test_e8m0_host_arrays_round_trip_through_the_device():
-    """E8M0 scales go to the device and back as ml_dtypes arrays (the fake driver's memory here);
-    FP4 host arrays are refused by name (device memory packs two values a byte)."""
-    from kspec.core import KspecRuntimeError
+    """E8M0 scales go to the device and back as ml_dtypes arrays (the fake driver's memory here)."""
     from kspec.runtime import transfer
     from kspec.runtime.fakedriver import FakeDriver
     with FakeDriver((10, 0)):
         a = (2.0 ** np.arange(-3, 5)).astype(np.float32).astype(ml_dtypes.float8_e8m0fnu).reshape(2, 4)
         back = transfer.from_device(transfer.from_numpy(a, "f8e8m0"))
         assert back.dtype == a.dtype and np.array_equal(back.astype(np.float32), a.astype(np.float32))
-        with pytest.raises(KspecRuntimeError, match="f4e2m1"):
-            transfer.from_numpy(np.zeros((2, 4), ml_dtypes.float4_e2m1fn), "f4e2m1")
+
+
+def test_fp4_host_arrays_are_packed_two_a_byte_on_the_device():
+    """from_numpy/to_device take FP4 host arrays (ml_dtypes float4_e2m1fn, a value a byte) and the
+    device holds them two a byte along the contiguous axis, value 2i in the low nibble; the device
+    bytes are checked against nibbles computed here, and every way back (DeviceArray.to_numpy,
+    from_device, the runtime's read of a strided view) unpacks them.  A layout whose rows would
+    start mid-byte is refused by name before any copy."""
+    from kspec.core import KspecRuntimeError
+    from kspec.runtime import transfer
+    from kspec.runtime.fakedriver import FakeDriver
+    from kspec.runtime.tensors import TensorView
+    rng = np.random.default_rng(4)
+    codes = rng.integers(0, 16, size=(4, 8)).astype(np.uint8)
+    a = codes.view(ml_dtypes.float4_e2m1fn)
+    want = _e2m1(codes)
+    with FakeDriver((10, 0)) as fake:
+        for layout, mem in (("row", codes), ("col", np.ascontiguousarray(codes.T))):
+            d = transfer.from_numpy(a, "f4e2m1", layout=layout)
+            assert d.nbytes == codes.size // 2
+            raw = np.frombuffer(fake.copy_to_host(d.ptr, d.nbytes, 0, "test"), np.uint8)
+            flat = mem.ravel()
+            assert raw.tolist() == [int(flat[2 * i]) | (int(flat[2 * i + 1]) << 4) for i in range(raw.size)]
+            back = d.to_numpy()
+            assert back.dtype == np.dtype(ml_dtypes.float4_e2m1fn) and back.shape == a.shape
+            assert np.array_equal(back.astype(np.float64), want)
+            assert np.array_equal(transfer.from_device(d).astype(np.float64), want)
+        # a strided view into the row copy: rows 1..3, values 2..7 (starts on byte 5)
+        d = transfer.from_numpy(a, "f4e2m1")
+        view = TensorView(d.ptr + (8 + 2) // 2, (3, 6), (8, 1), "f4e2m1", 0, "test view")
+        assert np.array_equal(transfer.read_view(view).astype(np.float64), want[1:, 2:])
+        with pytest.raises(KspecRuntimeError, match="f4e2m1 strides"):
+            transfer.from_numpy(a[:3], "f4e2m1", layout="col")     # col rows of 3 values: odd strides
+        # float32 values are rounded to E2M1 by the conversion, then packed
+        assert np.array_equal(transfer.from_numpy(np.float32([[0.5, -6.0]]), "f4e2m1").to_numpy().astype(float),
+                              [[0.5, -6.0]])
 
 
 # ------------------------------------------------------------------ NVFP4 / MXFP4 (FP4 data, block-scaled)
@@ -826,12 +858,14 @@ def test_selftest_uploads_fp4_two_values_a_byte():
     transpose; a row of odd length is refused."""
     import ml_dtypes
 
-    from kspec.selftest import _storage, pack_fp4
+    from kspec.runtime.hostimage import pack_fp4
+    from kspec.selftest import _storage
     v = np.array([[0.5, 1.0, -6.0, 3.0], [0.0, 1.5, 2.0, 4.0]], dtype=ml_dtypes.float4_e2m1fn)
     # E2M1 codes: 0.5 -> 1, 1 -> 2, -6 -> 0xF (sign 8 + 7), 3 -> 5, 0 -> 0, 1.5 -> 3, 2 -> 4, 4 -> 6
     assert pack_fp4(v).tolist() == [[0x21, 0x5F], [0x30, 0x64]]
     assert _storage(v, "row", "f4e2m1") == bytes([0x21, 0x5F, 0x30, 0x64])
     # col: the storage is the transpose [4, 2], packed along its last axis
     assert _storage(v, "col", "f4e2m1") == bytes([0x01, 0x32, 0x4F, 0x65])
-    with pytest.raises(ValueError, match="do not fill whole bytes"):
+    from kspec.core import KspecRuntimeError
+    with pytest.raises(KspecRuntimeError, match="do not fill whole bytes"):
         pack_fp4(v[:, :3])

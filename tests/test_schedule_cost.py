@@ -13,7 +13,6 @@ from conftest import shipped_params
 
 from kspec.backends.registry import Planner
 from kspec.compiler import cost, op, plan_kernel
-from kspec.compiler.schedule import DTYPE_BYTES
 from kspec.spec_lang import load_spec
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -284,6 +283,23 @@ REALISTIC = {"M": 4096, "N": 4096, "K": 4096, "F": 4096, "B": 4, "H": 16, "S": 4
              "E": 8, "D": 4096, "off_rows": 16384}   # MoE: 8 experts, 16384 routed token rows
 
 
+def _stored_bytes(dtype: str, n: int) -> int:
+    """Device bytes of n values: FP4 two a byte, the rest their element size."""
+    return n // 2 if dtype == "f4e2m1" else n * {"f16": 2, "bf16": 2, "f32": 4, "tf32": 4, "i32": 4}.get(dtype, 1)
+
+
+def test_fp4_tensors_cost_half_a_byte_a_value():
+    """NVFP4's A and B are FP4, two values a byte in memory: the minimum and the GEMM's modelled
+    traffic count M*K/2 bytes for A, not M*K."""
+    sched = planned(shipped("nvfp4_gemm"), ("sm100a",))
+    sizes = {"M": 4096, "N": 2048, "K": 8192}
+    c = cost(sched, sizes)
+    M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    want = M * K // 2 + N * K // 2 + (M + N) * (K // 16) + M * N * 2      # A, B, E4M3 scales, bf16 D
+    assert c.minimum_bytes == want
+    assert c.fused_bytes == pytest.approx(want, rel=1e-3)
+
+
 @pytest.mark.parametrize("spec", shipped_params(sorted(p.stem for p in SPECS.glob("*.kspec"))))
 def test_shipped_gemm_and_attention_specs_are_within_1_1_of_ideal(spec):
     targets = load_spec(SPECS / f"{spec}.kspec").targets        # a `target` line: its archs only
@@ -295,7 +311,7 @@ def test_shipped_gemm_and_attention_specs_are_within_1_1_of_ideal(spec):
         assert p.bytes <= 1.1 * p.ideal_bytes
     # the spec minimum: each input read once, each output written once
     assert c.minimum_bytes == sum(
-        math.prod(extent_value(d, REALISTIC) for d in b.shape) * DTYPE_BYTES[b.dtype]
+        _stored_bytes(b.dtype, math.prod(extent_value(d, REALISTIC) for d in b.shape))
         for b in sched.buffers.values() if b.kind in ("input", "output"))
     single = {"mlp2": 1.5, "swiglu_mlp": 1.4}      # their f16 [M, F] intermediate h (written, read back)
     assert c.fused_bytes == pytest.approx(single.get(spec, 1.0) * c.minimum_bytes, rel=1e-3)

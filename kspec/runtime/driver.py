@@ -353,14 +353,14 @@ class DeviceArray:
         order) and element size, placed at this array's strides (so `col` arrays get column-major
         bytes; see kspec.runtime.transfer)."""
         import numpy as np
-        from kspec.runtime.hostimage import host_image
+        from kspec.runtime.hostimage import device_image
         a = np.asarray(array)
         if a.shape != self.shape and a.size == math.prod(self.shape):
             a = a.reshape(self.shape)
         if a.shape != self.shape or a.dtype.itemsize != dtypes.itemsize(self.dtype):
             raise KspecRuntimeError(f"copy_from: host array {a.dtype}{list(a.shape)} into a "
                                     f"{self.dtype}{list(self.shape)} DeviceArray")
-        return self.copy_from_image(host_image(a, self.strides, "copy_from"))
+        return self.copy_from_image(device_image(a, self.strides, self.dtype, "copy_from"))
 
     def copy_from_image(self, image) -> "DeviceArray":
         """Blocking copy of a flat host buffer holding exactly this array's memory span."""
@@ -382,15 +382,14 @@ class DeviceArray:
         """Blocking copy to a host numpy array of the storage in memory order (for col layout,
         the transpose of the last two axes is applied so the result indexes like the tensor)."""
         import numpy as np
-        np_dtype = _numpy_dtype(self.dtype)
-        host = np.empty(self.nbytes // np_dtype.itemsize, dtype=np_dtype)
+        from kspec.runtime.hostimage import host_array
+        host = np.empty(self.nbytes, dtype=np.uint8)
         drv = get()
         cu = _cu()
         with drv.current(self._ctx):
             drv.call("cuStreamSynchronize", cu.CUstream(self.stream))
             drv.call("cuMemcpyDtoH", host, cu.CUdeviceptr(self.ptr), self.nbytes)
-        item = np_dtype.itemsize
-        return np.lib.stride_tricks.as_strided(host, self.shape, tuple(s * item for s in self.strides)).copy()
+        return host_array(host, 0, self.shape, self.strides, self.dtype)
 
     def __repr__(self) -> str:
         return f"DeviceArray({self.dtype}{list(self.shape)}, strides={self.strides}, cuda:{self.device}, 0x{self.ptr:x})"

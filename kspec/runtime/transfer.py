@@ -19,7 +19,7 @@ from typing import Any
 from kspec.artifact import LAYOUTS, TensorSpec, layout_strides
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
-from kspec.runtime.hostimage import host_image, numpy_dtype, span_elements  # noqa: F401
+from kspec.runtime.hostimage import device_image, host_array, host_image, numpy_dtype, span_elements  # noqa: F401
 
 
 def _layout_and_dtype(spec_or_layout: Any, dtype: Any) -> tuple[str, str | None, str]:
@@ -46,7 +46,7 @@ def staged(array: Any, spec_or_layout: Any = "row", dtype: Any = None):
     if a.dtype != np_dtype:
         a = a.astype(np_dtype)
     strides = layout_strides(tuple(a.shape), layout)
-    return host_image(a, strides, what), tuple(int(n) for n in a.shape), strides, dtypes.storage(want)
+    return device_image(a, strides, want, what), tuple(int(n) for n in a.shape), strides, dtypes.storage(want)
 
 
 def to_device(array: Any, spec_or_layout: Any = "row", *, dtype: Any = None, device: int = 0,
@@ -68,6 +68,10 @@ def from_device(x: Any):
     if torch is not None and isinstance(x, torch.Tensor):
         t = x.detach().cpu()
         name = dtypes.from_torch(t.dtype)
+        if name == "f4e2m1":                                 # float4_e2m1fn_x2: two values a byte
+            raw = t.contiguous().view(torch.uint8).numpy()
+            shape = raw.shape[:-1] + (2 * raw.shape[-1],) if raw.ndim else (2,)
+            return host_array(raw.tobytes(), 0, shape, layout_strides(shape, "row"), name)
         if name in ("bf16", "f8e4m3", "f8e5m2", "f8e8m0"):   # numpy has no such dtypes: reinterpret the bits
             bits = t.contiguous().view(torch.int16 if name == "bf16" else torch.int8).numpy()
             return bits.view(numpy_dtype(name))
@@ -81,15 +85,12 @@ def read_view(view, stream: int = 0, what: str = "a tensor"):
     `stream` and waited for.  Through the runtime's driver object (the fake driver on a CPU)."""
     import numpy as np
     from kspec.runtime import driver as _driver
-    np_dtype = numpy_dtype(view.dtype)
     span = view.byte_range()
     if span is None:
-        return np.empty(view.shape, dtype=np_dtype)
+        return np.empty(view.shape, dtype=numpy_dtype(view.dtype))
     lo, hi = span
-    raw = np.frombuffer(_driver.get().copy_to_host(lo, hi - lo, stream, what), dtype=np_dtype)
-    item = np_dtype.itemsize
-    first = raw[(view.ptr - lo) // item:]
-    return np.lib.stride_tricks.as_strided(first, view.shape, tuple(s * item for s in view.strides)).copy()
+    raw = _driver.get().copy_to_host(lo, hi - lo, stream, what)
+    return host_array(raw, view.ptr - lo, view.shape, view.strides, view.dtype)
 
 
 def from_numpy(array, dtype: str | None = None, *, layout: str = "row", device: int = 0):
