@@ -58,6 +58,11 @@ _KIND_FLAGS = {
 }
 _OUTPUT_NAME = {"cubin": "kernel.cubin", "host": "kernel.so"}
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+# a CuTe DSL entry's folder: its key, and for attention the sizes it was built for (`KEY-4096`)
+_KEYED_RE = re.compile(r"^[0-9a-f]{64}(-[0-9-]+)?$")
+# the kinds of cache entry and the folder under the root that holds each (nvcc's at the root itself;
+# the CuTe DSL backends' own: backends/cute/build.py, backends/cute/attention.py)
+ENTRY_KINDS = {"nvcc": "", "cute": "cute", "attention": "cute-attention"}
 
 
 class BackendBuildError(KspecError):
@@ -345,34 +350,44 @@ class CompileCache:
 
     # ---- maintenance ----
 
-    def _entry_dirs(self) -> Iterator[Path]:
-        if not self.root.is_dir():
+    def _entry_dirs(self, kind: str = "nvcc") -> Iterator[Path]:
+        """The entry folders of one kind (ENTRY_KINDS): `<root>[/<folder>]/<key[:2]>/<key>[-suffix]`."""
+        base = self.root / ENTRY_KINDS[kind]
+        if not base.is_dir():
             return
-        for top in self.root.iterdir():
+        name = _KEY_RE if kind == "nvcc" else _KEYED_RE
+        for top in base.iterdir():
             if top.is_dir() and re.fullmatch(r"[0-9a-f]{2}", top.name):
                 for d in top.iterdir():
-                    if d.is_dir() and _KEY_RE.match(d.name):
+                    if d.is_dir() and name.match(d.name) and d.name.startswith(top.name):
                         yield d
 
     def info(self) -> dict:
-        """{"root", "entries", "bytes", "failed_logs"} of what is on disk now."""
-        entries = total = 0
-        for d in self._entry_dirs():
-            entries += 1
-            total += sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        """{"root", "entries", "bytes", "failed_logs", "by_kind"} of what is on disk now: entries and
+        bytes over every kind of entry (nvcc builds, CuTe DSL GEMMs, FlashAttention-4 attention),
+        by_kind {kind: (entries, bytes)}."""
+        by_kind = {}
+        for kind in ENTRY_KINDS:
+            n = size = 0
+            for d in self._entry_dirs(kind):
+                n += 1
+                size += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            by_kind[kind] = (n, size)
         logs = self.root / "logs"
         n_logs = sum(1 for f in logs.glob("*.log")) if logs.is_dir() else 0
-        return {"root": str(self.root), "entries": entries, "bytes": total, "failed_logs": n_logs}
+        return {"root": str(self.root), "entries": sum(n for n, _ in by_kind.values()),
+                "bytes": sum(b for _, b in by_kind.values()), "failed_logs": n_logs, "by_kind": by_kind}
 
     def clear(self) -> int:
         """Remove every entry (nvcc, CuTe DSL, attention), failed-build log, lock and temp dir;
-        returns the nvcc entries removed.  Only kspec's own folders are touched, whatever else lives
+        returns the entries removed (every kind).  Only kspec's own folders are touched, whatever else lives
         under the root (a tuning database stays).  What cannot be removed is a KspecError naming it."""
         n = 0
         for d in list(self._entry_dirs()):
             cache_entry.discard(d, "the cache entry",
                                 hint="check the permissions of the cache directory (KSPEC_CACHE_DIR)")
             n += 1
+        n += sum(1 for kind in ENTRY_KINDS if kind != "nvcc" for _ in self._entry_dirs(kind))
         failed: list[tuple[str, str]] = []
 
         def onexc(_fn, path, e):

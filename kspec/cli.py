@@ -367,8 +367,11 @@ def cmd_cache(args) -> int:
     cache = CompileCache(writable=False)
     if args.action == "info":
         info = cache.info()
-        for k, v in info.items():
-            print(f"{k}: {v}")
+        print(f"root: {info['root']}")
+        print(f"entries: {info['entries']} ({info['bytes'] / 2**20:.1f} MiB)")
+        for kind, (n, size) in info["by_kind"].items():
+            print(f"  {kind}: {n} ({size / 2**20:.1f} MiB)")
+        print(f"failed_logs: {info['failed_logs']}")
     else:
         n = cache.clear()
         print(f"cleared {cache.root}" + (f" ({n} entries)" if isinstance(n, int) else ""))

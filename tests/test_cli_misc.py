@@ -34,6 +34,7 @@ def test_cache_info_and_clear(tmp_path):
     assert r.returncode == 0 and "cleared" in r.stdout
     r = kspec("cache", "info", env=env)
     assert "entries: 0" in r.stdout
+    assert all(f"  {kind}: 0 (0.0 MiB)" in r.stdout for kind in ("nvcc", "cute", "attention")), r.stdout
 
 
 def test_inspect_of_a_missing_artifact_is_a_clear_error(tmp_path):
