@@ -183,3 +183,40 @@ def test_launch_rechecks_pointers_and_devices(glue_fixture, recording):
         k(DeviceBuffer(BASE, (48, 200), "f32", device=0), DeviceBuffer(BASE + 0x100000, (48, 200), "f32",
                                                                     strides=(1, 48), device=0), alpha=0.5, stream=99)
     assert not _launches(rec)
+
+
+def test_the_real_driver_builds_each_launch_configuration_once(monkeypatch):
+    """Driver.launch (the cuda-python path, exercised here with cuLaunchKernelEx recorded instead of
+    called) passes one CUlaunchConfig per (grid, block, cluster, smem, stream), built once: its
+    fields are the launch's, a cluster launch carries the cluster attribute, and the kernel
+    parameter array points into the blob at the given offsets."""
+    import ctypes
+
+    cu = pytest.importorskip("cuda.bindings.driver")
+    from kspec.runtime import driver as drvmod
+    drv = drvmod.Driver()
+    seen = []
+
+    def call(fn, *args, what=""):
+        assert fn == "cuLaunchKernelEx" and what == "launching k"
+        cfg, func, argv_addr, extra = args
+        n = 3
+        argv = (ctypes.c_void_p * n).from_address(argv_addr)
+        seen.append((cfg, func, [argv[i] for i in range(n)]))
+    monkeypatch.setattr(drv, "call", call)
+    drv.launch("f", (132, 1, 1), (384, 1, 1), (1, 1, 1), 200704, 7, 0x1000, "k", param_offsets=(0, 8, 24))
+    drv.launch("f", (132, 1, 1), (384, 1, 1), (1, 1, 1), 200704, 7, 0x2000, "k", param_offsets=(0, 8, 24))
+    drv.launch("f", (66, 2, 1), (128, 1, 1), (2, 1, 1), 1024, 7, 0x3000, "k", param_offsets=(0, 8, 24))
+    (c1, _, a1), (c2, _, a2), (c3, _, a3) = seen
+    assert c1 is c2 and c3 is not c1                     # built once per configuration
+    assert a1 == [0x1000, 0x1008, 0x1018] and a2 == [0x2000, 0x2008, 0x2018] and a3[0] == 0x3000
+    assert (c1.gridDimX, c1.gridDimY, c1.blockDimX, c1.sharedMemBytes, c1.numAttrs) == (132, 1, 384, 200704, 0)
+    assert int(c1.hStream) == 7
+    assert (c3.gridDimX, c3.gridDimY, c3.blockDimX, c3.numAttrs) == (66, 2, 128, 1)
+    attr = c3.attrs[0]
+    assert attr.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert (attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z) == (2, 1, 1)
+    # bounded: the oldest configuration is dropped first
+    monkeypatch.setattr(drvmod, "LAUNCH_CONFIGS", 2)
+    drv.launch("f", (1, 1, 1), (32, 1, 1), (1, 1, 1), 0, 0, 0x4000, "k", param_offsets=(0, 8, 24))
+    assert len(drv._configs) == 2 and ((132, 1, 1), (384, 1, 1), (1, 1, 1), 200704, 7) not in drv._configs
