@@ -52,7 +52,9 @@ The transform:
    whose other factor is 16-bit is converted to it (P in dV = Pᵀ dO), as FlashAttention and the
    training frameworks round them; each dX is stored in X's dtype (casts differentiate in f32).
 
-Scalar params get no gradient.  Packed (varlen) tensors are not differentiated yet.
+Scalar params get no gradient.  Packed (varlen) tensors are not differentiated yet.  A read at a
+rotation of a whole axis (`(e + c) % n`, e over all n values: RoPE's rotate-half) is a bijection:
+its adjoint reads the gradient at the inverse rotation instead of a scatter-add (_invert_rotations).
 """
 from __future__ import annotations
 
@@ -68,8 +70,8 @@ from .check import (CheckedKernel, CheckedProgram, TAccess, TBinary, TCall, TExp
                     TReduce, TSoftmax, TensorInfo, texpr_children)
 from .errors import KspecError, KspecInternalError
 from .grad_normal import NStmt, Normaliser
-from .grad_rules import (SIXTEEN_BIT, access, backprop, cast, decompile, div, f32, mul, num, plain_indices,
-                         rename, sub, tensors_read, total, where)
+from .grad_rules import (SIXTEEN_BIT, access, backprop, cast, decompile, div, f32, modular_shift, mul, num,
+                         plain_indices, rename, sub, substitute, tensors_read, total, where)
 from .printer import print_program
 
 
@@ -541,8 +543,13 @@ class _Grad:
                 raise KspecError(f"kspec grad cannot differentiate a read of intermediate '{x}' at computed "
                                  "subscripts", g.span or st.span, "read an input there, or compute it in place")
             canon = self.canon_of(x, tuple(s if isinstance(s, str) else None for s in g.subscripts))
+            # a rotation of an axis (`(e + 64) % 128` over e's 128 values) is a bijection: its adjoint
+            # reads the gradient at the inverse rotation (v + n - c) % n, with no scatter
+            t, F, hold, rotated = self._invert_rotations(g, t, F, st.extents, x)
             src, dst, conds = [], [], []
             for a, s in enumerate(g.subscripts):
+                if a in rotated:
+                    continue
                 if isinstance(s, str) and s not in src:
                     src.append(s)
                     dst.append(canon[a])
@@ -555,7 +562,9 @@ class _Grad:
                 if isinstance(sx, TExpr):
                     inner |= set(sx.free)
             keep = []
-            for sx in g.subscripts:          # in the order of x's axes: dK_part[b, h, j, e]
+            for a, sx in enumerate(g.subscripts):    # in the order of x's axes: dK_part[b, h, j, e]
+                if a in rotated:
+                    continue
                 for f in ((sx,) if isinstance(sx, str) else sx.free if isinstance(sx, TExpr) else ()):
                     if f in F and f not in keep:
                         keep.append(f)
@@ -569,7 +578,7 @@ class _Grad:
                 F = tuple(keep)
             # `subscript == v` with v dX's own index: a placeholder for v until the statement's
             # indices are renamed (so no renaming reaches it), then v
-            cond, hold = None, {}
+            cond = None
             for a, s in conds:
                 lhs = num(s) if isinstance(s, int) else ast.Name(s) if isinstance(s, str) else decompile(s)
                 hold[f"__v{a}"] = canon[a]
@@ -577,13 +586,39 @@ class _Grad:
                 cond = c if cond is None else ast.Binary("and", cond, c)
             # rename the summed indices away from the canonical names first, then transport
             clash = {f: self.fresh(f) for f in F if f not in src and f in canon}
+            hold.update((f"__v{a}", canon[a]) for a in rotated)
             t = rename(t, clash, self.fresh)
             cond = rename(cond, clash, self.fresh)
             F = tuple(clash.get(f, f) for f in F)
             ext = {clash.get(f, f): v for f, v in st.extents.items()}
-            term = self._transport(where(cond, t, None), F, tuple(src), tuple(dst), ext, reserved=set(canon))
+            term = self._transport(t if cond is None else where(cond, t, None), F, tuple(src), tuple(dst), ext,
+                                   reserved=set(canon))
             term = rename(term, hold, self.fresh)
         self.adj_terms.setdefault(x, []).append(term)
+
+    def _invert_rotations(self, g: TGather, t, F, extents, x):
+        """For each subscript of gather g that rotates an axis (grad_rules.modular_shift) by an index f
+        no other subscript uses: t with f replaced by the inverse rotation of a placeholder for dX's
+        own index at that axis (`__v<axis>`, renamed once the term is in dX's indices), and f dropped
+        from the indices to sum.  Returns (t, F, placeholders {`__v<axis>`: None}, rotated axes)."""
+        shape = self.infos[x].shape
+        uses: dict[str, int] = {}
+        for sx in g.subscripts:
+            for f in ((sx,) if isinstance(sx, str) else sx.free if isinstance(sx, TExpr) else ()):
+                uses[f] = uses.get(f, 0) + 1
+        hold, rotated = {}, []
+        for a, sx in enumerate(g.subscripts):
+            rot = modular_shift(sx, extents, shape[a]) if isinstance(sx, TExpr) else None
+            if rot is None or uses[rot[0]] != 1 or rot[0] not in F:
+                continue
+            f, c, n = rot
+            v = ast.Name(f"__v{a}")
+            inverse = v if c == 0 else ast.Binary("%", ast.Binary("+", v, num(n - c)), num(n))
+            t = substitute(t, f, inverse)
+            F = tuple(i for i in F if i != f)
+            hold[f"__v{a}"] = None
+            rotated.append(a)
+        return t, F, hold, rotated
 
     # ---- 4. saved and recomputed; 5. the two kernels ----
     def emit(self, grads: list[str]):

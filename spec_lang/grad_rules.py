@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kspec.core import FLOAT_DTYPES, KspecError
+from kspec.core import FLOAT_DTYPES, KspecError, KspecInternalError
 
 from . import ast
 from .check import (TAccess, TBinary, TCall, TCast, TConst, TExpr, TGather, TIndex, TReduce, TScalar, TSize,
@@ -260,6 +260,60 @@ def rename(e: ast.Expr, mapping: dict[str, str], fresh: Callable[[str], str]) ->
         opts = tuple(ast.KwArg(o.name, inner.get(o.value, o.value)) for o in e.options)
         return ast.Reduce(e.op, tuple(bound.get(i, i) for i in e.indices), rename(e.operand, inner, fresh), opts)
     raise TypeError(e)
+
+
+def substitute(e: ast.Expr, name: str, value: ast.Expr) -> ast.Expr:
+    """e with the free index `name` replaced by the integer expression `value` (a read at `name`
+    becomes a read at `value`: an Access turns into a Gather); a reduction binding `name` shadows it."""
+    def sub(x):
+        return x if isinstance(x, ast.Num) else value if isinstance(x, ast.IndexVar) and x.name == name \
+            else x if isinstance(x, ast.IndexVar) else substitute(x, name, value)
+    if isinstance(e, ast.Access):
+        if name not in e.indices:
+            return e
+        return ast.Gather(e.tensor, tuple(value if i == name else ast.IndexVar(i) for i in e.indices))
+    if isinstance(e, ast.Gather):
+        return ast.Gather(e.tensor, tuple(sub(x) for x in e.subscripts))
+    if isinstance(e, ast.Name):
+        return value if e.name == name else e
+    if isinstance(e, ast.Num):
+        return e
+    if isinstance(e, ast.Unary):
+        return ast.Unary(e.op, substitute(e.operand, name, value))
+    if isinstance(e, ast.Binary):
+        return ast.Binary(e.op, substitute(e.lhs, name, value), substitute(e.rhs, name, value))
+    if isinstance(e, ast.Call):
+        return ast.Call(e.fn, tuple(substitute(a, name, value) for a in e.args))
+    if isinstance(e, ast.Cast):
+        return ast.Cast(e.dtype, substitute(e.operand, name, value))
+    if isinstance(e, ast.Reduce):
+        if name in e.indices or any(o.value == name for o in e.options):
+            return e
+        if free_indices(value) & set(e.indices):
+            raise KspecInternalError(f"substituting {name} would capture an index bound by a reduction")
+        return ast.Reduce(e.op, e.indices, substitute(e.operand, name, value), e.options)
+    raise TypeError(e)
+
+
+def modular_shift(s, extents: dict, axis_extent) -> tuple[str, int, int] | None:
+    """(f, c, n) when subscript s is `(f + c) % n` or `(f - c) % n` (c, n integer literals, c taken
+    mod n) with f an index ranging over exactly n values, the extent of the axis it reads: a
+    rotation of that axis (RoPE's rotate-half reads `(e + 64) % 128`), a bijection whose inverse
+    is the rotation by n - c.  None for any other subscript."""
+    if not (isinstance(s, TBinary) and s.op == "%" and isinstance(s.rhs, TConst) and isinstance(s.lhs, TBinary)):
+        return None
+    n, inner = s.rhs.value, s.lhs
+    if not isinstance(n, int) or n <= 0:
+        return None
+    if inner.op == "+" and isinstance(inner.lhs, TConst) and isinstance(inner.rhs, TIndex):
+        f, c = inner.rhs.name, inner.lhs.value
+    elif inner.op in "+-" and isinstance(inner.lhs, TIndex) and isinstance(inner.rhs, TConst):
+        f, c = inner.lhs.name, inner.rhs.value if inner.op == "+" else -inner.rhs.value
+    else:
+        return None
+    if not isinstance(c, int) or extents.get(f) != n or axis_extent != n:
+        return None
+    return f, c % n, n
 
 
 # ---------------------------------------------------------------- reverse mode over one expression

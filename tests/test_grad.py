@@ -446,6 +446,41 @@ def test_located_errors():
     _assert_error(lambda: grad_program(clash), "already uses", 3)
 
 
+@pytest.mark.parametrize("sub, n", [("(e + 3) % 8", 8), ("(e - 3) % 8", 8), ("(5 + e) % 8", 8), ("(e + 11) % 8", 8),
+                                    ("(e + 0) % 8", 8)])
+def test_rotated_reads_get_the_inverse_rotation_and_match_torch(sub, n):
+    """A read at a rotation of an axis (`(e + c) % n` over all n values of e) is adjoint to a read
+    of the gradient at the inverse rotation (no scatter-add); checked against torch.roll's autograd."""
+    text = f"""kernel rot {{
+  in  X : f32[M, {n}]
+  in  w : f32[{n}]
+  out Y : f32[M, {n}]
+  Y[m, e] = X[m, {sub}] * w[e]
+}}"""
+    g = grad_program(load_spec(text, is_text=True), wrt=["X"])
+    assert "sum(" not in g.split("kernel rot_bwd")[1]
+    c = {"(e + 3) % 8": 3, "(e - 3) % 8": -3, "(5 + e) % 8": 5, "(e + 11) % 8": 11, "(e + 0) % 8": 0}[sub]
+    rng = np.random.default_rng(3)
+    X, w, dY = rng.standard_normal((4, n)), rng.standard_normal(n), rng.standard_normal((4, n))
+    bwd = kspec.reference(load_spec(g, is_text=True), "rot_bwd")
+    got = bwd(X=X, w=w, Y=np.zeros((4, n)), dY=dY)["dX"]
+    tX = torch.tensor(X, requires_grad=True)
+    Y = torch.roll(tX, -c, dims=1) * torch.tensor(w)            # Y[m, e] = X[m, (e + c) % n]
+    Y.backward(torch.tensor(dY))
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), tX.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_rotation_that_is_not_a_bijection_keeps_the_scatter():
+    """`(e + 1) % 4` over e in [0, 8) hits each column twice: not inverted, summed as a scatter-add."""
+    text = """kernel rot {
+  in  X : f32[M, 4]
+  out Y : f32[M, 8]
+  Y[m, e] = X[m, (e + 1) % 4]
+}"""
+    g = grad_program(load_spec(text, is_text=True), wrt=["X"])
+    assert "sum(" in g.split("kernel rot_bwd")[1] and "==" in g.split("kernel rot_bwd")[1]
+
+
 def test_wrt_restricts_the_gradients():
     text = grad_program(load_spec(SPECS / "swiglu_mlp.kspec"), wrt=["X", "Wd"])
     bwd = load_spec(text, is_text=True).kernel("swiglu_mlp_bwd")

@@ -71,6 +71,24 @@ def test_cross_entropy_backward_is_one_kernel_at_the_spec_minimum():
     assert c.fused_bytes == pytest.approx(c.minimum_bytes, rel=1e-3)
 
 
+def test_rope_backward_reads_the_inverse_rotation_in_one_elementwise_kernel():
+    """RoPE reads Q at `(e + 64) % 128`, a rotation of the head axis: its adjoint reads dY at the
+    inverse rotation (here the same, 64 = 128 - 64), so dQ is one elementwise kernel at its ideal
+    traffic (read dY, write dQ; cos/sin per position), not a scatter-add summed over e."""
+    from kspec.compiler import cost
+    prog = load_spec(grad_program(load_spec(SPECS / "rope.kspec"), wrt=["Q"]), is_text=True, file="rope_grad.kspec")
+    (sched,) = plan_spec(prog, ARCHS, "rope_bwd", strict=True)
+    (p,) = sched.plans
+    assert p.kind == "elementwise" and set(p.reads) == {"dY", "cos", "sin"} and p.writes == ("dQ",)
+    assert not any(c.fallback for c in p.choices.values())
+    sizes = {"B": 8, "S": 4096, "H": 32}
+    c = cost(sched, sizes)
+    q = 8 * 4096 * 32 * 128
+    assert c.fused_bytes == pytest.approx(2 * q * 2 + 2 * 4096 * 128 * 4, rel=1e-3)
+    text = grad_program(load_spec(SPECS / "rope.kspec"), wrt=["Q"])
+    assert "dY[b, s, h, (e + 64) % 128]" in text and "sum(" not in text.split("kernel rope_bwd")[1]
+
+
 def test_row_softmax_backward_is_one_row_kernel():
     (p,) = _bwd("row_softmax").plans
     assert p.kind == "rowwise" and {c.backend for c in p.choices.values()} == {"rowwise"}
