@@ -13,7 +13,8 @@ Spec names never appear: buffers are `t0`, `t1`, ... and values `v0`, `v1`, ...
 
 This module plans a kernel's code (`lower_generic`) and is the backend; gen.py holds the per-element
 generator, vector.py the vector path, column.py column reductions (no fallback: 32 columns and a
-share of the rows per CTA), source.py the CUDA text and host glue.
+share of the rows per CTA), split.py split reductions (no fallback: one output and a share of its
+contiguous reduced elements per CTA), source.py the CUDA text and host glue.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from kspec.backends.generic.column import column_reduction, lower_column
 from kspec.backends.generic.gen import (_CTYPE, _FN, BLOCK, VECTOR_MAX_OPS, GenericDesc, KspecLoweringError, _element,
                                         _Gen, _index_decode, _reduce_into, _round, _softmax_body, _stores)
 from kspec.backends.generic.source import GLUE_ABI, GLUE_PREPARE_OPEN, emit_generic
+from kspec.backends.generic.split import lower_split, split_reduction
 from kspec.backends.generic.vector import _vector_path
 from kspec.backends.names import number_placeholders
 from kspec.compiler.graph import op
@@ -85,6 +87,9 @@ def _lower_generic(ir: KernelIR, arch: str) -> LoweredPlan:
     column = column_reduction(ir)
     if column is not None:
         return lower_column(gen, column, space, plan_id)
+    split = split_reduction(ir)
+    if split is not None:
+        return lower_split(gen, split, space, plan_id)
     vector, vbody = None, []
     if loop_nodes and op(g, loop_nodes[0]).kind == "softmax":
         root = loop_nodes[0]
@@ -162,7 +167,8 @@ class GenericBackend(NvccBuilt):
         return None          # loop kernels take no tile, cluster or stage settings: they ignore them
 
     def is_fallback(self, ir: KernelIR) -> str | None:
-        if ir.kind == "elementwise" or (ir.kind in ("reduction", "contraction") and column_reduction(ir) is not None):
+        if ir.kind == "elementwise" or (ir.kind in ("reduction", "contraction")
+                                        and (column_reduction(ir) is not None or split_reduction(ir) is not None)):
             return None
         return {"gemm": "a naive loop GEMM (one thread per output element, no tensor cores)",
                 "contraction": "a naive loop contraction (one thread per output element)",

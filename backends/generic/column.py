@@ -30,8 +30,11 @@ COL_WARPS = BLOCK // 32
 COL_TARGET_CTAS = 1024          # split the rows until about this many CTAs are in flight
 
 
-def column_reduction(ir: KernelIR):
-    """The reduction node of a kernel the column strategy runs (module comment), or None."""
+def sole_reduction(ir: KernelIR):
+    """(r, loads) when the kernel's one loop is a reduction or contraction r, the kernel's only
+    stored value, over a float value with kept axes, reading only input buffers (no gathers):
+    loads [(buffer, labels)] as r's operand reads them.  None otherwise.  Column (here) and split
+    (split.py) reductions are both of this shape and differ in which axis the reads are contiguous."""
     g = ir.graph()
     nodes = [o.id for o in ir.internal if o.kind != "const"]
     loops = [n for n in nodes if op(g, n).kind in ("reduction", "contraction", "softmax")]
@@ -45,7 +48,6 @@ def column_reduction(ir: KernelIR):
         return None
     if not o.axes or o.dtype in _INT:
         return None
-    inner = o.axes[-1]
     loads = []
 
     def visit(u, labels):
@@ -61,6 +63,17 @@ def column_reduction(ir: KernelIR):
         visit(u, labels)
     if not loads or None in loads:
         return None
+    return r, loads
+
+
+def column_reduction(ir: KernelIR):
+    """The reduction node of a kernel the column strategy runs (module comment), or None."""
+    hit = sole_reduction(ir)
+    if hit is None:
+        return None
+    r, loads = hit
+    o = op(ir.graph(), r)
+    inner = o.axes[-1]
     contiguous = 0
     for buf, labels in loads:
         b = ir.buffer(buf)

@@ -1,0 +1,109 @@
+"""Split reductions in the generic backend: a sum, mean or dot product whose reduced elements are
+the contiguous ones in what it reads and whose kept elements are few and strided: ALiBi's slope
+gradient `dslope[h] = sum(b, i, j) ds[b, h, i, j] * (j - i)`, a loss summed over batch and
+sequence.  Row kernels take a reduction over one contiguous axis per row; this is the case they
+do not (several reduced axes around a kept one), which the loop path would run with one thread
+per output element looping over all of its reduced elements (a handful of threads for a whole GPU).
+
+Each CTA takes one output element and a share of its reduced elements (the share chosen at launch
+so that about SPLIT_TARGET_CTAS CTAs run, and each thread has at least SPLIT_MIN_PER_THREAD
+elements); its threads read consecutive reduced elements (contiguous in memory, so coalesced),
+combine through a shared-memory tree, and thread 0 adds the CTA's partial to the output with one
+f32 atomic (the output is zeroed before the launch: EmittedKernel.init).  max/min (no float
+atomic) and outputs stored in another dtype than f32 are not split: they keep the loop path.
+"""
+from __future__ import annotations
+
+from kspec.backends.api import LoweredPlan
+from kspec.backends.generic.column import _decode, sole_reduction
+from kspec.backends.generic.gen import BLOCK, GenericDesc, _Gen
+from kspec.backends.names import number_placeholders
+from kspec.compiler.graph import op, operands
+from kspec.compiler.kir import KernelIR
+from kspec.core import dtype_bytes
+
+SPLIT_TARGET_CTAS = 1024        # split each output's elements until about this many CTAs are in flight
+SPLIT_MIN_PER_THREAD = 8        # ... but give each thread at least this many elements
+
+
+def split_reduction(ir: KernelIR):
+    """The reduction node of a kernel the split strategy runs (module docstring), or None."""
+    hit = sole_reduction(ir)
+    if hit is None:
+        return None
+    r, loads = hit
+    g = ir.graph()
+    o = op(g, r)
+    if not (o.kind == "contraction" or o.fn in ("sum", "mean")):
+        return None
+    if any(ir.buffer(t).dtype != "f32" for t in ir.stores_of(r)):
+        return None
+    rows = 0
+    for buf, labels in loads:
+        b = ir.buffer(buf)
+        if not labels:
+            continue
+        last = len(labels) - 1 if not (b.layout == "col" and len(labels) >= 2) else len(labels) - 2
+        if labels[last] not in o.reduced:
+            return None                       # reads along a kept axis: a column reduction's pattern
+        rows += 1
+    return r if rows else None
+
+
+def lower_split(gen: _Gen, r, space, plan_id) -> LoweredPlan:
+    g, ir = gen.g, gen.ir
+    o = op(g, r)
+    gen.inline = {x.id for x in ir.internal if x.kind != "const"} - {r}   # the operand's ops, per element
+    for label, ext in zip(o.reduced, o.reduced_shape):
+        gen.dim(label, ext)
+    stores = ir.stores_of(r)
+    nout = " * ".join(gen.dimx(gen.dim_of[l]) for l in space) or "1LL"
+    nred = " * ".join(gen.dimx(gen.dim_of[l]) for l in o.reduced)
+    want = f"(({nred}) + {BLOCK * SPLIT_MIN_PER_THREAD - 1}LL) / {BLOCK * SPLIT_MIN_PER_THREAD}LL"
+    room = f"({SPLIT_TARGET_CTAS}LL + ({nout}) - 1LL) / ({nout})"
+    splits = f"(({want}) < ({room}) ? ({want}) : ({room}))"
+    threads = f"({nout}) * {BLOCK}LL * ({splits} > 0 ? {splits} : 1LL)"
+    if o.kind == "contraction":
+        (ua, la), (ub, lb) = operands(g, r)
+        term = f"{gen.value(ua, la, {})} * {gen.value(ub, lb, {})}"
+    else:
+        ((u, labels),) = operands(g, r)
+        term = gen.value(u, labels, {})
+    body = ["if ((long long)blockIdx.x * blockDim.x + threadIdx.x >= p.count) return;",
+            f"const long long nout_ = {nout}, nred_ = {nred};",
+            "const long long out_ = (long long)blockIdx.x % nout_, split_ = (long long)blockIdx.x / nout_;",
+            "const long long nsplit_ = (long long)gridDim.x / nout_;",
+            "const long long chunk_ = (nred_ + nsplit_ - 1) / nsplit_;",
+            "const long long r0_ = split_ * chunk_, r1_ = r0_ + chunk_ < nred_ ? r0_ + chunk_ : nred_;",
+            "float acc_ = 0.0f;",
+            "{"]
+    body += ["  " + x for x in _decode(gen, space, "out_", "c_")]
+    body.append(f"  for (long long q_ = r0_ + threadIdx.x; q_ < r1_; q_ += {BLOCK}) {{")
+    body += ["    " + x for x in _decode(gen, o.reduced, "q_", "s_")]
+    body.append(f"    acc_ += (float)({term});")
+    body.append("  }")
+    body.append("}")
+    body.append(f"__shared__ float kspec_split_[{BLOCK}];")
+    body.append("kspec_split_[threadIdx.x] = acc_;")
+    body.append("__syncthreads();")
+    body.append(f"for (int s_ = {BLOCK // 2}; s_ > 0; s_ >>= 1) {{")
+    body.append("  if ((int)threadIdx.x < s_) kspec_split_[threadIdx.x] += kspec_split_[threadIdx.x + s_];")
+    body.append("  __syncthreads();")
+    body.append("}")
+    body.append("if (threadIdx.x == 0) {")
+    body.append("  acc_ = kspec_split_[0];")
+    if o.kind == "reduction" and o.fn == "mean":
+        body.append("  acc_ = acc_ / (float)nred_;")
+    body += ["  " + x for x in _decode(gen, space, "out_", "c_")]
+    for t in stores:
+        off = gen.offset(t, ir.store_labels(r, t))
+        body.append(f"  atomicAdd(((float*)p.ptr[{{{gen.ptr(t)}}}]) + ({off}), acc_);")
+    body.append("}")
+    names = gen.names
+    text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
+    back = names.back()
+    desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=gen.arch, body=text, args=args, scalars=scalars,
+                       dims=tuple(d for d, _ in gen.dim_values), threads=threads,
+                       arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args),
+                       init=tuple((gen.ptr(t), "zero") for t in stores))
+    return LoweredPlan(ir, gen.arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
