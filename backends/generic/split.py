@@ -1,7 +1,8 @@
 """Split reductions in the generic backend: a sum, mean or dot product whose reduced elements are
 the contiguous ones in what it reads and whose kept elements are few and strided: ALiBi's slope
 gradient `dslope[h] = sum(b, i, j) ds[b, h, i, j] * (j - i)`, a loss summed over batch and
-sequence.  Row kernels take a reduction over one contiguous axis per row; this is the case they
+sequence (two or more reduced axes: one is a row kernel's shape, and a gemv the row backend
+declines stays a loud loop).  Row kernels take a reduction over one contiguous axis per row; this is the case they
 do not (several reduced axes around a kept one), which the loop path would run with one thread
 per output element looping over all of its reduced elements (a handful of threads for a whole GPU).
 
@@ -36,6 +37,8 @@ def split_reduction(ir: KernelIR):
     o = op(g, r)
     if not (o.kind == "contraction" or o.fn in ("sum", "mean")):
         return None
+    if len(o.reduced) < 2:
+        return None                           # one reduced axis: a row kernel's shape (or a loop, said loudly)
     if any(ir.buffer(t).dtype != "f32" for t in ir.stores_of(r)):
         return None
     rows = 0
