@@ -27,7 +27,7 @@ from .schedule import Buffer, KernelSchedule
 
 DEFAULT_SIZE = 1024
 L2_RESIDENT_BYTES = 24 * 2 ** 20   # about half the L2 of an H100 (50 MB)
-TILED_KINDS = ("gemm", "attention", "rowwise")
+TILED_KINDS = ("gemm", "attention", "rowwise", "colsum")
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,8 @@ def _node_flops(g: nx.DiGraph, n, sizes) -> int:
         return 2 * _numel(o.shape, sizes) * _numel(o.reduced_shape, sizes)
     if o.kind == "reduction":
         return _numel(o.shape, sizes) * _numel(o.reduced_shape, sizes)
+    if o.kind == "partial":    # column partials [slot, n]: the slots split the rows, so each row once
+        return len(operands(g, n)) * _numel(o.shape[1:], sizes) * _numel(o.reduced_shape, sizes)
     if o.kind == "softmax":
         return 5 * _numel(o.shape, sizes)
     if o.kind == "elementwise":

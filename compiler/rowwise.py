@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .groups import CYCLE, FusionResult, Group, _node_order, legal_addition, same_point
+from .groups import CYCLE, FusionResult, Group, _node_order, legal_addition, legal_group, same_point
 from .graph import op, operands
 
 ROW_REDUCTIONS = ("sum", "max", "min", "mean", "logsumexp")
@@ -231,3 +231,109 @@ def fuse_rowwise(g: nx.DiGraph, res: FusionResult) -> None:
     for n in nx.topological_sort(g):
         if op(g, n).kind == "gather" and res.group_of(n) is None:
             res.groups.append(Group(f"g{len(res.groups)}", "elementwise", {n}, n))
+
+
+# Column partials.  A sum over the rows (`dgamma[n] = sum(m) dy[m, n] * xhat[m, n]`, the reduction
+# over the row kernel's *outer* axes) of values the row kernel computes or reads is accumulated by
+# the row kernel itself: it runs COLUMN_SLOTS row slots (slot s takes rows s, s + P, s + 2P, ..), a
+# thread keeps one f32 partial per column it owns, and each slot writes its partials as row s of an
+# f32 [P, n] intermediate.  One small kernel (kind "colsum") then sums the P partial rows of every
+# such column result and applies what follows it (the output casts): two kernels where the generic
+# plan wrote the [M, n] operand to memory and ran a column reduction and a cast per result.
+COLUMN_SLOTS = 256
+COLUMN_SLOT_LABEL = "slot"
+
+
+def _column_operand_ok(g: nx.DiGraph, grower: _Grower, group: set, u, labels) -> bool:
+    """A column reduction's operand the row kernel can supply: an element value of the group read at
+    its own point, or a floating-point tensor from memory with the row axis innermost."""
+    info = grower.info
+    if set(labels) != set(info.outer) | {info.axis}:
+        return False
+    uo = op(g, u)
+    if u in group:
+        return info.axis in uo.axes and same_point(g, u, labels)
+    return uo.kind == "input" and uo.dtype in FLOAT and _storage_last(g, u, tuple(labels)) == info.axis
+
+
+def _column_candidate(g: nx.DiGraph, res: FusionResult, grower: _Grower, group: set, c) -> set | None:
+    """The nodes to add to a row group so that it can accumulate column reduction c's partials (c
+    itself excluded; possibly none), or None when c is not such a reduction.  An ungrouped operand
+    cast or elementwise map of inputs (`f32(dy[m, n])`) joins the row group first."""
+    info = grower.info
+    o = op(g, c)
+    if res.group_of(c) is not None or o.kind not in ("reduction", "contraction") or o.fn != "sum":
+        return None
+    if len(info.outer) != 1 or o.reduced != info.outer or o.axes != (info.axis,) or o.dtype not in FLOAT:
+        return None
+    if not grower.consistent(c):
+        return None
+    added: set = set()
+    for u, labels in operands(g, c):
+        if _column_operand_ok(g, grower, group | added, u, labels):
+            continue
+        uo = op(g, u)
+        if res.group_of(u) is not None or uo.kind not in ("cast", "elementwise") or tuple(labels) != uo.axes:
+            return None
+        if grower.reject(u, group | added) is not None:
+            return None
+        if not all(x in group or op(g, x).kind in ("input", "param", "const") for x, _ in operands(g, u)):
+            return None
+        added.add(u)
+    if legal_group(g, group | added) is not None:
+        return None
+    return added
+
+
+def fuse_column_partials(g: nx.DiGraph, res: FusionResult) -> None:
+    """Give each row group the column reductions over its rows (see COLUMN_SLOTS): rewrite every
+    such `c[n] = sum(m) X[m, n] (* Y[m, n])` into a partial node `cp[slot, n]` in the row group and
+    `c[n] = sum(slot) cp[slot, n]`, then group the row group's column results, with the ungrouped
+    maps over the columns that follow them, into one finishing kernel (kind "colsum")."""
+    from .graph import OpNode
+    labels_used = {a for n in g.nodes for a in (*op(g, n).axes, *op(g, n).reduced)}
+    slot = COLUMN_SLOT_LABEL
+    while slot in labels_used:
+        slot += "_"
+    order = {x: i for i, x in enumerate(nx.topological_sort(g))}
+    for grp in [x for x in res.groups if x.kind == "rowwise"]:
+        info: RowInfo = grp.info
+        grower = _Grower(g, res, info, order)
+        finished: list = []
+        for c in sorted(g.nodes, key=_node_order):
+            added = _column_candidate(g, res, grower, grp.nodes, c)
+            if added is None:
+                continue
+            grp.nodes |= added
+            o = op(g, c)
+            # what earlier passes said about c no longer holds: it runs in these two kernels
+            stale = (f"{o.kind} {c}: ", f"{o.label()} not fused into the row kernel at ")
+            res.notes[:] = [x for x in res.notes if not x.startswith(stale)]
+            cp = f"n{max(_node_order(x) for x in g.nodes) + 1}"
+            g.add_node(cp, op=OpNode("partial", "f32", (slot, info.axis), (COLUMN_SLOTS, info.extent(info.axis)),
+                                     fn="sum", reduced=o.reduced, reduced_shape=o.reduced_shape, span=o.span))
+            for u, labels in operands(g, c):
+                g.add_edge(u, cp, uses=tuple((pos, lb) for pos, lb in g.edges[u, c]["uses"]))
+            for u in list(g.predecessors(c)):
+                g.remove_edge(u, c)
+            g.add_edge(cp, c, uses=((0, (slot, info.axis)),))
+            g.nodes[c]["op"] = OpNode("reduction", o.dtype, o.axes, o.shape, fn="sum", name=o.name,
+                                      reduced=(slot,), reduced_shape=(COLUMN_SLOTS,), span=o.span)
+            grp.nodes.add(cp)
+            finished.append(c)
+        if not finished:
+            continue
+        fin = set(finished)
+        changed = True
+        while changed:            # the maps over the columns that follow (casts to the output dtype)
+            changed = False
+            for n in sorted({s for x in fin for s in g.successors(x)} - fin, key=_node_order):
+                so = op(g, n)
+                if res.group_of(n) is not None or so.kind not in ("cast", "elementwise") or so.axes != (info.axis,):
+                    continue
+                if all(u in fin or op(g, u).kind in ("param", "const") for u, _ in operands(g, n)) and \
+                        legal_group(g, fin | {n}) is None:
+                    fin.add(n)
+                    changed = True
+        ext = ((info.axis, info.extent(info.axis)), (slot, COLUMN_SLOTS))
+        res.groups.append(Group(f"g{len(res.groups)}", "colsum", fin, finished[0], RowInfo((info.axis,), slot, ext)))

@@ -34,13 +34,15 @@ Row strides are launch sizes (`s<k>` dims), so a kernel takes rows at any stride
 the strides of the dense layout its manifest records.
 
 Modules: desc.py (`RowwiseDesc` and the shared constants), gen.py (the generator: IR -> kernel body),
-source.py (the CUDA text and host glue), backend.py (`RowwiseBackend`).
+colsum.py (the kernel finishing column partials), source.py (the CUDA text and host glue), backend.py
+(`RowwiseBackend`).
 """
 from __future__ import annotations
 
 from .backend import RowwiseBackend
+from .colsum import lower_colsum
 from .desc import MAX_CLUSTER, SMEM_BUDGET, V, RowwiseDesc
 from .gen import lower_rowwise
 from .source import emit_rowwise
 
-__all__ = ["MAX_CLUSTER", "SMEM_BUDGET", "V", "RowwiseBackend", "RowwiseDesc", "emit_rowwise", "lower_rowwise"]
+__all__ = ["MAX_CLUSTER", "SMEM_BUDGET", "V", "RowwiseBackend", "RowwiseDesc", "emit_rowwise", "lower_colsum", "lower_rowwise"]

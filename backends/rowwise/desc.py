@@ -10,6 +10,7 @@ from kspec.core import DTYPE_TABLE, FLOAT_DTYPES
 V = 8                              # elements per vector step (128-bit for 16-bit types)
 SMEM_BUDGET = 96 * 1024            # cached-row bytes per CTA before a cluster splits the row
 MAX_CLUSTER = 8
+COLSUM_TX, COLSUM_TY = 32, 8         # colsum kernel: 32 columns per CTA, the partial rows split 8 ways
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPE_TABLE.items()}
 _FLOAT = FLOAT_DTYPES
 _IDENTITY = {"sum": "0.0f", "mean": "0.0f", "max": "(-INFINITY)", "min": "INFINITY"}
@@ -28,11 +29,15 @@ class RowwiseDesc:
     dims: tuple[str, ...]             # d0..d<k-1> outer extents, d<k> row length, then strides/extents
     n_outer: int
     vec_checks: tuple[tuple[int, int, tuple[int, ...]], ...]   # (arg, itemsize, stride dims) of row-indexed buffers
-    cache_bytes: int                  # shared-memory bytes per cached row element (all cached inputs)
+    cache_bytes: int                  # shared-memory bytes per row element: cached inputs + column accumulators
     n_passes: int
     n_slots: int                      # most reductions folded at once
     strides: tuple[tuple[str, str, int], ...] = ()   # stride dim role -> (argument, axis)
     # element size of each argument: what the element-by-element path needs (the glue takes the
     # 128-bit vector path only where every row pointer and stride allows it)
     arg_bytes: tuple[int, ...] = ()
+    # column partials: the row slots (grid-stride over the rows; the launch has slots / TY * cs CTAs)
+    # and, for a "colsum" kernel, the finishing of them (colsum.py)
+    slots: int = 0
+    kind: str = "row"                 # row | colsum
 

@@ -141,11 +141,13 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
         else:
             stage[n] = max([st(u) for u, _ in ins] or [0])
     leaving = [n for n in gen.nodes if gen.s.stores(n)]
-    elem_stores = [n for n in leaving if elem[n]]
+    # column partials (compiler/rowwise.py, COLUMN_SLOTS): accumulated per column in the last pass
+    partials = [n for n in gen.nodes if op(g, n).kind == "partial"]
+    elem_stores = [n for n in leaving if elem[n] and n not in partials]
     row_stores = [n for n in leaving if not elem[n]]
     n_red_passes = max([p + 1 for p in red_pass.values()] + [b + 1 for _, b in sm_passes.values()] + [0])
-    final_pass = n_red_passes if elem_stores else None
-    n_passes = n_red_passes + (1 if elem_stores else 0)
+    final_pass = n_red_passes if elem_stores or partials else None
+    n_passes = n_red_passes + (1 if final_pass is not None else 0)
     for n in elem_stores:
         if stage[n] > n_red_passes:
             gen.fail("internal: a stored value needs a later pass than the last one", n)
@@ -159,6 +161,8 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
         roots[ps].append(operands(g, n)[0])
     if final_pass is not None:
         roots[final_pass].extend((n, op(g, n).axes) for n in elem_stores)
+        for n in partials:
+            roots[final_pass].extend(operands(g, n))
 
     def closure(rs) -> tuple[list, list]:
         """In-group element nodes and element loads (buffer, labels) the roots need."""
@@ -197,10 +201,15 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
 
     # ---- row indices and row bases ----
     k = len(info.outer)
-    emit("const int tx = threadIdx.x, TX = blockDim.x, ty = threadIdx.y, TY = blockDim.y;")
-    emit("const int cs = p.cs;")
-    emit("const int rank = cs > 1 ? (int)(blockIdx.x % (unsigned)cs) : 0;")
-    emit("const long long row = (long long)(blockIdx.x / (unsigned)cs) * TY + ty;")
+    head = ["const int tx = threadIdx.x, TX = blockDim.x, ty = threadIdx.y, TY = blockDim.y;",
+            "const int cs = p.cs;",
+            "const int rank = cs > 1 ? (int)(blockIdx.x % (unsigned)cs) : 0;"]
+    if partials:
+        head += _partials_head(gen, partials)
+        emit("const long long row = it_ * slots_ + slot_;")
+    else:
+        body.extend(head)
+        emit("const long long row = (long long)(blockIdx.x / (unsigned)cs) * TY + ty;")
     emit("const bool live = row < p.rows;")
     emit("const long long N = p.n;")
     emit("const int W = p.vec ? KSPEC_V : 1;")
@@ -397,6 +406,9 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
                     lam.append(f"  {ct} {w}[WW];")
                     lam.append(f"  for (int i = 0; i < WW; ++i) {w}[i] = kspec_to<{ct}>({ev[n]}[i]);")
                     lam.append(f"  kspec_st<WW>(({ct}*)p.ptr[{{{gen.arg(t)}}}] + {rb} + e, {w});")
+            for j, n in enumerate(partials):
+                x = " * ".join(el(u, l) for u, l in operands(g, n))
+                lam.append(f"  for (int i = 0; i < WW; ++i) ca{j}_[e + i - cofs_] += {x};")
         # the same step code three times: 8-element steps, the row's tail, and the element path
         emit(f"// pass {p}")
         emit("if (p.vec) {")
@@ -451,6 +463,10 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
             emit(f"if (live && tx == 0 && rank == 0) (({ct}*)p.ptr[{{{gen.arg(t)}}}])[{rb}] = "
                  f"kspec_to<{ct}>({row_var[n]});")
     emit("if (cs > 1) cg::this_cluster().sync();   // no CTA leaves while others read its shared memory")
+    if partials:
+        # slot s takes rows s, s + P, ..: the trip count is the same for every thread of the grid
+        body[:] = head + ["for (long long it_ = 0; it_ < iters_; ++it_) {"] + ["  " + x for x in body] + ["}"] + \
+            _partials_tail(gen, partials)
 
     names = gen.names
     text, args, scalars = number_placeholders("\n".join("  " + line for line in body), names, gen.scalars)
@@ -465,13 +481,57 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
         vec_checks.append((idx, item, sd))
     vec_checks = sorted(set(vec_checks))
     cache_bytes = sum(_ITEMSIZE[gen.s.buffers[b].dtype] for b in gen.cached)
+    slots = op(g, partials[0]).shape[0] if partials else 0
+    if partials:
+        cache_bytes += 4 * len(partials)        # an f32 accumulator per column per partial, on chip
     desc = RowwiseDesc(name=f"k_{plan.id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dims), n_outer=k, vec_checks=tuple(vec_checks),
                        cache_bytes=cache_bytes, n_passes=n_passes, n_slots=slot_count,
                        strides=tuple((gen.dims[i][0], names.to_c[key[1]], key[2])
                                      for key, i in gen.dim_key.items() if key[0] == "stride"),
-                       arg_bytes=tuple(_ITEMSIZE[gen.s.buffers[names.back()[a]].dtype] for a in args))
+                       arg_bytes=tuple(_ITEMSIZE[gen.s.buffers[names.back()[a]].dtype] for a in args),
+                       slots=slots)
     return LoweredPlan(ir, arch, "rowwise", desc, names.back(), tuple(gen.dims), dict(gen.scalars))
+
+
+def _partial_buffer(gen: _RowGen, n) -> str:
+    (t,) = gen.s.stores(n)
+    return t
+
+
+def _partials_head(gen: _RowGen, partials: list) -> list[str]:
+    """Before the row loop: this thread's row slot, the CTA's columns [ce0_, ce1_), and one
+    accumulator row per partial, zeroed: TY rows of p.cap f32 per partial in shared memory after the
+    cached inputs (p.cache), else the slot's row of the partials buffer itself."""
+    cached = sum(_ITEMSIZE[gen.s.buffers[b].dtype] for b in gen.cached)
+    slots = op(gen.g, partials[0]).shape[0]
+    out = ["const long long slot_ = (long long)(blockIdx.x / (unsigned)cs) * TY + ty;",
+           f"const long long slots_ = {slots}LL;    // = gridDim.x / cs * TY: the host glue launches that many",
+           "const long long iters_ = (p.rows + slots_ - 1) / slots_;",
+           "const long long Nc_ = p.n, Wc_ = p.vec ? KSPEC_V : 1, nu_ = p.vec ? Nc_ / KSPEC_V : Nc_;",
+           "const long long ce0_ = kspec_minll(nu_, (long long)rank * p.upr) * Wc_;",
+           "const long long ce1_ = rank == cs - 1 ? Nc_ : kspec_minll(nu_, (long long)rank * p.upr + p.upr) * Wc_;",
+           "const long long cofs_ = p.cache ? ce0_ : -slot_ * Nc_;     // accumulator index of column e: e - cofs_",
+           f"float* const cacc_ = reinterpret_cast<float*>(kspec_smem + (size_t)TY * p.cap * {cached});"]
+    for j, n in enumerate(partials):
+        t = gen.arg(_partial_buffer(gen, n))
+        out.append(f"float* const ca{j}_ = p.cache ? cacc_ + ((long long){j} * TY + ty) * p.cap : (float*)p.ptr[{{{t}}}];")
+    out.append("for (long long e = ce0_ + tx; e < ce1_; e += TX) {")
+    out.extend(f"  ca{j}_[e - cofs_] = 0.0f;" for j in range(len(partials)))
+    out.append("}")
+    out.append("__syncthreads();")
+    return out
+
+
+def _partials_tail(gen: _RowGen, partials: list) -> list[str]:
+    """After the row loop: shared-memory accumulators are copied to the slot's row of each partials
+    buffer (a slot that got no row writes zeros)."""
+    out = ["__syncthreads();", "if (p.cache) for (long long e = ce0_ + tx; e < ce1_; e += TX) {"]
+    for j, n in enumerate(partials):
+        t = gen.arg(_partial_buffer(gen, n))
+        out.append(f"  ((float*)p.ptr[{{{t}}}])[slot_ * Nc_ + e] = ca{j}_[e - cofs_];")
+    out.append("}")
+    return out
 
 
 def _const(o) -> str:

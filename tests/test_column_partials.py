@@ -1,0 +1,174 @@
+"""Column partials (compiler/rowwise.py `fuse_column_partials`, backends/rowwise gen.py and
+colsum.py): a norm backward's dγ/dβ, sums over the rows of values its row kernel computes, are
+accumulated per column by the row kernel's row slots and finished by one colsum kernel.  The plans
+(`--strict`), the modelled DRAM bytes, and the two generated kernels run on the CPU emulator
+(tests/rowwise_emu.h) against an independent float64 numpy backward."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kspec.compile import plan_spec
+from kspec.compiler import cost
+from kspec.compiler.rowwise import COLUMN_SLOTS
+from kspec.spec_lang import load_spec, parse, print_program
+from kspec.spec_lang.grad import grad_program
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+ARCHS = ("sm90a", "sm100a")
+
+
+def _bwd_text(stem: str) -> str:
+    prog = parse(grad_program(load_spec(SPECS / f"{stem}.kspec")))
+    return print_program(type(prog)(tuple(k for k in prog.kernels if k.name.endswith("_bwd"))))
+
+
+@pytest.mark.parametrize("stem, sums", [("layernorm", 2), ("rmsnorm", 1), ("add_rmsnorm", 1)])
+def test_norm_backward_plans_two_kernels(stem, sums):
+    prog = load_spec(_bwd_text(stem), is_text=True, file=f"{stem}_bwd.kspec")
+    (sched,) = plan_spec(prog, ARCHS, f"{stem}_bwd", strict=True)
+    assert [p.kind for p in sched.plans] == ["rowwise", "colsum"]
+    assert all(c.backend == "rowwise" and not c.fallback for p in sched.plans for c in p.choices.values())
+    assert {c.kind for c in sched.plans[1].choices.values()} == {"colsum"}
+    rows, fin = sched.plans
+    parts = [o for o in rows.ir.ops if o.kind == "partial"]
+    assert len(parts) == sums and all(o.shape[0] == COLUMN_SLOTS for o in parts)
+    assert not any(o.kind in ("contraction", "reduction") and o.reduced == ("m",) for p in sched.plans for o in p.ir.ops)
+    assert set(fin.reads) == {b for _, b, _ in rows.ir.stores if b.startswith("tmp_")}
+    # DRAM bytes: each [M, N] tensor once, plus the partials written once and read once
+    M, N = 8192, 4096
+    c = cost(sched, {"M": M, "N": N})
+    mn = {b.name for b in sched.buffers.values() if len(b.shape) == 2 and b.kind in ("input", "output")}
+    read = {n for p in sched.plans for n in p.reads} | {n for p in sched.plans for n in p.writes}
+    want = sum(M * N * 2 for n in mn if n in read) + 2 * sums * COLUMN_SLOTS * N * 4
+    assert c.plans[0].bytes + c.plans[1].bytes == pytest.approx(want, rel=2e-3)
+
+
+def _layernorm_bwd64(x, gamma, mu, var, dy, eps):
+    """Independent float64 LayerNorm backward from the saved mean and variance."""
+    x, gamma, mu, var, dy = (np.asarray(a, np.float64) for a in (x, gamma, mu, var, dy))
+    rstd = 1.0 / np.sqrt(var + eps)[:, None]
+    xhat = (x - mu[:, None]) * rstd
+    gy = dy * gamma[None, :]
+    dx = rstd * (gy - gy.mean(axis=1, keepdims=True) - xhat * (gy * xhat).mean(axis=1, keepdims=True))
+    return dx, (dy * xhat).sum(axis=0), dy.sum(axis=0)
+
+
+def _run_layernorm_bwd(M: int, N: int, budget: int | None = None):
+    from kspec.backends.reference.numerics import storage_dtype
+    from rowwise_harness import EmuKernel, available
+    if available():
+        pytest.skip(f"cannot emulate row kernels here: {available()}")
+    text = _bwd_text("layernorm")
+    rows, fin = EmuKernel(text, is_text=True, plan=0, budget=budget), EmuKernel(text, is_text=True, plan=1)
+    rng = np.random.default_rng(M * 1000 + N)
+    bf = storage_dtype("bf16")
+    x = (rng.standard_normal((M, N)) * 2 + 0.5).astype(bf)
+    x64 = x.astype(np.float64)
+    arrays = {"x": x, "gamma": rng.standard_normal(N).astype(bf), "beta": rng.standard_normal(N).astype(bf),
+              "y": np.zeros((M, N), bf), "mu": x64.mean(axis=1).astype(np.float32),
+              "var": x64.var(axis=1).astype(np.float32), "dy": rng.standard_normal((M, N)).astype(bf)}
+    scratch = {b.name: np.full(tuple(d if isinstance(d, int) else N for d in b.shape), np.nan, np.float32)
+               for b in rows.lowered.ir.buffers if b.role == "intermediate"}
+    got, facts = rows(arrays, outputs=scratch)
+    if budget is not None:
+        assert (facts["cluster"], facts["cache"]) == ((2, 1) if budget > 1024 else (1, 0))
+    assert facts["grid"] * facts["block_y"] == COLUMN_SLOTS * facts["cluster"]     # one thread row per slot
+    sums, fin_facts = fin(arrays, outputs={**scratch, "dx": got["dx"]})
+    assert fin_facts["grid"] == (N + 31) // 32
+    for part in scratch.values():                       # every slot wrote its row; empty slots zeros
+        assert np.isfinite(part).all()
+        assert not part[M:].any()
+    dx, dgamma, dbeta = _layernorm_bwd64(x, arrays["gamma"], arrays["mu"], arrays["var"], arrays["dy"], 1e-5)
+    f = lambda a: np.asarray(a).astype(np.float64)        # noqa: E731
+    np.testing.assert_allclose(f(got["dx"]), dx, rtol=2e-2, atol=2e-2 * np.abs(dx).max())
+    np.testing.assert_allclose(f(sums["dgamma"]), dgamma, rtol=1e-2, atol=1e-2 * np.abs(dgamma).max())
+    np.testing.assert_allclose(f(sums["dbeta"]), dbeta, rtol=1e-2, atol=1e-2 * np.abs(dbeta).max())
+
+
+def test_layernorm_backward_fewer_rows_than_slots_on_the_cpu():
+    """M < P: most slots get no row and write zero partials."""
+    _run_layernorm_bwd(5, 40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("M, N", [(300, 45), (517, 64)])
+def test_layernorm_backward_rows_not_a_multiple_of_the_slots_on_the_cpu(M, N):
+    _run_layernorm_bwd(M, N)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [2048, 64])
+def test_layernorm_backward_split_rows_and_uncached_rows_on_the_cpu(budget):
+    """A small shared-memory budget: the row is split over a cluster, each CTA accumulating its
+    slice of the columns (2048), or nothing fits and the slot's row of the partials buffer in global
+    memory is the accumulator (64)."""
+    _run_layernorm_bwd(40, 200, budget=budget)
+
+
+# ---------------------------------------------------------------- nvcc: both archs, SASS, launch ABI
+
+def _sass(cubin) -> str:
+    import subprocess
+
+    from kspec.backends.toolchain import find_toolchain
+    tc = find_toolchain()
+    if tc.cuobjdump is None:
+        pytest.skip("no cuobjdump")
+    return subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], check=True, capture_output=True,
+                          text=True).stdout
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+def test_norm_backward_kernels_compile_with_vector_loads(arch, tmp_path, kernel_cache):
+    """The row kernel keeps its 128-bit loads and stores and warp shuffles and stores the partials;
+    the colsum kernel reads them coalesced and folds its thread rows through shared memory.  The host
+    glue launches P / TY row-slot CTAs whatever the row count."""
+    import ctypes
+    import re
+    import struct
+
+    from conftest import build_emitted
+
+    from kspec.compile import emit_spec
+    path = tmp_path / "ln_bwd.kspec"
+    path.write_text(_bwd_text("layernorm"))
+    em = emit_spec(path, (arch,))
+    (rows,), (fin,) = em.plans.values()
+    cubin, host, _ = build_emitted(rows.emitted, kernel_cache)
+    sass = _sass(cubin)
+    assert re.search(r"\bLDG\.E\.(128|ENL2\.256)", sass) and re.search(r"\bSTG\.E\.(128|ENL2\.256)", sass)
+    assert re.search(r"\bSHFL\.BFLY", sass) and re.search(r"\bBAR\.SYNC", sass)
+    fcubin, fhost, _ = build_emitted(fin.emitted, kernel_cache)
+    fsass = _sass(fcubin)
+    assert re.search(r"\bLDG\.E\b", fsass) and re.search(r"\bBAR\.SYNC", fsass) and re.search(r"\bSTG\.E\.U16", fsass)
+    assert ("column partials", f"{COLUMN_SLOTS} row slots") in rows.emitted.config
+    desc = rows.lowered.desc
+    roles = [r for r, _ in rows.lowered.dims]
+    stride_role = {r for r, _, _ in desc.strides}
+    lib = ctypes.CDLL(str(host))
+
+    def prepare(m, n):
+        dims = [m if r == "d0" else n if r in ("d1", *stride_role) else n for r in roles]
+        ptrs = [0x10000 * (i + 1) for i in range(len(desc.args))]
+        blob = ctypes.create_string_buffer(4096)
+        size = ctypes.c_uint64()
+        grid, block, cluster = (ctypes.c_uint32 * 3)(), (ctypes.c_uint32 * 3)(), (ctypes.c_uint32 * 3)()
+        smem = ctypes.c_uint32()
+        err = ctypes.create_string_buffer(256)
+        rc = lib.kspec_prepare((ctypes.c_int64 * len(dims))(*dims), (ctypes.c_void_p * len(ptrs))(*ptrs),
+                               (ctypes.c_double * 4)(1e-5, 0, 0, 0), None, 0, 132, blob, ctypes.c_uint64(4096),
+                               ctypes.byref(size), grid, block, cluster, ctypes.byref(smem), err,
+                               ctypes.c_uint64(256))
+        assert rc == 0, err.value
+        off = 8 * (max(1, len(desc.args)) + max(1, len(desc.dims)) + max(1, len(desc.scalars)))
+        vec, cs, cache = struct.unpack_from("<iii", blob.raw, off + 32)
+        return tuple(grid), tuple(block), tuple(cluster), smem.value, (vec, cs, cache)
+    for m in (8192, 100, 3):
+        grid, block, cluster, smem, (vec, cs, cache) = prepare(m, 4096)
+        assert grid[0] * block[1] == COLUMN_SLOTS * cs and (vec, cache) == (1, 1)
+        # cached x and dy rows (bf16) plus two f32 accumulators per column, per thread row
+        assert smem == block[1] * (4096 + 16) * (2 + 2 + 2 + 4 + 4)
