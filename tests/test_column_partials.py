@@ -172,3 +172,46 @@ def test_norm_backward_kernels_compile_with_vector_loads(arch, tmp_path, kernel_
         assert grid[0] * block[1] == COLUMN_SLOTS * cs and (vec, cache) == (1, 1)
         # cached x and dy rows (bf16) plus two f32 accumulators per column, per thread row
         assert smem == block[1] * (4096 + 16) * (2 + 2 + 2 + 4 + 4)
+
+
+@pytest.mark.nvcc
+def test_norm_backward_artifact_launches_the_row_slots_then_the_column_sums(tmp_path, kernel_cache, monkeypatch):
+    """Through the runtime and a recording driver: one scratch block holds both [P, N] partials
+    buffers; the row kernel's launch writes them (P / TY CTAs of TY thread rows, whatever M is) and
+    the colsum kernel's launch reads the same pointers (N / 32 CTAs of 32 x 8 threads)."""
+    import ctypes
+    import struct
+
+    import kspec
+    from kspec.compile import compile_spec
+    from kspec.runtime import DeviceBuffer, driver
+    from test_runtime import RecordingDriver
+
+    class Rec(RecordingDriver):
+        def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what):
+            self.log.append(("launch", what, grid, block, cluster, smem, stream, ctypes.string_at(params_ptr, 256)))
+    rec = Rec()
+    monkeypatch.setattr(driver, "_driver", rec)
+    path = tmp_path / "ln_bwd.kspec"
+    path.write_text(_bwd_text("layernorm"))
+    mod = kspec.load(compile_spec(path, ("sm90a",), tmp_path / "out", cache=kernel_cache))
+    M, N, base = 1000, 4096, 0x7F0000000000
+    mn, vec, row = (M, N), (N,), (M,)
+    args = [DeviceBuffer(base + i * 0x1000000, shape, dt) for i, (shape, dt) in
+            enumerate([(mn, "bf16"), (vec, "bf16"), (vec, "bf16"), (mn, "bf16"), (row, "f32"), (row, "f32"), (mn, "bf16")])]
+    out = mod.layernorm_bwd(*args, eps=1e-5)
+    launches = [e for e in rec.log if e[0] == "launch"]
+    assert len(launches) == 2
+    (_, _, grid, block, cluster, smem, _, raw), (_, _, fgrid, fblock, _, fsmem, _, fraw) = launches
+    assert grid[0] * block[1] == COLUMN_SLOTS * cluster[0] and smem > 0
+    assert fgrid == (N // 32, 1, 1) and fblock == (32, 8, 1) and fsmem == 8 * 32 * 2 * 4
+    scratch = 2 * COLUMN_SLOTS * N * 4                 # the partials, in the call's one scratch block
+    assert [e[1] for e in rec.log if e[0] == "alloc" and scratch <= e[1] < scratch + 4096] != []
+    plans = mod.manifest.kernels[0].plans
+    rows_args, fin_args = list(plans[0].args), list(plans[1].args)
+    ptrs = dict(zip(rows_args, struct.unpack_from(f"<{len(rows_args)}Q", raw, 0)))
+    fptrs = dict(zip(fin_args, struct.unpack_from(f"<{len(fin_args)}Q", fraw, 0)))
+    partials = [a for a in fin_args if a.startswith("tmp_")]
+    assert len(partials) == 2 and all(ptrs[a] == fptrs[a] for a in partials)
+    assert abs(fptrs[partials[0]] - fptrs[partials[1]]) >= COLUMN_SLOTS * N * 4
+    assert ptrs["dx"] == out["dx"].ptr and {fptrs["dgamma"], fptrs["dbeta"]} == {out["dgamma"].ptr, out["dbeta"].ptr}
