@@ -15,6 +15,7 @@ from kspec.compiler import cost
 from kspec.compiler.rowwise import COLUMN_SLOTS
 from kspec.spec_lang import load_spec, parse, print_program
 from kspec.spec_lang.grad import grad_program
+from test_rowwise import recording  # noqa: F401  (the recording driver fixture)
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 ARCHS = ("sm90a", "sm100a")
@@ -110,28 +111,16 @@ def test_layernorm_backward_split_rows_and_uncached_rows_on_the_cpu(budget):
 
 # ---------------------------------------------------------------- nvcc: both archs, SASS, launch ABI
 
-def _sass(cubin) -> str:
-    import subprocess
-
-    from kspec.backends.toolchain import find_toolchain
-    tc = find_toolchain()
-    if tc.cuobjdump is None:
-        pytest.skip("no cuobjdump")
-    return subprocess.run([str(tc.cuobjdump), "-sass", str(cubin)], check=True, capture_output=True,
-                          text=True).stdout
-
-
 @pytest.mark.nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_norm_backward_kernels_compile_with_vector_loads(arch, tmp_path, kernel_cache):
     """The row kernel keeps its 128-bit loads and stores and warp shuffles and stores the partials;
     the colsum kernel reads them coalesced and folds its thread rows through shared memory.  The host
     glue launches P / TY row-slot CTAs whatever the row count."""
-    import ctypes
     import re
-    import struct
 
     from conftest import build_emitted
+    from test_rowwise import _prepare, _sass
 
     from kspec.compile import emit_spec
     path = tmp_path / "ln_bwd.kspec"
@@ -149,24 +138,12 @@ def test_norm_backward_kernels_compile_with_vector_loads(arch, tmp_path, kernel_
     desc = rows.lowered.desc
     roles = [r for r, _ in rows.lowered.dims]
     stride_role = {r for r, _, _ in desc.strides}
-    lib = ctypes.CDLL(str(host))
+    ptrs = [0x10000 * (i + 1) for i in range(len(desc.args))]
 
     def prepare(m, n):
         dims = [m if r == "d0" else n if r in ("d1", *stride_role) else n for r in roles]
-        ptrs = [0x10000 * (i + 1) for i in range(len(desc.args))]
-        blob = ctypes.create_string_buffer(4096)
-        size = ctypes.c_uint64()
-        grid, block, cluster = (ctypes.c_uint32 * 3)(), (ctypes.c_uint32 * 3)(), (ctypes.c_uint32 * 3)()
-        smem = ctypes.c_uint32()
-        err = ctypes.create_string_buffer(256)
-        rc = lib.kspec_prepare((ctypes.c_int64 * len(dims))(*dims), (ctypes.c_void_p * len(ptrs))(*ptrs),
-                               (ctypes.c_double * 4)(1e-5, 0, 0, 0), None, 0, 132, blob, ctypes.c_uint64(4096),
-                               ctypes.byref(size), grid, block, cluster, ctypes.byref(smem), err,
-                               ctypes.c_uint64(256))
-        assert rc == 0, err.value
-        off = 8 * (max(1, len(desc.args)) + max(1, len(desc.dims)) + max(1, len(desc.scalars)))
-        vec, cs, cache = struct.unpack_from("<iii", blob.raw, off + 32)
-        return tuple(grid), tuple(block), tuple(cluster), smem.value, (vec, cs, cache)
+        f = _prepare(host, dims, ptrs, len(desc.args), len(desc.dims), len(desc.scalars))
+        return f["grid"], f["block"], f["cluster"], f["smem"], (f["vec"], f["cs"], f["cache"])
     for m in (8192, 100, 3):
         grid, block, cluster, smem, (vec, cs, cache) = prepare(m, 4096)
         assert grid[0] * block[1] == COLUMN_SLOTS * cs and (vec, cache) == (1, 1)
@@ -175,23 +152,16 @@ def test_norm_backward_kernels_compile_with_vector_loads(arch, tmp_path, kernel_
 
 
 @pytest.mark.nvcc
-def test_norm_backward_artifact_launches_the_row_slots_then_the_column_sums(tmp_path, kernel_cache, monkeypatch):
+def test_norm_backward_artifact_launches_the_row_slots_then_the_column_sums(tmp_path, kernel_cache, recording):
     """Through the runtime and a recording driver: one scratch block holds both [P, N] partials
     buffers; the row kernel's launch writes them (P / TY CTAs of TY thread rows, whatever M is) and
     the colsum kernel's launch reads the same pointers (N / 32 CTAs of 32 x 8 threads)."""
-    import ctypes
     import struct
 
     import kspec
     from kspec.compile import compile_spec
-    from kspec.runtime import DeviceBuffer, driver
-    from test_runtime import RecordingDriver
-
-    class Rec(RecordingDriver):
-        def launch(self, func, grid, block, cluster, smem, stream, params_ptr, what):
-            self.log.append(("launch", what, grid, block, cluster, smem, stream, ctypes.string_at(params_ptr, 256)))
-    rec = Rec()
-    monkeypatch.setattr(driver, "_driver", rec)
+    from kspec.runtime import DeviceBuffer
+    rec = recording
     path = tmp_path / "ln_bwd.kspec"
     path.write_text(_bwd_text("layernorm"))
     mod = kspec.load(compile_spec(path, ("sm90a",), tmp_path / "out", cache=kernel_cache))

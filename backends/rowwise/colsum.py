@@ -18,7 +18,7 @@ from kspec.compiler.graph import op, operands
 from kspec.compiler.kir import KernelIR
 
 from .desc import _FLOAT, _ITEMSIZE, RowwiseDesc
-from .gen import _apply, _const, _RowGen
+from .gen import _apply, _RowGen
 
 
 def lower_colsum(ir: KernelIR, arch: str) -> LoweredPlan:
@@ -59,16 +59,10 @@ def lower_colsum(ir: KernelIR, arch: str) -> LoweredPlan:
         var[n] = v
 
     def operand(u) -> str:
-        uo = op(g, u)
-        if uo.kind == "const":
-            return _const(uo)
-        if u in var:
-            return var[u]
-        if uo.kind == "param":
-            c = gen.names(uo.name)
-            gen.scalars[c] = uo.name
-            return f"(float)p.scalar[{{{c}}}]"
-        gen.fail("a column sum's epilogue reads only the sums, constants and scalars", u)
+        x = gen.leaf(u, var)
+        if x is None:
+            gen.fail("a column sum's epilogue reads only the sums, constants and scalars", u)
+        return x
 
     for n in nx.topological_sort(g.subgraph(gen.group)):
         o = op(g, n)

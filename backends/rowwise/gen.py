@@ -57,6 +57,20 @@ class _RowGen:
     def arg(self, buffer: str) -> str:
         return self.names(buffer)
 
+    def leaf(self, u, known: dict) -> str | None:
+        """A constant, a scalar param (a launch scalar) or a value already in `known` (node -> C
+        variable) as a C expression; None for anything else."""
+        uo = op(self.g, u)
+        if uo.kind == "const":
+            return _const(uo)
+        if u in known:
+            return known[u]
+        if uo.kind == "param":
+            c = self.names(uo.name)
+            self.scalars[c] = uo.name
+            return f"(float)p.scalar[{{{c}}}]"
+        return None
+
     def strides(self, buffer: str) -> list[object]:
         """Element strides of a dense buffer, per axis (symbolic products of extents)."""
         b = self.s.buffers[buffer]
@@ -251,17 +265,9 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
 
     def scalar_of(u, labels) -> str:
         """A row-level value (or a param/const) as a C expression."""
-        uo = op(g, u)
-        if uo.kind == "const":
-            return _const(uo)
-        if u in group:
-            return row_var[u]
-        if uo.kind == "param":
-            c = gen.names(uo.name)
-            gen.scalars[c] = uo.name
-            return f"(float)p.scalar[{{{c}}}]"
-        if u in row_var:
-            return row_var[u]
+        x = gen.leaf(u, row_var)
+        if x is not None:
+            return x
         buf = gen.s.value_buffer[u]
         b = gen.s.buffers[buf]
         if b.dtype not in _FLOAT:
@@ -494,9 +500,9 @@ def _lower_rowwise(ir: KernelIR, arch: str) -> LoweredPlan:
     return LoweredPlan(ir, arch, "rowwise", desc, names.back(), tuple(gen.dims), dict(gen.scalars))
 
 
-def _partial_buffer(gen: _RowGen, n) -> str:
-    (t,) = gen.s.stores(n)
-    return t
+def _partial_args(gen: _RowGen, partials: list) -> list[str]:
+    """The pointer placeholder of each partial's [P, n] buffer (its one store)."""
+    return [gen.arg(gen.s.stores(n)[0]) for n in partials]
 
 
 def _partials_head(gen: _RowGen, partials: list) -> list[str]:
@@ -513,8 +519,7 @@ def _partials_head(gen: _RowGen, partials: list) -> list[str]:
            "const long long ce1_ = rank == cs - 1 ? Nc_ : kspec_minll(nu_, (long long)rank * p.upr + p.upr) * Wc_;",
            "const long long cofs_ = p.cache ? ce0_ : -slot_ * Nc_;     // accumulator index of column e: e - cofs_",
            f"float* const cacc_ = reinterpret_cast<float*>(kspec_smem + (size_t)TY * p.cap * {cached});"]
-    for j, n in enumerate(partials):
-        t = gen.arg(_partial_buffer(gen, n))
+    for j, t in enumerate(_partial_args(gen, partials)):
         out.append(f"float* const ca{j}_ = p.cache ? cacc_ + ((long long){j} * TY + ty) * p.cap : (float*)p.ptr[{{{t}}}];")
     out.append("for (long long e = ce0_ + tx; e < ce1_; e += TX) {")
     out.extend(f"  ca{j}_[e - cofs_] = 0.0f;" for j in range(len(partials)))
@@ -527,9 +532,8 @@ def _partials_tail(gen: _RowGen, partials: list) -> list[str]:
     """After the row loop: shared-memory accumulators are copied to the slot's row of each partials
     buffer (a slot that got no row writes zeros)."""
     out = ["__syncthreads();", "if (p.cache) for (long long e = ce0_ + tx; e < ce1_; e += TX) {"]
-    for j, n in enumerate(partials):
-        t = gen.arg(_partial_buffer(gen, n))
-        out.append(f"  ((float*)p.ptr[{{{t}}}])[slot_ * Nc_ + e] = ca{j}_[e - cofs_];")
+    out.extend(f"  ((float*)p.ptr[{{{t}}}])[slot_ * Nc_ + e] = ca{j}_[e - cofs_];"
+               for j, t in enumerate(_partial_args(gen, partials)))
     out.append("}")
     return out
 
