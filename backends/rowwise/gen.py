@@ -506,13 +506,13 @@ def _partial_args(gen: _RowGen, partials: list) -> list[str]:
 
 
 def _partials_head(gen: _RowGen, partials: list) -> list[str]:
-    """Before the row loop: this thread's row slot, the CTA's columns [ce0_, ce1_), and one
-    accumulator row per partial, zeroed: TY rows of p.cap f32 per partial in shared memory after the
-    cached inputs (p.cache), else the slot's row of the partials buffer itself."""
+    """Before the row loop: this thread's row slot (slots_ of them: the host glue launches at most
+    P, fewer when fewer are resident at once), the CTA's columns [ce0_, ce1_), and one accumulator
+    row per partial, zeroed: TY rows of p.cap f32 per partial in shared memory after the cached
+    inputs (p.cache), else the slot's row of the partials buffer itself."""
     cached = sum(_ITEMSIZE[gen.s.buffers[b].dtype] for b in gen.cached)
-    slots = op(gen.g, partials[0]).shape[0]
     out = ["const long long slot_ = (long long)(blockIdx.x / (unsigned)cs) * TY + ty;",
-           f"const long long slots_ = {slots}LL;    // = gridDim.x / cs * TY: the host glue launches that many",
+           "const long long slots_ = (long long)(gridDim.x / (unsigned)cs) * TY;",
            "const long long iters_ = (p.rows + slots_ - 1) / slots_;",
            "const long long Nc_ = p.n, Wc_ = p.vec ? KSPEC_V : 1, nu_ = p.vec ? Nc_ / KSPEC_V : Nc_;",
            "const long long ce0_ = kspec_minll(nu_, (long long)rank * p.upr) * Wc_;",
@@ -530,11 +530,17 @@ def _partials_head(gen: _RowGen, partials: list) -> list[str]:
 
 def _partials_tail(gen: _RowGen, partials: list) -> list[str]:
     """After the row loop: shared-memory accumulators are copied to the slot's row of each partials
-    buffer (a slot that got no row writes zeros)."""
+    buffer (a slot that got no row writes zeros), and the rows of the P no slot ran are zeroed (slot
+    s zeroes s + slots_, s + 2 slots_, ..): the colsum kernel sums all P."""
+    args = _partial_args(gen, partials)
+    slots = op(gen.g, partials[0]).shape[0]
     out = ["__syncthreads();", "if (p.cache) for (long long e = ce0_ + tx; e < ce1_; e += TX) {"]
-    out.extend(f"  ((float*)p.ptr[{{{t}}}])[slot_ * Nc_ + e] = ca{j}_[e - cofs_];"
-               for j, t in enumerate(_partial_args(gen, partials)))
+    out.extend(f"  ((float*)p.ptr[{{{t}}}])[slot_ * Nc_ + e] = ca{j}_[e - cofs_];" for j, t in enumerate(args))
     out.append("}")
+    out.append(f"for (long long z = slot_ + slots_; z < {slots}LL; z += slots_)")
+    out.append("  for (long long e = ce0_ + tx; e < ce1_; e += TX) {")
+    out.extend(f"    ((float*)p.ptr[{{{t}}}])[z * Nc_ + e] = 0.0f;" for t in args)
+    out.append("  }")
     return out
 
 

@@ -175,6 +175,25 @@ static const int kspec_vec_strides[] = {%(vec_strides)s};
 """
 
 
+# Column partials: the kernel grid-strides over the rows with one thread row per row slot, at most
+# P slots (the partials buffer's rows), fewer when fewer CTAs are resident at once (a second wave
+# would do all of its rows after the first: twice the time).  Residency is estimated from the SM
+# count, the threads per CTA (1024 per SM: __launch_bounds__(1024) lets a thread take 64 of the 64K
+# registers) and the shared memory per CTA (227 KiB per SM on sm_90 and sm_100).
+_SLOT_BLOCKS = r"""  long long slots = %(slots)d;
+  if (slots %% ty) { std::snprintf(err, err_cap, "row slots not a multiple of the rows per CTA"); return 1; }
+  if (sm_count > 0) {
+    const long long cta_smem = (cache ? ty * cap_of(upr) * cache_bytes : 0) + 2048;
+    long long per_sm = 1024 / (tx * ty);
+    if (per_sm > 32) per_sm = 32;
+    if ((227LL << 10) / cta_smem < per_sm) per_sm = (227LL << 10) / cta_smem;
+    if (per_sm < 1) per_sm = 1;
+    const long long resident = (long long)sm_count * per_sm / cs * ty;     // thread rows at once
+    if (resident < slots) slots = resident / ty * ty > 0 ? resident / ty * ty : ty;
+  }
+  const long long blocks = slots / ty * cs;   // the row slots: the kernel grid-strides over the rows"""
+
+
 def emit_rowwise(desc: RowwiseDesc) -> EmittedKernel:
     for name in (desc.name, *desc.args, *desc.scalars, *desc.dims):
         check_ident(name, "generated row kernel")
@@ -190,8 +209,7 @@ def emit_rowwise(desc: RowwiseDesc) -> EmittedKernel:
              "budget": SMEM_BUDGET, "max_cluster": MAX_CLUSTER, "abi": ABI_VERSION,
              "colsum_tx": COLSUM_TX, "colsum_ty": COLSUM_TY, "npart_sums": max(1, desc.n_slots)}
     if desc.slots:
-        sizes["blocks"] = (f"  if ({desc.slots} % ty) {{ std::snprintf(err, err_cap, \"row slots not a multiple of the rows per CTA\"); return 1; }}\n"
-                           f"  const long long blocks = {desc.slots}LL / ty * cs;   // the row slots: the kernel grid-strides over the rows")
+        sizes["blocks"] = _SLOT_BLOCKS % {"slots": desc.slots}
     else:
         sizes["blocks"] = "  const long long blocks = (rows + ty - 1) / ty * cs;"
     host = (_HOST_COLSUM if desc.kind == "colsum" else _HOST) % sizes
@@ -208,7 +226,7 @@ def _config(desc: RowwiseDesc) -> tuple[tuple[str, str], ...]:
         return (("kind", "colsum"), ("partial rows", str(desc.slots)), ("block", f"{COLSUM_TX}x{COLSUM_TY}"))
     out = (("kind", "rowwise"), ("passes", str(desc.n_passes)), ("vector", f"{V} elements"),
            ("cluster", f"up to {MAX_CLUSTER} CTAs per row"))
-    return out + ((("column partials", f"{desc.slots} row slots"),) if desc.slots else ())
+    return out + ((("column partials", f"up to {desc.slots} row slots"),) if desc.slots else ())
 
 
 # The finishing kernel of column partials (colsum.py): 32 columns per CTA, its TY thread rows split
