@@ -230,6 +230,8 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             continue
         if o.kind == "broadcast" and not any(op(g, v).kind == "output" for v in g.successors(n)):
             continue            # a broadcast is read where it is needed, unless an output stores it
+        if any(op(g, u).kind == "partial" for u in g.predecessors(n)):
+            continue            # column partials: the sum over the rows, counted at its partial node
         uflops += _node_flops(g, n, sizes)
         if is_recomputed(g, n, memo):
             continue            # index arithmetic and conditions are computed by the kernel that reads them
@@ -240,5 +242,6 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             if src.kind in ("param", "const") or (not src.axes and src.kind != "reduction"):
                 continue
             ubytes += tensor_bytes(src.dtype, _numel(src.shape, sizes))
-        ubytes += tensor_bytes(o.dtype, _numel(o.shape, sizes))
+        # (a column partial stands for the sum over the rows it was made from: an [n] result)
+        ubytes += tensor_bytes(o.dtype, _numel(o.shape[1:] if o.kind == "partial" else o.shape, sizes))
     return CostReport(sizes, tuple(plans), n_kernels, ubytes, uflops, minimum)

@@ -264,7 +264,7 @@ def _column_candidate(g: nx.DiGraph, res: FusionResult, grower: _Grower, group: 
     o = op(g, c)
     if res.group_of(c) is not None or o.kind not in ("reduction", "contraction") or o.fn != "sum":
         return None
-    if len(info.outer) != 1 or o.reduced != info.outer or o.axes != (info.axis,) or o.dtype not in FLOAT:
+    if sorted(o.reduced) != sorted(info.outer) or o.axes != (info.axis,) or o.dtype not in FLOAT:
         return None
     if not grower.consistent(c):
         return None
@@ -310,8 +310,10 @@ def fuse_column_partials(g: nx.DiGraph, res: FusionResult) -> None:
             stale = (f"{o.kind} {c}: ", f"{o.label()} not fused into the row kernel at ")
             res.notes[:] = [x for x in res.notes if not x.startswith(stale)]
             cp = f"n{max(_node_order(x) for x in g.nodes) + 1}"
+            # the slots split the kernel's rows, numbered over the outer labels in row order
             g.add_node(cp, op=OpNode("partial", "f32", (slot, info.axis), (COLUMN_SLOTS, info.extent(info.axis)),
-                                     fn="sum", reduced=o.reduced, reduced_shape=o.reduced_shape, span=o.span))
+                                     fn="sum", reduced=info.outer, reduced_shape=tuple(map(info.extent, info.outer)),
+                                     span=o.span))
             for u, labels in operands(g, c):
                 g.add_edge(u, cp, uses=tuple((pos, lb) for pos, lb in g.edges[u, c]["uses"]))
             for u in list(g.predecessors(c)):

@@ -21,15 +21,32 @@ SPECS = Path(__file__).resolve().parent.parent / "specs"
 ARCHS = ("sm90a", "sm100a")
 
 
+# LayerNorm over the last axis of [B, S, N] activations: dγ/dβ sum over (b, s), the row kernel's rows
+LAYERNORM_3D = """
+kernel layernorm {
+  param eps : f32 = 1e-5
+  in  x     : bf16[B, S, N]
+  in  gamma : bf16[N]
+  in  beta  : bf16[N]
+  out y     : bf16[B, S, N]
+  mu[b, s]     = mean(n) f32(x[b, s, n])
+  xc[b, s, n]  = f32(x[b, s, n]) - mu[b, s]
+  var[b, s]    = mean(n) xc[b, s, n] * xc[b, s, n]
+  y[b, s, n]   = xc[b, s, n] * rsqrt(var[b, s] + eps) * f32(gamma[n]) + f32(beta[n])
+}
+"""
+
+
 def _bwd_text(stem: str) -> str:
-    prog = parse(grad_program(load_spec(SPECS / f"{stem}.kspec")))
+    spec = load_spec(LAYERNORM_3D, is_text=True) if stem == "layernorm_3d" else load_spec(SPECS / f"{stem}.kspec")
+    prog = parse(grad_program(spec))
     return print_program(type(prog)(tuple(k for k in prog.kernels if k.name.endswith("_bwd"))))
 
 
-@pytest.mark.parametrize("stem, sums", [("layernorm", 2), ("rmsnorm", 1), ("add_rmsnorm", 1)])
+@pytest.mark.parametrize("stem, sums", [("layernorm", 2), ("rmsnorm", 1), ("add_rmsnorm", 1), ("layernorm_3d", 2)])
 def test_norm_backward_plans_two_kernels(stem, sums):
     prog = load_spec(_bwd_text(stem), is_text=True, file=f"{stem}_bwd.kspec")
-    (sched,) = plan_spec(prog, ARCHS, f"{stem}_bwd", strict=True)
+    (sched,) = plan_spec(prog, ARCHS, f"{stem.removesuffix('_3d')}_bwd", strict=True)
     assert [p.kind for p in sched.plans] == ["rowwise", "colsum"]
     assert all(c.backend == "rowwise" and not c.fallback for p in sched.plans for c in p.choices.values())
     assert {c.kind for c in sched.plans[1].choices.values()} == {"colsum"}
@@ -40,8 +57,8 @@ def test_norm_backward_plans_two_kernels(stem, sums):
     assert set(fin.reads) == {b for _, b, _ in rows.ir.stores if b.startswith("tmp_")}
     # DRAM bytes: each [M, N] tensor once, plus the partials written once and read once
     M, N = 8192, 4096
-    c = cost(sched, {"M": M, "N": N})
-    mn = {b.name for b in sched.buffers.values() if len(b.shape) == 2 and b.kind in ("input", "output")}
+    c = cost(sched, {"M": M, "N": N, "B": 4, "S": M // 4})
+    mn = {b.name for b in sched.buffers.values() if len(b.shape) >= 2 and b.shape[-1] == "N" and b.kind in ("input", "output")}
     read = {n for p in sched.plans for n in p.reads} | {n for p in sched.plans for n in p.writes}
     want = sum(M * N * 2 for n in mn if n in read) + 2 * sums * COLUMN_SLOTS * N * 4
     assert c.plans[0].bytes + c.plans[1].bytes == pytest.approx(want, rel=2e-3)
@@ -57,12 +74,14 @@ def _layernorm_bwd64(x, gamma, mu, var, dy, eps):
     return dx, (dy * xhat).sum(axis=0), dy.sum(axis=0)
 
 
-def _run_layernorm_bwd(M: int, N: int, budget: int | None = None, sms: int | None = None):
+def _run_layernorm_bwd(M: int, N: int, budget: int | None = None, sms: int | None = None,
+                       batch: tuple[int, int] | None = None):
+    """batch: (B, S) with B * S == M: LAYERNORM_3D's backward on [B, S, N] tensors."""
     from kspec.backends.reference.numerics import storage_dtype
     from rowwise_harness import EmuKernel, available
     if available():
         pytest.skip(f"cannot emulate row kernels here: {available()}")
-    text = _bwd_text("layernorm")
+    text = _bwd_text("layernorm_3d" if batch else "layernorm")
     rows, fin = EmuKernel(text, is_text=True, plan=0, budget=budget, sms=sms), EmuKernel(text, is_text=True, plan=1)
     rng = np.random.default_rng(M * 1000 + N)
     bf = storage_dtype("bf16")
@@ -73,7 +92,10 @@ def _run_layernorm_bwd(M: int, N: int, budget: int | None = None, sms: int | Non
               "var": x64.var(axis=1).astype(np.float32), "dy": rng.standard_normal((M, N)).astype(bf)}
     scratch = {b.name: np.full(tuple(d if isinstance(d, int) else N for d in b.shape), np.nan, np.float32)
                for b in rows.lowered.ir.buffers if b.role == "intermediate"}
+    if batch:
+        arrays = {k: v.reshape(batch + v.shape[1:]) if v.shape[:1] == (M,) else v for k, v in arrays.items()}
     got, facts = rows(arrays, outputs=scratch)
+    got["dx"] = got["dx"].reshape(M, N)
     if budget is not None:
         assert (facts["cluster"], facts["cache"]) == ((2, 1) if budget > 1024 else (1, 0))
     slots = facts["grid"] // facts["cluster"] * facts["block_y"]        # one thread row per slot
@@ -84,7 +106,8 @@ def _run_layernorm_bwd(M: int, N: int, budget: int | None = None, sms: int | Non
     for part in scratch.values():                       # every slot wrote its row; empty slots zeros
         assert np.isfinite(part).all()
         assert not part[M:].any() and not part[slots:].any()
-    dx, dgamma, dbeta = _layernorm_bwd64(x, arrays["gamma"], arrays["mu"], arrays["var"], arrays["dy"], 1e-5)
+    dx, dgamma, dbeta = _layernorm_bwd64(x, arrays["gamma"], arrays["mu"].reshape(M), arrays["var"].reshape(M),
+                                         arrays["dy"].reshape(M, N), 1e-5)
     f = lambda a: np.asarray(a).astype(np.float64)        # noqa: E731
     np.testing.assert_allclose(f(got["dx"]), dx, rtol=2e-2, atol=2e-2 * np.abs(dx).max())
     np.testing.assert_allclose(f(sums["dgamma"]), dgamma, rtol=1e-2, atol=1e-2 * np.abs(dgamma).max())
@@ -94,6 +117,12 @@ def _run_layernorm_bwd(M: int, N: int, budget: int | None = None, sms: int | Non
 def test_layernorm_backward_fewer_rows_than_slots_on_the_cpu():
     """M < P: most slots get no row and write zero partials."""
     _run_layernorm_bwd(5, 40)
+
+
+@pytest.mark.slow
+def test_layernorm_backward_over_two_row_axes_on_the_cpu():
+    """[B, S, N]: the slots take the B * S rows in row order, more rows than slots."""
+    _run_layernorm_bwd(3 * 101, 24, batch=(3, 101))
 
 
 @pytest.mark.slow
