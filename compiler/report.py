@@ -70,7 +70,8 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
         n_part = kinds.count("partial")
         if n_part:
             slots = next(op(g, n).shape[0] for n in plan.group.nodes if op(g, n).kind == "partial")
-            out.append(f"      column partials: {n_part} sum{'s' if n_part != 1 else ''} over [{', '.join(info.outer)}] "
+            out.append(f"      column partials: {n_part} sum{'s' if n_part != 1 else ''} over "
+                       f"[{', '.join(info.outer)}] "
                        f"accumulated per column by up to {slots} row slots (grid-stride over the rows) into "
                        f"[{slots}, {info.axis}] f32 partials")
         out.append("      ops: " + "; ".join(op(g, n).label() for n in sorted(plan.group.nodes, key=_order)

@@ -164,7 +164,8 @@ def test_norm_backward_row_kernel_runs_on_the_cpu_emulator(stem):
           for t in fwd_k.inputs}
     fwd = kspec.reference(g, f"{stem}_fwd")(**xs)
     arrays = {**xs, **fwd, "dy": rng.standard_normal((M, N)).astype(storage_dtype("bf16"))}
-    scratch = {b.name: np.full(tuple(d if isinstance(d, int) else {"M": M, "N": N}[d] for d in b.shape), np.nan, np.float32)
+    sizes = {"M": M, "N": N}
+    scratch = {b.name: np.full(tuple(d if isinstance(d, int) else sizes[d] for d in b.shape), np.nan, np.float32)
                for b in kern.lowered.ir.buffers if b.role == "intermediate"}
     got, _ = kern(arrays, outputs=scratch)
     want = kspec.reference(g, f"{stem}_bwd")(**arrays)["dx"]

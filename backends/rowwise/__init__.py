@@ -45,4 +45,5 @@ from .desc import MAX_CLUSTER, SMEM_BUDGET, V, RowwiseDesc
 from .gen import lower_rowwise
 from .source import emit_rowwise
 
-__all__ = ["MAX_CLUSTER", "SMEM_BUDGET", "V", "RowwiseBackend", "RowwiseDesc", "emit_rowwise", "lower_colsum", "lower_rowwise"]
+__all__ = ["MAX_CLUSTER", "SMEM_BUDGET", "V", "RowwiseBackend", "RowwiseDesc", "emit_rowwise", "lower_colsum",
+           "lower_rowwise"]

@@ -85,6 +85,7 @@ def lower_colsum(ir: KernelIR, arch: str) -> LoweredPlan:
     text, args, scalars = number_placeholders("\n".join("  " + line for line in body), names, gen.scalars)
     desc = RowwiseDesc(name=f"k_{plan.id.rsplit('_', 1)[-1]}", arch=arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dims), n_outer=1, vec_checks=(), cache_bytes=0, n_passes=1,
-                       n_slots=len(sums), arg_bytes=tuple(_ITEMSIZE[gen.s.buffers[names.back()[a]].dtype] for a in args),
+                       n_slots=len(sums),
+                       arg_bytes=tuple(_ITEMSIZE[gen.s.buffers[names.back()[a]].dtype] for a in args),
                        slots=slots, kind="colsum")
     return LoweredPlan(ir, arch, "rowwise", desc, names.back(), tuple(gen.dims), dict(gen.scalars))

@@ -520,7 +520,8 @@ def _partials_head(gen: _RowGen, partials: list) -> list[str]:
            "const long long cofs_ = p.cache ? ce0_ : -slot_ * Nc_;     // accumulator index of column e: e - cofs_",
            f"float* const cacc_ = reinterpret_cast<float*>(kspec_smem + (size_t)TY * p.cap * {cached});"]
     for j, t in enumerate(_partial_args(gen, partials)):
-        out.append(f"float* const ca{j}_ = p.cache ? cacc_ + ((long long){j} * TY + ty) * p.cap : (float*)p.ptr[{{{t}}}];")
+        out.append(f"float* const ca{j}_ = p.cache ? cacc_ + ((long long){j} * TY + ty) * p.cap "
+                   f": (float*)p.ptr[{{{t}}}];")
     out.append("for (long long e = ce0_ + tx; e < ce1_; e += TX) {")
     out.extend(f"  ca{j}_[e - cofs_] = 0.0f;" for j in range(len(partials)))
     out.append("}")
