@@ -7,8 +7,10 @@ and r, and grows the group over connected operators whose values live in that sp
 values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes within O, e.g.
 `rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers that pick
 one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
-rowwise.py): the row's inputs are read once, every intermediate stays on chip, and only the
+rowwise/): the row's inputs are read once, every intermediate stays on chip, and only the
 group's results are written, so the cost model's bytes are each input once plus each output once.
+Sums over the rows of the group's values (a norm backward's dγ/dβ) become column partials of the
+row kernel and one finishing "colsum" kernel (`fuse_column_partials`, below).
 
 Guards (each rejection is noted in `FusionResult.notes`):
   - every label has one extent throughout the group;
