@@ -1008,7 +1008,7 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     fuse_epilogues(g, res, ctx)
     from .rowwise import fuse_column_partials, fuse_rowwise
     fuse_rowwise(g, res)                   # row reductions, softmax, norms: one kernel per row chain
-    fuse_column_partials(g, res)           # sums over the rows: partials in the row kernel, one finishing kernel
+    fuse_column_partials(g, res, ctx)      # sums over the rows: partials in the row kernel, one finishing kernel
     fuse_elementwise(g, res)
     for n in nx.topological_sort(g):
         o = op(g, n)

@@ -287,12 +287,13 @@ def _column_candidate(g: nx.DiGraph, res: FusionResult, grower: _Grower, group: 
     return added
 
 
-def fuse_column_partials(g: nx.DiGraph, res: FusionResult) -> None:
+def fuse_column_partials(g: nx.DiGraph, res: FusionResult, ctx=None) -> None:
     """Give each row group the column reductions over its rows (see COLUMN_SLOTS): rewrite every
     such `c[n] = sum(m) X[m, n] (* Y[m, n])` into a partial node `cp[slot, n]` in the row group and
     `c[n] = sum(slot) cp[slot, n]`, then group the row group's column results, with the ungrouped
-    maps over the columns that follow them, into one finishing kernel (kind "colsum")."""
-    from .graph import OpNode
+    maps over the columns that follow them, into one finishing kernel (kind "colsum").  ctx
+    (fusion.FusionContext): with an oracle, a row group whose kernels no backend would build with
+    the partials keeps its sums over the rows as separate kernels (the rewrite is undone)."""
     labels_used = {a for n in g.nodes for a in (*op(g, n).axes, *op(g, n).reduced)}
     slot = COLUMN_SLOT_LABEL
     while slot in labels_used:
@@ -301,33 +302,14 @@ def fuse_column_partials(g: nx.DiGraph, res: FusionResult) -> None:
     for grp in [x for x in res.groups if x.kind == "rowwise"]:
         info: RowInfo = grp.info
         grower = _Grower(g, res, info, order)
-        finished: list = []
+        rewrites: list = []
         for c in sorted(g.nodes, key=_node_order):
             added = _column_candidate(g, res, grower, grp.nodes, c)
-            if added is None:
-                continue
-            grp.nodes |= added
-            o = op(g, c)
-            # what earlier passes said about c no longer holds: it runs in these two kernels
-            stale = (f"{o.kind} {c}: ", f"{o.label()} not fused into the row kernel at ")
-            res.notes[:] = [x for x in res.notes if not x.startswith(stale)]
-            cp = f"n{max(_node_order(x) for x in g.nodes) + 1}"
-            # the slots split the kernel's rows, numbered over the outer labels in row order
-            g.add_node(cp, op=OpNode("partial", "f32", (slot, info.axis), (COLUMN_SLOTS, info.extent(info.axis)),
-                                     fn="sum", reduced=info.outer, reduced_shape=tuple(map(info.extent, info.outer)),
-                                     span=o.span))
-            for u, labels in operands(g, c):
-                g.add_edge(u, cp, uses=tuple((pos, lb) for pos, lb in g.edges[u, c]["uses"]))
-            for u in list(g.predecessors(c)):
-                g.remove_edge(u, c)
-            g.add_edge(cp, c, uses=((0, (slot, info.axis)),))
-            g.nodes[c]["op"] = OpNode("reduction", o.dtype, o.axes, o.shape, fn="sum", name=o.name,
-                                      reduced=(slot,), reduced_shape=(COLUMN_SLOTS,), span=o.span)
-            grp.nodes.add(cp)
-            finished.append(c)
-        if not finished:
+            if added is not None:
+                rewrites.append(_split_column_sum(g, grp, c, added, slot))
+        if not rewrites:
             continue
-        fin = set(finished)
+        fin = {r[0] for r in rewrites}
         changed = True
         while changed:            # the maps over the columns that follow (casts to the output dtype)
             changed = False
@@ -340,4 +322,53 @@ def fuse_column_partials(g: nx.DiGraph, res: FusionResult) -> None:
                     fin.add(n)
                     changed = True
         ext = ((info.axis, info.extent(info.axis)), (slot, COLUMN_SLOTS))
-        res.groups.append(Group(f"g{len(res.groups)}", "colsum", fin, finished[0], RowInfo((info.axis,), slot, ext)))
+        colsum = Group(f"g{len(res.groups)}", "colsum", fin, rewrites[0][0], RowInfo((info.axis,), slot, ext))
+        why = _refused(g, ctx, grp) or _refused(g, ctx, colsum)
+        if why:
+            for r in reversed(rewrites):
+                _undo_split(g, grp, r)
+            res.notes.append(f"the sums over the rows of the row kernel at {grp.anchor} stay separate kernels: {why}")
+            continue
+        for c, old, *_ in rewrites:
+            # what earlier passes said about c no longer holds: it runs in these two kernels
+            stale = (f"{old.kind} {c}: ", f"{old.label()} not fused into the row kernel at ")
+            res.notes[:] = [x for x in res.notes if not x.startswith(stale)]
+        res.groups.append(colsum)
+
+
+def _split_column_sum(g: nx.DiGraph, grp: Group, c, added: set, slot: str) -> tuple:
+    """Rewrite column sum c into a partial node in row group grp and a sum over the slots; returns
+    what `_undo_split` needs: (c, its op, its operand edges, the partial node, the nodes added)."""
+    from .graph import OpNode
+    info: RowInfo = grp.info
+    o = op(g, c)
+    edges = {u: g.edges[u, c]["uses"] for u in g.predecessors(c)}
+    cp = f"n{max(_node_order(x) for x in g.nodes) + 1}"
+    # the slots split the kernel's rows, numbered over the outer labels in row order
+    g.add_node(cp, op=OpNode("partial", "f32", (slot, info.axis), (COLUMN_SLOTS, info.extent(info.axis)), fn="sum",
+                             reduced=info.outer, reduced_shape=tuple(map(info.extent, info.outer)), span=o.span))
+    for u, uses in edges.items():
+        g.add_edge(u, cp, uses=uses)
+        g.remove_edge(u, c)
+    g.add_edge(cp, c, uses=((0, (slot, info.axis)),))
+    g.nodes[c]["op"] = OpNode("reduction", o.dtype, o.axes, o.shape, fn="sum", name=o.name, reduced=(slot,),
+                              reduced_shape=(COLUMN_SLOTS,), span=o.span)
+    grp.nodes |= added | {cp}
+    return c, o, edges, cp, added
+
+
+def _undo_split(g: nx.DiGraph, grp: Group, rewrite: tuple) -> None:
+    c, o, edges, cp, added = rewrite
+    g.remove_node(cp)
+    for u, uses in edges.items():
+        g.add_edge(u, c, uses=uses)
+    g.nodes[c]["op"] = o
+    grp.nodes -= added | {cp}
+
+
+def _refused(g: nx.DiGraph, ctx, grp: Group) -> str | None:
+    """Why no backend would build this group as one kernel (None without an oracle to ask)."""
+    if ctx is None or ctx.oracle is None:
+        return None
+    from .ir_build import candidate_ir
+    return ctx.oracle.can_fuse(candidate_ir(g, grp, ctx.kernel, ctx.hints), ctx.archs)

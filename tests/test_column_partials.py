@@ -226,3 +226,23 @@ def test_norm_backward_artifact_launches_the_row_slots_then_the_column_sums(tmp_
     assert len(partials) == 2 and all(ptrs[a] == fptrs[a] for a in partials)
     assert abs(fptrs[partials[0]] - fptrs[partials[1]]) >= COLUMN_SLOTS * N * 4
     assert ptrs["dx"] == out["dx"].ptr and {fptrs["dgamma"], fptrs["dbeta"]} == {out["dgamma"].ptr, out["dbeta"].ptr}
+
+
+def test_row_group_a_backend_would_not_build_keeps_its_column_sums_apart():
+    """When the oracle says no backend builds the row kernel with the partials, the rewrite is
+    undone: the sums over the rows plan as before (the graph the schedule sees has no partial op),
+    and a note says why."""
+    from kspec.backends import registry
+    from kspec.compiler import plan_kernel
+
+    class Refusing(registry.Planner):
+        def can_fuse(self, ir, archs):
+            if any(o.kind == "partial" for o in ir.ops):
+                return "sm90a: refused for the test"
+            return super().can_fuse(ir, archs)
+    prog = load_spec(_bwd_text("layernorm"), is_text=True, file="layernorm_bwd.kspec")
+    sched = plan_kernel(prog.kernel("layernorm_bwd"), ARCHS, Refusing())
+    assert "colsum" not in [p.kind for p in sched.plans] and len(sched.plans) == 5
+    assert not any(op_kind == "partial" for op_kind in (d["op"].kind for _, d in sched.graph.nodes(data=True)))
+    assert any("stay separate kernels: sm90a: refused for the test" in n for n in sched.fusion.notes)
+    assert sum(p.kind in ("reduction", "contraction") for p in sched.plans) == 2
