@@ -27,7 +27,7 @@ from .schedule import Buffer, KernelSchedule
 
 DEFAULT_SIZE = 1024
 L2_RESIDENT_BYTES = 24 * 2 ** 20   # about half the L2 of an H100 (50 MB)
-TILED_KINDS = ("gemm", "attention", "rowwise")
+TILED_KINDS = ("gemm", "attention", "rowwise", "colsum")
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,8 @@ def _node_flops(g: nx.DiGraph, n, sizes) -> int:
         return 2 * _numel(o.shape, sizes) * _numel(o.reduced_shape, sizes)
     if o.kind == "reduction":
         return _numel(o.shape, sizes) * _numel(o.reduced_shape, sizes)
+    if o.kind == "partial":    # column partials [slot, n]: the slots split the rows, so each row once
+        return len(operands(g, n)) * _numel(o.shape[1:], sizes) * _numel(o.reduced_shape, sizes)
     if o.kind == "softmax":
         return 5 * _numel(o.shape, sizes)
     if o.kind == "elementwise":
@@ -228,6 +230,8 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             continue
         if o.kind == "broadcast" and not any(op(g, v).kind == "output" for v in g.successors(n)):
             continue            # a broadcast is read where it is needed, unless an output stores it
+        if any(op(g, u).kind == "partial" for u in g.predecessors(n)):
+            continue            # column partials: the sum over the rows, counted at its partial node
         uflops += _node_flops(g, n, sizes)
         if is_recomputed(g, n, memo):
             continue            # index arithmetic and conditions are computed by the kernel that reads them
@@ -238,5 +242,6 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             if src.kind in ("param", "const") or (not src.axes and src.kind != "reduction"):
                 continue
             ubytes += tensor_bytes(src.dtype, _numel(src.shape, sizes))
-        ubytes += tensor_bytes(o.dtype, _numel(o.shape, sizes))
+        # (a column partial stands for the sum over the rows it was made from: an [n] result)
+        ubytes += tensor_bytes(o.dtype, _numel(o.shape[1:] if o.kind == "partial" else o.shape, sizes))
     return CostReport(sizes, tuple(plans), n_kernels, ubytes, uflops, minimum)

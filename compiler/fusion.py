@@ -1006,8 +1006,9 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     fuse_attention(g, res, ctx)
     note_attention_backward(g, res)
     fuse_epilogues(g, res, ctx)
-    from .rowwise import fuse_rowwise      # row reductions, softmax, norms: one kernel per row chain
-    fuse_rowwise(g, res)
+    from .rowwise import fuse_column_partials, fuse_rowwise
+    fuse_rowwise(g, res)                   # row reductions, softmax, norms: one kernel per row chain
+    fuse_column_partials(g, res, ctx)      # sums over the rows: partials in the row kernel, one finishing kernel
     fuse_elementwise(g, res)
     for n in nx.topological_sort(g):
         o = op(g, n)

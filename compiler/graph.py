@@ -63,7 +63,7 @@ class OpNode:
             return f"index {self.fn}{ax} : {self.dtype}"
         if self.kind == "size":
             return f"size {self.fn} : {self.dtype}"
-        if self.kind in ("contraction", "reduction"):
+        if self.kind in ("contraction", "reduction", "partial"):
             return f"{self.kind} {self.fn}({', '.join(self.reduced)}){ax} : {self.dtype}"
         if self.kind == "gather":
             return f"gather [{', '.join(self.subscripts)}]{ax} : {self.dtype}"

@@ -13,7 +13,7 @@ from .graph import op
 @dataclass
 class Group:
     id: str
-    kind: str                          # gemm | attention | elementwise | reduction | softmax | contraction
+    kind: str                          # one of compiler/kir.py KINDS (gemm, attention, rowwise, colsum, ..)
     nodes: set
     anchor: object = None              # the GEMM contraction / attention's first contraction
     info: object = None                # GemmInfo / AttentionInfo

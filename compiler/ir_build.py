@@ -82,7 +82,7 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
         attention = _attention(g, group, buffer_of, stores, bufs, ident)
     anchor = group.anchor if group.anchor is not None else order[-1]
     row = None
-    if group.kind == "rowwise":
+    if group.kind in ("rowwise", "colsum"):
         info = group.info
         row = RowStructure(tuple(info.outer), info.axis, tuple(info.extents))
     return KernelIR(plan_id, group.kind, spec_kernel, tuple(bufs.values()), tuple(ops),

@@ -27,9 +27,9 @@ from kspec.core import DTYPES, INT_DTYPES, KspecInternalError, Span, format_exte
 Extent = Union[str, int]                 # a size symbol or an int literal
 BatchExtent = Union[Extent, tuple]        # a flattened batch: the product of several extents
 
-KINDS = ("gemm", "attention", "rowwise", "elementwise", "reduction", "softmax", "contraction")
+KINDS = ("gemm", "attention", "rowwise", "elementwise", "reduction", "softmax", "contraction", "colsum")
 OP_KINDS = ("input", "param", "const", "index", "size", "contraction", "elementwise", "broadcast", "reduction",
-            "softmax", "cast", "gather")
+            "softmax", "cast", "gather", "partial")
 # "index": the integer value of its one axis label (fn = the label); "size": the runtime value of a
 # size symbol (fn = the symbol).  Conditions (comparisons, and/or/not) have dtype "bool", a value
 # that only lives inside a kernel (no buffer holds one).
@@ -254,7 +254,7 @@ class IROp:
             return f"const {self.value}"
         if self.kind in ("index", "size"):
             return f"{self.kind} {self.fn}{ax} : {self.dtype}"
-        if self.kind in ("contraction", "reduction"):
+        if self.kind in ("contraction", "reduction", "partial"):
             return f"{self.kind} {self.fn}({', '.join(self.reduced)}){ax} : {self.dtype}"
         if self.kind == "softmax":
             c = f", causal={self.causal}" if self.causal else ""
@@ -390,7 +390,9 @@ class AttentionStructure:
 
 @dataclass(frozen=True)
 class RowStructure:
-    """A row-wise kernel: one row per combination of the `outer` labels, reduced along `axis`."""
+    """A row-wise kernel: one row per combination of the `outer` labels, reduced along `axis`.  A
+    column-partials finishing kernel ("colsum"): one row per column (`outer` the row kernel's row
+    axis), reduced along the slot axis of the partials it sums."""
     outer: tuple[str, ...]
     axis: str
     extents: tuple[tuple[str, Extent], ...]       # label -> extent (symbol or literal)
@@ -590,7 +592,7 @@ def verify(ir: KernelIR) -> KernelIR:
             placeholders = o.kind == "gather" and u == o.args[0][0]
             if o.kind != "broadcast" and not placeholders and not set(labels) <= scope:
                 bad(f"op {o.id} reads {u} under labels {labels} outside its iteration space")
-        if o.kind in ("contraction", "reduction") and len(o.reduced) != len(o.reduced_shape):
+        if o.kind in ("contraction", "reduction", "partial") and len(o.reduced) != len(o.reduced_shape):
             bad(f"op {o.id}: reduced labels and extents differ in length")
         seen[o.id] = o
     if not ir.stores:
@@ -685,7 +687,7 @@ def verify(ir: KernelIR) -> KernelIR:
                 bad(f"key lengths {a.kv_len} are not an integer vector over the batch")
             if key_length_bound(a.mask, a.key, a.batch) != a.kv_len:
                 bad(f"the mask does not bound the keys by {a.kv_len}[{a.batch[0]}]")
-    if (ir.kind == "rowwise") != (ir.row is not None):
+    if (ir.kind in ("rowwise", "colsum")) != (ir.row is not None):
         bad("the row structure does not match the kind")
     if ir.anchor is not None and ir.anchor not in seen:
         bad(f"anchor {ir.anchor} is not an op")

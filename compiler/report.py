@@ -67,6 +67,19 @@ def _group_desc(sched: KernelSchedule, plan) -> list[str]:
         out.append(f"      row kernel: rows over [{', '.join(info.outer)}], reduced along {info.axis} "
                    f"({n_red} row reduction{'s' if n_red != 1 else ''}, {kinds.count('gather')} gather"
                    f"{'s' if kinds.count('gather') != 1 else ''}); intermediates stay on chip")
+        n_part = kinds.count("partial")
+        if n_part:
+            slots = next(op(g, n).shape[0] for n in plan.group.nodes if op(g, n).kind == "partial")
+            out.append(f"      column partials: {n_part} sum{'s' if n_part != 1 else ''} over "
+                       f"[{', '.join(info.outer)}] "
+                       f"accumulated per column by up to {slots} row slots (grid-stride over the rows) into "
+                       f"[{slots}, {info.axis}] f32 partials")
+        out.append("      ops: " + "; ".join(op(g, n).label() for n in sorted(plan.group.nodes, key=_order)
+                                            if op(g, n).kind != "const"))
+    elif plan.kind == "colsum":
+        n_sum = sum(op(g, n).kind == "reduction" for n in plan.group.nodes)
+        out.append(f"      column sums: {n_sum} result{'s' if n_sum != 1 else ''} over [{info.outer[0]}], each the sum "
+                   f"of its {info.extent(info.axis)} partial rows, then the maps that follow")
         out.append("      ops: " + "; ".join(op(g, n).label() for n in sorted(plan.group.nodes, key=_order)
                                             if op(g, n).kind != "const"))
     else:

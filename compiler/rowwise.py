@@ -7,8 +7,10 @@ and r, and grows the group over connected operators whose values live in that sp
 values (axes that include r, e.g. `x[m, n] - mu[m]`, `gamma[n]`), row values (axes within O, e.g.
 `rsqrt(var[m] + eps)`), further reductions and softmaxes over r, scalars, and gathers that pick
 one element per row (`logits[m, label[m]]`).  The group runs as one kernel (backends/
-rowwise.py): the row's inputs are read once, every intermediate stays on chip, and only the
+rowwise/): the row's inputs are read once, every intermediate stays on chip, and only the
 group's results are written, so the cost model's bytes are each input once plus each output once.
+Sums over the rows of the group's values (a norm backward's dγ/dβ) become column partials of the
+row kernel and one finishing "colsum" kernel (`fuse_column_partials`, below).
 
 Guards (each rejection is noted in `FusionResult.notes`):
   - every label has one extent throughout the group;
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .groups import CYCLE, FusionResult, Group, _node_order, legal_addition, same_point
+from .groups import CYCLE, FusionResult, Group, _node_order, legal_addition, legal_group, same_point
 from .graph import op, operands
 
 ROW_REDUCTIONS = ("sum", "max", "min", "mean", "logsumexp")
@@ -231,3 +233,142 @@ def fuse_rowwise(g: nx.DiGraph, res: FusionResult) -> None:
     for n in nx.topological_sort(g):
         if op(g, n).kind == "gather" and res.group_of(n) is None:
             res.groups.append(Group(f"g{len(res.groups)}", "elementwise", {n}, n))
+
+
+# Column partials.  A sum over the rows (`dgamma[n] = sum(m) dy[m, n] * xhat[m, n]`, the reduction
+# over the row kernel's *outer* axes) of values the row kernel computes or reads is accumulated by
+# the row kernel itself: it runs COLUMN_SLOTS row slots (slot s takes rows s, s + P, s + 2P, ..), a
+# thread keeps one f32 partial per column it owns, and each slot writes its partials as row s of an
+# f32 [P, n] intermediate.  One small kernel (kind "colsum") then sums the P partial rows of every
+# such column result and applies what follows it (the output casts): two kernels where the generic
+# plan wrote the [M, n] operand to memory and ran a column reduction and a cast per result.
+COLUMN_SLOTS = 256
+COLUMN_SLOT_LABEL = "slot"
+
+
+def _column_operand_ok(g: nx.DiGraph, grower: _Grower, group: set, u, labels) -> bool:
+    """A column reduction's operand the row kernel can supply: an element value of the group read at
+    its own point, or a floating-point tensor from memory with the row axis innermost."""
+    info = grower.info
+    if set(labels) != set(info.outer) | {info.axis}:
+        return False
+    uo = op(g, u)
+    if u in group:
+        return info.axis in uo.axes and same_point(g, u, labels)
+    return uo.kind == "input" and uo.dtype in FLOAT and _storage_last(g, u, tuple(labels)) == info.axis
+
+
+def _column_candidate(g: nx.DiGraph, res: FusionResult, grower: _Grower, group: set, c) -> set | None:
+    """The nodes to add to a row group so that it can accumulate column reduction c's partials (c
+    itself excluded; possibly none), or None when c is not such a reduction.  An ungrouped operand
+    cast or elementwise map of inputs (`f32(dy[m, n])`) joins the row group first."""
+    info = grower.info
+    o = op(g, c)
+    if res.group_of(c) is not None or o.kind not in ("reduction", "contraction") or o.fn != "sum":
+        return None
+    if sorted(o.reduced) != sorted(info.outer) or o.axes != (info.axis,) or o.dtype not in FLOAT:
+        return None
+    if not grower.consistent(c):
+        return None
+    added: set = set()
+    for u, labels in operands(g, c):
+        if _column_operand_ok(g, grower, group | added, u, labels):
+            continue
+        uo = op(g, u)
+        if res.group_of(u) is not None or uo.kind not in ("cast", "elementwise") or tuple(labels) != uo.axes:
+            return None
+        if grower.reject(u, group | added) is not None:
+            return None
+        if not all(x in group or op(g, x).kind in ("input", "param", "const") for x, _ in operands(g, u)):
+            return None
+        added.add(u)
+    if legal_group(g, group | added) is not None:
+        return None
+    return added
+
+
+def fuse_column_partials(g: nx.DiGraph, res: FusionResult, ctx=None) -> None:
+    """Give each row group the column reductions over its rows (see COLUMN_SLOTS): rewrite every
+    such `c[n] = sum(m) X[m, n] (* Y[m, n])` into a partial node `cp[slot, n]` in the row group and
+    `c[n] = sum(slot) cp[slot, n]`, then group the row group's column results, with the ungrouped
+    maps over the columns that follow them, into one finishing kernel (kind "colsum").  ctx
+    (fusion.FusionContext): with an oracle, a row group whose kernels no backend would build with
+    the partials keeps its sums over the rows as separate kernels (the rewrite is undone)."""
+    labels_used = {a for n in g.nodes for a in (*op(g, n).axes, *op(g, n).reduced)}
+    slot = COLUMN_SLOT_LABEL
+    while slot in labels_used:
+        slot += "_"
+    order = {x: i for i, x in enumerate(nx.topological_sort(g))}
+    for grp in [x for x in res.groups if x.kind == "rowwise"]:
+        info: RowInfo = grp.info
+        grower = _Grower(g, res, info, order)
+        rewrites: list = []
+        for c in sorted(g.nodes, key=_node_order):
+            added = _column_candidate(g, res, grower, grp.nodes, c)
+            if added is not None:
+                rewrites.append(_split_column_sum(g, grp, c, added, slot))
+        if not rewrites:
+            continue
+        fin = {r[0] for r in rewrites}
+        changed = True
+        while changed:            # the maps over the columns that follow (casts to the output dtype)
+            changed = False
+            for n in sorted({s for x in fin for s in g.successors(x)} - fin, key=_node_order):
+                so = op(g, n)
+                if res.group_of(n) is not None or so.kind not in ("cast", "elementwise") or so.axes != (info.axis,):
+                    continue
+                if all(u in fin or op(g, u).kind in ("param", "const") for u, _ in operands(g, n)) and \
+                        legal_group(g, fin | {n}) is None:
+                    fin.add(n)
+                    changed = True
+        ext = ((info.axis, info.extent(info.axis)), (slot, COLUMN_SLOTS))
+        colsum = Group(f"g{len(res.groups)}", "colsum", fin, rewrites[0][0], RowInfo((info.axis,), slot, ext))
+        why = _refused(g, ctx, grp) or _refused(g, ctx, colsum)
+        if why:
+            for r in reversed(rewrites):
+                _undo_split(g, grp, r)
+            res.notes.append(f"the sums over the rows of the row kernel at {grp.anchor} stay separate kernels: {why}")
+            continue
+        for c, old, *_ in rewrites:
+            # what earlier passes said about c no longer holds: it runs in these two kernels
+            stale = (f"{old.kind} {c}: ", f"{old.label()} not fused into the row kernel at ")
+            res.notes[:] = [x for x in res.notes if not x.startswith(stale)]
+        res.groups.append(colsum)
+
+
+def _split_column_sum(g: nx.DiGraph, grp: Group, c, added: set, slot: str) -> tuple:
+    """Rewrite column sum c into a partial node in row group grp and a sum over the slots; returns
+    what `_undo_split` needs: (c, its op, its operand edges, the partial node, the nodes added)."""
+    from .graph import OpNode
+    info: RowInfo = grp.info
+    o = op(g, c)
+    edges = {u: g.edges[u, c]["uses"] for u in g.predecessors(c)}
+    cp = f"n{max(_node_order(x) for x in g.nodes) + 1}"
+    # the slots split the kernel's rows, numbered over the outer labels in row order
+    g.add_node(cp, op=OpNode("partial", "f32", (slot, info.axis), (COLUMN_SLOTS, info.extent(info.axis)), fn="sum",
+                             reduced=info.outer, reduced_shape=tuple(map(info.extent, info.outer)), span=o.span))
+    for u, uses in edges.items():
+        g.add_edge(u, cp, uses=uses)
+        g.remove_edge(u, c)
+    g.add_edge(cp, c, uses=((0, (slot, info.axis)),))
+    g.nodes[c]["op"] = OpNode("reduction", o.dtype, o.axes, o.shape, fn="sum", name=o.name, reduced=(slot,),
+                              reduced_shape=(COLUMN_SLOTS,), span=o.span)
+    grp.nodes |= added | {cp}
+    return c, o, edges, cp, added
+
+
+def _undo_split(g: nx.DiGraph, grp: Group, rewrite: tuple) -> None:
+    c, o, edges, cp, added = rewrite
+    g.remove_node(cp)
+    for u, uses in edges.items():
+        g.add_edge(u, c, uses=uses)
+    g.nodes[c]["op"] = o
+    grp.nodes -= added | {cp}
+
+
+def _refused(g: nx.DiGraph, ctx, grp: Group) -> str | None:
+    """Why no backend would build this group as one kernel (None without an oracle to ask)."""
+    if ctx is None or ctx.oracle is None:
+        return None
+    from .ir_build import candidate_ir
+    return ctx.oracle.can_fuse(candidate_ir(g, grp, ctx.kernel, ctx.hints), ctx.archs)

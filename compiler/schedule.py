@@ -36,7 +36,7 @@ class Buffer:
 @dataclass
 class KernelPlan:
     id: str
-    kind: str                     # gemm | attention | elementwise | reduction | softmax | contraction
+    kind: str                     # one of compiler/kir.py KINDS (gemm, attention, rowwise, colsum, ..)
     group: Group
     reads: tuple[str, ...]        # buffer names
     writes: tuple[str, ...]

@@ -49,7 +49,7 @@ struct Cluster {
   std::unique_ptr<std::barrier<>> bar;
 };
 struct Thread {
-  kspec_dim3 tid, bid, bdim;
+  kspec_dim3 tid, bid, bdim, gdim;
   Cta* cta = nullptr;
   size_t bump = 0;
   int warp = 0, lane = 0;
@@ -66,6 +66,7 @@ inline void* alloc_static(size_t bytes) {
 #define threadIdx (kspec_emu::tls.tid)
 #define blockIdx (kspec_emu::tls.bid)
 #define blockDim (kspec_emu::tls.bdim)
+#define gridDim (kspec_emu::tls.gdim)
 
 inline void __syncthreads() { kspec_emu::tls.cta->bar->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int off) {

@@ -1,12 +1,15 @@
 // The CPU launcher of tests/rowwise_emu.h: included after a generated row kernel's source.
 #pragma once
+#ifndef KSPEC_EMU_SMS
+#define KSPEC_EMU_SMS 132     // the SM count the host glue is told (an H100 / H200)
+#endif
 
 extern "C" int kspec_emu_run(const int64_t* dims, void* const* ptrs, const double* scalars, int64_t* launch,
                              char* err, uint64_t err_cap) {
   alignas(16) unsigned char blob[sizeof(Params)];
   uint64_t psize = 0;
   uint32_t grid[3], block[3], cluster[3], smem = 0;
-  int rc = kspec_prepare(dims, ptrs, scalars, nullptr, 0, 132, blob, sizeof(blob), &psize, grid, block, cluster,
+  int rc = kspec_prepare(dims, ptrs, scalars, nullptr, 0, KSPEC_EMU_SMS, blob, sizeof(blob), &psize, grid, block, cluster,
                          &smem, err, err_cap);
   if (rc) return rc;
   Params p;
@@ -37,7 +40,7 @@ extern "C" int kspec_emu_run(const int64_t* dims, void* const* ptrs, const doubl
         for (unsigned x = 0; x < block[0]; ++x)
           threads.emplace_back([&, r, x, y] {
             auto& t = kspec_emu::tls;
-            t.tid = {x, y, 0}; t.bid = {c0 + r, 0, 0}; t.bdim = {block[0], block[1], 1};
+            t.tid = {x, y, 0}; t.bid = {c0 + r, 0, 0}; t.bdim = {block[0], block[1], 1}; t.gdim = {grid[0], 1, 1};
             t.cta = cl.ctas[r]; t.bump = 0;
             const unsigned linear = y * block[0] + x;
             t.warp = linear / 32; t.lane = linear % 32;

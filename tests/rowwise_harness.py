@@ -57,8 +57,9 @@ def available() -> str | None:
 
 class EmuKernel:
     def __init__(self, spec: str, arch: str = "sm90a", budget: int | None = None, is_text: bool = False,
-                 plan: int | None = None):
-        """plan: which planned kernel of the spec's one kernel to run (default: the only one)."""
+                 plan: int | None = None, sms: int | None = None):
+        """plan: which planned kernel of the spec's one kernel to run (default: the only one);
+        sms: the SM count the host glue is told (default 132)."""
         path = spec
         if is_text:
             path = Path(tempfile.mkdtemp(prefix="kspec-rowemu-spec-")) / "spec.kspec"
@@ -71,7 +72,7 @@ class EmuKernel:
         self.lowered, self.emitted = ep.lowered, ep.emitted
         self.desc = self.lowered.desc
         self.kernel = em.program.kernels[0]
-        defines = [f"-DKSPEC_SMEM_BUDGET={budget}"] if budget else []
+        defines = ([f"-DKSPEC_SMEM_BUDGET={budget}"] if budget else []) + ([f"-DKSPEC_EMU_SMS={sms}"] if sms else [])
         emu = (HERE / "rowwise_emu.h").read_text() + (HERE / "rowwise_emu_run.h").read_text()
         key = hashlib.sha256((self.emitted.source + " ".join(defines) + emu).encode()).hexdigest()[:24]
         if key not in _BUILT:

@@ -96,14 +96,15 @@ def test_row_softmax_backward_is_one_row_kernel():
 
 @pytest.mark.parametrize("stem", ["rmsnorm", "layernorm", "add_rmsnorm"])
 def test_norm_backward_is_a_row_kernel_plus_column_sums(stem):
-    """dX is one row kernel; dγ/dβ are sums over the rows (columns of [M, N]): column-reduction
-    kernels of the generic backend (32 columns per CTA, the rows split over CTAs), no fallback."""
+    """dX is one row kernel; dγ/dβ are sums over the rows (columns of [M, N]): the row kernel
+    accumulates their column partials and one colsum kernel finishes them (tests/test_column_partials.py)."""
     sched = _bwd(stem)
     rows = [p for p in sched.plans if p.kind == "rowwise"]
     assert len(rows) == 1 and "dx" in rows[0].writes
-    cols = [p for p in sched.plans if p.kind in ("reduction", "contraction")]
-    assert len(cols) == (2 if stem == "layernorm" else 1)
-    assert all({c.backend for c in p.choices.values()} == {"generic"} for p in cols)
+    cols = [p for p in sched.plans if p.kind == "colsum"]
+    assert len(cols) == 1 and len(sched.plans) == 2
+    assert sum(o.kind == "reduction" for o in cols[0].ir.ops) == (2 if stem == "layernorm" else 1)
+    assert all({c.backend for c in p.choices.values()} == {"rowwise"} for p in sched.plans)
     assert not any(c.fallback for p in sched.plans for c in p.choices.values())
 
 
@@ -180,7 +181,9 @@ def test_norm_backward_row_kernel_runs_on_the_cpu_emulator(stem):
           for t in fwd_k.inputs}
     fwd = kspec.reference(g, f"{stem}_fwd")(**xs)
     arrays = {**xs, **fwd, "dy": rng.standard_normal((M, N)).astype(storage_dtype("bf16"))}
-    scratch = {n: np.full((M, N), np.nan, np.float32) for n in kern.lowered.names.values() if n.startswith("tmp_")}
+    sizes = {"M": M, "N": N}
+    scratch = {b.name: np.full(tuple(d if isinstance(d, int) else sizes[d] for d in b.shape), np.nan, np.float32)
+               for b in kern.lowered.ir.buffers if b.role == "intermediate"}
     got, _ = kern(arrays, outputs=scratch)
     want = kspec.reference(g, f"{stem}_bwd")(**arrays)["dx"]
     np.testing.assert_allclose(got["dx"].astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
@@ -236,11 +239,24 @@ extern "C" int kspec_emu_run(const int64_t* dims, void* const* ptrs, const doubl
 """
 
 
+_COLUMN_SUMS = """
+kernel colsums {
+  in dy : bf16[M, N]
+  in xh : f32[M, N]
+  out dgamma : f32[N]
+  out dbeta : f32[N]
+  dgamma[n] = sum(m) f32(dy[m, n]) * xh[m, n]
+  dbeta[n] = sum(m) f32(dy[m, n])
+}
+"""
+
+
 def test_column_reductions_of_the_norm_backward_run_on_the_cpu(tmp_path):
-    """dβ = sum(m) dy (a reduction) and dγ = sum(m) dy·x̂ (a dot product over rows): the generic
-    backend's column kernels (32 columns and a share of the rows per CTA, the rows split over CTAs
-    whose partials are added atomically into a zeroed output), compiled with g++ against a threaded
-    CUDA emulation, equal numpy; they are no fallback, so --strict plans the norm backward."""
+    """dβ = sum(m) dy (a reduction) and dγ = sum(m) dy·x̂ (a dot product over rows) with no row
+    kernel to accumulate them (a norm backward's own run there: tests/test_column_partials.py): the
+    generic backend's column kernels (32 columns and a share of the rows per CTA, the rows split
+    over CTAs whose partials are added atomically into a zeroed output), compiled with g++ against a
+    threaded CUDA emulation, equal numpy; they are no fallback, so --strict plans them."""
     import ctypes
     import math
 
@@ -251,9 +267,9 @@ def test_column_reductions_of_the_norm_backward_run_on_the_cpu(tmp_path):
     from rowwise_harness import cuda_include
     if shutil.which("g++") is None or cuda_include() is None:
         pytest.skip("no g++ or CUDA headers")
-    path = tmp_path / "ln.kspec"
-    path.write_text(grad_program(load_spec(SPECS / "layernorm.kspec")))
-    em = emit_spec(path, ("sm90a",), "layernorm_bwd")
+    path = tmp_path / "colsums.kspec"
+    path.write_text(_COLUMN_SUMS)
+    em = emit_spec(path, ("sm90a",), "colsums", strict=True)
     cols = [eps[0] for eps in em.plans.values()
             if eps[0].lowered.backend == "generic" and eps[0].emitted.init]
     assert len(cols) == 2                                   # dβ's and dγ's column sums

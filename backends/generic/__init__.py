@@ -137,6 +137,8 @@ class GenericBackend(NvccBuilt):
             return f"the generic backend does not target {arch}"
         if ir.kind == "attention":
             return "fused attention has no loop-kernel form (the unfused plan is used instead)"
+        if ir.kind == "colsum" or any(o.kind == "partial" for o in ir.ops):
+            return "column partials (a row kernel's sums over its rows) are built by the row-kernel backend only"
         if ir.kind == "gemm" and ir.gemm.a_rows is not None:
             return "a GEMM with gathered A rows has no loop-kernel form (the gather runs as a kernel of its own instead)"
         if ir.kind == "gemm" and ir.gemm.scales:

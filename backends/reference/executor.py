@@ -109,6 +109,18 @@ def eval_node(g: nx.DiGraph, n, values: Mapping, sizes: Mapping[str, int],
         fn = {"sum": np.sum, "max": np.max, "min": np.min, "mean": np.mean, "logsumexp": _logsumexp}[o.fn]
         out = fn(x, axis=red)
         return to_storage(out, o.dtype)
+    if o.kind == "partial":
+        # column partials [slot, n] (compiler/rowwise.py): slot s sums the rows m with m % P == s of
+        # the product of the operands (rows numbered over the reduced labels in their order)
+        order = o.reduced + o.axes[1:]
+        x = np.ones((), np.float32)
+        for u, labels in ins:
+            x = x * _align(to_compute(values[u]), labels, order)
+        x = np.broadcast_to(x, tuple(extent_value(d, sizes) for d in o.reduced_shape + o.shape[1:]))
+        x = x.reshape(-1, *x.shape[len(o.reduced):])
+        slots = extent_value(o.shape[0], sizes)
+        x = np.concatenate([x, np.zeros(((-x.shape[0]) % slots, *x.shape[1:]), x.dtype)])
+        return to_storage(x.reshape(-1, slots, *x.shape[1:]).sum(axis=0), o.dtype)
     if o.kind == "softmax":
         (u, labels), = ins
         x = np.ascontiguousarray(_align(to_compute(values[u]), labels, o.axes))
