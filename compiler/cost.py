@@ -9,7 +9,9 @@ buffer of at most `L2_RESIDENT_BYTES` stays in L2 and is fetched from DRAM once,
 re-read.  Writes are counted once.
 
 Ideal bytes.  Per kernel: each buffer it touches read or written once.  Per spec (`minimum_bytes`):
-each spec input read once and each output written once, with no intermediate at all.
+each spec input the computation reads read once and each output written once, with no
+intermediate at all (an input nothing reads, such as a backward's copy of a forward output it
+recomputes instead, costs nothing).
 Unfused: one kernel per op, each reading its operands once (views and scalars free).
 """
 from __future__ import annotations
@@ -219,7 +221,11 @@ def cost(sched: KernelSchedule, sizes: dict | None = None, tiled=None) -> CostRe
             loop = _loop_reads(sched, p, sizes)
             rd = sum(max(loop.get(b, 0), _buffer_bytes(sched.buffers[b], sizes)) for b in p.reads)
             plans.append(PlanCost(p.id, p.kind, flops, rd, wr, ideal, False))
-    minimum = sum(_buffer_bytes(b, sizes) for b in sched.buffers.values() if b.kind in ("input", "output"))
+    offsets = {op(g, n).packed for n in g.nodes}          # a packed tensor's offsets are read by its kernels
+    unread = {op(g, n).name for n in g.nodes
+              if op(g, n).kind == "input" and not g.out_degree(n) and op(g, n).name not in offsets}
+    minimum = sum(_buffer_bytes(b, sizes) for b in sched.buffers.values()
+                  if b.kind == "output" or (b.kind == "input" and b.name not in unread))
     # unfused: every op (not a constant, a scalar-only expression or a broadcast no output stores) is
     # one kernel (a reduction to a scalar is one)
     n_kernels = ubytes = uflops = 0

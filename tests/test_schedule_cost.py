@@ -352,3 +352,16 @@ def test_loop_gemm_rereads_its_operands_per_output():
     # without a backend choice (planned with no oracle), GEMM plans count as tiled
     (p,) = cost(plan_kernel(k), {"M": M, "N": N, "K": K}).plans
     assert p.tiled and p.bytes == p.ideal_bytes
+
+
+def test_spec_minimum_leaves_out_inputs_nothing_reads():
+    """A derived backward takes the forward's outputs by name (layernorm_bwd's `y`) but recomputes
+    what it needs, and dβ needs no β: the spec minimum counts x, dy, mu, var, gamma read and dx,
+    dgamma, dbeta written, not y or beta."""
+    from kspec.compile import plan_spec
+    from kspec.spec_lang.grad import grad_program
+    prog = load_spec(grad_program(load_spec(SPECS / "layernorm.kspec")), is_text=True, file="ln_grad.kspec")
+    (sched,) = plan_spec(prog, ("sm90a",), "layernorm_bwd")
+    M, N = 8192, 4096
+    c = cost(sched, {"M": M, "N": N})
+    assert c.minimum_bytes == 3 * M * N * 2 + 2 * M * 4 + N * 2 + 2 * N * 2    # x, dy, dx; mu, var; gamma; dγ, dβ
