@@ -160,7 +160,7 @@ else
   grep -E "^(dense|paged|kspec|device|note)" "$WORK/bench_decode.log" | sed 's/^/  /' | tee -a "$SUMMARY"
   step bench_rope 45 $PY "$ROOT/bench/rope.py" --prebuilt "$PREBUILT" --no-compile --batches 1,8 --seqlens 4096 --reps 10
   grep -vE "^\s*$" "$WORK/bench_rope.log" | tail -n 12 | sed 's/^/  /' | tee -a "$SUMMARY"
-  step bench_grad 60 $PY "$ROOT/bench/grad.py" --gpu --prebuilt "$PREBUILT" --rows 8192 --cols 4096 --reps 10
+  step bench_grad 90 $PY "$ROOT/bench/grad.py" --gpu --prebuilt "$PREBUILT" --rows 8192 --cols 4096 --reps 10
   grep -E "kspec backward|failed|Error" "$WORK/bench_grad.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 fi
 

@@ -9,9 +9,10 @@ count, the loop-kernel fallbacks, and the cost model's DRAM bytes against the sp
 input read once, each output written once).  The GPU part compiles the row patterns' backward
 (LayerNorm, RMSNorm, cross-entropy) for the device and times it (CUDA events, an L2 flush before
 each call, median of --reps) against a device-to-device copy of the spec-minimum bytes and torch
-autograd's backward of the same forward.  The attention backward has no fused kernel yet (`kspec
-graph` says why), so there is nothing to hold against FlashAttention-4's backward.  Without torch or
-a CUDA device the GPU part says so and exits 0.  Nothing here asserts a speed.
+autograd's backward of the same forward; and the causal attention's backward (B=4, H=16, S=2048,
+d=64, bf16), in TFLOP/s against torch's SDPA backward (its flash kernel) and, where
+flash_attn.cute is importable, FlashAttention-4's own backward.  Without torch or a CUDA device the
+GPU part says so and exits 0.  Nothing here asserts a speed.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
 PATTERNS = ("gemm_bias_gelu_residual", "mlp2", "swiglu_mlp", "layernorm", "rmsnorm", "cross_entropy",
             "attention_causal", "attention_gqa")
-GPU_PATTERNS = ("layernorm", "rmsnorm", "cross_entropy")     # the ones timed on a GPU (`gpu`)
+GPU_PATTERNS = ("layernorm", "rmsnorm", "cross_entropy", "attention_causal")     # timed on a GPU (`gpu`)
+ATTN = {"B": 4, "H": 16, "S": 2048, "D": 64}     # the attention backward's problem on a GPU
 
 
 def _sizes(rows: int, cols: int) -> dict:
@@ -89,6 +91,11 @@ def gpu(rows: int, cols: int, reps: int, out: Path, prebuilt: Path | None = None
                           lambda a: F.cross_entropy(a["logits"].float(), a["label"].long(), reduction="none"),
                           "loss", dloss),
     }
+    B, H, S, D = ATTN["B"], ATTN["H"], ATTN["S"], ATTN["D"]
+    q, k, v, do = (torch.randn(B, H, S, D, **bf) for _ in range(4))
+    forwards["attention_causal"] = (
+        dict(Q=q, K=k, V=v), lambda a: F.scaled_dot_product_attention(a["Q"], a["K"], a["V"], is_causal=True,
+                                                                      scale=0.125), "O", do)
     assert tuple(forwards) == GPU_PATTERNS
     for stem, (ins, torch_fwd, out_name, grad_out) in forwards.items():
         if prebuilt is not None:        # bench/prebuild.py built `{stem}_grad` on a CPU machine
@@ -104,6 +111,9 @@ def gpu(rows: int, cols: int, reps: int, out: Path, prebuilt: Path | None = None
         args = {**ins, **saved, f"d{out_name}": grad_out}
         t = timer(lambda: bwd(**args))
         got = bwd(**args)
+        if stem.startswith("attention"):
+            _attention_line(torch, timer, stem, t, ins, torch_fwd, grad_out)
+            continue
         # the bytes it must move: the inputs some planned kernel reads, once, and the gradients, once
         from kspec.compile import plan_spec
         (sched,) = plan_spec(load_spec(spec), (arch,), f"{stem}_bwd")
@@ -120,6 +130,29 @@ def gpu(rows: int, cols: int, reps: int, out: Path, prebuilt: Path | None = None
         print(f"  {stem:<14} kspec backward {t:7.3f} ms, {nbytes / t / 1e6:7.1f} GB/s = {t_copy / t:5.1%} of copy; "
               f"x{t_torch / t:4.2f} vs torch autograd's backward")
     return 0
+
+
+def _attention_line(torch, timer, stem, t, ins, torch_fwd, grad_out) -> None:
+    """The attention backward's TFLOP/s (2.5x the causal forward's 2*B*H*S*S*D, as FlashAttention
+    counts it) against torch's SDPA backward and, where importable, FlashAttention-4's."""
+    B, H, S, D = ATTN["B"], ATTN["H"], ATTN["S"], ATTN["D"]
+    flops = 2.5 * 2 * B * H * S * S * D          # causal: half of 4*B*H*S*S*D, times 2.5 for the backward
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in ins.items()}
+    y = torch_fwd(leaves)
+    t_sdpa = timer(lambda: torch.autograd.grad(y, list(leaves.values()), grad_out, retain_graph=True))
+    line = (f"  {stem:<14} kspec backward {t:7.3f} ms, {flops / t / 1e9:6.1f} TFLOP/s; "
+            f"x{t_sdpa / t:4.2f} vs torch SDPA's backward ({flops / t_sdpa / 1e9:.1f} TFLOP/s)")
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:                       # not installed (the GPU machines here have no network)
+        print(line + f"; FlashAttention-4 not importable ({type(e).__name__})")
+        return
+    qkv = [x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in ins.values()]   # [B, S, H, D]
+    o = flash_attn_func(*qkv, softmax_scale=0.125, causal=True)
+    o = o[0] if isinstance(o, tuple) else o
+    g = grad_out.transpose(1, 2).contiguous()
+    t_fa4 = timer(lambda: torch.autograd.grad(o, qkv, g, retain_graph=True))
+    print(line + f"; x{t_fa4 / t:4.2f} vs FlashAttention-4's backward ({flops / t_fa4 / 1e9:.1f} TFLOP/s)")
 
 
 def main(argv=None) -> int:
