@@ -100,10 +100,190 @@ def _not_fused(res: FusionResult, g: nx.DiGraph, sm, why: str) -> None:
     res.unfused_attention.append((op(g, sm).span, why))
 
 
-def note_attention_backward(g: nx.DiGraph, res: FusionResult) -> None:
-    """An attention backward (what `kspec grad` derives: probabilities recomputed as exp(s - lse)
-    from a contraction's scores, multiplied into the dV contraction) has no fused kernel yet: it is
-    noted, with the reason, and refused by --strict like an unfused forward attention."""
+@dataclass(frozen=True)
+class AttentionBwdInfo:
+    """An attention backward as `kspec grad` derives it (what FlashAttention-4's backward computes):
+    P = exp(scale * Q K^T (masked) - LSE), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
+    dS = scale * P * (dP - D) (masked), dQ = dS K, dK = dS^T Q."""
+    q: object                          # the input nodes
+    k: object
+    v: object
+    o: object
+    do: object
+    lse: object
+    dq: object                         # the stored nodes (the cast or contraction an output stores)
+    dk: object
+    dv: object
+    batch: tuple[str, ...]             # (b, h)
+    query: str                         # i
+    key: str                           # j
+    head: str                          # e
+    causal: bool
+    scale: object                      # the param node (or None: no scale)
+    qk: object                         # the recomputed score contraction
+    p: object                          # the exp node
+
+
+def _strip(g, n, kinds=("broadcast",)):
+    while op(g, n).kind in kinds and len(operands(g, n)) == 1:
+        ((n, _),) = operands(g, n)
+    return n
+
+
+def _is_const(g, n, value) -> bool:
+    o = op(g, _strip(g, n))
+    return o.kind == "const" and o.value == value
+
+
+def _causal_cond(g, c, query: str, key: str) -> bool:
+    """c is (a broadcast of) `key <= query` over index values."""
+    c = _strip(g, c)
+    o = op(g, c)
+    if o.kind != "elementwise" or o.fn not in ("le", "ge"):
+        return False
+    (a, _), (b, _) = operands(g, c)
+    a, b = op(g, _strip(g, a)), op(g, _strip(g, b))
+    if a.kind != "index" or b.kind != "index":
+        return False
+    return (a.fn, b.fn) == ((key, query) if o.fn == "le" else (query, key))
+
+
+def _input(g, n):
+    n = _strip(g, n)
+    return n if op(g, n).kind == "input" else None
+
+
+def _single_output(g, n):
+    """The node an output stores: n or the one cast after it (its only consumer)."""
+    cs = list(g.successors(n))
+    if len(cs) == 1 and op(g, cs[0]).kind == "cast":
+        n, cs = cs[0], list(g.successors(cs[0]))
+    return n if len(cs) == 1 and op(g, cs[0]).kind == "output" else None
+
+
+def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
+    """The attention backward around the recomputed probabilities p = exp(s - lse): its info, or why
+    it is not the plain/causal backward FlashAttention-4 computes (a str)."""
+    ((u, _),) = operands(g, p)
+    (a, _), (m, _) = operands(g, u)
+    causal = False
+    ao = op(g, a)
+    if ao.kind == "elementwise" and ao.fn == "where":
+        (c, _), (s, _), (ninf, _) = operands(g, a)
+        if not _is_const(g, ninf, float("-inf")):
+            return "the scores are masked by something other than where(.., -inf)"
+        causal = True
+    else:
+        c, s = None, a
+    so = op(g, s)
+    scale = None
+    if so.kind == "elementwise" and so.fn == "mul":
+        (x, _), (y, _) = operands(g, s)
+        if op(g, x).kind == "contraction":
+            x, y = y, x
+        if op(g, x).kind != "param":
+            return "the scores are scaled by something other than one param"
+        scale, s = x, y
+        so = op(g, s)
+    if so.kind != "contraction" or len(so.reduced) != 1 or len(so.axes) != 4:
+        return "a score modification between QK^T and the softmax (FlashAttention-4's backward here takes none)"
+    *batch, query, key = so.axes
+    head = so.reduced[0]
+    (q, lq), (k, lk) = operands(g, s)
+    if key in lq:
+        (q, lq), (k, lk) = (k, lk), (q, lq)
+    if op(g, q).kind != "input" or op(g, k).kind != "input" or \
+            tuple(lq) != (*batch, query, head) or tuple(lk) != (*batch, key, head):
+        return "Q and K must be inputs [b, h, seq, head] (no GQA, no gather)"
+    if causal and not _causal_cond(g, c, query, key):
+        return "the mask is not causal (key <= query)"
+    # lse: an input, or where(lse == -inf, 0, lse)
+    mo = op(g, _strip(g, m))
+    lse = _input(g, m)
+    if lse is None and mo.kind == "elementwise" and mo.fn == "where":
+        (c2, _), (z, _), (l2, _) = operands(g, _strip(g, m))
+        lse = _input(g, l2)
+        if lse is None or not _is_const(g, z, 0.0) or op(g, _strip(g, c2)).fn != "eq":
+            lse = None
+    if lse is None or op(g, lse).dtype != "f32":
+        return "the log-sum-exp is not an f32 input"
+    # dV = sum(i) dO * cast(p); the other consumer: p * (dP - D)
+    users = list(g.successors(p))
+    casts = [x for x in users if op(g, x).kind == "cast"]
+    dv = dv_c = None
+    for x in [*users, *(t for cc in casts for t in g.successors(cc))]:
+        xo = op(g, x)
+        if xo.kind == "contraction" and xo.reduced == (query,):
+            dv_c = x
+    if dv_c is None:
+        return "no dV contraction of the probabilities"
+    do = next((w for w, _ in operands(g, dv_c) if op(g, w).kind == "input"), None)
+    if do is None:
+        return "dV's other operand is not an input dO"
+    dv = _single_output(g, dv_c)
+    muls = [x for x in users if op(g, x).kind == "elementwise" and op(g, x).fn == "mul"]
+    if len(muls) != 1 or len(users) != 1 + len(casts) or len(casts) > 1:
+        return "the probabilities have other uses than dV and the softmax backward"
+    (mul,) = muls
+    ((x1, _), (x2, _)) = operands(g, mul)
+    sub = x2 if x1 == p else x1
+    if op(g, sub).fn != "sub":
+        return "the softmax backward is not P * (dP - D)"
+    (dp, _), (dsum, _) = operands(g, sub)
+    dsum = _strip(g, dsum)
+    dpo, dso = op(g, dp), op(g, dsum)
+    dp_ops = [w for w, _ in operands(g, dp)]
+    v = next((w for w in dp_ops if w != do), None)
+    if dpo.kind != "contraction" or dpo.reduced != (head,) or do not in dp_ops or v is None or \
+            op(g, v).kind != "input":
+        return "dP is not dO V^T"
+    ds_ops = [w for w, _ in operands(g, dsum)]
+    o_in = next((w for w in ds_ops if w != do), None)
+    if dso.kind != "contraction" or dso.reduced != (head,) or do not in ds_ops or o_in is None or \
+            op(g, o_in).kind != "input":
+        return "D is not the row sum of dO * O (O an input)"
+    # mask (causal), scale, cast -> dS; dQ = dS K, dK = dS^T Q
+    n = mul
+    while True:
+        cs = list(g.successors(n))
+        if len(cs) != 1:
+            break
+        co = op(g, cs[0])
+        if co.kind == "elementwise" and co.fn == "where":
+            (c3, _), (x, _), (z, _) = operands(g, cs[0])
+            if x != n or not _is_const(g, z, 0.0) or not causal or not _causal_cond(g, c3, query, key):
+                return "dS is masked by something other than the causal mask"
+        elif co.kind == "elementwise" and co.fn == "mul":
+            others = [w for w, _ in operands(g, cs[0]) if w != n]
+            if others != [scale]:
+                return "dS is scaled by something other than the scores' scale"
+        elif co.kind != "cast":
+            break
+        n = cs[0]
+    ds_users = list(g.successors(n))
+    if len(ds_users) != 2 or not all(op(g, x).kind == "contraction" for x in ds_users):
+        return "dS does not feed exactly dQ and dK"
+    dq = dk = None
+    for x in ds_users:
+        other = next((w for w, _ in operands(g, x) if w != n), None)
+        if other == k and op(g, x).reduced == (key,):
+            dq = _single_output(g, x)
+        elif other == q and op(g, x).reduced == (query,):
+            dk = _single_output(g, x)
+    if None in (dq, dk, dv):
+        return "dQ, dK and dV must each be stored (as computed or cast) to an output"
+    for w in (q, k, v, o_in, do):
+        if op(g, w).dtype not in ("f16", "bf16") or op(g, w).dtype != op(g, q).dtype:
+            return "Q, K, V, O and dO must be one of f16/bf16"
+    return AttentionBwdInfo(q, k, v, o_in, do, lse, dq, dk, dv, tuple(batch), query, key, head, causal, scale, s, p)
+
+
+def fuse_attention_backward(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:
+    """An attention backward (what `kspec grad` derives: probabilities recomputed as exp(s - lse) from
+    a contraction's scores, multiplied into the dV contraction) becomes one `attention_bwd` group
+    when a backend implements it (FlashAttention-4's backward: preprocess, main, postprocess);
+    otherwise it is noted, with the reason, and refused by --strict like an unfused forward attention.
+    Without an oracle (the reference executor's view) it stays unfused."""
     for n in nx.topological_sort(g):
         o = op(g, n)
         if o.kind != "elementwise" or o.fn != "exp":
@@ -115,9 +295,33 @@ def note_attention_backward(g: nx.DiGraph, res: FusionResult) -> None:
         users += [t for s in users if op(g, s).kind == "cast" for t in g.successors(s)]
         if not any(op(g, s).kind == "contraction" for s in users):
             continue
-        _not_fused(res, g, n, "it is an attention backward (probabilities recomputed as exp(s - lse) feed the dV "
-                   "contraction); kspec has no fused attention-backward kernel yet (FlashAttention-4's backward "
-                   "kernels are not wired in), so the scores and probabilities go through memory")
+        base = ("it is an attention backward (probabilities recomputed as exp(s - lse) feed the dV "
+                "contraction); ")
+        info = match_attention_backward(g, n)
+        if isinstance(info, str):
+            _not_fused(res, g, n, base + f"not FlashAttention-4's backward ({info}), so the scores and "
+                       "probabilities go through memory")
+            return
+        ins = {info.q, info.k, info.v, info.o, info.do, info.lse}
+        nodes = set()
+        for out in (info.dq, info.dk, info.dv):
+            nodes |= {out} | {a for a in nx.ancestors(g, out)
+                              if a not in ins and op(g, a).kind not in ("input", "param", "const", "index", "size")}
+        inside_ok = all(s in nodes or op(g, s).kind == "output" for x in nodes for s in g.successors(x))
+        if not inside_ok or legal_group(g, nodes) or any(res.group_of(x) for x in nodes):
+            _not_fused(res, g, n, base + "its intermediates are used elsewhere, so the scores and probabilities "
+                       "go through memory")
+            return
+        group = Group(f"g{len(res.groups)}", "attention_bwd", nodes, info.qk, info)
+        why = "no backend was asked (structural planning)"
+        if ctx.oracle is not None:
+            from .ir_build import candidate_ir
+            why = ctx.oracle.can_fuse(candidate_ir(g, group, ctx.kernel, ctx.hints), ctx.archs)
+        if why:
+            _not_fused(res, g, n, base + f"no backend implements it as one kernel ({why}), so the scores and "
+                       "probabilities go through memory")
+            return
+        res.groups.append(group)
         return
 
 
@@ -1004,7 +1208,7 @@ def fuse(g: nx.DiGraph, ctx: FusionContext | None = None) -> FusionResult:
     ctx = ctx or FusionContext()
     res = FusionResult([])
     fuse_attention(g, res, ctx)
-    note_attention_backward(g, res)
+    fuse_attention_backward(g, res, ctx)
     fuse_epilogues(g, res, ctx)
     from .rowwise import fuse_column_partials, fuse_rowwise
     fuse_rowwise(g, res)                   # row reductions, softmax, norms: one kernel per row chain

@@ -15,7 +15,7 @@ from kspec.core import KspecError, KspecInternalError, packed_rows_symbol
 from .attention import attention_scale, is_top_left_causal, lift_mods, output_scale, score_path
 from .canon import GemmInfo
 from .graph import op, operands
-from .kir import (Accum, ArchHint, AttentionStructure, Const, EpiExpr, Epilogue, GemmStructure, IRBuffer, IROp,
+from .kir import (Accum, ArchHint, AttentionBwdStructure, AttentionStructure, Const, EpiExpr, Epilogue, GemmStructure, IRBuffer, IROp,
                   key_length_bound,
                   KernelIR, Load, Op, ReductionStore, RowStructure, Store)
 
@@ -74,12 +74,14 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
     for b in list(bufs.values()):
         if b.packed is not None:          # a packed buffer's offsets travel with it
             use_buffer(b.packed)
-    gemm = epilogue = attention = None
+    gemm = epilogue = attention = attention_bwd = None
     ops.sort(key=lambda o: _order(o.id))
     if group.kind == "gemm":
         gemm, epilogue = _gemm(g, group, buffer_of, stores, bufs, use_buffer, ident)
     elif group.kind == "attention":
         attention = _attention(g, group, buffer_of, stores, bufs, ident)
+    elif group.kind == "attention_bwd":
+        attention_bwd = _attention_bwd(g, group, buffer_of, stores)
     anchor = group.anchor if group.anchor is not None else order[-1]
     row = None
     if group.kind in ("rowwise", "colsum"):
@@ -87,7 +89,7 @@ def build_ir(plan_id: str, spec_kernel: str, g: nx.DiGraph, group, buffer_of: Ca
         row = RowStructure(tuple(info.outer), info.axis, tuple(info.extents))
     return KernelIR(plan_id, group.kind, spec_kernel, tuple(bufs.values()), tuple(ops),
                     tuple((ident(n), b, _store_labels(g, n, b)) for n, b in stores), gemm, epilogue, attention, hints,
-                    row, ident(anchor), op(g, anchor).span)
+                    row, ident(anchor), op(g, anchor).span, attention_bwd)
 
 
 def _canonical_ids(g: nx.DiGraph, nodes: set, stores, sig: list) -> Callable[[object], str]:
@@ -307,6 +309,24 @@ def _attention(g, group, buffer_of, stores, bufs, ident=str) -> AttentionStructu
         orders=tuple(info.orders),
         lse=next((b for n, b in stores if n == info.lse), None) if info.lse is not None else None,
         o_scale=o_scale)
+
+
+def _attention_bwd(g, group, buffer_of, stores) -> AttentionBwdStructure:
+    """The FlashAttention-4 view of a matched attention backward (compiler.fusion.AttentionBwdInfo)."""
+    info = group.info
+    qk = info.qk
+    stored = dict(stores)
+    batch = [_extent(g, qk, l) for l in info.batch]
+    bdim, hdim = ([1, 1] + batch)[-2:]
+    e = _label_extent(g, qk, info.q, info.head)
+    return AttentionBwdStructure(
+        q_buffer=buffer_of(info.q), k_buffer=buffer_of(info.k), v_buffer=buffer_of(info.v), o_buffer=buffer_of(info.o),
+        do_buffer=buffer_of(info.do), lse_buffer=buffer_of(info.lse), dq_buffer=stored[info.dq],
+        dk_buffer=stored[info.dk], dv_buffer=stored[info.dv], dtype=op(g, info.q).dtype,
+        out_dtypes=tuple(op(g, n).dtype for n in (info.dq, info.dk, info.dv)), batch=tuple(info.batch),
+        query=info.query, key=info.key, head=info.head, causal=bool(info.causal),
+        scale=op(g, info.scale).name if info.scale is not None else None, head_dim=e,
+        dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)), ("E", e)))
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:

@@ -27,7 +27,8 @@ from kspec.core import DTYPES, INT_DTYPES, KspecInternalError, Span, format_exte
 Extent = Union[str, int]                 # a size symbol or an int literal
 BatchExtent = Union[Extent, tuple]        # a flattened batch: the product of several extents
 
-KINDS = ("gemm", "attention", "rowwise", "elementwise", "reduction", "softmax", "contraction", "colsum")
+KINDS = ("gemm", "attention", "attention_bwd", "rowwise", "elementwise", "reduction", "softmax", "contraction",
+         "colsum")
 OP_KINDS = ("input", "param", "const", "index", "size", "contraction", "elementwise", "broadcast", "reduction",
             "softmax", "cast", "gather", "partial")
 # "index": the integer value of its one axis label (fn = the label); "size": the runtime value of a
@@ -389,6 +390,33 @@ class AttentionStructure:
 
 
 @dataclass(frozen=True)
+class AttentionBwdStructure:
+    """The backward of a plain or causal attention (what `kspec grad` derives; FlashAttention-4's
+    backward): P = exp(scale * Q K^T (causally masked) - LSE), dV = P^T dO, dP = dO V^T,
+    D = rowsum(dO * O), dS = scale * P * (dP - D), dQ = dS K, dK = dS^T Q.  Every tensor is
+    [batch.., seq, head] in canonical order ([b, h, s, e]); LSE is f32 [b, h, i]."""
+    q_buffer: str
+    k_buffer: str
+    v_buffer: str
+    o_buffer: str
+    do_buffer: str
+    lse_buffer: str
+    dq_buffer: str
+    dk_buffer: str
+    dv_buffer: str
+    dtype: str                                     # of Q, K, V, O, dO (f16 | bf16)
+    out_dtypes: tuple[str, str, str]               # of dQ, dK, dV
+    batch: tuple[str, ...]
+    query: str
+    key: str
+    head: str
+    causal: bool
+    scale: str | None                              # a param name, or None (scale 1)
+    head_dim: Extent | None
+    dims: tuple[tuple[str, Extent], ...]           # ("B", ..), ("H", ..), ("S", ..), ("T", ..), ("E", ..)
+
+
+@dataclass(frozen=True)
 class RowStructure:
     """A row-wise kernel: one row per combination of the `outer` labels, reduced along `axis`.  A
     column-partials finishing kernel ("colsum"): one row per column (`outer` the row kernel's row
@@ -435,6 +463,7 @@ class KernelIR:
     row: RowStructure | None = None
     anchor: str | None = None                      # the op the kernel is organised around
     span: Span | None = field(default=None, compare=False, repr=False)
+    attention_bwd: AttentionBwdStructure | None = None
 
     # -- lookups ---------------------------------------------------------------------------------
     def op(self, op_id: str) -> IROp:

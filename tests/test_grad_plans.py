@@ -337,3 +337,58 @@ def test_attention_forward_saves_its_lse_from_the_fused_kernel(stem):
     (fwd,) = plan_spec(g, ARCHS, f"{stem}_fwd", strict=True)
     (p,) = fwd.plans
     assert p.kind == "attention" and p.ir.attention.lse == "p_lse"
+
+
+class _AcceptBackward:
+    """An oracle wrapping the real planner that implements attention_bwd kernels (records the IR)."""
+
+    def __init__(self):
+        from kspec.backends.registry import Planner
+        self.inner, self.seen = Planner(), []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def can_fuse(self, ir, archs):
+        if ir.kind == "attention_bwd":
+            self.seen.append(ir)
+            return None
+        return self.inner.can_fuse(ir, archs)
+
+
+def _bwd_graph(stem: str):
+    from kspec.compiler import build_graph, canonicalize
+    prog = load_spec(grad_program(load_spec(SPECS / f"{stem}.kspec")), is_text=True, file=f"{stem}_grad.kspec")
+    (k,) = [k for k in prog.kernels if k.name == f"{stem}_bwd"]
+    g = build_graph(k)
+    canonicalize(g)
+    return g
+
+
+@pytest.mark.parametrize("stem, causal, d", [("attention_causal", True, 64), ("attention", False, 128)])
+def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implements_it(stem, causal, d):
+    """The whole backward (S, P, dP, D, dS, dQ, dK, dV) is one group of kind attention_bwd when the
+    oracle says a backend implements it; its IR names FlashAttention-4's operands."""
+    from kspec.compiler import FusionContext, fuse
+    g = _bwd_graph(stem)
+    oracle = _AcceptBackward()
+    res = fuse(g, FusionContext(oracle, ARCHS, f"{stem}_bwd"))
+    kinds = [grp.kind for grp in res.groups]
+    assert kinds == ["attention_bwd"], kinds
+    (ir,) = oracle.seen
+    a = ir.attention_bwd
+    assert (a.q_buffer, a.k_buffer, a.v_buffer, a.o_buffer, a.do_buffer) == ("Q", "K", "V", "O", "dO")
+    assert a.lse_buffer.endswith("lse") and (a.dq_buffer, a.dk_buffer, a.dv_buffer) == ("dQ", "dK", "dV")
+    assert a.causal is causal and a.scale == "scale" and a.head_dim == d and a.dtype in ("f16", "bf16")
+    assert {b for _, b, _ in ir.stores} == {"dQ", "dK", "dV"}
+    from kspec.backends.cute import attention_bwd
+    assert attention_bwd.covered(ir, "sm90a") is None and attention_bwd.covered(ir, "sm100a") is None
+
+
+@pytest.mark.parametrize("stem, why", [
+    ("attention_causal", "not wired into kspec's CuTe DSL build yet"),
+    ("attention_alibi", "a score modification"),
+    ("attention_gqa", "no GQA")])
+def test_attention_backward_unfused_reason_names_what_is_missing(stem, why):
+    sched = _bwd(stem, strict=False)
+    assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes

@@ -27,7 +27,7 @@ class CuteDesc:
 class CuteBackend:
     name = "cute"
     capabilities = Capabilities(
-        archs=ARCHS, kinds=("gemm", "attention"), packed=True,
+        archs=ARCHS, kinds=("gemm", "attention", "attention_bwd"), packed=True,
         attention=(("sm90a", "FlashAttention-4: f16/bf16, head dims 8..256; causal (either alignment), sliding "
                     "window, score_mod/mask_mod, GQA/MQA, LSE, paged KV, packed (cu_seqlens) batches"),
                    ("sm100a", "FlashAttention-4: f16/bf16, head dims 8..128, (192,128), (256,256); causal, "
@@ -56,6 +56,9 @@ class CuteBackend:
             from . import attention, compat
             # what FlashAttention-4 cannot do first: installing it would not help there
             return attention.unsupported(ir, arch) or compat.fa4_available()
+        if ir.kind == "attention_bwd":
+            from . import attention_bwd
+            return attention_bwd.unsupported(ir, arch)
         if ir.kind != "gemm":
             return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
         packed = [b for b in ir.buffers if b.packed]
