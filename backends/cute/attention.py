@@ -1200,42 +1200,22 @@ def _checks(desc: AttnDesc) -> list[str]:
 
 
 def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
-    import cutlass.cute as cute
-
-    from .build import PARAMS_CAP, check_header, link_host, param_layout
-    dump = work / "dump"
+    from .build import check_header, compile_export, link_host
     mod.FA = fa
-    opts = compat.compile_options(desc.arch, dump)
     ptxas = getattr(fa, "ptxas_options", "")
-    if ptxas:
-        opts += f" --ptxas-options '{ptxas}'"
-    t0 = time.monotonic()
     try:
         with _sm_count_reads() as reads:
-            fn = cute.compile(mod.kspec_entry, *_fake_args(desc), compat.fake_stream(), options=opts)
-    except Exception as e:
-        raise KspecInternalError(f"the CuTe DSL failed to compile FlashAttention-4 kernel {desc.name} for "
-                                 f"{desc.arch}: {type(e).__name__}: {str(e)[:2000]}") from e
+            entry, offs, sizes, _ptx, seconds = compile_export(
+                work, mod.kspec_entry, _fake_args(desc), desc.arch, f"FlashAttention-4 kernel {desc.name}",
+                f" --ptxas-options '{ptxas}'" if ptxas else "")
     finally:
         mod.FA = None
-    fn.export_to_c(file_path=str(work), file_name="kernel", function_prefix="kspec_k")
-    seconds = time.monotonic() - t0
-    cubins, ptxs = sorted(dump.glob("*.cubin")), sorted(dump.glob("*.ptx"))
-    if len(cubins) != 1 or len(ptxs) != 1:
-        raise KspecInternalError(f"expected one cubin and one PTX from the CuTe DSL, got {len(cubins)}/{len(ptxs)}")
-    shutil.copyfile(cubins[0], work / "kernel.cubin")
-    ptx = ptxs[0].read_text()
-    shutil.rmtree(dump)
-    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
-    if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
-        raise KspecInternalError(f"FlashAttention-4 kernel parameters take {offs[-1] + sizes[-1]} bytes")
     tensors = [_GlueTensor(n, i, tuple(shape), tuple(strides)) for n, i, _d, shape, strides in _tensors(desc)]
     cparams = [f"{'float' if t == 'Float32' else 'int32_t'} {n}" for n, t in _values(desc)]
     ciface = check_header((work / "kernel.h").read_text(), tensors, cparams, trailing=[])
     (work / "glue.c").write_text(_glue(desc, ciface, entry, offs, sizes))
     link_host(work / "kernel.o", work / "glue.c", work / "kernel.so", work / "link.log")
-    for junk in ("kernel.o",):
-        (work / junk).unlink(missing_ok=True)
+    (work / "kernel.o").unlink(missing_ok=True)
     return {"symbol": entry, "param_offsets": list(offs), "compile_seconds": seconds,
             "sm_independent": not reads}
 
@@ -1289,9 +1269,10 @@ def _import_entry(path: Path):
     return mod
 
 
-def _read(d: Path) -> dict | None:
-    """A whole cache entry's metadata, or None (missing; damaged or stale: removed, rebuilt)."""
-    meta = cache_entry.read(d, BUILD_FORMAT)
+def _read(d: Path, fmt: int = BUILD_FORMAT) -> dict | None:
+    """A whole cache entry's metadata (of every variant: attention_bwd.py's three kernels too), or
+    None (missing; damaged or stale: removed, rebuilt)."""
+    meta = cache_entry.read(d, fmt)
     if meta is None:
         return None
     files = set(meta["files"])
@@ -1304,9 +1285,11 @@ def _read(d: Path) -> dict | None:
     return meta
 
 
-def _result(desc: AttnDesc, parts: list[tuple[str, Path, dict]], seconds: float, cached: bool) -> AttnBuild:
+def _result(desc, parts: list[tuple[str, Path, dict]], seconds: float, cached: bool, config=None) -> AttnBuild:
     """One AttnBuild from the per-SKU builds `parts` [(key, dir, meta)]: every SKU's variants, those
-    with the same binary and boxes on several SKUs merged into one (config sm_count "132,114")."""
+    with the same binary and boxes on several SKUs merged into one (config sm_count "132,114").
+    desc: an AttnDesc, or another descriptor with args and scalars (attention_bwd.BwdDesc) and its
+    `config` items."""
     merged: dict[tuple, dict] = {}
     for _key, d, meta in parts:
         for v in meta["variants"]:
@@ -1325,7 +1308,7 @@ def _result(desc: AttnDesc, parts: list[tuple[str, Path, dict]], seconds: float,
     key, d, _meta = parts[0]
     return AttnBuild(key=key if len(parts) == 1 else hashlib.sha256(" ".join(k for k, _d, _m in parts).encode())
                      .hexdigest(), dir=str(d), variants=variants, args=desc.args, scalars=desc.scalars,
-                     seconds=seconds, cached=cached, config=config_items(desc))
+                     seconds=seconds, cached=cached, config=config_items(desc) if config is None else config)
 
 
 def _sku_descs(desc: AttnDesc) -> list[AttnDesc]:

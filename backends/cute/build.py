@@ -362,37 +362,48 @@ def _import_entry(path: Path, key: str):
     return mod
 
 
-def _compile_into(work: Path, desc: GemmDesc, arch: str, cfg: gemm.CuteConfig, key: str, src: str,
-                  code: epilogue.EpilogueCode) -> dict:
-    import cutlass
+def compile_export(work: Path, entry, args: list, arch: str, what: str, options: str = ""
+                   ) -> tuple[str, tuple[int, ...], tuple[int, ...], str, float]:
+    """Compile `entry(*args, stream)` for `arch` with `cute.compile` (no TVM-FFI), export it into
+    work/kernel.{o,h} and keep its one cubin as work/kernel.cubin: (entry symbol, parameter offsets,
+    parameter sizes, PTX, compile seconds).  Every CuTe DSL kernel kspec builds goes through here:
+    the GEMMs and FlashAttention-4's forward, split-KV combine and backward kernels (attention.py,
+    splitkv.py, attention_bwd.py); the caller then writes its glue and links (link_host).  `what`
+    names the kernel in errors; options: more `cute.compile` options (e.g. ptxas's)."""
     import cutlass.cute as cute
-    tensors = gemm.tensor_abi(desc, code)
-    entry_py = work / "entry.py"
-    entry_py.write_text(src)
     dump = work / "dump"
     t0 = time.monotonic()
-    with compat.target_arch(arch):
-        mod = _import_entry(entry_py, key)
-        args = [*_fake_tensors(tensors), *(cutlass.Float32(1.0) for _ in code.scalars), cutlass.Int32(1),
-                compat.fake_stream()]
-        try:
-            fn = cute.compile(mod.kspec_entry, *args, options=compat.compile_options(arch, dump))
-        except Exception as e:
-            raise KspecInternalError(f"the CuTe DSL failed to compile GEMM {desc.name} for {arch} "
-                                     f"({cfg.describe()}): {type(e).__name__}: {str(e)[:2000]}") from e
-        fn.export_to_c(file_path=str(work), file_name="kernel", function_prefix=_PREFIX)
+    try:
+        fn = cute.compile(entry, *args, compat.fake_stream(), options=compat.compile_options(arch, dump) + options)
+    except Exception as e:
+        raise KspecInternalError(f"the CuTe DSL failed to compile {what} for {arch}: {type(e).__name__}: "
+                                 f"{str(e)[:2000]}") from e
+    fn.export_to_c(file_path=str(work), file_name="kernel", function_prefix=_PREFIX)
     seconds = time.monotonic() - t0
-    cubins = sorted(dump.glob("*.cubin"))
-    ptxs = sorted(dump.glob("*.ptx"))
+    cubins, ptxs = sorted(dump.glob("*.cubin")), sorted(dump.glob("*.ptx"))
     if len(cubins) != 1 or len(ptxs) != 1:
         raise KspecInternalError(f"expected one cubin and one PTX from the CuTe DSL, got {len(cubins)}/{len(ptxs)}")
     shutil.copyfile(cubins[0], work / "kernel.cubin")
     ptx = ptxs[0].read_text()
-    (work / "kernel.ptx").write_text(ptx)
     shutil.rmtree(dump)
-    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
+    sym, offs, sizes = param_layout(work / "kernel.cubin", ptx)
     if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
-        raise KspecInternalError(f"CuTe DSL kernel parameters take {offs[-1] + sizes[-1]} bytes (> {PARAMS_CAP})")
+        raise KspecInternalError(f"{what}: its kernel parameters take {offs[-1] + sizes[-1]} bytes (> {PARAMS_CAP})")
+    return sym, offs, sizes, ptx, seconds
+
+
+def _compile_into(work: Path, desc: GemmDesc, arch: str, cfg: gemm.CuteConfig, key: str, src: str,
+                  code: epilogue.EpilogueCode) -> dict:
+    import cutlass
+    tensors = gemm.tensor_abi(desc, code)
+    entry_py = work / "entry.py"
+    entry_py.write_text(src)
+    with compat.target_arch(arch):
+        mod = _import_entry(entry_py, key)
+        args = [*_fake_tensors(tensors), *(cutlass.Float32(1.0) for _ in code.scalars), cutlass.Int32(1)]
+        entry, offs, sizes, ptx, seconds = compile_export(work, mod.kspec_entry, args, arch,
+                                                          f"GEMM {desc.name} ({cfg.describe()})")
+    (work / "kernel.ptx").write_text(ptx)
     ciface = check_header((work / "kernel.h").read_text(), tensors,
                           [f"float s{k}" for k in range(len(code.scalars))])
     cluster = cfg.cluster[0] * cfg.cluster[1]

@@ -241,14 +241,12 @@ def build_combine(work: Path, desc, o_modes, lse_strides, checks: list[str], sme
     import importlib.util
     import shutil
     import sys
-    import time
 
     import cutlass
-    import cutlass.cute as cute
     from flash_attn.cute.flash_fwd_combine import FlashAttentionForwardCombine
 
     from . import compat
-    from .build import PARAMS_CAP, capture_glue, check_header, link_host, param_layout
+    from .build import capture_glue, check_header, compile_export, link_host
     from .dslops import dsl_type
     dv = desc.head_dim_v
     tile_m, k_block = combine_params(dv)
@@ -265,28 +263,12 @@ def build_combine(work: Path, desc, o_modes, lse_strides, checks: list[str], sme
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     tensors = combine_tensors(desc, o_modes, lse_strides)
-    dump = work / "dump"
-    t0 = time.monotonic()
     mod.FA = fa
     try:
-        fn = cute.compile(mod.kspec_entry, *fake_args(tensors), compat.fake_stream(),
-                          options=compat.compile_options(desc.arch, dump))
-    except Exception as e:
-        raise KspecInternalError(f"the CuTe DSL failed to compile FlashAttention-4's combine kernel for {desc.name} "
-                                 f"on {desc.arch}: {type(e).__name__}: {str(e)[:2000]}") from e
+        entry, offs, sizes, _ptx, seconds = compile_export(work, mod.kspec_entry, fake_args(tensors), desc.arch,
+                                                           f"FlashAttention-4's combine kernel for {desc.name}")
     finally:
         mod.FA = None
-    fn.export_to_c(file_path=str(work), file_name="kernel", function_prefix="kspec_k")
-    seconds = time.monotonic() - t0
-    cubins, ptxs = sorted(dump.glob("*.cubin")), sorted(dump.glob("*.ptx"))
-    if len(cubins) != 1 or len(ptxs) != 1:
-        raise KspecInternalError(f"expected one cubin and one PTX from the CuTe DSL, got {len(cubins)}/{len(ptxs)}")
-    shutil.copyfile(cubins[0], work / "kernel.cubin")
-    ptx = ptxs[0].read_text()
-    shutil.rmtree(dump)
-    entry, offs, sizes = param_layout(work / "kernel.cubin", ptx)
-    if offs and offs[-1] + sizes[-1] > PARAMS_CAP:
-        raise KspecInternalError(f"FlashAttention-4 combine kernel parameters take {offs[-1] + sizes[-1]} bytes")
     gts = glue_tensors(tensors)
     ciface = check_header((work / "kernel.h").read_text(), gts, [], trailing=[])
     glue = capture_glue(gts, checks, [], [], ciface, entry, offs, sizes, smem_optin,
