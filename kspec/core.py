@@ -269,7 +269,7 @@ RESERVED_ARG_NAMES: frozenset[str] = frozenset({"stream", "device", "self"})
 # attributes of a loaded module (kspec.runtime.module.Module): a kernel is an attribute of it too
 RESERVED_KERNEL_NAMES: frozenset[str] = frozenset({
     "path", "manifest", "archs", "kernels", "binary", "variant", "glue", "image", "image_digest", "arch_for",
-    "split_variants", "launches"})
+    "split_variants", "step_variants", "launches"})
 
 
 def name_problem(name: object, what: str) -> str | None:
@@ -330,6 +330,24 @@ PREPARE_PROTO = ("int kspec_prepare(const int64_t* dims, void* const* ptrs, cons
                  "                  uint32_t grid[3], uint32_t block[3], uint32_t cluster[3],\n"
                  "                  uint32_t* smem_bytes, char* err, uint64_t err_cap)")
 ABI_VERSION_PROTO = "int kspec_abi_version(void)"
+
+
+# The variant roles of a binary whose kernels run in this order as one call, sharing one workspace
+# (FlashAttention-4's attention backward, backends/cute/attention_bwd.py), and that workspace's
+# layout: the f32 dQ accumulator [B, H, S_r * E_r], then D = rowsum(dO * O) and LSE * log2(e), each
+# [B, H, S_r] f32 (S_r: S rounded up to tile_m, E_r: the rounded head dim), each 256-byte aligned.
+ATTENTION_BWD_STEPS = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
+
+
+def attention_bwd_workspace(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int) -> "dict[str, tuple]":
+    """name -> (byte offset, shape [B, H, n]) of dq_accum, dpsum and lse_log2; "total": (bytes, ())."""
+    def up(n: int, m: int) -> int:
+        return -(-n // m) * m
+    sr = up(S, tile_m)
+    acc = up(B * H * sr * head_dim_rounded * 4, 256)
+    rows = up(B * H * sr * 4, 256)
+    return {"dq_accum": (0, (B, H, sr * head_dim_rounded)), "dpsum": (acc, (B, H, sr)),
+            "lse_log2": (acc + rows, (B, H, sr)), "total": (acc + 2 * rows, ())}
 
 
 def abi_header() -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kspec.artifact import read_manifest
+from kspec.core import ATTENTION_BWD_STEPS
 from kspec.backends.inspect import dump_sass, format_summary, sass_summary
 from kspec.backends.toolchain import find_toolchain
 from kspec.spec_lang.errors import KspecError
@@ -61,6 +62,8 @@ def _serves(v) -> str:
                 "S >= 1)")
     if role == "combine":
         return "split-KV combine (after the split kernel)"
+    if role in ATTENTION_BWD_STEPS:
+        return f"attention backward, {role[4:]} kernel (every call: preprocess, main, postprocess)"
     return f"for {_select(v.select)}"
 
 
@@ -105,7 +108,10 @@ def launch_choice(path: str | Path, sizes: dict[str, int], sm_count: int | None 
                 except KspecRuntimeError as e:
                     lines.append(where + f"refused: {e.message}" + (f" ({e.hint})" if e.hint else ""))
                     continue
-                if len(vs) == 2:
+                if len(vs) > 2:
+                    lines.append(where + f"variants {', '.join(map(str, vs))} in order (the attention backward's "
+                                 f"preprocess, main and postprocess kernels; {ws} bytes of workspace)")
+                elif len(vs) == 2:
                     lines.append(where + f"variants {vs[0]} then {vs[1]} (split-KV kernel, then the combine; "
                                  f"{ws} bytes of workspace)")
                 elif vs[0] >= 0:

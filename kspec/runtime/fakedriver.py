@@ -43,7 +43,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kspec.core import KspecInternalError, extent_value
+from kspec.core import ATTENTION_BWD_STEPS, KspecInternalError, attention_bwd_workspace, extent_value
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
 
@@ -807,8 +807,10 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
                 strides = binding.strides[name]
             tensors.append(ArgTensor(name, int(ptr), tuple(shape), tuple(strides), spec.dtype))
         role = _launch_role(plan, rec.what)
-        if role is not None:
+        if role in ("split", "combine"):
             tensors = _split_kv_args(role, tensors, fake, rec, binding, k, plan)
+        elif role is not None:
+            tensors = attention_bwd_args(role, tensors, rec, binding, plan)
         plan_args.append(tensors)
     # allocated outputs: the pointers the glue got must be the ones returned to the caller
     for name, out in result.items():
@@ -829,15 +831,44 @@ def _launch_plan(what: str) -> str:
     return m.group(1)
 
 
-def _launch_role(plan, what: str) -> str | None:
-    """"split" or "combine" when the launch is one of a split-KV pair (the variant's config role)."""
+def _launch_variant(plan, what: str):
+    """The artifact.Variant a launch ran, or None."""
     import re
     m = re.search(r"\((sm\w+), variant (\d+)\)", what)
     if m is None or m.group(1) not in plan.binaries:
         return None
     variants = plan.binaries[m.group(1)].variants
-    role = variants[int(m.group(2))].config.get("role") if int(m.group(2)) < len(variants) else None
-    return role if role in ("split", "combine") else None
+    return variants[int(m.group(2))] if int(m.group(2)) < len(variants) else None
+
+
+def _launch_role(plan, what: str) -> str | None:
+    """"split" or "combine" when the launch is one of a split-KV pair, a step of an attention
+    backward (_BWD_ROLES) when it is one of those (the variant's config role)."""
+    v = _launch_variant(plan, what)
+    role = v.config.get("role") if v is not None else None
+    return role if role in ("split", "combine", *ATTENTION_BWD_STEPS) else None
+
+
+def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, binding, plan) -> list[ArgTensor]:
+    """What a launch of FlashAttention-4's attention backward reads and writes, in its kernel's order
+    (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV) and
+    the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r] (f32, 256-byte aligned,
+    S_r and E_r from the variant's config; kspec.core.attention_bwd_workspace)."""
+    cfg = _launch_variant(plan, rec.what).config
+    roles = dict(zip((r for r, _v in plan.dims), binding.dims(plan)))
+    ws = rec.prepare.workspace if rec.prepare is not None else 0
+    if not ws:
+        raise KspecInternalError(f"{rec.what}: an attention backward launch without a workspace")
+    lay = attention_bwd_workspace(roles["B"], roles["H"], roles["S"], int(cfg["ws_tile_m"]), int(cfg["ws_head_dim"]))
+
+    def buf(name):
+        off, (B, H, n) = lay[name]
+        return ArgTensor(f"<{name}>", ws + off, (B, H, n), (H * n, n, 1), "f32")
+    acc, dpsum, lse2 = buf("dq_accum"), buf("dpsum"), buf("lse_log2")
+    q, k, v, o, do, lse, dq, dk, dv = tensors
+    return {"bwd_preprocess": [o, do, dpsum, lse, lse2, acc],
+            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk, dv],
+            "bwd_postprocess": [acc, dq]}[role]
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strides, read_manifest
-from kspec.core import ARCH_TABLE, arch_of_cc, extent_value, split_offset_dim, split_quotient_dim
+from kspec.core import ARCH_TABLE, ATTENTION_BWD_STEPS, arch_of_cc, extent_value, split_offset_dim, split_quotient_dim
 from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
 from kspec.runtime.emptycheck import check_no_empty_reduction
@@ -52,6 +52,9 @@ from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
 
 _SCRATCH_ALIGN = 256
 _PAIR_ROLES = ("split", "combine")     # variants launched together (split-KV), never chosen by size
+# variants launched in this order as one call, sharing one workspace, never chosen by size: the three
+# kernels of FlashAttention-4's attention backward (backends/cute/attention_bwd.py)
+_STEP_ROLES = ATTENTION_BWD_STEPS
 
 
 def load(path: str | Path, verify: bool = True, check_indices: bool = True) -> "Module":
@@ -494,8 +497,8 @@ class Module:
         values = _select_values(plan, dims)
         sku = sku_for(b, sm_count)
         for i, v in enumerate(b.variants):
-            if v.config.get("role") in _PAIR_ROLES:
-                continue                  # split-KV kernels: taken by split_variants, not by size
+            if v.config.get("role") in _PAIR_ROLES + _STEP_ROLES:
+                continue                  # split-KV kernels and steps: taken by launches, not by size
             if v.holds(values) and (sku is None or not variant_skus(v) or sku in variant_skus(v)):
                 return i
         _missing_group(plan, arch, b, values)
@@ -526,11 +529,33 @@ class Module:
                                     "kernel for it", hint="rebuild the artifact with `kspec compile`")
         return split, combine
 
+    def step_variants(self, plan: Plan, arch: str) -> list[int] | None:
+        """The variant numbers of a binary made of several kernels launched in order as one call (an
+        attention backward: FlashAttention-4's preprocess, main and postprocess kernels), or None."""
+        b = plan.binaries[arch]
+        at = {v.config.get("role"): i for i, v in enumerate(b.variants) if v.config.get("role") in _STEP_ROLES}
+        if not at:
+            return None
+        if len(at) != len(_STEP_ROLES) or len(at) != len(b.variants):
+            raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the artifact has the kernels "
+                                    f"{sorted(at)} of a sequence of {', '.join(_STEP_ROLES)}",
+                                    hint="rebuild the artifact with `kspec compile`")
+        return [at[r] for r in _STEP_ROLES]
+
     def launches(self, plan: Plan, arch: str, dims: list[int], device: int, sm_count: int | None
                  ) -> tuple[list[int], int]:
-        """The variants launched for one plan (in order) and the workspace bytes they share: the split-KV
-        kernel and its combine when the split kernel's glue asks for a workspace at these sizes, else
-        the single variant `variant` picks (its own workspace)."""
+        """The variants launched for one plan (in order) and the workspace bytes they share: the steps of
+        a sequence (step_variants) with the workspace every one's glue asks for; the split-KV kernel and
+        its combine when the split kernel's glue asks for a workspace at these sizes; else the single
+        variant `variant` picks (its own workspace)."""
+        steps = self.step_variants(plan, arch)
+        if steps is not None:
+            sizes = [self.glue(plan, arch, v).workspace_size(dims, device, sm_count or 0) for v in steps]
+            if len(set(sizes)) != 1:
+                raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): its kernels size their shared workspace "
+                                        f"differently ({sizes} bytes); the artifact is inconsistent",
+                                        hint="rebuild the artifact with `kspec compile`")
+            return steps, sizes[0]
         pair = self.split_variants(plan, arch, sm_count, dims)
         if pair is not None:
             ws = self.glue(plan, arch, pair[0]).workspace_size(dims, device, sm_count or 0)
@@ -642,7 +667,8 @@ class Module:
                         prepared.append((plan, glue, ws, v, pr, len(vs) > 1, lp.fills[i]))
                 for plan, glue, ws, v, pr, pair, fills in prepared:
                     # a split-KV pair's workspace holds partials the split kernel writes in full and the
-                    # combine reads: it is not cleared (FA4 allocates them uninitialised too)
+                    # combine reads, an attention backward's the buffers its preprocess writes (and the
+                    # dQ accumulator it zeroes): not cleared (FA4 allocates them uninitialised too)
                     self._run_plan(drv, b, plan, arch, glue, ctx, ptrs, scratch + ws_offset if ws else 0,
                                    0 if pair else ws, device, sms, v, pr, fills)
             finally:
