@@ -82,6 +82,16 @@ def test_cache_root() -> Path:
 test_cache_root.__test__ = False  # a helper, not a test
 
 
+def checkout_env() -> dict[str, str]:
+    """The environment for a Python subprocess that must import kspec from this checkout (and the
+    tests' helpers), not from wherever kspec is installed: under a second worktree, an editable
+    install of the main checkout would otherwise serve the subprocess other sources (and so other
+    compile-cache keys) than the test process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def cubin_sass(cubin) -> str | None:
     """cuobjdump's SASS of a cubin; None where the toolchain or its cuobjdump is missing."""
     import subprocess

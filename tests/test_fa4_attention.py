@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import SPECS, cubin_sass, needs_fa4, test_cache_root
+from conftest import SPECS, checkout_env, cubin_sass, needs_fa4, test_cache_root
 
 from kspec.backends.cute import attention as A
 from kspec.backends.cute import attnmods as M
@@ -464,8 +464,9 @@ def test_warm_attention_compile_imports_neither_fa4_nor_the_dsl(fa4_artifacts, t
             f"from conftest import test_cache_root; compile_spec({str(SPECS / 'attention.kspec')!r}, ('sm90a', 'sm100a'), "
             f"{str(tmp_path)!r}, cache=CompileCache(test_cache_root()));"
             "bad = [m for m in ('cutlass', 'flash_attn', 'quack', 'torch') if m in sys.modules]; print(bad)")
+    # (from this checkout: an installed kspec elsewhere has other sources, so other cache keys)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       cwd=str(SPECS.parent / "tests"))
+                       cwd=str(SPECS.parent / "tests"), env=checkout_env())
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
 

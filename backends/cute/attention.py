@@ -684,15 +684,6 @@ def _tensors(desc: AttnDesc):
     return out
 
 
-@dataclass(frozen=True)
-class _GlueTensor:          # what build.capture_glue reads
-    name: str
-    ptr_index: int
-    dynamic_shapes: tuple[str, ...]
-    dynamic_strides: tuple[tuple[str, ...], ...]
-    data: str | None = None     # the address, when not the ABI pointer (split-KV partials: the workspace)
-
-
 def _values(desc: AttnDesc) -> list[tuple[str, str]]:
     """The entry's non-tensor parameters: (name, DSL type)."""
     out = [("softmax_scale", "Float32")]
@@ -1130,11 +1121,11 @@ def _fake_args(desc: AttnDesc):
 
 def _glue(desc: AttnDesc, ciface: str, entry: str, offs, sizes) -> str:
     from . import splitkv
-    from .build import capture_glue
+    from .build import GlueTensor, capture_glue
     tensors = []
     data = {"mO": "ks_o_partial", "mLSE": "ks_lse_partial"} if desc.split else {}
     for name, i, _dt, shape, strides in _tensors(desc):
-        tensors.append(_GlueTensor(name, i, tuple(shape), tuple(tuple(s) for s in strides), data.get(name)))
+        tensors.append(GlueTensor(name, i, tuple(shape), tuple(tuple(s) for s in strides), data.get(name)))
     checks = _checks(desc)
     if desc.split:
         checks += splitkv.prepare_lines(desc.head_dim_v)
@@ -1200,7 +1191,7 @@ def _checks(desc: AttnDesc) -> list[str]:
 
 
 def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
-    from .build import check_header, compile_export, link_host
+    from .build import GlueTensor, check_header, compile_export, link_host
     mod.FA = fa
     ptxas = getattr(fa, "ptxas_options", "")
     try:
@@ -1210,7 +1201,7 @@ def _compile_variant(work: Path, desc: AttnDesc, mod, fa) -> dict:
                 f" --ptxas-options '{ptxas}'" if ptxas else "")
     finally:
         mod.FA = None
-    tensors = [_GlueTensor(n, i, tuple(shape), tuple(strides)) for n, i, _d, shape, strides in _tensors(desc)]
+    tensors = [GlueTensor(n, i, tuple(shape), tuple(strides)) for n, i, _d, shape, strides in _tensors(desc)]
     cparams = [f"{'float' if t == 'Float32' else 'int32_t'} {n}" for n, t in _values(desc)]
     ciface = check_header((work / "kernel.h").read_text(), tensors, cparams, trailing=[])
     (work / "glue.c").write_text(_glue(desc, ciface, entry, offs, sizes))

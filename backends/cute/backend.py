@@ -60,7 +60,7 @@ class CuteBackend:
             from . import attention_bwd
             return attention_bwd.unsupported(ir, arch)
         if ir.kind != "gemm":
-            return f"the CuTe DSL backend implements GEMMs and attention, not {ir.kind} kernels"
+            return f"the CuTe DSL backend implements GEMMs and attention (forward and backward), not {ir.kind} kernels"
         packed = [b for b in ir.buffers if b.packed]
         if packed:
             why = cute_gemm.grouped_problem(ir, arch)
@@ -83,7 +83,7 @@ class CuteBackend:
         the kernel's own, 128 bytes of operand per stage).  FlashAttention-4 chooses its tiles
         per problem size and takes none of these settings."""
         h = ir.hint(arch)
-        if ir.kind == "attention":
+        if ir.kind in ("attention", "attention_bwd"):
             for key in ("tile", "cluster", "stages"):
                 if getattr(h, key) is not None:
                     return SettingProblem(key, f"FlashAttention-4 chooses its own tiles and pipeline; it takes no "
@@ -111,6 +111,9 @@ class CuteBackend:
         return cute_gemm.default_config(desc, arch, dims)
 
     def default_config(self, ir: KernelIR, arch: str) -> tuple[tuple[str, str], ...]:
+        if ir.kind == "attention_bwd":
+            from . import attention_bwd
+            return attention_bwd.config_items(attention_bwd.lower(ir, arch)[0])
         if ir.kind == "attention":
             from . import attention
             return attention.config_items(attention.lower(ir, arch)[0])
@@ -120,7 +123,7 @@ class CuteBackend:
         return items + (("source", "hint" if self._hinted(ir, arch) else "heuristic"),)
 
     def candidates(self, ir: KernelIR, arch: str) -> list[tuple[tuple[str, str], ...]]:
-        if ir.kind == "attention" or self._hinted(ir, arch):
+        if ir.kind in ("attention", "attention_bwd") or self._hinted(ir, arch):
             # FA4's heuristics choose per size bucket; a spec's schedule setting is used exactly
             return [self.default_config(ir, arch)]
         desc = self._gemm_desc(ir, arch).desc
@@ -184,6 +187,10 @@ class CuteBackend:
     # ---- lowering, emission, build ---------------------------------------------------------------
     def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
         """config: one of `candidates(ir, arch)` (a tuning winner); default: the heuristic's."""
+        if ir.kind == "attention_bwd":
+            from . import attention_bwd
+            desc, names, dims, scalars = attention_bwd.lower(ir, arch)
+            return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention_bwd.config_items(desc))
         if ir.kind == "attention":
             from . import attention
             desc, names, dims, scalars = attention.lower(ir, arch)
@@ -219,11 +226,12 @@ class CuteBackend:
 
     def emit(self, lowered: LoweredPlan) -> EmittedKernel:
         if not isinstance(lowered.desc, CuteDesc):
-            from . import attention
+            from . import attention, attention_bwd
             d = lowered.desc
-            return EmittedKernel(name=d.name, arch=lowered.arch, source=attention.entry_source(d), include_dirs=(),
+            m = attention_bwd if isinstance(d, attention_bwd.BwdDesc) else attention
+            return EmittedKernel(name=d.name, arch=lowered.arch, source=m.entry_source(d), include_dirs=(),
                                  flags=(), dims=d.dims, args=d.args, scalars=d.scalars, alignment=d.alignment(),
-                                 config=attention.config_items(d))
+                                 config=m.config_items(d))
         desc, cfg = lowered.desc.gemm, lowered.desc.config
         code = cute_epi.generate(desc)
         tensors = cute_gemm.tensor_abi(desc, code)
@@ -241,7 +249,8 @@ class CuteBackend:
     def build_binaries(self, items, cache_root, jobs=None, progress=None) -> dict:
         """Build (cache lookups first, misses in parallel processes) every (label, LoweredPlan) of
         this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets) or
-        attention.AttnBuild (every size variant of a FlashAttention-4 kernel)."""
+        attention.AttnBuild (every size variant of a FlashAttention-4 kernel; the three kernels of its
+        attention backward)."""
         from pathlib import Path
 
         from .parallel import CuteJob, build_many

@@ -219,6 +219,17 @@ def glue_source(tensors: list[gemm.TensorABI], num_scalars: int, ciface: str, en
                         ciface, entry, offsets, sizes, smem_optin)
 
 
+@dataclass(frozen=True)
+class GlueTensor:
+    """One tensor of capture_glue's launcher call (the FA4 kernels': attention.py, splitkv.py,
+    attention_bwd.py): its C struct fields from the ABI's dims and pointers."""
+    name: str
+    ptr_index: int
+    dynamic_shapes: tuple[str, ...]
+    dynamic_strides: tuple[tuple[str, ...], ...]
+    data: str | None = None     # the address, when not the ABI pointer (e.g. inside the workspace)
+
+
 def capture_glue(tensors, checks: list[str], values: list[str], value_args: list[str], ciface: str, entry: str,
                  offsets: tuple[int, ...], sizes: tuple[int, ...], smem_optin: int, what: str = "CuTe DSL",
                  workspace: list[str] | None = None, helpers: str = "") -> str:

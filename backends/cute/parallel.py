@@ -25,7 +25,7 @@ HEARTBEAT_EVERY = 5.0         # then this often
 @dataclass(frozen=True)
 class CuteJob:
     label: str                  # "kernel gemm_0 on sm_90a"
-    desc: object                # GemmDesc, or attention.AttnDesc (kind "cute-fa4", config None)
+    desc: object                # GemmDesc, or attention.AttnDesc / attention_bwd.BwdDesc (kind "cute-fa4", config None)
     arch: str
     config: CuteConfig | None
     kind: str = "cute"
@@ -43,19 +43,24 @@ class CuteEvent:
     total: int
 
 
+def _fa4_module(desc):
+    """The module that builds a FlashAttention-4 descriptor: attention (forward) or attention_bwd."""
+    from . import attention, attention_bwd
+    return attention_bwd if isinstance(desc, attention_bwd.BwdDesc) else attention
+
+
 def _worker(desc, arch: str, root: str, cfg: CuteConfig | None):
-    """One build: a GEMM (GemmDesc) or a FlashAttention-4 attention kernel (attention.AttnDesc)."""
+    """One build: a GEMM (GemmDesc) or a FlashAttention-4 attention kernel (attention.AttnDesc, or
+    the three kernels of an attention backward, attention_bwd.BwdDesc)."""
     if isinstance(desc, GemmDesc):
         return cbuild.build(desc, arch, Path(root), cfg)
-    from . import attention
-    return attention.build(desc, Path(root))
+    return _fa4_module(desc).build(desc, Path(root))
 
 
 def _lookup(job: "CuteJob", cache_root: Path):
     if isinstance(job.desc, GemmDesc):
         return cbuild.lookup(job.desc, job.arch, cache_root, job.config)
-    from . import attention
-    return attention.lookup(job.desc, cache_root)
+    return _fa4_module(job.desc).lookup(job.desc, cache_root)
 
 
 def build_many(jobs: Sequence[CuteJob], cache_root: Path, max_parallel: int | None = None,

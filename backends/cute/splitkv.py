@@ -33,7 +33,6 @@ supported for hdim_v >= 192 except 256"; kspec stays within the 128-wide epilogu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from kspec.core import KspecInternalError
@@ -182,15 +181,6 @@ def combine_source(desc) -> str:
     ])
 
 
-@dataclass(frozen=True)
-class GlueTensor:            # what build.capture_glue reads
-    name: str
-    ptr_index: int
-    dynamic_shapes: tuple[str, ...]
-    dynamic_strides: tuple[tuple[str, ...], ...]
-    data: str | None = None
-
-
 def combine_tensors(desc, o_modes, lse_strides) -> list[tuple]:
     """(name, dtype, shape (roles or int literals, innermost last), per-mode stride factors (() = a
     static unit stride), data C expression) of the combine's tensors.  o_modes: FA4's view of kspec's
@@ -229,7 +219,8 @@ def fake_args(tensors) -> list:
     return out
 
 
-def glue_tensors(tensors) -> list[GlueTensor]:
+def glue_tensors(tensors) -> list:
+    from .build import GlueTensor
     return [GlueTensor(name, k, tuple(r for r in shape if not r.isdigit()), tuple(f for f in strides if f), data)
             for k, (name, _dt, shape, strides, data) in enumerate(tensors)]
 
@@ -245,7 +236,6 @@ def build_combine(work: Path, desc, o_modes, lse_strides, checks: list[str], sme
     import cutlass
     from flash_attn.cute.flash_fwd_combine import FlashAttentionForwardCombine
 
-    from . import compat
     from .build import capture_glue, check_header, compile_export, link_host
     from .dslops import dsl_type
     dv = desc.head_dim_v

@@ -1,0 +1,214 @@
+"""The attention backward as FlashAttention-4's own three backward kernels (backends/cute/attention_bwd.py):
+`kspec grad`'s backward of the plain and causal attention specs plans as one attention_bwd kernel built
+by the CuTe backend on both archs (and what FA4 cannot take is refused with the reason); the offline
+build (tensor-core SASS in the main kernel, parameter offsets from the cubins); the runtime's plan
+running preprocess, main and postprocess in order with one correctly sized workspace under the fake
+driver; bad sizes refused before launch; a warm compile importing neither FA4 nor the DSL."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SPECS, checkout_env, cubin_sass, needs_fa4, test_cache_root
+
+from kspec.compile import plan_spec
+from kspec.core import ATTENTION_BWD_STEPS, KspecError, attention_bwd_workspace
+from kspec.spec_lang import load_spec
+from kspec.spec_lang.grad import grad_program
+
+ARCHS = ("sm90a", "sm100a")
+STEMS = ("attention", "attention_causal")
+MAIN = {"sm90a": "FlashAttentionBackwardSm90", "sm100a": "FlashAttentionBackwardSm100"}
+
+
+def _grad_text(stem: str, edit=None) -> str:
+    text = (SPECS / f"{stem}.kspec").read_text()
+    return grad_program(load_spec(edit(text) if edit else text, is_text=True))
+
+
+def _plan(stem: str, strict: bool = True, edit=None):
+    prog = load_spec(_grad_text(stem, edit), is_text=True, file=f"{stem}_grad.kspec")
+    (sched,) = plan_spec(prog, ARCHS, f"{stem}_bwd", strict=strict)
+    return sched
+
+
+@needs_fa4
+@pytest.mark.parametrize("stem", STEMS)
+def test_backward_plans_as_one_fa4_attention_bwd_kernel_on_both_archs(stem):
+    sched = _plan(stem)                                 # --strict: no loop fallback, no unfused note
+    (p,) = sched.plans
+    assert p.kind == "attention_bwd" and set(p.writes) == {"dQ", "dK", "dV"}
+    for arch in ARCHS:
+        c = p.choices[arch]
+        assert c.backend == "cute" and not c.fallback
+        assert MAIN[arch] in dict(c.config)["kernel"]
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda t: t.replace("128", "96").replace("0.08838834764831845", "0.1"), "head dim 96"),
+    (lambda t: t.replace(": f16", ": f32").replace("f16[", "f32["), "not FlashAttention-4's backward"),
+])
+def test_what_fa4_cannot_take_is_printed_and_refused_by_strict(edit, why):
+    sched = _plan("attention", strict=False, edit=edit)
+    assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes
+    with pytest.raises(KspecError, match="attention backward"):
+        _plan("attention", edit=edit)
+
+
+def test_causal_backward_over_keys_that_may_differ_from_queries_is_refused():
+    # FA4 aligns its causal mask bottom-right, the spec's j <= i top-left: equal only when S = T
+    def edit(t):
+        return t.replace("K : bf16[B, H, S, 64]", "K : bf16[B, H, T, 64]").replace(
+            "V : bf16[B, H, S, 64]", "V : bf16[B, H, T, 64]").replace(
+            "softmax(j, causal=i) s[b, h, i, j]", "softmax(j) where(j <= i, s[b, h, i, j], -inf)")
+    sched = _plan("attention_causal", strict=False, edit=edit)
+    assert any("bottom-right" in n for n in sched.fusion.notes), sched.fusion.notes
+
+
+def test_gqa_backward_is_refused_with_the_reason():
+    sched = _plan("attention_gqa", strict=False)
+    assert any("attention backward" in n and "no GQA" in n for n in sched.fusion.notes), sched.fusion.notes
+
+
+# ---------------------------------------------------------------------------------------------
+# offline builds
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bwd_artifacts(tmp_path_factory):
+    from kspec.backends.build import CompileCache
+    from kspec.compile import compile_spec
+    out = tmp_path_factory.mktemp("fa4bwd")
+    cache = CompileCache(test_cache_root())
+    done = {}
+
+    def get(stem):
+        if stem not in done:
+            spec = out / f"{stem}_grad.kspec"
+            spec.write_text(_grad_text(stem))
+            done[stem] = compile_spec(spec, ARCHS, out / "art", cache=cache, kernel=f"{stem}_bwd")
+        return done[stem]
+    return get
+
+
+def _bwd_plan(mod, stem):
+    (plan,) = mod[f"{stem}_bwd"].entry.plans
+    return plan
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("stem", STEMS)
+def test_backward_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(bwd_artifacts, stem):
+    import kspec
+    from kspec.runtime.cubin import read_cubin
+    art = bwd_artifacts(stem)
+    plan = _bwd_plan(kspec.load(art), stem)
+    for arch, mma in zip(ARCHS, (" HGMMA", " UTCHMMA")):
+        b = plan.binaries[arch]
+        assert [v.config["role"] for v in b.variants] == list(ATTENTION_BWD_STEPS)
+        assert [v.config["fa4_class"] for v in b.variants] == [
+            "FlashAttentionBackwardPreprocess", MAIN[arch], "FlashAttentionBackwardPostprocess"]
+        assert all(not v.select for v in b.variants)              # never chosen by size
+        for v in b.variants:
+            # the manifest's parameter offsets are the cubin's own (EIATTR_KPARAM_INFO)
+            k = read_cubin(art / v.cubin).kernel(v.symbol)
+            base = k.params[0].offset
+            assert tuple(p.offset - base for p in k.params) == tuple(
+                int(x) for x in v.config["param_offsets"].split(","))
+        sass = [cubin_sass(art / v.cubin) for v in b.variants]
+        if sass[0] is None:
+            pytest.skip("no cuobjdump")
+        assert mma in sass[1] and "UTMALDG" in sass[1]            # the main kernel: tensor cores, TMA loads
+        assert mma not in sass[0] and mma not in sass[2]
+
+
+def _fake_call(mod, stem, sizes, cc, sms, arch):
+    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
+    with FakeDriver(cc, sm_count=sms) as fake:
+        call = fake_call(mod, f"{stem}_bwd", sizes, fake)
+        # (FA4's kernels declare 1 KiB of static shared memory beside the full dynamic opt-in, which the
+        # fake's limit check counts against every FA4 kernel alike: see test_fa4_attention's _split_call)
+        problems = [p for p in check_call(call, arch, mod) if "static shared memory exceed" not in p]
+    return call, problems
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("stem", STEMS)
+@pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
+def test_one_call_launches_preprocess_main_postprocess_with_one_workspace(bwd_artifacts, stem, arch, cc, sms):
+    import kspec
+    mod = kspec.load(bwd_artifacts(stem))
+    plan = _bwd_plan(mod, stem)
+    b = plan.binaries[arch]
+    assert mod.step_variants(plan, arch) == [0, 1, 2]
+    for B, H, S in ((2, 3, 300), (1, 1, 1), (3, 2, 1000)):
+        sizes = {"B": B, "H": H, "S": S, "T": S}
+        call, problems = _fake_call(mod, stem, sizes, cc, sms, arch)
+        assert problems == [], problems
+        assert call.plan_ids == [plan.id] * 3
+        assert [r.symbol for r in call.launches] == [v.symbol for v in b.variants]
+        cfg = b.variants[0].config
+        tile_m, dr = int(cfg["ws_tile_m"]), int(cfg["ws_head_dim"])
+        lay = attention_bwd_workspace(B, H, S, tile_m, dr)
+        want = lay["total"][0]
+        assert mod.launches(plan, arch, call.binding.dims(plan), 0, sms) == ([0, 1, 2], want)
+        ws = {r.prepare.workspace for r in call.launches}
+        assert len(ws) == 1 and 0 not in ws
+        (ws,) = ws
+        assert all(rec.prepare.sm_count == sms for rec in call.launches)
+        pre, main, post = call.plan_args
+        assert [a.name for a in pre] == ["O", "dO", "<dpsum>", _lse(mod, stem), "<lse_log2>", "<dq_accum>"]
+        assert [a.name for a in post] == ["<dq_accum>", "dQ"]
+        assert [a.name for a in main][7:] == ["dK", "dV"]
+        # the accumulator and row buffers FA4 allocates, inside the one workspace, as kspec sized it
+        assert pre[5].ptr == ws and pre[5].shape == (B, H, -(-S // tile_m) * tile_m * dr)
+        assert pre[2].ptr == ws + lay["dpsum"][0] and pre[4].ptr == ws + lay["lse_log2"][0]
+        assert lay["lse_log2"][0] + 4 * B * H * -(-S // tile_m) * tile_m <= want
+        # the preprocess and postprocess run one CTA per (query tile, head, sequence)
+        assert call.launches[0].grid == (-(-S // tile_m), H, B)
+
+
+def _lse(mod, stem):
+    return [t.name for t in mod[f"{stem}_bwd"].entry.inputs if t.name.endswith("lse")][0]
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_bad_sizes_are_refused_before_launch(bwd_artifacts):
+    import kspec
+    from kspec.runtime.errors import KspecRuntimeError
+    from kspec.runtime.glue import HostGlue
+    art = bwd_artifacts("attention")
+    mod = kspec.load(art)
+    plan = _bwd_plan(mod, "attention")
+    v = plan.binaries["sm90a"].variants[1]
+    glue = HostGlue(art / v.host, "attention_bwd", plan.args)
+    ptrs = [0x7F0000000000 + i * 0x10000000 for i in range(len(plan.args))]
+    ws = 0x7E0000000000
+    ok = glue.prepare([2, 4, 300, 500], ptrs, [0.1], ws, 0, 132)          # S != T: fine without a mask
+    assert ok.grid[0] >= 1 and ok.block[0] > 0
+    with pytest.raises(KspecRuntimeError, match="at least one of each"):
+        glue.prepare([2, 4, 0, 500], ptrs, [0.1], ws, 0, 132)
+    with pytest.raises(KspecRuntimeError, match="without its workspace"):
+        glue.prepare([2, 4, 300, 500], ptrs, [0.1], 0, 0, 132)
+    assert glue.prepare([0, 4, 300, 500], ptrs, [0.1], ws, 0, 132).grid == (0, 0, 0)
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_warm_backward_compile_imports_neither_fa4_nor_the_dsl(bwd_artifacts, tmp_path):
+    bwd_artifacts("attention_causal")            # the cache is warm
+    spec = tmp_path / "g.kspec"
+    spec.write_text(_grad_text("attention_causal"))
+    code = ("import sys; from kspec.compile import compile_spec; from kspec.backends.build import CompileCache;"
+            f"from conftest import test_cache_root; compile_spec({str(spec)!r}, ('sm90a', 'sm100a'), "
+            f"{str(tmp_path / 'out')!r}, cache=CompileCache(test_cache_root()), kernel='attention_causal_bwd');"
+            "bad = [m for m in ('cutlass', 'flash_attn', 'quack', 'torch') if m in sys.modules]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(SPECS.parent / "tests"),
+                       env=checkout_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
