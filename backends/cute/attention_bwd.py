@@ -29,12 +29,19 @@ stride specialisations kspec does not use); capture checks this at two sizes.
 roles STEPS as one call: the three in order, one workspace of the size the first one's glue asks,
 not cleared (the preprocess zeroes dq_accum; FA4 allocates all three uninitialised too).
 
-**Not covered** (planned unfused, with the reason `kspec graph` prints): GQA (the derived backward
-sums dK/dV over each group's query heads after a per-head contraction, which fusion does not
-recognise as one backward; FA4 would need its dK/dV accumulators and two more postprocess
-launches), score modifications (ALiBi, soft-capping: FA4 needs a score_mod_bwd), varlen, head dims
-other than 64 and 128, causal attention with query and key lengths that may differ (FA4 aligns its
-mask bottom-right, the spec's `j <= i` top-left), dtypes other than f16/bf16.
+**Not covered** (planned unfused, with the reason `kspec graph` prints): score modifications (ALiBi,
+soft-capping: FA4 needs a score_mod_bwd), varlen, head dims other than 64 and 128, causal attention
+with query and key lengths that may differ (FA4 aligns its mask bottom-right, the spec's `j <= i`
+top-left), dtypes other than f16/bf16, and GQA.  GQA is what remains to be done, in three steps:
+(1) compiler/fusion.py match_attention_backward: accept K and V read at head `h / G` (the gather the
+forward's GQA matching recognises) and dK, dV stored as `sum(h) where(h / G == kh, dK_part, 0)` over
+the per-query-head dK_part/dV_part contractions, and give AttentionBwdStructure the group and the
+K/V head extent (HK); (2) here: capture with K/V of HK = H / G heads (FA4 then constructs the main
+kernel with qhead_per_kvhead = G writing f32 dk_accum and dv_accum [B, HK, T_r * E_r], and two more
+FlashAttentionBackwardPostprocess objects, dK scaled by softmax_scale and dV by 1; T_r is T rounded
+up to tile_n, one tile more where a 2-CTA cluster needs an even count), i.e. five kernels; (3) the runtime: those five roles in
+kspec.core.ATTENTION_BWD_STEPS' place and the dK/dV accumulators zeroed before the main kernel
+(FA4 allocates them with torch.zeros; the preprocess zeroes only dq_accum).
 """
 from __future__ import annotations
 
