@@ -102,7 +102,8 @@ def launch_choice(path: str | Path, sizes: dict[str, int], sm_count: int | None 
                 except KeyError as e:
                     lines.append(f"  {k.name} plan {p.id} {a}: give {e.args[0]} in --sizes")
                     continue
-                where = f"  {k.name} plan {p.id} {a} on {sms} SMs: "
+                # (a binary built for no particular SKU, like the attention backward's, records none)
+                where = f"  {k.name} plan {p.id} {a}" + (f" on {sms} SMs: " if sms else ": ")
                 try:
                     vs, ws = mod.launches(p, a, dims, 0, sms)
                 except KspecRuntimeError as e:

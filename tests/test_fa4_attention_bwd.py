@@ -212,3 +212,15 @@ def test_warm_backward_compile_imports_neither_fa4_nor_the_dsl(bwd_artifacts, tm
                        env=checkout_env())
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_inspect_says_a_call_launches_the_three_kernels_in_order(bwd_artifacts, capsys):
+    from kspec.cli import main
+    art = bwd_artifacts("attention_causal")
+    assert main(["inspect", str(art), "--sizes", "B=2,H=8,S=4096,T=4096"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "attention_causal_bwd_0" in x]
+    want = attention_bwd_workspace(2, 8, 4096, 128, 64)["total"][0]          # head dim 64: tile_m 128 on both
+    assert len(lines) == 2 and all(f"variants 0, 1, 2 in order (the attention backward's preprocess, main and "
+                                   f"postprocess kernels; {want} bytes of workspace)" in x for x in lines), lines
