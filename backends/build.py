@@ -61,8 +61,8 @@ _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 # a CuTe DSL entry's folder: its key, and for attention the sizes it was built for (`KEY-4096`)
 _KEYED_RE = re.compile(r"^[0-9a-f]{64}(-[0-9-]+)?$")
 # the kinds of cache entry and the folder under the root that holds each (nvcc's at the root itself;
-# the CuTe DSL backends' own: backends/cute/build.py, backends/cute/attention.py)
-ENTRY_KINDS = {"nvcc": "", "cute": "cute", "attention": "cute-attention"}
+# the CuTe DSL backends' own: backends/cute/build.py, backends/cute/attention.py, attention_bwd.py)
+ENTRY_KINDS = {"nvcc": "", "cute": "cute", "attention": "cute-attention", "attention_bwd": "cute-attention-bwd"}
 
 
 class BackendBuildError(KspecError):
@@ -379,7 +379,7 @@ class CompileCache:
                 "bytes": sum(b for _, b in by_kind.values()), "failed_logs": n_logs, "by_kind": by_kind}
 
     def clear(self) -> int:
-        """Remove every entry (nvcc, CuTe DSL, attention), failed-build log, lock and temp dir;
+        """Remove every entry (nvcc, CuTe DSL, attention and its backward), failed-build log, lock and temp dir;
         returns the entries removed (every kind).  Only kspec's own folders are touched, whatever else lives
         under the root (a tuning database stays).  What cannot be removed is a KspecError naming it."""
         n = 0
@@ -399,8 +399,8 @@ class CompileCache:
         if self.root.is_dir():
             for top in self.root.iterdir():
                 # emit/ and resources/ hold kspec.compile's memoised generated sources and cubin facts
-                if top.is_dir() and (top.name in ("logs", "locks", "tmp", "emit", "resources", "cute",
-                                                  "cute-attention")
+                if top.is_dir() and (top.name in ("logs", "locks", "tmp", "emit", "resources",
+                                                  *(f for f in ENTRY_KINDS.values() if f))
                                      or re.fullmatch(r"[0-9a-f]{2}", top.name)):
                     shutil.rmtree(top, **how)
         if failed:

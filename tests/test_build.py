@@ -209,7 +209,7 @@ def test_failure_raises_with_saved_log(fake_tc, cache):
 
 def test_info_and_clear(fake_tc, cache, tmp_path):
     assert cache.info() == {"root": str(cache.root), "entries": 0, "bytes": 0, "failed_logs": 0,
-                            "by_kind": {"nvcc": (0, 0), "cute": (0, 0), "attention": (0, 0)}}
+                            "by_kind": {"nvcc": (0, 0), "cute": (0, 0), "attention": (0, 0), "attention_bwd": (0, 0)}}
     r1 = cache.build(job(), fake_tc)
     cache.build(job(arch="sm100a"), fake_tc)
     info = cache.info()
@@ -220,13 +220,17 @@ def test_info_and_clear(fake_tc, cache, tmp_path):
     (cache.root / "cute" / "ab" / key / "kernel.cubin").write_bytes(b"x" * 100)
     (cache.root / "cute-attention" / "ab" / f"{key}-4096" / "sm100").mkdir(parents=True)
     (cache.root / "cute-attention" / "ab" / f"{key}-4096" / "sm100" / "kernel.cubin").write_bytes(b"y" * 30)
+    (cache.root / "cute-attention-bwd" / "ab" / key / "v1").mkdir(parents=True)
+    (cache.root / "cute-attention-bwd" / "ab" / key / "v1" / "kernel.cubin").write_bytes(b"z" * 7)
     (cache.root / "cute" / "ab" / "not-a-key").mkdir()
     info = cache.info()
     assert info["by_kind"]["cute"] == (1, 100) and info["by_kind"]["attention"] == (1, 30)
-    assert info["entries"] == 4 and info["bytes"] == info["by_kind"]["nvcc"][1] + 130
+    assert info["by_kind"]["attention_bwd"] == (1, 7)
+    assert info["entries"] == 5 and info["bytes"] == info["by_kind"]["nvcc"][1] + 137
     (cache.root / "unrelated.txt").write_text("keep me")
-    assert cache.clear() == 4
+    assert cache.clear() == 5
     assert not (cache.root / "cute").exists() and not (cache.root / "cute-attention").exists()
+    assert not (cache.root / "cute-attention-bwd").exists()
     assert cache.info()["entries"] == 0 and (cache.root / "unrelated.txt").exists()
     assert not (cache.root / "locks").exists()
 
