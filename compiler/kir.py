@@ -776,6 +776,12 @@ def format_ir(ir: KernelIR) -> str:
             lines.append("    storage: " + ", ".join(f"{n}[{', '.join(o)}]" for n, o in
                                                    zip((a.q_buffer, a.k_buffer, a.v_buffer, a.out_buffers[0],
                                                         a.lse), a.orders)))
+    if ir.attention_bwd is not None:
+        a = ir.attention_bwd
+        lines.append(f"  attention backward: Q={a.q_buffer} K={a.k_buffer} V={a.v_buffer} O={a.o_buffer} "
+                     f"dO={a.do_buffer} LSE={a.lse_buffer} ({a.dtype}) -> dQ={a.dq_buffer} dK={a.dk_buffer} "
+                     f"dV={a.dv_buffer} ({'/'.join(a.out_dtypes)}); {'causal, ' if a.causal else ''}scale "
+                     f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims))
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
@@ -857,6 +863,8 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
            "attention": _attention_to_json(ir.attention, plain, value) if ir.attention else None,
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
+    if ir.attention_bwd is not None:     # (only when present: other kernels keep the digests they had)
+        doc["attention_bwd"] = plain(ir.attention_bwd)
     if ir.epilogue is not None:
         doc["epilogue"] = {
             "stores": [{"name": s.name, "value": _epi_to_json(s.value), "dtype": s.dtype, "layout": s.layout}
@@ -924,4 +932,5 @@ def ir_from_json(d: dict) -> KernelIR:
         stores=tuple((n, b, tuple(l)) for n, b, l in d["stores"]),
         gemm=make(GemmStructure, d["gemm"]) if d.get("gemm") else None, epilogue=epi, attention=att,
         hints=tuple((a, make(ArchHint, h)) for a, h in d["hints"]),
-        row=make(RowStructure, d["row"]) if d.get("row") else None, anchor=d.get("anchor"), span=span(d.get("span")))
+        row=make(RowStructure, d["row"]) if d.get("row") else None, anchor=d.get("anchor"), span=span(d.get("span")),
+        attention_bwd=make(AttentionBwdStructure, d["attention_bwd"]) if d.get("attention_bwd") else None)

@@ -385,6 +385,10 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
     assert a.lse_buffer.endswith("lse") and (a.dq_buffer, a.dk_buffer, a.dv_buffer) == ("dQ", "dK", "dV")
     assert a.causal is causal and a.scale == "scale" and a.head_dim == d and a.dtype in ("f16", "bf16")
     assert {b for _, b, _ in ir.stores} == {"dQ", "dK", "dV"}
+    # the IR's JSON (its digest, `kspec lower --json`) and its printout carry the backward's structure
+    from kspec.compiler import format_ir, ir_from_json, ir_to_json
+    assert ir_from_json(ir_to_json(ir)) == ir and ir_from_json(ir_to_json(ir)).attention_bwd == a
+    assert f"attention backward: Q=Q K=K V=V O=O dO=dO LSE={a.lse_buffer}" in format_ir(ir)
     from kspec.backends.cute import attention_bwd
     assert attention_bwd.covered(ir, "sm90a") is None and attention_bwd.covered(ir, "sm100a") is None
 
