@@ -128,6 +128,71 @@ class Sm100Gemm:
             tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage * (1 + int(self.dual)))),
             arch=self.arch)
 
+    def _shared_storage(self, **extra):
+        """The kernel's shared-memory struct: the A/B and accumulator rings' full and empty barriers,
+        the TMEM allocator's, then `extra` (name: type) fields."""
+        fields = {"ab_bars": cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2],
+                  "acc_bars": cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2],
+                  "tmem_dealloc_mbar": cutlass.Int64,
+                  "tmem_holding_buf": cutlass.Int32, **extra}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def _pipelines(self, storage, cluster_layout_vmnk, ab_producers=1, ab_consumers=1, acc_consumers=4,
+                   two_cta=False):
+        """The A/B ring (TMA -> MMA warp; `ab_producers` arrivals fill a stage: the TMA load's, and
+        one per cp.async thread of a kernel with extra load warps), the accumulator ring (MMA warp
+        -> epilogue warps) and the TMEM allocator, on `storage`'s barriers; then the cluster's
+        barrier-init arrive (the kernel waits with pipeline_init_wait)."""
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_producers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_consumers),
+            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_consumers),
+            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        tmem = utils.TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
+            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=two_cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
+        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        return ab_pipe, acc_pipe, tmem
+
+    def _epilogue_begin(self, tmem, tCtAcc_fake):
+        """The epilogue warps' start: allocate the tensor memory, the accumulator ring's consumer
+        state, the TMA store ring of the staging buffers and the epilogue warps' named barrier.
+        Returns (tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar)."""
+        tmem.allocate(self.num_tmem_cols)
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+        acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
+        c_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+        epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+        return tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar
+
+    def _epilogue_copies(self, tidx, tCtAcc_base, tCgC_t, tCcC_t, sC, epi_tile, use_2cta):
+        """The epilogue's copies: TMEM -> registers (its partition of the accumulator, of the
+        coordinates `tCcC_t` and the register fragment), registers -> the shared staging buffers.
+        Returns (copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC)."""
+        tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
+        copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
+            self, tidx, tCtAcc_t, tCgC_t, epi_tile, use_2cta)
+        tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+        return copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC
+
+    def _epilogue_end(self, c_pipe, tmem, tmem_ptr):
+        """The epilogue warps' end: wait for the last TMA stores, free the tensor memory."""
+        c_pipe.producer_tail()
+        tmem.relinquish_alloc_permit()
+        tmem.free(tmem_ptr)
+
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, b2s=()):
@@ -231,32 +296,11 @@ class Sm100Gemm:
                          sync.routed_arrivals(shape, sync.acc_full_routes(shape), warps=1),
                          "1 tcgen05.commit of the MMA leader, to each CTA of the MMA")
 
-        @cute.struct
-        class SharedStorage:
-            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-            tmem_dealloc_mbar: cutlass.Int64
-            tmem_holding_buf: cutlass.Int32
-
         smem = utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_empty),
-            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True).make_participants()
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_empty),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = utils.TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
-            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=use_2cta,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        storage = smem.allocate(self._shared_storage())
+        ab_pipe, acc_pipe, tmem = self._pipelines(storage, cluster_layout_vmnk, ab_consumers=ab_empty,
+                                                  acc_consumers=acc_empty, two_cta=use_2cta)
+        ab_producer, ab_consumer = ab_pipe.make_participants()
 
         sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
                                   swizzle=a_smem_staged.inner)
@@ -388,23 +432,12 @@ class Sm100Gemm:
                     cute.arch.mbarrier_init(in_bar, sync.RESIDUAL_ARRIVALS)
                     cute.arch.mbarrier_init(in_bar + 1, sync.RESIDUAL_ARRIVALS)
                 cute.arch.mbarrier_init_fence()
-            tmem.allocate(self.num_tmem_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar = self._epilogue_begin(tmem, tCtAcc_fake)
             # partitions (the same for every tile)
             tCgC_t = transform_partitioned_tensor_layout(tCgC)
             tCcC_t = transform_partitioned_tensor_layout(tCcC)
-            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
-            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-                self, tidx, tCtAcc_t, tCgC_t, epi_tile, self.use_2cta_instrs)
-            tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+            copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC = self._epilogue_copies(
+                tidx, tCtAcc_base, tCgC_t, tCcC_t, sC, epi_tile, self.use_2cta_instrs)
             tRS_sAux = [copy_r2s.get_slice(tidx).partition_D(x) for x in sAux]
             aux_all = []
             for x in cutlass.range_constexpr(self.num_aux):
@@ -561,6 +594,4 @@ class Sm100Gemm:
                         red.flush(sRed[r], cute.size(sRed[r]), tidx, 128, m0 if along_n else n0,
                                   M if along_n else N, reds[r], mt[2], plans[r])
                     epi_bar.arrive_and_wait()
-            c_pipe.producer_tail()
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+            self._epilogue_end(c_pipe, tmem, tmem_ptr)

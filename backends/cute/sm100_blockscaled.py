@@ -19,9 +19,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
-                                      transform_partitioned_tensor_layout)
+from cutlass.pipeline import pipeline_init_wait
+from cutlass.utils.gemm.sm100 import (transform_partitioned_tensor_layout)
 
 from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 
@@ -82,32 +81,10 @@ class Sm100BlockScaledGemm(Sm100Gemm):
             cpasync.prefetch_descriptor(tma_c)
         tidx, _, _ = cute.arch.thread_idx()
 
-        @cute.struct
-        class SharedStorage:
-            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-            tmem_dealloc_mbar: cutlass.Int64
-            tmem_holding_buf: cutlass.Int32
-
         smem = utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True).make_participants()
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = utils.TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
-            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=False,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        storage = smem.allocate(self._shared_storage())
+        ab_pipe, acc_pipe, tmem = self._pipelines(storage, cluster_layout_vmnk)
+        ab_producer, ab_consumer = ab_pipe.make_participants()
 
         sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
                                   swizzle=a_smem_staged.inner)
@@ -187,22 +164,11 @@ class Sm100BlockScaledGemm(Sm100Gemm):
             sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout(
                 (self.mma_tiler[1] if kind in ROW_KINDS else self.mma_tiler[0],)), 128))
         if warp_idx < self.mma_warp_id:
-            tmem.allocate(self.num_tmem_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar = self._epilogue_begin(tmem, tCtAcc_fake)
             tCgC_t = transform_partitioned_tensor_layout(tCgC)
             tCcC_t = transform_partitioned_tensor_layout(tCcC)
-            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
-            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-                self, tidx, tCtAcc_t, tCgC_t, epi_tile, False)
-            tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+            copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC = self._epilogue_copies(
+                tidx, tCtAcc_base, tCgC_t, tCcC_t, sC, epi_tile, False)
             bSG_sC, bSG_gC_all = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
@@ -296,6 +262,4 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                         c_pipe.producer_commit()
                         c_pipe.producer_acquire()
                     epi_bar.arrive_and_wait()
-            c_pipe.producer_tail()
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+            self._epilogue_end(c_pipe, tmem, tmem_ptr)

@@ -14,9 +14,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
-                                      transform_partitioned_tensor_layout)
+from cutlass.pipeline import pipeline_init_wait
+from cutlass.utils.gemm.sm100 import (transform_partitioned_tensor_layout)
 
 from .sm90_grouped import group_rows, ragged_rows
 from .sm100 import Sm100Gemm
@@ -154,35 +153,13 @@ class Sm100GroupedGemm(Sm100Gemm):
             cpasync.prefetch_descriptor(tma_c)
         tidx, _, _ = cute.arch.thread_idx()
 
-        @cute.struct
-        class SharedStorage:
-            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-            tmem_dealloc_mbar: cutlass.Int64
-            tmem_holding_buf: cutlass.Int32
-
         smem = utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = smem.allocate(self._shared_storage())
         # a gathered A: the full barrier also counts one cp.async arrival per gather thread
-        ab_pipe = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 1 + (32 * len(self.gather_warps) if cutlass.const_expr(self.gather) else 0)),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True)
+        ab_pipe, acc_pipe, tmem = self._pipelines(
+            storage, cluster_layout_vmnk,
+            ab_producers=1 + (32 * len(self.gather_warps) if cutlass.const_expr(self.gather) else 0))
         ab_producer, ab_consumer = ab_pipe.make_participants()
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = utils.TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
-            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=False,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
         sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
                                   swizzle=a_smem_staged.inner)
@@ -270,26 +247,15 @@ class Sm100GroupedGemm(Sm100Gemm):
             sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout(
                 (self.mma_tiler[1] if "row" in kind else self.mma_tiler[0],)), 128))
         if warp_idx < self.mma_warp_id:
-            tmem.allocate(self.num_tmem_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar = self._epilogue_begin(tmem, tCtAcc_fake)
             # the partitions of one tile (coordinates local to the tile; the same for every tile)
             cT = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor((*tile_mn, 1)), tile_mn,
                                                      (None, None, None)))
             tCcT_t = transform_partitioned_tensor_layout(cT)
-            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
-            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-                self, tidx, tCtAcc_t, tCcT_t, epi_tile, False)
-            tTR_cT = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcT_t, epi_tile))
+            copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cT, copy_r2s, tRS_rC, tRS_sC = self._epilogue_copies(
+                tidx, tCtAcc_base, tCcT_t, tCcT_t, sC, epi_tile, False)
             tTR_cT = tTR_cT[(None, None, None, None, None, 0, 0, 0)]
             tTR_cT = cute.group_modes(tTR_cT, 3, cute.rank(tTR_cT))
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
             rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.epi_dtype) for _ in self.input_kinds]
             n_v = cute.size(tTR_rAcc)
             stored = cutlass.Int32(0)            # sub-tiles stored so far: the staging buffer ring's position
@@ -351,6 +317,4 @@ class Sm100GroupedGemm(Sm100Gemm):
                         acc_pipe.consumer_release(acc_cons)
                     acc_cons.advance()
                     stored = stored + n_sub
-            c_pipe.producer_tail()
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+            self._epilogue_end(c_pipe, tmem, tmem_ptr)
