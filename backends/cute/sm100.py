@@ -194,6 +194,43 @@ class Sm100Gemm:
         tmem.free(tmem_ptr)
 
     @cute.jit
+    def _stage_vectors(self, sIn, inputs, tidx, m0, n0, M, N, batch):
+        """Stage an MMA tile's slices of the row/column vector inputs in shared memory (coalesced:
+        the 128 epilogue threads stride over the tile's columns/rows; reads clamped to the last
+        row/column).  The caller syncs the epilogue warps before the values are read."""
+        for j in cutlass.range_constexpr(len(self.input_kinds)):
+            if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
+                for i in range(tidx, self.mma_tiler[1], 128):
+                    sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), batch)].to(
+                        self.epi_dtype)
+            elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
+                for i in range(tidx, self.mma_tiler[0], 128):
+                    sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), batch)].to(
+                        self.epi_dtype)
+
+    @cute.jit
+    def _store_subtile(self, values, count, s: cutlass.Constexpr, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx,
+                       tma_c, bSG_sC, bSG_gC, c_pipe, tRS_sAux=(), aux_atoms=(), aux_dst=()):
+        """Store sub-tile s of a tile: the epilogue's values (D, then the auxiliary outputs) to the
+        staging buffer of the `count`-th sub-tile of the store ring, then one elected warp's TMA
+        stores of it (the epilogue warps sync before and after)."""
+        tRS_rC.store(values[0].to(self.c_dtype))
+        buf = sync.ring_index(count, self.num_c_stage)
+        cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+        for x in cutlass.range_constexpr(self.num_aux):
+            tRS_rC.store(values[1 + x].to(self.c_dtype))
+            cute.copy(copy_r2s, tRS_rC, tRS_sAux[x][(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_bar.arrive_and_wait()
+        if warp_idx == self.epilogue_warp_id[0]:
+            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
+            for x in cutlass.range_constexpr(self.num_aux):
+                cute.copy(aux_atoms[x], aux_dst[x][0][(None, buf)], aux_dst[x][1][(None, s)])
+            c_pipe.producer_commit()
+            c_pipe.producer_acquire()
+        epi_bar.arrive_and_wait()
+
+    @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, b2s=()):
         self.a_dtype = a.element_type
@@ -513,15 +550,7 @@ class Sm100Gemm:
                 m0 = mt[0] * self.mma_tiler[0]
                 n0 = mt[1] * self.mma_tiler[1]
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
-                    for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
-                            for i in range(tidx, self.mma_tiler[1], 128):
-                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), mt[2])].to(
-                                    self.epi_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
-                            for i in range(tidx, self.mma_tiler[0], 128):
-                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), mt[2])].to(
-                                    self.epi_dtype)
+                    self._stage_vectors(sIn, inputs, tidx, m0, n0, M, N, mt[2])
                     epi_bar.arrive_and_wait()
                 # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
                 # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
@@ -568,21 +597,8 @@ class Sm100Gemm:
                         copy_r2s.retile(rRed).store(values[1 + self.num_aux + r])
                         red.reduce_subtile(rRed, tTR_cC[(None, None, None, s)], 0, 0, M, N,
                                            m0 if self.reductions[r][1] != "m" else n0, sRed[r], plans[r])
-                    tRS_rC.store(values[0].to(self.c_dtype))
-                    buf = sync.ring_index(prev + s, self.num_c_stage)
-                    cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                    for x in cutlass.range_constexpr(self.num_aux):
-                        tRS_rC.store(values[1 + x].to(self.c_dtype))
-                        cute.copy(copy_r2s, tRS_rC, tRS_sAux[x][(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_bar.arrive_and_wait()
-                    if warp_idx == self.epilogue_warp_id[0]:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                        for x in cutlass.range_constexpr(self.num_aux):
-                            cute.copy(aux_atoms[x], aux_dst[x][0][(None, buf)], aux_dst[x][1][(None, s)])
-                        c_pipe.producer_commit()
-                        c_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
+                    self._store_subtile(values, prev + s, s, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx, tma_c,
+                                        bSG_sC, bSG_gC, c_pipe, tRS_sAux, aux_atoms, aux_dst)
                 epi_bar.arrive_and_wait()
                 with cute.arch.elect_one():
                     acc_pipe.consumer_release(acc_cons)

@@ -302,16 +302,8 @@ class Sm100GroupedGemm(Sm100Gemm):
                                         rIn[j][e] = sIn[j][ln]
                         values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                              tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
-                        tRS_rC.store(values[0].to(self.c_dtype))
-                        buf = (stored + s) % self.num_c_stage
-                        cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_bar.arrive_and_wait()
-                        if warp_idx == self.epilogue_warp_id[0]:
-                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                            c_pipe.producer_commit()
-                            c_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
+                        self._store_subtile(values, stored + s, s, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx, tma_c, bSG_sC,
+                                            bSG_gC, c_pipe)
                     epi_bar.arrive_and_wait()
                     with cute.arch.elect_one():
                         acc_pipe.consumer_release(acc_cons)

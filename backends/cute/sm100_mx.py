@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_wait
 from cutlass.utils.gemm.sm100 import (transform_partitioned_tensor_layout)
 
-from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
+from kspec.backends.cute.epilogue import ROW_KINDS
 from kspec.core import KspecInternalError
 
 from .sm100 import Sm100Gemm
@@ -344,13 +344,7 @@ class Sm100MxGemm(Sm100Gemm):
                 m0 = tc[0] * self.mma_tiler[0]
                 n0 = tc[1] * self.mma_tiler[1]
                 if cutlass.const_expr(len(self.input_kinds) > 0):
-                    for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
-                            for i in range(tidx, self.mma_tiler[1], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.epi_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
-                            for i in range(tidx, self.mma_tiler[0], 128):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.epi_dtype)
+                    self._stage_vectors(sIn, inputs, tidx, m0, n0, M, N, tc[2])
                     epi_bar.arrive_and_wait()
                 for s in cutlass.range_constexpr(n_sub):
                     cute.copy(copy_t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
@@ -365,16 +359,8 @@ class Sm100MxGemm(Sm100Gemm):
                                     rIn[j][e] = sIn[j][m - m0]
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
-                    tRS_rC.store(values[0].to(self.c_dtype))
-                    buf = (prev + s) % self.num_c_stage
-                    cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_bar.arrive_and_wait()
-                    if warp_idx == self.epilogue_warp_id[0]:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                        c_pipe.producer_commit()
-                        c_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
+                    self._store_subtile(values, prev + s, s, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx, tma_c, bSG_sC,
+                                        bSG_gC, c_pipe)
                 epi_bar.arrive_and_wait()
                 with cute.arch.elect_one():
                     acc_pipe.consumer_release(acc_cons)
