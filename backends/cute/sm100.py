@@ -230,6 +230,54 @@ class Sm100Gemm:
             c_pipe.producer_acquire()
         epi_bar.arrive_and_wait()
 
+    def _views_1cta(self, tiled_mma, tma_a, mA, tma_b, mB, mC_tma, mC, sA, sB):
+        """A 1-CTA, cluster 1x1 kernel's tiles and partitions: the TMA partitions of A and B (per
+        tile and K tile), the MMA fragments of their stages, the partitions of D and of its
+        coordinates, and the accumulator layout (all its TMEM stages).  Returns (tile_mn, k_tiles,
+        thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB, tCtAcc_fake)."""
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+        thr_mma = tiled_mma.get_slice(0)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
+                                           cute.group_modes(thr_mma.partition_A(gA), 0, 3))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 3),
+                                           cute.group_modes(thr_mma.partition_B(gB), 0, 3))
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        return tile_mn, k_tiles, thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB, tCtAcc_fake
+
+    @cute.jit
+    def _tma_warp_1cta(self, warp_idx, work, sched, ab_producer, k_tiles, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB):
+        """The TMA warp of a 1-CTA, cluster 1x1 kernel: per tile and K tile, A's and B's tiles into
+        the next stage of the A/B ring.  Returns the work tile, the scheduler and the ring's producer
+        as the loop leaves them (the kernel goes on with these, as with a loop of its own)."""
+        if warp_idx == self.tma_warp_id:
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                tAgA_t = tAgA[None, tc[0], None, tc[2]]
+                tBgB_t = tBgB[None, tc[1], None, tc[2]]
+                ab_producer.reset()
+                peek = ab_producer.try_acquire()
+                for k in cutlass.range(0, k_tiles, 1, unroll=1):
+                    h = ab_producer.acquire_and_advance(peek)
+                    cute.copy(tma_a, tAgA_t[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier)
+                    cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier)
+                    peek = cutlass.Boolean(1)
+                    if h.count + 1 < k_tiles:
+                        peek = ab_producer.try_acquire()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_producer.tail()
+        return work, sched, ab_producer
+
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, b2s=()):

@@ -90,45 +90,15 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                                   swizzle=a_smem_staged.inner)
         sB = smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
                                   swizzle=b_smem_staged.inner)
-        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
-        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
-        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
-        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
-        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
-        k_tiles = cute.size(gA, mode=[3])
-        thr_mma = tiled_mma.get_slice(0)
-        tCgC = thr_mma.partition_C(gC)
-        tCcC = thr_mma.partition_C(cC)
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
-                                           cute.group_modes(thr_mma.partition_A(gA), 0, 3))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 3),
-                                           cute.group_modes(thr_mma.partition_B(gB), 0, 3))
-        tCrA = tiled_mma.make_fragment_A(sA)
-        tCrB = tiled_mma.make_fragment_B(sB)
-        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        (tile_mn, k_tiles, thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB,
+         tCtAcc_fake) = self._views_1cta(tiled_mma, tma_a, mA, tma_b, mB, mC_tma, mC, sA, sB)
         pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                            cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
-        if warp_idx == self.tma_warp_id:
-            while work.is_valid_tile:
-                tc = work.tile_idx
-                tAgA_t = tAgA[None, tc[0], None, tc[2]]
-                tBgB_t = tBgB[None, tc[1], None, tc[2]]
-                ab_producer.reset()
-                peek = ab_producer.try_acquire()
-                for k in cutlass.range(0, k_tiles, 1, unroll=1):
-                    h = ab_producer.acquire_and_advance(peek)
-                    cute.copy(tma_a, tAgA_t[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier)
-                    cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier)
-                    peek = cutlass.Boolean(1)
-                    if h.count + 1 < k_tiles:
-                        peek = ab_producer.try_acquire()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            ab_producer.tail()
+        work, sched, ab_producer = self._tma_warp_1cta(warp_idx, work, sched, ab_producer, k_tiles, tma_a, tAgA,
+                                                       tAsA, tma_b, tBgB, tBsB)
 
         if warp_idx == self.mma_warp_id:
             # one accumulation per K tile (= scale block), each into the next TMEM accumulator buffer
