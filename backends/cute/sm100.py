@@ -193,6 +193,31 @@ class Sm100Gemm:
         tmem.relinquish_alloc_permit()
         tmem.free(tmem_ptr)
 
+    def _epilogue_smem(self, smem, c_smem_staged, inputs):
+        """The epilogue's shared memory: the staging buffers of D and of each auxiliary output, and
+        each input's: an MMA tile's slice of a row vector (along N: ROW_KINDS) or of any other
+        vector (along M), a full input's double-buffered sub-tiles.  Returns (sC, sAux, sIn, number
+        of full inputs, bytes of one sub-tile of all full inputs)."""
+        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                  swizzle=c_smem_staged.inner)
+        sAux = [smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                     swizzle=c_smem_staged.inner) for _ in range(self.num_aux)]
+        sIn = []
+        n_full = 0
+        full_bytes = 0
+        em, en = self.epi_mn
+        for j, kind in enumerate(self.input_kinds):
+            if kind in ROW_KINDS:
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
+            elif kind != "full":
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
+            else:
+                sIn.append(smem.allocate_tensor(inputs[j].element_type,
+                                                cute.make_layout((em, en, sync.RESIDUAL_STAGES), stride=(en, 1, em * en)), 128))
+                n_full += 1
+                full_bytes += em * en * inputs[j].element_type.width // 8
+        return sC, sAux, sIn, n_full, full_bytes
+
     @cute.jit
     def _stage_vectors(self, sIn, inputs, tidx, m0, n0, M, N, batch):
         """Stage an MMA tile's slices of the row/column vector inputs in shared memory (coalesced:
@@ -488,25 +513,10 @@ class Sm100Gemm:
                 work = sched.get_current_work()
             acc_pipe.producer_tail(acc_prod)
 
-        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
-                                  swizzle=c_smem_staged.inner)
-        sAux = [smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
-                                     swizzle=c_smem_staged.inner) for _ in range(self.num_aux)]
-        # shared-memory staging of the epilogue inputs and the barrier of their TMA loads
-        sIn = []
-        n_full = 0
-        full_bytes = 0
+        # the staging buffers of D and the auxiliary outputs, the epilogue inputs' shared memory (and
+        # below, the barrier of the full inputs' TMA loads)
+        sC, sAux, sIn, n_full, full_bytes = self._epilogue_smem(smem, c_smem_staged, inputs)
         em, en = self.epi_mn
-        for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind in ROW_KINDS):
-                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
-            elif cutlass.const_expr(kind in COL_KINDS):
-                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
-            else:
-                sIn.append(smem.allocate_tensor(inputs[j].element_type,
-                                                cute.make_layout((em, en, sync.RESIDUAL_STAGES), stride=(en, 1, em * en)), 128))
-                n_full += 1
-                full_bytes += em * en * inputs[j].element_type.width // 8
         # reductions: one f32 per MMA-tile row (column), combined into global memory once per tile
         sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.mma_tiler[0 if axis != "m" else 1],)), 128)
                 for _op, axis in self.reductions]

@@ -280,12 +280,7 @@ class Sm100MxGemm(Sm100Gemm):
                 work = sched.get_current_work()
             acc_pipe.producer_tail(acc_prod)
 
-        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
-                                  swizzle=c_smem_staged.inner)
-        sIn = []
-        for j, kind in enumerate(self.input_kinds):
-            sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout(
-                (self.mma_tiler[1] if kind in ROW_KINDS else self.mma_tiler[0],)), 128))
+        sC, _aux, sIn, _n_full, _full_bytes = self._epilogue_smem(smem, c_smem_staged, inputs)
         if warp_idx < self.mma_warp_id:
             tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar = self._epilogue_begin(tmem, tCtAcc_fake)
             tCgC_t = transform_partitioned_tensor_layout(tCgC)
