@@ -1,7 +1,7 @@
 """kspec's grouped (MoE) GEMM for sm_100a on the CuTe DSL: sm90_grouped.py's scheme on Sm100Gemm's
 pipeline (one TMA warp, one tcgen05 MMA warp with the accumulator double-buffered in tensor memory,
 four epilogue warps).  Rows of A and D packed by group (`packed(off)`), B one [N, K] matrix per group;
-row slots map to (group, m-tile) by a scan of the offsets (`Sm90GroupedGemm._locate`'s rule); A is
+row slots map to (group, m-tile) by a scan of the offsets (sm90_grouped.locate); A is
 loaded by TMA from the group's first row, D stored through the ragged TMA view (sm90_grouped.py) that
 clips each group's last tile; 1-CTA UMMA, clusters 1x1; epilogue vectors per group ("row_batched")
 and per packed row ("col_packed").
@@ -17,7 +17,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_wait
 from cutlass.utils.gemm.sm100 import (transform_partitioned_tensor_layout)
 
-from .sm90_grouped import group_rows, ragged_rows
+from .sm90_grouped import group_rows, locate, ragged_rows
 from .sm100 import Sm100Gemm
 
 
@@ -33,23 +33,8 @@ class Sm100GroupedGemm(Sm100Gemm):
         if gather:
             self.threads_per_cta = 32 * 10
 
-    def _vector_coord(self, j, i, batch):
-        return (i, batch) if self.input_kinds[j] == "row_batched" else i
-
-    @cute.jit
     def _locate(self, offsets: cute.Tensor, slot, num_groups):
-        """(group, m-tile in the group) of row slot `slot`; group -1 past the last m-tile."""
-        tm = self.mma_tiler[0]
-        grp = cutlass.Int32(-1)
-        mt = cutlass.Int32(0)
-        before = cutlass.Int32(0)
-        for e in range(num_groups):
-            tiles = (offsets[e + 1] - offsets[e] + tm - 1) // tm
-            if (slot >= before) & (slot < before + tiles):
-                grp = e
-                mt = slot - before
-            before = before + tiles
-        return grp, mt
+        return locate(offsets, slot, num_groups, self.mma_tiler[0])
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, offsets: cute.Tensor, inputs, scalars,

@@ -4,7 +4,7 @@ one [N, K] matrix per group (an expert's weights, `W[e, f, d]`).  One persistent
 group: Sm90Gemm's warp-specialised TMA + WGMMA pipeline and generated epilogue, with
 
 - a tile space of (ceil(rows / tm) + L) row slots x ceil(N / tn) column tiles: slot s is m-tile i of
-  group l when the groups before l have s - i m-tiles in all (`_locate`, a scan of the offsets each
+  group l when the groups before l have s - i m-tiles in all (`locate`, a scan of the offsets each
   warp does per tile); slots past the last m-tile are skipped by every warp alike, so the pipelines
   stay in step;
 - A loaded by TMA from the packed array at row off[l] + i * tm (a coordinate offset, as QuACK's and
@@ -50,6 +50,22 @@ def group_rows(t_tma: cute.Tensor, offset, length) -> cute.Tensor:
     return cute.domain_offset((RAGGED_ROWS - length, None), t_tma[None, None, offset + length])
 
 
+@cute.jit
+def locate(offsets: cute.Tensor, slot, num_groups, tm: cutlass.Constexpr):
+    """(group, m-tile in the group) of row slot `slot` with m-tiles of tm rows; group -1 past the
+    last m-tile (the grouped kernels of both archs map their row slots by this scan)."""
+    grp = cutlass.Int32(-1)
+    mt = cutlass.Int32(0)
+    before = cutlass.Int32(0)
+    for e in range(num_groups):
+        tiles = (offsets[e + 1] - offsets[e] + tm - 1) // tm
+        if (slot >= before) & (slot < before + tiles):
+            grp = e
+            mt = slot - before
+        before = before + tiles
+    return grp, mt
+
+
 class Sm90GroupedGemm(Sm90Gemm):
     """tile_mn: CTA tile; input_kinds: GROUPED_KINDS or "scalar"-free vector kinds of the epilogue."""
 
@@ -62,23 +78,8 @@ class Sm90GroupedGemm(Sm90Gemm):
             self.load_regs = 56
             self.mma_regs = 224
 
-    def _vector_coord(self, j, i, batch):
-        return (i, batch) if self.input_kinds[j] == "row_batched" else i
-
-    @cute.jit
     def _locate(self, offsets: cute.Tensor, slot, num_groups):
-        """(group, m-tile in the group) of row slot `slot`; group -1 past the last m-tile."""
-        tm = self.tile_shape_mnk[0]
-        grp = cutlass.Int32(-1)
-        mt = cutlass.Int32(0)
-        before = cutlass.Int32(0)
-        for e in range(num_groups):
-            tiles = (offsets[e + 1] - offsets[e] + tm - 1) // tm
-            if (slot >= before) & (slot < before + tiles):
-                grp = e
-                mt = slot - before
-            before = before + tiles
-        return grp, mt
+        return locate(offsets, slot, num_groups, self.tile_shape_mnk[0])
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
