@@ -303,9 +303,8 @@ class Sm100Gemm:
             ab_producer.tail()
         return work, sched, ab_producer
 
-    @cute.jit
-    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream, b2s=()):
+    def _operand_types(self, a, b, c, inputs):
+        """Trace time: the operands' and D's element types and layouts, the epilogue inputs' widths."""
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = c.element_type
@@ -313,6 +312,32 @@ class Sm100Gemm:
         self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
         self.c_layout = utils.LayoutEnum.from_tensor(c)
         self.input_widths = tuple(t.element_type.width for t in inputs)
+
+    def _tma_atoms_1cta(self, tiled_mma, a, b, c, max_active_clusters):
+        """Trace time, a 1-CTA cluster-1x1 kernel: the TMA atoms (and coordinate tensors) of A's and
+        B's stages and of D's staging buffer, the bytes one stage's loads bring, and the persistent
+        scheduler's parameters and grid.  Returns (tma_a, gA, tma_b, gB, tma_c, gC, sched, grid)."""
+        a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
+        b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
+        tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100_utils.cluster_shape_to_tma_atom_A((1, 1), tiled_mma.thr_id), a, a_smem, self.mma_tiler, tiled_mma,
+            self.cluster_layout_vmnk.shape)
+        tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B((1, 1), tiled_mma.thr_id), b, b_smem, self.mma_tiler, tiled_mma,
+            self.cluster_layout_vmnk.shape)
+        self.num_tma_load_bytes = cute.size_in_bytes(self.a_dtype, a_smem) + cute.size_in_bytes(self.b_dtype, b_smem)
+        tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
+                                                cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
+        ntiles = cute.zipped_divide(c, tiler=cute.slice_(self.cta_tile_shape_mnk, (None, None, 0)))[
+            0, (None, None, None)].shape
+        sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        return tma_a, gA, tma_b, gB, tma_c, gC, sched, grid
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
+                 max_active_clusters: cutlass.Int32, stream, b2s=()):
+        self._operand_types(a, b, c, inputs)
         # `auxes`: the auxiliary outputs, then the reduction outputs
         self.num_aux = len(auxes) - len(self.reductions)
         reds = tuple(auxes[self.num_aux:])

@@ -17,7 +17,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_wait
 from cutlass.utils.gemm.sm100 import (transform_partitioned_tensor_layout)
@@ -39,31 +38,11 @@ class Sm100BlockScaledGemm(Sm100Gemm):
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, b2s=(), scale_ts=()):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
-        self.c_dtype = c.element_type
-        self.a_major = utils.LayoutEnum.from_tensor(a).mma_major_mode()
-        self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
-        self.input_widths = tuple(t.element_type.width for t in inputs)
+        self._operand_types(a, b, c, inputs)
         self.num_aux = 0
         tiled_mma = self._tiled_mma()
         self._setup()
-        a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
-        b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
-        tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100_utils.cluster_shape_to_tma_atom_A((1, 1), tiled_mma.thr_id), a, a_smem, self.mma_tiler, tiled_mma,
-            self.cluster_layout_vmnk.shape)
-        tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100_utils.cluster_shape_to_tma_atom_B((1, 1), tiled_mma.thr_id), b, b_smem, self.mma_tiler, tiled_mma,
-            self.cluster_layout_vmnk.shape)
-        self.num_tma_load_bytes = cute.size_in_bytes(self.a_dtype, a_smem) + cute.size_in_bytes(self.b_dtype, b_smem)
-        tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
-                                                cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
-        ntiles = cute.zipped_divide(c, tiler=cute.slice_(self.cta_tile_shape_mnk, (None, None, 0)))[
-            0, (None, None, None)].shape
-        sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        tma_a, gA, tma_b, gB, tma_c, gC, sched, grid = self._tma_atoms_1cta(tiled_mma, a, b, c, max_active_clusters)
         self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, inputs, scalars, scale_ts, self.cluster_layout_vmnk,
                     self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), stream=stream)

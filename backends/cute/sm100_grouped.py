@@ -39,13 +39,7 @@ class Sm100GroupedGemm(Sm100Gemm):
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, rows=None):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
-        self.c_dtype = c.element_type
-        self.a_major = utils.LayoutEnum.from_tensor(a).mma_major_mode()
-        self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
-        self.input_widths = tuple(t.element_type.width for t in inputs)
+        self._operand_types(a, b, c, inputs)
         self.num_aux = 0
         tiled_mma = self._tiled_mma()
         self._setup()
