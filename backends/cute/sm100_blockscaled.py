@@ -147,20 +147,7 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                     racc[s].fill(0.0)
                 for k in range(k_tiles):
                     # this K block's scales (loaded before waiting for its accumulation)
-                    sb = cutlass.Float32(1.0)
-                    rs = cute.make_rmem_tensor(len(plan.deltas), cutlass.Float32)
-                    for i in cutlass.range_constexpr(len(plan.deltas)):
-                        rs[i] = cutlass.Float32(1.0)
-                    for j in cutlass.range_constexpr(len(self.scales)):
-                        operand, block_mn, order = self.scales[j]
-                        if cutlass.const_expr(operand == "b"):
-                            blk = n0 // block_mn
-                            sb = sb * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
-                        else:
-                            for i in cutlass.range_constexpr(len(plan.deltas)):
-                                blk = cutlass.min(m0 + row0 + plan.deltas[i], M - 1) // block_mn
-                                rs[i] = rs[i] * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(
-                                    cutlass.Float32)
+                    rs, sb = bsc.k_block_scales(self.scales, scale_ts, plan, k, m0, n0, row0, M)
                     acc_pipe.consumer_wait(acc_cons)
                     tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cons.index)]
                     tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))

@@ -29,6 +29,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from kspec.core import KspecInternalError
 
+from . import blockscale as bsc
 from . import reduce as red
 from . import sync
 
@@ -298,19 +299,7 @@ class Sm90Gemm:
                 cute.gemm(tiled_mma, tmp, tCrA[crd], tCrB[crd], tmp)
             cute.nvgpu.warpgroup.commit_group()
             # the scales of this K block, loaded while the WGMMAs run
-            sb = cutlass.Float32(1.0)
-            rs = cute.make_rmem_tensor(len(plan.deltas), cutlass.Float32)
-            for i in cutlass.range_constexpr(len(plan.deltas)):
-                rs[i] = cutlass.Float32(1.0)
-            for j in cutlass.range_constexpr(len(self.scales)):
-                operand, block_mn, order = self.scales[j]
-                if cutlass.const_expr(operand == "b"):
-                    blk = n0 // block_mn
-                    sb = sb * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
-                else:
-                    for i in cutlass.range_constexpr(len(plan.deltas)):
-                        blk = cutlass.min(m0 + row0 + plan.deltas[i], M - 1) // block_mn
-                        rs[i] = rs[i] * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+            rs, sb = bsc.k_block_scales(self.scales, scale_ts, plan, k, m0, n0, row0, M)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipe.consumer_release(read)
             read.advance()
@@ -478,7 +467,6 @@ class Sm90Gemm:
             tmp = tRS_rTmp = bs_plan = bs_row0 = None
             if cutlass.const_expr(len(self.scales) > 0):
                 # block scales: the K tile's product goes into tmp, then acc += tmp * scales
-                from . import blockscale as bsc
                 tmp = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
                 tRS_rTmp = copy_r2s.retile(tmp)
                 ident = cute.make_identity_tensor(self.epi_tile)
