@@ -218,6 +218,23 @@ class Sm100Gemm:
                 full_bytes += em * en * inputs[j].element_type.width // 8
         return sC, sAux, sIn, n_full, full_bytes
 
+    def _gather_inputs(self, rIn, sIn, tTR_cC_s, n_v, m0, n0, full_at=None):
+        """Trace-time loops: each of this thread's n_v values of a sub-tile (coordinates tTR_cC_s)
+        takes its epilogue inputs from shared memory into rIn: row vectors at n - n0, other vectors
+        at m - m0 (the tile's origin), full inputs from the sub-tile buffer `full_at` = (sub-tile
+        origin m, origin n, buffer)."""
+        for e in range(n_v):
+            m, n, _l = tTR_cC_s[e]
+            for j in range(len(self.input_kinds)):
+                kind = self.input_kinds[j]
+                if kind in ROW_KINDS:
+                    rIn[j][e] = sIn[j][n - n0]
+                elif kind != "full":
+                    rIn[j][e] = sIn[j][m - m0]
+                else:
+                    sm0, sn0, buf = full_at
+                    rIn[j][e] = sIn[j][m - sm0, n - sn0, buf].to(self.epi_dtype)
+
     @cute.jit
     def _stage_vectors(self, sIn, inputs, tidx, m0, n0, M, N, batch):
         """Stage an MMA tile's slices of the row/column vector inputs in shared memory (coalesced:
@@ -662,17 +679,8 @@ class Sm100Gemm:
                         sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
                         if cutlass.const_expr(n_full > 0):
                             cute.arch.mbarrier_wait(in_bar + sync.ring_index(g, sync.RESIDUAL_STAGES), sync.ring_phase(g, sync.RESIDUAL_STAGES))
-                        for e in cutlass.range_constexpr(n_v):
-                            m, n, l = tTR_cC_s[e]
-                            for j in cutlass.range_constexpr(len(self.input_kinds)):
-                                kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind in ROW_KINDS):
-                                    rIn[j][e] = sIn[j][n - n0]
-                                elif cutlass.const_expr(kind in COL_KINDS):
-                                    rIn[j][e] = sIn[j][m - m0]
-                                else:
-                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(
-                                        self.epi_dtype)
+                        self._gather_inputs(rIn, sIn, tTR_cC_s, n_v, m0, n0,
+                                            (sm0, sn0, sync.ring_index(g, sync.RESIDUAL_STAGES)))
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars,
                                          *(copy_r2s.retile(r).load() for r in tTR_rAcc2))

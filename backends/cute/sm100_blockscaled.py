@@ -19,9 +19,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_wait
-from cutlass.utils.gemm.sm100 import (transform_partitioned_tensor_layout)
-
-from kspec.backends.cute.epilogue import ROW_KINDS
+from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
 
 from . import blockscale as bsc
 from . import reduce as red
@@ -168,13 +166,7 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                 for s in cutlass.range_constexpr(n_sub):
                     if cutlass.const_expr(len(self.input_kinds) > 0):
                         tTR_cC_s = tTR_cC[(None, None, None, s)]
-                        for e in cutlass.range_constexpr(n_v):
-                            m, n, _l2 = tTR_cC_s[e]
-                            for j in cutlass.range_constexpr(len(self.input_kinds)):
-                                if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
-                                    rIn[j][e] = sIn[j][n - n0]
-                                else:
-                                    rIn[j][e] = sIn[j][m - m0]
+                        self._gather_inputs(rIn, sIn, tTR_cC_s, n_v, m0, n0)
                     values = self.epi_fn(copy_r2s.retile(racc[s]).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
                     self._store_subtile(values, prev + s, s, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx, tma_c, bSG_sC,

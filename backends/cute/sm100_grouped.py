@@ -15,7 +15,7 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.pipeline import pipeline_init_wait
-from cutlass.utils.gemm.sm100 import (transform_partitioned_tensor_layout)
+from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
 
 from .sm90_grouped import group_rows, locate, ragged_rows
 from .sm100 import Sm100Gemm
