@@ -8,6 +8,10 @@ row/column reductions of epilogue values combined per tile and written with atom
 
 Built only from the DSL wheel's building blocks (`cutlass.utils.sm100`, `cutlass.utils.gemm.sm100`
 partition helpers, pipelines, TMEM allocator).  Same tensor and epilogue conventions as `sm90.py`.
+Sm100Gemm's methods are also the building blocks the other sm_100a GEMM kernels (sm100_blockscaled,
+sm100_mx, sm100_grouped) share: the shared-memory struct, pipelines and TMEM allocator, a 1-CTA
+kernel's TMA atoms, tile views and TMA warp, and the epilogue warps' setup, input staging and
+sub-tile stores.
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/
 Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
 epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L);
 outputs after D: the auxiliary outputs (like D), then the reduction outputs ((M, L) or (N, L), see reduce.py).
+The grouped kernel (sm90_grouped.py) shares Sm90Gemm's shared-memory struct, epilogue copies, barrier,
+store ring and sub-tile stores (its methods).
 """
 from __future__ import annotations
 
