@@ -276,17 +276,32 @@ class Sm100Gemm:
             c_pipe.producer_acquire()
         epi_bar.arrive_and_wait()
 
-    def _views_1cta(self, tiled_mma, tma_a, mA, tma_b, mB, mC_tma, mC, sA, sB):
-        """A 1-CTA, cluster 1x1 kernel's tiles and partitions: the TMA partitions of A and B (per
-        tile and K tile), the MMA fragments of their stages, the partitions of D and of its
-        coordinates, and the accumulator layout (all its TMEM stages).  Returns (tile_mn, k_tiles,
-        thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB, tCtAcc_fake)."""
+    def _tiles(self, mA, mB, mC_tma, mC):
+        """The MMA tiles of A, B and D (D's TMA coordinates and its coordinates), and the K tiles.
+        Returns (gA, gB, tile_mn, gC, cC, k_tiles)."""
         gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
         tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
         gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
         cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
         k_tiles = cute.size(gA, mode=[3])
+        return gA, gB, tile_mn, gC, cC, k_tiles
+
+    @cute.jit
+    def _prefetch_descriptors(self, warp_idx, tma_a, tma_b, tma_c):
+        """The TMA warp prefetches the TMA descriptors (tma_a None: A is not loaded by TMA)."""
+        if warp_idx == self.tma_warp_id:
+            if cutlass.const_expr(tma_a is not None):
+                cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+
+    def _views_1cta(self, tiled_mma, tma_a, mA, tma_b, mB, mC_tma, mC, sA, sB):
+        """A 1-CTA, cluster 1x1 kernel's tiles and partitions: the TMA partitions of A and B (per
+        tile and K tile), the MMA fragments of their stages, the partitions of D and of its
+        coordinates, and the accumulator layout (all its TMEM stages).  Returns (tile_mn, k_tiles,
+        thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB, tCtAcc_fake)."""
+        gA, gB, tile_mn, gC, cC, k_tiles = self._tiles(mA, mB, mC_tma, mC)
         thr_mma = tiled_mma.get_slice(0)
         tCgC = thr_mma.partition_C(gC)
         tCcC = thr_mma.partition_C(cC)
@@ -420,10 +435,7 @@ class Sm100Gemm:
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: utils.PersistentTileSchedulerParams):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == self.tma_warp_id:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_c)
+        self._prefetch_descriptors(warp_idx, tma_a, tma_b, tma_c)
         use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
         v = cute.size(tiled_mma.thr_id.shape)
         bidx, _, _ = cute.arch.block_idx()
@@ -469,12 +481,7 @@ class Sm100Gemm:
         if cutlass.const_expr(self.num_mcast_a > 1 or self.num_mcast_b > 1 or self.use_2cta_instrs):
             a_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, crd_vmnk, mcast_mode=2)
             b_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, crd_vmnk, mcast_mode=1)
-        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
-        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
-        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
-        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
-        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
-        k_tiles = cute.size(gA, mode=[3])
+        gA, gB, tile_mn, gC, cC, k_tiles = self._tiles(mA, mB, mC_tma, mC)
         thr_mma = tiled_mma.get_slice(mma_v)
         tCgA = thr_mma.partition_A(gA)
         tCgB = thr_mma.partition_B(gB)

@@ -125,11 +125,7 @@ class Sm100GroupedGemm(Sm100Gemm):
                sched_params: utils.PersistentTileSchedulerParams, rows: cutlass.Int32, n_cols: cutlass.Int32,
                a_rows):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == self.tma_warp_id:
-            if cutlass.const_expr(not self.gather):
-                cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_c)
+        self._prefetch_descriptors(warp_idx, None if cutlass.const_expr(self.gather) else tma_a, tma_b, tma_c)
         tidx, _, _ = cute.arch.thread_idx()
 
         smem = utils.SmemAllocator()

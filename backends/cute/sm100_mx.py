@@ -186,10 +186,7 @@ class Sm100MxGemm(Sm100Gemm):
                sfb_smem_staged: cute.Layout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: utils.PersistentTileSchedulerParams):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == self.tma_warp_id:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_c)
+        self._prefetch_descriptors(warp_idx, tma_a, tma_b, tma_c)
         tidx, _, _ = cute.arch.thread_idx()
 
         smem = utils.SmemAllocator()
