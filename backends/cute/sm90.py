@@ -9,8 +9,8 @@ Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/
 Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
 epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L);
 outputs after D: the auxiliary outputs (like D), then the reduction outputs ((M, L) or (N, L), see reduce.py).
-The grouped kernel (sm90_grouped.py) shares Sm90Gemm's shared-memory struct, epilogue copies, barrier,
-store ring and sub-tile stores (its methods).
+The grouped kernel (sm90_grouped.py) shares Sm90Gemm's shared-memory struct, the consumer warpgroups'
+start, epilogue copies, barrier, store ring and sub-tile stores (its methods).
 """
 from __future__ import annotations
 
@@ -181,6 +181,18 @@ class Sm90Gemm:
                   "sD": cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
                                           self.buffer_align_bytes]}
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def _consumer_begin(self, sched_params, tCrA):
+        """The consumer warpgroups' start: raise their register budget, their tile scheduler and
+        first work tile, the A/B ring's read and release states, the MMA K blocks of a stage.
+        Returns (sched, work, read, release, k_blocks)."""
+        cute.arch.setmaxregister_increase(self.mma_regs)
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        k_blocks = cute.size(tCrA, mode=[2])
+        return sched, work, read, release, k_blocks
 
     def _epilogue_copies(self, tiled_mma, epi_tidx, sD, acc):
         """The consumer warpgroups' epilogue copy, registers -> shared memory (stmatrix), with this
@@ -448,13 +460,7 @@ class Sm90Gemm:
             ab_pipe.producer_tail(prod)
 
         if wg_idx > 0:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                               cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            k_blocks = cute.size(tCrA, mode=[2])
+            sched, work, read, release, k_blocks = self._consumer_begin(sched_params, tCrA)
             epi_tidx = tidx - self.threads_per_wg
             copy_r2s, thr_r2s, tRS_sD, tRS_rAcc, rD_shape, tRS_rD, tRS_rOut = self._epilogue_copies(
                 tiled_mma, epi_tidx, sD, acc)

@@ -251,13 +251,7 @@ class Sm90GroupedGemm(Sm90Gemm):
             ab_pipe.producer_tail(prod)
 
         if wg_idx > 0:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                               cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            k_blocks = cute.size(tCrA, mode=[2])
+            sched, work, read, release, k_blocks = self._consumer_begin(sched_params, tCrA)
             epi_tidx = tidx - self.threads_per_wg
             copy_r2s, thr_r2s, tRS_sD, tRS_rAcc, rD_shape, tRS_rD, tRS_rOut = self._epilogue_copies(
                 tiled_mma, epi_tidx, sD, acc)
