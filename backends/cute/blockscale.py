@@ -12,12 +12,14 @@ Which rows a thread's accumulator values hold comes from the epilogue's register
 partition (the same view the epilogue uses): `row_plan` derives the distinct rows at trace time from
 static thread indices and checks that every thread's rows are its first row plus the same offsets.
 kspec's own code, on the DSL's building blocks (sm90.py's kernel with this mainloop variant).
-Imported by the kernel module only (it imports the DSL).
+Imported by the kernel modules only (it imports the DSL); `k_block_scales` is the scale loads both
+archs' kernels issue per K block.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 
 from kspec.core import KspecInternalError
@@ -53,3 +55,24 @@ def row_plan(partition, threads, epi_tile, epi_grid) -> RowPlan:
     deltas = sorted({(e // epi_grid[1]) * epi_tile[0] + d for e in range(n_epi) for d in base})
     slot = tuple(tuple(deltas.index((e // epi_grid[1]) * epi_tile[0] + d) for d in base) for e in range(n_epi))
     return RowPlan(tuple(deltas), slot)
+
+
+def k_block_scales(scales, scale_ts, plan: RowPlan, k, m0, n0, row0, M):
+    """K block k's scales of a tile at (m0, n0) (trace-time loops): the product of the B scales of
+    the tile's column block (one f32, `sb`) and, per row delta of `plan`, the product of the A scales
+    of that row (`rs`, a register vector; rows past M clamp to the last).  scales: (operand,
+    block_mn, order) per scale tensor, order "mk" for [blocks, K blocks] or else [K blocks, blocks]."""
+    sb = cutlass.Float32(1.0)
+    rs = cute.make_rmem_tensor(len(plan.deltas), cutlass.Float32)
+    for i in range(len(plan.deltas)):
+        rs[i] = cutlass.Float32(1.0)
+    for j in range(len(scales)):
+        operand, block_mn, order = scales[j]
+        if operand == "b":
+            blk = n0 // block_mn
+            sb = sb * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+        else:
+            for i in range(len(plan.deltas)):
+                blk = cutlass.min(m0 + row0 + plan.deltas[i], M - 1) // block_mn
+                rs[i] = rs[i] * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+    return rs, sb

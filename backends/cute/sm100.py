@@ -8,6 +8,10 @@ row/column reductions of epilogue values combined per tile and written with atom
 
 Built only from the DSL wheel's building blocks (`cutlass.utils.sm100`, `cutlass.utils.gemm.sm100`
 partition helpers, pipelines, TMEM allocator).  Same tensor and epilogue conventions as `sm90.py`.
+Sm100Gemm's methods are also the building blocks the other sm_100a GEMM kernels (sm100_blockscaled,
+sm100_mx, sm100_grouped) share: the shared-memory struct, pipelines and TMEM allocator, a 1-CTA
+kernel's TMA atoms, tile views and TMA warp, and the epilogue warps' setup, input staging and
+sub-tile stores.
 """
 from __future__ import annotations
 
@@ -128,9 +132,215 @@ class Sm100Gemm:
             tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage * (1 + int(self.dual)))),
             arch=self.arch)
 
+    def _shared_storage(self, **extra):
+        """The kernel's shared-memory struct: the A/B and accumulator rings' full and empty barriers,
+        the TMEM allocator's, then `extra` (name: type) fields."""
+        fields = {"ab_bars": cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2],
+                  "acc_bars": cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2],
+                  "tmem_dealloc_mbar": cutlass.Int64,
+                  "tmem_holding_buf": cutlass.Int32, **extra}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def _pipelines(self, storage, cluster_layout_vmnk, ab_producers=1, ab_consumers=1, acc_consumers=4,
+                   two_cta=False):
+        """The A/B ring (TMA -> MMA warp; `ab_producers` arrivals fill a stage: the TMA load's, and
+        one per cp.async thread of a kernel with extra load warps), the accumulator ring (MMA warp
+        -> epilogue warps) and the TMEM allocator, on `storage`'s barriers; then the cluster's
+        barrier-init arrive (the kernel waits with pipeline_init_wait)."""
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_producers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_consumers),
+            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_consumers),
+            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
+        tmem = utils.TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
+            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=two_cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
+        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        return ab_pipe, acc_pipe, tmem
+
+    def _epilogue_begin(self, tmem, tCtAcc_fake):
+        """The epilogue warps' start: allocate the tensor memory, the accumulator ring's consumer
+        state, the TMA store ring of the staging buffers and the epilogue warps' named barrier.
+        Returns (tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar)."""
+        tmem.allocate(self.num_tmem_cols)
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+        acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
+        c_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+        epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+        return tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar
+
+    def _epilogue_copies(self, tidx, tCtAcc_base, tCgC_t, tCcC_t, sC, epi_tile, use_2cta):
+        """The epilogue's copies: TMEM -> registers (its partition of the accumulator, of the
+        coordinates `tCcC_t` and the register fragment), registers -> the shared staging buffers.
+        Returns (copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC)."""
+        tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
+        copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
+            self, tidx, tCtAcc_t, tCgC_t, epi_tile, use_2cta)
+        tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+        return copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC
+
+    def _epilogue_end(self, c_pipe, tmem, tmem_ptr):
+        """The epilogue warps' end: wait for the last TMA stores, free the tensor memory."""
+        c_pipe.producer_tail()
+        tmem.relinquish_alloc_permit()
+        tmem.free(tmem_ptr)
+
+    def _epilogue_smem(self, smem, c_smem_staged, inputs):
+        """The epilogue's shared memory: the staging buffers of D and of each auxiliary output, and
+        each input's: an MMA tile's slice of a row vector (along N: ROW_KINDS) or of any other
+        vector (along M), a full input's double-buffered sub-tiles.  Returns (sC, sAux, sIn, number
+        of full inputs, bytes of one sub-tile of all full inputs)."""
+        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                  swizzle=c_smem_staged.inner)
+        sAux = [smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
+                                     swizzle=c_smem_staged.inner) for _ in range(self.num_aux)]
+        sIn = []
+        n_full = 0
+        full_bytes = 0
+        em, en = self.epi_mn
+        for j, kind in enumerate(self.input_kinds):
+            if kind in ROW_KINDS:
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
+            elif kind != "full":
+                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
+            else:
+                sIn.append(smem.allocate_tensor(inputs[j].element_type,
+                                                cute.make_layout((em, en, sync.RESIDUAL_STAGES), stride=(en, 1, em * en)), 128))
+                n_full += 1
+                full_bytes += em * en * inputs[j].element_type.width // 8
+        return sC, sAux, sIn, n_full, full_bytes
+
+    def _gather_inputs(self, rIn, sIn, tTR_cC_s, n_v, m0, n0, full_at=None):
+        """Trace-time loops: each of this thread's n_v values of a sub-tile (coordinates tTR_cC_s)
+        takes its epilogue inputs from shared memory into rIn: row vectors at n - n0, other vectors
+        at m - m0 (the tile's origin), full inputs from the sub-tile buffer `full_at` = (sub-tile
+        origin m, origin n, buffer)."""
+        for e in range(n_v):
+            m, n, _l = tTR_cC_s[e]
+            for j in range(len(self.input_kinds)):
+                kind = self.input_kinds[j]
+                if kind in ROW_KINDS:
+                    rIn[j][e] = sIn[j][n - n0]
+                elif kind != "full":
+                    rIn[j][e] = sIn[j][m - m0]
+                else:
+                    sm0, sn0, buf = full_at
+                    rIn[j][e] = sIn[j][m - sm0, n - sn0, buf].to(self.epi_dtype)
+
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
-                 max_active_clusters: cutlass.Int32, stream, b2s=()):
+    def _stage_vectors(self, sIn, inputs, tidx, m0, n0, M, N, batch):
+        """Stage an MMA tile's slices of the row/column vector inputs in shared memory (coalesced:
+        the 128 epilogue threads stride over the tile's columns/rows; reads clamped to the last
+        row/column).  The caller syncs the epilogue warps before the values are read."""
+        for j in cutlass.range_constexpr(len(self.input_kinds)):
+            if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
+                for i in range(tidx, self.mma_tiler[1], 128):
+                    sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), batch)].to(
+                        self.epi_dtype)
+            elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
+                for i in range(tidx, self.mma_tiler[0], 128):
+                    sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), batch)].to(
+                        self.epi_dtype)
+
+    @cute.jit
+    def _store_subtile(self, values, count, s: cutlass.Constexpr, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx,
+                       tma_c, bSG_sC, bSG_gC, c_pipe, tRS_sAux=(), aux_atoms=(), aux_dst=()):
+        """Store sub-tile s of a tile: the epilogue's values (D, then the auxiliary outputs) to the
+        staging buffer of the `count`-th sub-tile of the store ring, then one elected warp's TMA
+        stores of it (the epilogue warps sync before and after)."""
+        tRS_rC.store(values[0].to(self.c_dtype))
+        buf = sync.ring_index(count, self.num_c_stage)
+        cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+        for x in cutlass.range_constexpr(self.num_aux):
+            tRS_rC.store(values[1 + x].to(self.c_dtype))
+            cute.copy(copy_r2s, tRS_rC, tRS_sAux[x][(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_bar.arrive_and_wait()
+        if warp_idx == self.epilogue_warp_id[0]:
+            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
+            for x in cutlass.range_constexpr(self.num_aux):
+                cute.copy(aux_atoms[x], aux_dst[x][0][(None, buf)], aux_dst[x][1][(None, s)])
+            c_pipe.producer_commit()
+            c_pipe.producer_acquire()
+        epi_bar.arrive_and_wait()
+
+    def _tiles(self, mA, mB, mC_tma, mC):
+        """The MMA tiles of A, B and D (D's TMA coordinates and its coordinates), and the K tiles.
+        Returns (gA, gB, tile_mn, gC, cC, k_tiles)."""
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+        return gA, gB, tile_mn, gC, cC, k_tiles
+
+    @cute.jit
+    def _prefetch_descriptors(self, warp_idx, tma_a, tma_b, tma_c):
+        """The TMA warp prefetches the TMA descriptors (tma_a None: A is not loaded by TMA)."""
+        if warp_idx == self.tma_warp_id:
+            if cutlass.const_expr(tma_a is not None):
+                cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+
+    def _views_1cta(self, tiled_mma, tma_a, mA, tma_b, mB, mC_tma, mC, sA, sB):
+        """A 1-CTA, cluster 1x1 kernel's tiles and partitions: the TMA partitions of A and B (per
+        tile and K tile), the MMA fragments of their stages, the partitions of D and of its
+        coordinates, and the accumulator layout (all its TMEM stages).  Returns (tile_mn, k_tiles,
+        thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB, tCtAcc_fake)."""
+        gA, gB, tile_mn, gC, cC, k_tiles = self._tiles(mA, mB, mC_tma, mC)
+        thr_mma = tiled_mma.get_slice(0)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
+                                           cute.group_modes(thr_mma.partition_A(gA), 0, 3))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 3),
+                                           cute.group_modes(thr_mma.partition_B(gB), 0, 3))
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        return tile_mn, k_tiles, thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB, tCtAcc_fake
+
+    @cute.jit
+    def _tma_warp_1cta(self, warp_idx, work, sched, ab_producer, k_tiles, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB):
+        """The TMA warp of a 1-CTA, cluster 1x1 kernel: per tile and K tile, A's and B's tiles into
+        the next stage of the A/B ring.  Returns the work tile, the scheduler and the ring's producer
+        as the loop leaves them (the kernel goes on with these, as with a loop of its own)."""
+        if warp_idx == self.tma_warp_id:
+            while work.is_valid_tile:
+                tc = work.tile_idx
+                tAgA_t = tAgA[None, tc[0], None, tc[2]]
+                tBgB_t = tBgB[None, tc[1], None, tc[2]]
+                ab_producer.reset()
+                peek = ab_producer.try_acquire()
+                for k in cutlass.range(0, k_tiles, 1, unroll=1):
+                    h = ab_producer.acquire_and_advance(peek)
+                    cute.copy(tma_a, tAgA_t[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier)
+                    cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier)
+                    peek = cutlass.Boolean(1)
+                    if h.count + 1 < k_tiles:
+                        peek = ab_producer.try_acquire()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_producer.tail()
+        return work, sched, ab_producer
+
+    def _operand_types(self, a, b, c, inputs):
+        """Trace time: the operands' and D's element types and layouts, the epilogue inputs' widths."""
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = c.element_type
@@ -138,6 +348,32 @@ class Sm100Gemm:
         self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
         self.c_layout = utils.LayoutEnum.from_tensor(c)
         self.input_widths = tuple(t.element_type.width for t in inputs)
+
+    def _tma_atoms_1cta(self, tiled_mma, a, b, c, max_active_clusters):
+        """Trace time, a 1-CTA cluster-1x1 kernel: the TMA atoms (and coordinate tensors) of A's and
+        B's stages and of D's staging buffer, the bytes one stage's loads bring, and the persistent
+        scheduler's parameters and grid.  Returns (tma_a, gA, tma_b, gB, tma_c, gC, sched, grid)."""
+        a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
+        b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
+        tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100_utils.cluster_shape_to_tma_atom_A((1, 1), tiled_mma.thr_id), a, a_smem, self.mma_tiler, tiled_mma,
+            self.cluster_layout_vmnk.shape)
+        tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B((1, 1), tiled_mma.thr_id), b, b_smem, self.mma_tiler, tiled_mma,
+            self.cluster_layout_vmnk.shape)
+        self.num_tma_load_bytes = cute.size_in_bytes(self.a_dtype, a_smem) + cute.size_in_bytes(self.b_dtype, b_smem)
+        tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
+                                                cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
+        ntiles = cute.zipped_divide(c, tiler=cute.slice_(self.cta_tile_shape_mnk, (None, None, 0)))[
+            0, (None, None, None)].shape
+        sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        return tma_a, gA, tma_b, gB, tma_c, gC, sched, grid
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
+                 max_active_clusters: cutlass.Int32, stream, b2s=()):
+        self._operand_types(a, b, c, inputs)
         # `auxes`: the auxiliary outputs, then the reduction outputs
         self.num_aux = len(auxes) - len(self.reductions)
         reds = tuple(auxes[self.num_aux:])
@@ -199,10 +435,7 @@ class Sm100Gemm:
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: utils.PersistentTileSchedulerParams):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == self.tma_warp_id:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_c)
+        self._prefetch_descriptors(warp_idx, tma_a, tma_b, tma_c)
         use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
         v = cute.size(tiled_mma.thr_id.shape)
         bidx, _, _ = cute.arch.block_idx()
@@ -231,32 +464,11 @@ class Sm100Gemm:
                          sync.routed_arrivals(shape, sync.acc_full_routes(shape), warps=1),
                          "1 tcgen05.commit of the MMA leader, to each CTA of the MMA")
 
-        @cute.struct
-        class SharedStorage:
-            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-            tmem_dealloc_mbar: cutlass.Int64
-            tmem_holding_buf: cutlass.Int32
-
         smem = utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_empty),
-            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True).make_participants()
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_empty),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = utils.TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
-            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=use_2cta,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        storage = smem.allocate(self._shared_storage())
+        ab_pipe, acc_pipe, tmem = self._pipelines(storage, cluster_layout_vmnk, ab_consumers=ab_empty,
+                                                  acc_consumers=acc_empty, two_cta=use_2cta)
+        ab_producer, ab_consumer = ab_pipe.make_participants()
 
         sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
                                   swizzle=a_smem_staged.inner)
@@ -269,12 +481,7 @@ class Sm100Gemm:
         if cutlass.const_expr(self.num_mcast_a > 1 or self.num_mcast_b > 1 or self.use_2cta_instrs):
             a_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, crd_vmnk, mcast_mode=2)
             b_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, crd_vmnk, mcast_mode=1)
-        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
-        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
-        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
-        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
-        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
-        k_tiles = cute.size(gA, mode=[3])
+        gA, gB, tile_mn, gC, cC, k_tiles = self._tiles(mA, mB, mC_tma, mC)
         thr_mma = tiled_mma.get_slice(mma_v)
         tCgA = thr_mma.partition_A(gA)
         tCgB = thr_mma.partition_B(gB)
@@ -359,25 +566,10 @@ class Sm100Gemm:
                 work = sched.get_current_work()
             acc_pipe.producer_tail(acc_prod)
 
-        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
-                                  swizzle=c_smem_staged.inner)
-        sAux = [smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
-                                     swizzle=c_smem_staged.inner) for _ in range(self.num_aux)]
-        # shared-memory staging of the epilogue inputs and the barrier of their TMA loads
-        sIn = []
-        n_full = 0
-        full_bytes = 0
+        # the staging buffers of D and the auxiliary outputs, the epilogue inputs' shared memory (and
+        # below, the barrier of the full inputs' TMA loads)
+        sC, sAux, sIn, n_full, full_bytes = self._epilogue_smem(smem, c_smem_staged, inputs)
         em, en = self.epi_mn
-        for j, kind in enumerate(self.input_kinds):
-            if cutlass.const_expr(kind in ROW_KINDS):
-                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[1],)), 128))
-            elif cutlass.const_expr(kind in COL_KINDS):
-                sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout((self.mma_tiler[0],)), 128))
-            else:
-                sIn.append(smem.allocate_tensor(inputs[j].element_type,
-                                                cute.make_layout((em, en, sync.RESIDUAL_STAGES), stride=(en, 1, em * en)), 128))
-                n_full += 1
-                full_bytes += em * en * inputs[j].element_type.width // 8
         # reductions: one f32 per MMA-tile row (column), combined into global memory once per tile
         sRed = [smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.mma_tiler[0 if axis != "m" else 1],)), 128)
                 for _op, axis in self.reductions]
@@ -388,23 +580,12 @@ class Sm100Gemm:
                     cute.arch.mbarrier_init(in_bar, sync.RESIDUAL_ARRIVALS)
                     cute.arch.mbarrier_init(in_bar + 1, sync.RESIDUAL_ARRIVALS)
                 cute.arch.mbarrier_init_fence()
-            tmem.allocate(self.num_tmem_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar = self._epilogue_begin(tmem, tCtAcc_fake)
             # partitions (the same for every tile)
             tCgC_t = transform_partitioned_tensor_layout(tCgC)
             tCcC_t = transform_partitioned_tensor_layout(tCcC)
-            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
-            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-                self, tidx, tCtAcc_t, tCgC_t, epi_tile, self.use_2cta_instrs)
-            tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+            copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC = self._epilogue_copies(
+                tidx, tCtAcc_base, tCgC_t, tCcC_t, sC, epi_tile, self.use_2cta_instrs)
             tRS_sAux = [copy_r2s.get_slice(tidx).partition_D(x) for x in sAux]
             aux_all = []
             for x in cutlass.range_constexpr(self.num_aux):
@@ -480,15 +661,7 @@ class Sm100Gemm:
                 m0 = mt[0] * self.mma_tiler[0]
                 n0 = mt[1] * self.mma_tiler[1]
                 if cutlass.const_expr(n_full < len(self.input_kinds)):
-                    for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
-                            for i in range(tidx, self.mma_tiler[1], 128):
-                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(n0 + i, N - 1), mt[2])].to(
-                                    self.epi_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
-                            for i in range(tidx, self.mma_tiler[0], 128):
-                                sIn[j][i] = inputs[j][self._vector_coord(j, cutlass.min(m0 + i, M - 1), mt[2])].to(
-                                    self.epi_dtype)
+                    self._stage_vectors(sIn, inputs, tidx, m0, n0, M, N, mt[2])
                     epi_bar.arrive_and_wait()
                 # full inputs: sub-tile g (counted over the CTA's whole run) lives in buffer g % 2 and
                 # completes phase (g // 2) % 2 of barrier g % 2; sub-tile g + 1 is loaded during g
@@ -517,17 +690,8 @@ class Sm100Gemm:
                         sm0, sn0, _ = cEpi[(0, 0, s)]             # the sub-tile's origin
                         if cutlass.const_expr(n_full > 0):
                             cute.arch.mbarrier_wait(in_bar + sync.ring_index(g, sync.RESIDUAL_STAGES), sync.ring_phase(g, sync.RESIDUAL_STAGES))
-                        for e in cutlass.range_constexpr(n_v):
-                            m, n, l = tTR_cC_s[e]
-                            for j in cutlass.range_constexpr(len(self.input_kinds)):
-                                kind = self.input_kinds[j]
-                                if cutlass.const_expr(kind in ROW_KINDS):
-                                    rIn[j][e] = sIn[j][n - n0]
-                                elif cutlass.const_expr(kind in COL_KINDS):
-                                    rIn[j][e] = sIn[j][m - m0]
-                                else:
-                                    rIn[j][e] = sIn[j][m - sm0, n - sn0, sync.ring_index(g, sync.RESIDUAL_STAGES)].to(
-                                        self.epi_dtype)
+                        self._gather_inputs(rIn, sIn, tTR_cC_s, n_v, m0, n0,
+                                            (sm0, sn0, sync.ring_index(g, sync.RESIDUAL_STAGES)))
                     values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars,
                                          *(copy_r2s.retile(r).load() for r in tTR_rAcc2))
@@ -535,21 +699,8 @@ class Sm100Gemm:
                         copy_r2s.retile(rRed).store(values[1 + self.num_aux + r])
                         red.reduce_subtile(rRed, tTR_cC[(None, None, None, s)], 0, 0, M, N,
                                            m0 if self.reductions[r][1] != "m" else n0, sRed[r], plans[r])
-                    tRS_rC.store(values[0].to(self.c_dtype))
-                    buf = sync.ring_index(prev + s, self.num_c_stage)
-                    cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                    for x in cutlass.range_constexpr(self.num_aux):
-                        tRS_rC.store(values[1 + x].to(self.c_dtype))
-                        cute.copy(copy_r2s, tRS_rC, tRS_sAux[x][(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_bar.arrive_and_wait()
-                    if warp_idx == self.epilogue_warp_id[0]:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                        for x in cutlass.range_constexpr(self.num_aux):
-                            cute.copy(aux_atoms[x], aux_dst[x][0][(None, buf)], aux_dst[x][1][(None, s)])
-                        c_pipe.producer_commit()
-                        c_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
+                    self._store_subtile(values, prev + s, s, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx, tma_c,
+                                        bSG_sC, bSG_gC, c_pipe, tRS_sAux, aux_atoms, aux_dst)
                 epi_bar.arrive_and_wait()
                 with cute.arch.elect_one():
                     acc_pipe.consumer_release(acc_cons)
@@ -561,6 +712,4 @@ class Sm100Gemm:
                         red.flush(sRed[r], cute.size(sRed[r]), tidx, 128, m0 if along_n else n0,
                                   M if along_n else N, reds[r], mt[2], plans[r])
                     epi_bar.arrive_and_wait()
-            c_pipe.producer_tail()
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+            self._epilogue_end(c_pipe, tmem, tmem_ptr)

@@ -17,13 +17,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
-                                      transform_partitioned_tensor_layout)
-
-from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
+from cutlass.pipeline import pipeline_init_wait
+from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
 
 from . import blockscale as bsc
 from . import reduce as red
@@ -40,31 +36,11 @@ class Sm100BlockScaledGemm(Sm100Gemm):
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, b2s=(), scale_ts=()):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
-        self.c_dtype = c.element_type
-        self.a_major = utils.LayoutEnum.from_tensor(a).mma_major_mode()
-        self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
-        self.input_widths = tuple(t.element_type.width for t in inputs)
+        self._operand_types(a, b, c, inputs)
         self.num_aux = 0
         tiled_mma = self._tiled_mma()
         self._setup()
-        a_smem = cute.slice_(self.a_smem_staged, (None, None, None, 0))
-        b_smem = cute.slice_(self.b_smem_staged, (None, None, None, 0))
-        tma_a, gA = cute.nvgpu.make_tiled_tma_atom_A(
-            sm100_utils.cluster_shape_to_tma_atom_A((1, 1), tiled_mma.thr_id), a, a_smem, self.mma_tiler, tiled_mma,
-            self.cluster_layout_vmnk.shape)
-        tma_b, gB = cute.nvgpu.make_tiled_tma_atom_B(
-            sm100_utils.cluster_shape_to_tma_atom_B((1, 1), tiled_mma.thr_id), b, b_smem, self.mma_tiler, tiled_mma,
-            self.cluster_layout_vmnk.shape)
-        self.num_tma_load_bytes = cute.size_in_bytes(self.a_dtype, a_smem) + cute.size_in_bytes(self.b_dtype, b_smem)
-        tma_c, gC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
-                                                cute.select(self.c_smem_staged, mode=[0, 1]), self.epi_tile)
-        ntiles = cute.zipped_divide(c, tiler=cute.slice_(self.cta_tile_shape_mnk, (None, None, 0)))[
-            0, (None, None, None)].shape
-        sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        tma_a, gA, tma_b, gB, tma_c, gC, sched, grid = self._tma_atoms_1cta(tiled_mma, a, b, c, max_active_clusters)
         self.kernel(tiled_mma, tma_a, gA, tma_b, gB, tma_c, gC, c, inputs, scalars, scale_ts, self.cluster_layout_vmnk,
                     self.a_smem_staged, self.b_smem_staged, self.c_smem_staged, self.epi_tile, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), stream=stream)
@@ -76,82 +52,27 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                b_smem_staged: cute.ComposedLayout, c_smem_staged: cute.ComposedLayout, epi_tile: cute.Tile,
                sched_params: utils.PersistentTileSchedulerParams):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == self.tma_warp_id:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_c)
+        self._prefetch_descriptors(warp_idx, tma_a, tma_b, tma_c)
         tidx, _, _ = cute.arch.thread_idx()
 
-        @cute.struct
-        class SharedStorage:
-            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-            tmem_dealloc_mbar: cutlass.Int64
-            tmem_holding_buf: cutlass.Int32
-
         smem = utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True).make_participants()
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = utils.TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
-            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=False,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+        storage = smem.allocate(self._shared_storage())
+        ab_pipe, acc_pipe, tmem = self._pipelines(storage, cluster_layout_vmnk)
+        ab_producer, ab_consumer = ab_pipe.make_participants()
 
         sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
                                   swizzle=a_smem_staged.inner)
         sB = smem.allocate_tensor(element_type=self.b_dtype, layout=b_smem_staged.outer, byte_alignment=128,
                                   swizzle=b_smem_staged.inner)
-        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
-        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
-        tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
-        gC = cute.local_tile(mC_tma, tile_mn, (None, None, None))
-        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (None, None, None))
-        k_tiles = cute.size(gA, mode=[3])
-        thr_mma = tiled_mma.get_slice(0)
-        tCgC = thr_mma.partition_C(gC)
-        tCcC = thr_mma.partition_C(cC)
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
-                                           cute.group_modes(thr_mma.partition_A(gA), 0, 3))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 3),
-                                           cute.group_modes(thr_mma.partition_B(gB), 0, 3))
-        tCrA = tiled_mma.make_fragment_A(sA)
-        tCrB = tiled_mma.make_fragment_B(sB)
-        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        (tile_mn, k_tiles, thr_mma, tCgC, tCcC, tAsA, tAgA, tBsB, tBgB, tCrA, tCrB,
+         tCtAcc_fake) = self._views_1cta(tiled_mma, tma_a, mA, tma_b, mB, mC_tma, mC, sA, sB)
         pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
         sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
                                                            cute.arch.grid_dim())
         work = sched.initial_work_tile_info()
-        if warp_idx == self.tma_warp_id:
-            while work.is_valid_tile:
-                tc = work.tile_idx
-                tAgA_t = tAgA[None, tc[0], None, tc[2]]
-                tBgB_t = tBgB[None, tc[1], None, tc[2]]
-                ab_producer.reset()
-                peek = ab_producer.try_acquire()
-                for k in cutlass.range(0, k_tiles, 1, unroll=1):
-                    h = ab_producer.acquire_and_advance(peek)
-                    cute.copy(tma_a, tAgA_t[None, h.count], tAsA[None, h.index], tma_bar_ptr=h.barrier)
-                    cute.copy(tma_b, tBgB_t[None, h.count], tBsB[None, h.index], tma_bar_ptr=h.barrier)
-                    peek = cutlass.Boolean(1)
-                    if h.count + 1 < k_tiles:
-                        peek = ab_producer.try_acquire()
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
-            ab_producer.tail()
+        work, sched, ab_producer = self._tma_warp_1cta(warp_idx, work, sched, ab_producer, k_tiles, tma_a, tAgA,
+                                                       tAsA, tma_b, tBgB, tBsB)
 
         if warp_idx == self.mma_warp_id:
             # one accumulation per K tile (= scale block), each into the next TMEM accumulator buffer
@@ -180,29 +101,13 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                 work = sched.get_current_work()
             acc_pipe.producer_tail(acc_prod)
 
-        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
-                                  swizzle=c_smem_staged.inner)
-        sIn = []
-        for j, kind in enumerate(self.input_kinds):
-            sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout(
-                (self.mma_tiler[1] if kind in ROW_KINDS else self.mma_tiler[0],)), 128))
+        sC, _aux, sIn, _n_full, _full_bytes = self._epilogue_smem(smem, c_smem_staged, inputs)
         if warp_idx < self.mma_warp_id:
-            tmem.allocate(self.num_tmem_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar = self._epilogue_begin(tmem, tCtAcc_fake)
             tCgC_t = transform_partitioned_tensor_layout(tCgC)
             tCcC_t = transform_partitioned_tensor_layout(tCcC)
-            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
-            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-                self, tidx, tCtAcc_t, tCgC_t, epi_tile, False)
-            tTR_cC_all = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcC_t, epi_tile))
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
+            copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cC_all, copy_r2s, tRS_rC, tRS_sC = self._epilogue_copies(
+                tidx, tCtAcc_base, tCgC_t, tCcC_t, sC, epi_tile, False)
             bSG_sC, bSG_gC_all = cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                 cute.group_modes(cute.flat_divide(tCgC_t, epi_tile), 0, 2))
@@ -237,20 +142,7 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                     racc[s].fill(0.0)
                 for k in range(k_tiles):
                     # this K block's scales (loaded before waiting for its accumulation)
-                    sb = cutlass.Float32(1.0)
-                    rs = cute.make_rmem_tensor(len(plan.deltas), cutlass.Float32)
-                    for i in cutlass.range_constexpr(len(plan.deltas)):
-                        rs[i] = cutlass.Float32(1.0)
-                    for j in cutlass.range_constexpr(len(self.scales)):
-                        operand, block_mn, order = self.scales[j]
-                        if cutlass.const_expr(operand == "b"):
-                            blk = n0 // block_mn
-                            sb = sb * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
-                        else:
-                            for i in cutlass.range_constexpr(len(plan.deltas)):
-                                blk = cutlass.min(m0 + row0 + plan.deltas[i], M - 1) // block_mn
-                                rs[i] = rs[i] * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(
-                                    cutlass.Float32)
+                    rs, sb = bsc.k_block_scales(self.scales, scale_ts, plan, k, m0, n0, row0, M)
                     acc_pipe.consumer_wait(acc_cons)
                     tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cons.index)]
                     tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
@@ -265,37 +157,15 @@ class Sm100BlockScaledGemm(Sm100Gemm):
                 # stage this tile's slices of row/col inputs in shared memory (coalesced)
                 if cutlass.const_expr(len(self.input_kinds) > 0):
                     epi_bar.arrive_and_wait()
-                    for j in cutlass.range_constexpr(len(self.input_kinds)):
-                        if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
-                            for i in range(tidx, tn, 128):
-                                sIn[j][i] = inputs[j][cutlass.min(n0 + i, N - 1)].to(self.epi_dtype)
-                        elif cutlass.const_expr(self.input_kinds[j] in COL_KINDS):
-                            for i in range(tidx, tm, 128):
-                                sIn[j][i] = inputs[j][cutlass.min(m0 + i, M - 1)].to(self.epi_dtype)
+                    self._stage_vectors(sIn, inputs, tidx, m0, n0, M, N, tc[2])
                     epi_bar.arrive_and_wait()
                 prev = sched.num_tiles_executed * n_sub
                 for s in cutlass.range_constexpr(n_sub):
                     if cutlass.const_expr(len(self.input_kinds) > 0):
                         tTR_cC_s = tTR_cC[(None, None, None, s)]
-                        for e in cutlass.range_constexpr(n_v):
-                            m, n, _l2 = tTR_cC_s[e]
-                            for j in cutlass.range_constexpr(len(self.input_kinds)):
-                                if cutlass.const_expr(self.input_kinds[j] in ROW_KINDS):
-                                    rIn[j][e] = sIn[j][n - n0]
-                                else:
-                                    rIn[j][e] = sIn[j][m - m0]
+                        self._gather_inputs(rIn, sIn, tTR_cC_s, n_v, m0, n0)
                     values = self.epi_fn(copy_r2s.retile(racc[s]).load(),
                                          tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
-                    tRS_rC.store(values[0].to(self.c_dtype))
-                    buf = (prev + s) % self.num_c_stage
-                    cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_bar.arrive_and_wait()
-                    if warp_idx == self.epilogue_warp_id[0]:
-                        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                        c_pipe.producer_commit()
-                        c_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
-            c_pipe.producer_tail()
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+                    self._store_subtile(values, prev + s, s, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx, tma_c, bSG_sC,
+                                        bSG_gC, c_pipe)
+            self._epilogue_end(c_pipe, tmem, tmem_ptr)

@@ -1,7 +1,7 @@
 """kspec's grouped (MoE) GEMM for sm_100a on the CuTe DSL: sm90_grouped.py's scheme on Sm100Gemm's
 pipeline (one TMA warp, one tcgen05 MMA warp with the accumulator double-buffered in tensor memory,
 four epilogue warps).  Rows of A and D packed by group (`packed(off)`), B one [N, K] matrix per group;
-row slots map to (group, m-tile) by a scan of the offsets (`Sm90GroupedGemm._locate`'s rule); A is
+row slots map to (group, m-tile) by a scan of the offsets (sm90_grouped.locate); A is
 loaded by TMA from the group's first row, D stored through the ragged TMA view (sm90_grouped.py) that
 clips each group's last tile; 1-CTA UMMA, clusters 1x1; epilogue vectors per group ("row_batched")
 and per packed row ("col_packed").
@@ -14,11 +14,10 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-from cutlass.utils.gemm.sm100 import (epilogue_smem_copy_and_partition, epilogue_tmem_copy_and_partition,
-                                      transform_partitioned_tensor_layout)
+from cutlass.pipeline import pipeline_init_wait
+from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
 
-from .sm90_grouped import group_rows, ragged_rows
+from .sm90_grouped import group_rows, locate, ragged_rows
 from .sm100 import Sm100Gemm
 
 
@@ -34,34 +33,13 @@ class Sm100GroupedGemm(Sm100Gemm):
         if gather:
             self.threads_per_cta = 32 * 10
 
-    def _vector_coord(self, j, i, batch):
-        return (i, batch) if self.input_kinds[j] == "row_batched" else i
-
-    @cute.jit
     def _locate(self, offsets: cute.Tensor, slot, num_groups):
-        """(group, m-tile in the group) of row slot `slot`; group -1 past the last m-tile."""
-        tm = self.mma_tiler[0]
-        grp = cutlass.Int32(-1)
-        mt = cutlass.Int32(0)
-        before = cutlass.Int32(0)
-        for e in range(num_groups):
-            tiles = (offsets[e + 1] - offsets[e] + tm - 1) // tm
-            if (slot >= before) & (slot < before + tiles):
-                grp = e
-                mt = slot - before
-            before = before + tiles
-        return grp, mt
+        return locate(offsets, slot, num_groups, self.mma_tiler[0])
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, rows=None):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
-        self.c_dtype = c.element_type
-        self.a_major = utils.LayoutEnum.from_tensor(a).mma_major_mode()
-        self.b_major = utils.LayoutEnum.from_tensor(b).mma_major_mode()
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
-        self.input_widths = tuple(t.element_type.width for t in inputs)
+        self._operand_types(a, b, c, inputs)
         self.num_aux = 0
         tiled_mma = self._tiled_mma()
         self._setup()
@@ -147,42 +125,16 @@ class Sm100GroupedGemm(Sm100Gemm):
                sched_params: utils.PersistentTileSchedulerParams, rows: cutlass.Int32, n_cols: cutlass.Int32,
                a_rows):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == self.tma_warp_id:
-            if cutlass.const_expr(not self.gather):
-                cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_c)
+        self._prefetch_descriptors(warp_idx, None if cutlass.const_expr(self.gather) else tma_a, tma_b, tma_c)
         tidx, _, _ = cute.arch.thread_idx()
 
-        @cute.struct
-        class SharedStorage:
-            ab_bars: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-            acc_bars: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-            tmem_dealloc_mbar: cutlass.Int64
-            tmem_holding_buf: cutlass.Int32
-
         smem = utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = smem.allocate(self._shared_storage())
         # a gathered A: the full barrier also counts one cp.async arrival per gather thread
-        ab_pipe = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_bars.data_ptr(), num_stages=self.num_ab_stage,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 1 + (32 * len(self.gather_warps) if cutlass.const_expr(self.gather) else 0)),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            tx_count=self.num_tma_load_bytes, cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True)
+        ab_pipe, acc_pipe, tmem = self._pipelines(
+            storage, cluster_layout_vmnk,
+            ab_producers=1 + (32 * len(self.gather_warps) if cutlass.const_expr(self.gather) else 0))
         ab_producer, ab_consumer = ab_pipe.make_participants()
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_bars.data_ptr(), num_stages=self.num_acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            cta_layout_vmnk=cluster_layout_vmnk, defer_sync=True)
-        tmem = utils.TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=self.tmem_alloc_sync_bar_id, num_threads=32 * 5),
-            allocator_warp_id=self.epilogue_warp_id[0], is_two_cta=False,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
-        pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
         sA = smem.allocate_tensor(element_type=self.a_dtype, layout=a_smem_staged.outer, byte_alignment=128,
                                   swizzle=a_smem_staged.inner)
@@ -263,33 +215,17 @@ class Sm100GroupedGemm(Sm100Gemm):
                 work = sched.get_current_work()
             acc_pipe.producer_tail(acc_prod)
 
-        sC = smem.allocate_tensor(element_type=self.c_dtype, layout=c_smem_staged.outer, byte_alignment=128,
-                                  swizzle=c_smem_staged.inner)
-        sIn = []
-        for j, kind in enumerate(self.input_kinds):
-            sIn.append(smem.allocate_tensor(self.epi_dtype, cute.make_layout(
-                (self.mma_tiler[1] if "row" in kind else self.mma_tiler[0],)), 128))
+        sC, _aux, sIn, _n_full, _full_bytes = self._epilogue_smem(smem, c_smem_staged, inputs)
         if warp_idx < self.mma_warp_id:
-            tmem.allocate(self.num_tmem_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
-            c_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.num_c_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-            epi_bar = pipeline.NamedBarrier(barrier_id=self.epilog_sync_bar_id, num_threads=128)
+            tmem_ptr, tCtAcc_base, acc_cons, c_pipe, epi_bar = self._epilogue_begin(tmem, tCtAcc_fake)
             # the partitions of one tile (coordinates local to the tile; the same for every tile)
             cT = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor((*tile_mn, 1)), tile_mn,
                                                      (None, None, None)))
             tCcT_t = transform_partitioned_tensor_layout(cT)
-            tCtAcc_t = transform_partitioned_tensor_layout(tCtAcc_base)
-            copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-                self, tidx, tCtAcc_t, tCcT_t, epi_tile, False)
-            tTR_cT = copy_t2r.get_slice(tidx).partition_D(cute.flat_divide(tCcT_t, epi_tile))
+            copy_t2r, tTR_tAcc_base, tTR_rAcc, tTR_cT, copy_r2s, tRS_rC, tRS_sC = self._epilogue_copies(
+                tidx, tCtAcc_base, tCcT_t, tCcT_t, sC, epi_tile, False)
             tTR_cT = tTR_cT[(None, None, None, None, None, 0, 0, 0)]
             tTR_cT = cute.group_modes(tTR_cT, 3, cute.rank(tTR_cT))
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(self, copy_t2r, tTR_rC, tidx, sC)
             rIn = [cute.make_rmem_tensor(tTR_rAcc.shape, self.epi_dtype) for _ in self.input_kinds]
             n_v = cute.size(tTR_rAcc)
             stored = cutlass.Int32(0)            # sub-tiles stored so far: the staging buffer ring's position
@@ -336,21 +272,11 @@ class Sm100GroupedGemm(Sm100Gemm):
                                         rIn[j][e] = sIn[j][ln]
                         values = self.epi_fn(copy_r2s.retile(tTR_rAcc).load(),
                                              tuple(copy_r2s.retile(r).load() for r in rIn), scalars)
-                        tRS_rC.store(values[0].to(self.c_dtype))
-                        buf = (stored + s) % self.num_c_stage
-                        cute.copy(copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_bar.arrive_and_wait()
-                        if warp_idx == self.epilogue_warp_id[0]:
-                            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                            c_pipe.producer_commit()
-                            c_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
+                        self._store_subtile(values, stored + s, s, copy_r2s, tRS_rC, tRS_sC, epi_bar, warp_idx, tma_c, bSG_sC,
+                                            bSG_gC, c_pipe)
                     epi_bar.arrive_and_wait()
                     with cute.arch.elect_one():
                         acc_pipe.consumer_release(acc_cons)
                     acc_cons.advance()
                     stored = stored + n_sub
-            c_pipe.producer_tail()
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+            self._epilogue_end(c_pipe, tmem, tmem_ptr)

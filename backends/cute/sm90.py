@@ -9,6 +9,8 @@ Built only from the DSL wheel's building blocks (pipelines, tile scheduler, MMA/
 Tensors (all rank 3, runtime extents and strides): A (M, K, L), B (N, K, L), D (M, N, L);
 epilogue inputs: kind "row" (N,), "col" (M,), "row_batched" (N, L), "col_batched" (M, L), "full" (M, N, L);
 outputs after D: the auxiliary outputs (like D), then the reduction outputs ((M, L) or (N, L), see reduce.py).
+The grouped kernel (sm90_grouped.py) shares Sm90Gemm's shared-memory struct, the consumer warpgroups'
+start, epilogue copies, barrier, store ring and sub-tile stores (its methods).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from kspec.backends.cute.epilogue import COL_KINDS, ROW_KINDS
 from kspec.core import KspecInternalError
 
+from . import blockscale as bsc
 from . import reduce as red
 from . import sync
 
@@ -167,6 +170,56 @@ class Sm90Gemm:
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile,
                                                       num_multicast=mcast, internal_type=internal)
 
+    def _shared_storage(self):
+        """The kernel's shared-memory struct: the A/B ring's full and empty barriers, the A and B
+        stages, D's staging buffers."""
+        fields = {"bars": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2],
+                  "sA": cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)],
+                                          self.buffer_align_bytes],
+                  "sB": cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)],
+                                          self.buffer_align_bytes],
+                  "sD": cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
+                                          self.buffer_align_bytes]}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def _consumer_begin(self, sched_params, tCrA):
+        """The consumer warpgroups' start: raise their register budget, their tile scheduler and
+        first work tile, the A/B ring's read and release states, the MMA K blocks of a stage.
+        Returns (sched, work, read, release, k_blocks)."""
+        cute.arch.setmaxregister_increase(self.mma_regs)
+        sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(), cute.arch.grid_dim())
+        work = sched.initial_work_tile_info()
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        k_blocks = cute.size(tCrA, mode=[2])
+        return sched, work, read, release, k_blocks
+
+    def _epilogue_copies(self, tiled_mma, epi_tidx, sD, acc):
+        """The consumer warpgroups' epilogue copy, registers -> shared memory (stmatrix), with this
+        thread's partition of the staging buffers and of the accumulator, and the register
+        fragments of one sub-tile (accumulator type and D's).  Returns (copy_r2s, thr_r2s, tRS_sD,
+        tRS_rAcc, rD_shape, tRS_rD, tRS_rOut)."""
+        atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype,
+                                                     elem_ty_acc=self.acc_dtype)
+        atom_d = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4),
+                                     self.d_dtype)
+        copy_r2s = cute.make_tiled_copy_S(atom_r2s, cute.make_tiled_copy_C_atom(atom_d, tiled_mma))
+        thr_r2s = copy_r2s.get_slice(epi_tidx)
+        tRS_sD = thr_r2s.partition_D(sD)
+        tRS_rAcc = copy_r2s.retile(acc)
+        rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+        tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+        tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
+        return copy_r2s, thr_r2s, tRS_sD, tRS_rAcc, rD_shape, tRS_rD, tRS_rOut
+
+    def _epilogue_sync(self):
+        """The consumer warpgroups' named barrier and the TMA store ring of D's staging buffers."""
+        epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+        return epi_bar, store_pipe
+
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, auxes, inputs, scalars,
                  max_active_clusters: cutlass.Int32, stream, b2s=(), scale_ts=()):
@@ -211,16 +264,7 @@ class Sm90Gemm:
         sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster_shape_mn, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
 
-        @cute.struct
-        class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)],
-                                  self.buffer_align_bytes]
-            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
-                                  self.buffer_align_bytes]
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage()
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, d, tuple(aux_atoms), tuple(aux_tmas), reds, inputs,
                     tuple(full_atoms), tuple(full_tmas), scalars, tuple(x[0] for x in b2_loads),
                     tuple(x[1] for x in b2_loads),
@@ -228,6 +272,28 @@ class Sm90Gemm:
                     self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched, scale_ts).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1, stream=stream)
+
+    @cute.jit
+    def _store_subtile(self, values, count, ec, copy_r2s, tRS_rOut, tRS_sD, epi_bar, warp_idx, tma_d, bSG_sD,
+                       bSG_gD, store_pipe, tRS_sAux=(), aux_atoms=(), aux_dst=()):
+        """Store sub-tile ec of a tile: the epilogue's values (D, then the auxiliary outputs) to the
+        staging buffer of the `count`-th sub-tile of the store ring, then the store warp's TMA stores
+        of it (the consumer warpgroups sync before and after)."""
+        tRS_rOut.store(values[0].to(self.d_dtype))
+        buf = sync.ring_index(count, self.epi_stage)
+        cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
+        for x in cutlass.range_constexpr(self.num_aux):
+            tRS_rOut.store(values[1 + x].to(self.d_dtype))
+            cute.copy(copy_r2s, tRS_rOut, tRS_sAux[x][None, None, None, buf])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_bar.arrive_and_wait()
+        if warp_idx == self.epi_store_warp_id:
+            cute.copy(tma_d, bSG_sD[None, buf], bSG_gD[None, ec])
+            for x in cutlass.range_constexpr(self.num_aux):
+                cute.copy(aux_atoms[x], aux_dst[x][0][None, buf], aux_dst[x][1][None, ec])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        epi_bar.arrive_and_wait()
 
     @cute.jit
     def _block_scaled_mainloop(self, tiled_mma, acc, tmp, tRS_rAcc, tRS_rTmp, tCrA, tCrB, ab_pipe, read, k_tiles,
@@ -247,19 +313,7 @@ class Sm90Gemm:
                 cute.gemm(tiled_mma, tmp, tCrA[crd], tCrB[crd], tmp)
             cute.nvgpu.warpgroup.commit_group()
             # the scales of this K block, loaded while the WGMMAs run
-            sb = cutlass.Float32(1.0)
-            rs = cute.make_rmem_tensor(len(plan.deltas), cutlass.Float32)
-            for i in cutlass.range_constexpr(len(plan.deltas)):
-                rs[i] = cutlass.Float32(1.0)
-            for j in cutlass.range_constexpr(len(self.scales)):
-                operand, block_mn, order = self.scales[j]
-                if cutlass.const_expr(operand == "b"):
-                    blk = n0 // block_mn
-                    sb = sb * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
-                else:
-                    for i in cutlass.range_constexpr(len(plan.deltas)):
-                        blk = cutlass.min(m0 + row0 + plan.deltas[i], M - 1) // block_mn
-                        rs[i] = rs[i] * scale_ts[j][(blk, k) if order == "mk" else (k, blk)].to(cutlass.Float32)
+            rs, sb = bsc.k_block_scales(self.scales, scale_ts, plan, k, m0, n0, row0, M)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipe.consumer_release(read)
             read.advance()
@@ -406,40 +460,21 @@ class Sm90Gemm:
             ab_pipe.producer_tail(prod)
 
         if wg_idx > 0:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                               cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            k_blocks = cute.size(tCrA, mode=[2])
+            sched, work, read, release, k_blocks = self._consumer_begin(sched_params, tCrA)
             epi_tidx = tidx - self.threads_per_wg
-            atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype,
-                                                         elem_ty_acc=self.acc_dtype)
-            atom_d = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4),
-                                         self.d_dtype)
-            copy_r2s = cute.make_tiled_copy_S(atom_r2s, cute.make_tiled_copy_C_atom(atom_d, tiled_mma))
-            thr_r2s = copy_r2s.get_slice(epi_tidx)
-            tRS_sD = thr_r2s.partition_D(sD)
+            copy_r2s, thr_r2s, tRS_sD, tRS_rAcc, rD_shape, tRS_rD, tRS_rOut = self._epilogue_copies(
+                tiled_mma, epi_tidx, sD, acc)
             tRS_sAux = [thr_r2s.partition_D(x) for x in sAux]
-            tRS_rAcc = copy_r2s.retile(acc)
             tRS_rAcc2 = [copy_r2s.retile(x) for x in acc2]
-            rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
             tRS_rD2 = [cute.make_rmem_tensor(rD_shape, self.acc_dtype) for _ in acc2]
-            tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
             rIn = [cute.make_rmem_tensor(rD_shape, self.epi_dtype) for _ in self.input_kinds]
             tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))   # sub-tile-local (m, n)
             n_v = cute.size(tRS_rD)
-            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+            epi_bar, store_pipe = self._epilogue_sync()
             M, N, L = mD.shape
             tmp = tRS_rTmp = bs_plan = bs_row0 = None
             if cutlass.const_expr(len(self.scales) > 0):
                 # block scales: the K tile's product goes into tmp, then acc += tmp * scales
-                from . import blockscale as bsc
                 tmp = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
                 tRS_rTmp = copy_r2s.retile(tmp)
                 ident = cute.make_identity_tensor(self.epi_tile)
@@ -570,21 +605,8 @@ class Sm90Gemm:
                         rRed.store(values[1 + self.num_aux + r])
                         red.reduce_subtile(rRed, tRS_cL, m0 + ec[0] * self.epi_tile[0], n0 + ec[1] * self.epi_tile[1],
                                            M, N, m0 if self.reductions[r][1] != "m" else n0, sRed[r], plans[r])
-                    tRS_rOut.store(values[0].to(self.d_dtype))
-                    buf = sync.ring_index(prev + e, self.epi_stage)
-                    cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
-                    for x in cutlass.range_constexpr(self.num_aux):
-                        tRS_rOut.store(values[1 + x].to(self.d_dtype))
-                        cute.copy(copy_r2s, tRS_rOut, tRS_sAux[x][None, None, None, buf])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_bar.arrive_and_wait()
-                    if warp_idx == self.epi_store_warp_id:
-                        cute.copy(tma_d, bSG_sD[None, buf], bSG_gD[None, ec])
-                        for x in cutlass.range_constexpr(self.num_aux):
-                            cute.copy(aux_atoms[x], aux_dst[x][0][None, buf], aux_dst[x][1][None, ec])
-                        store_pipe.producer_commit()
-                        store_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
+                    self._store_subtile(values, prev + e, ec, copy_r2s, tRS_rOut, tRS_sD, epi_bar, warp_idx, tma_d,
+                                        bSG_sD, bSG_gD, store_pipe, tRS_sAux, aux_atoms, aux_dst)
                 if cutlass.const_expr(len(self.reductions) > 0):
                     # every sub-tile's shared-memory atomics are done (the barrier above)
                     for r in cutlass.range_constexpr(len(self.reductions)):

@@ -4,7 +4,7 @@ one [N, K] matrix per group (an expert's weights, `W[e, f, d]`).  One persistent
 group: Sm90Gemm's warp-specialised TMA + WGMMA pipeline and generated epilogue, with
 
 - a tile space of (ceil(rows / tm) + L) row slots x ceil(N / tn) column tiles: slot s is m-tile i of
-  group l when the groups before l have s - i m-tiles in all (`_locate`, a scan of the offsets each
+  group l when the groups before l have s - i m-tiles in all (`locate`, a scan of the offsets each
   warp does per tile); slots past the last m-tile are skipped by every warp alike, so the pipelines
   stay in step;
 - A loaded by TMA from the packed array at row off[l] + i * tm (a coordinate offset, as QuACK's and
@@ -27,7 +27,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .sm90 import Sm90Gemm
@@ -50,6 +49,22 @@ def group_rows(t_tma: cute.Tensor, offset, length) -> cute.Tensor:
     return cute.domain_offset((RAGGED_ROWS - length, None), t_tma[None, None, offset + length])
 
 
+@cute.jit
+def locate(offsets: cute.Tensor, slot, num_groups, tm: cutlass.Constexpr):
+    """(group, m-tile in the group) of row slot `slot` with m-tiles of tm rows; group -1 past the
+    last m-tile (the grouped kernels of both archs map their row slots by this scan)."""
+    grp = cutlass.Int32(-1)
+    mt = cutlass.Int32(0)
+    before = cutlass.Int32(0)
+    for e in range(num_groups):
+        tiles = (offsets[e + 1] - offsets[e] + tm - 1) // tm
+        if (slot >= before) & (slot < before + tiles):
+            grp = e
+            mt = slot - before
+        before = before + tiles
+    return grp, mt
+
+
 class Sm90GroupedGemm(Sm90Gemm):
     """tile_mn: CTA tile; input_kinds: GROUPED_KINDS or "scalar"-free vector kinds of the epilogue."""
 
@@ -62,23 +77,8 @@ class Sm90GroupedGemm(Sm90Gemm):
             self.load_regs = 56
             self.mma_regs = 224
 
-    def _vector_coord(self, j, i, batch):
-        return (i, batch) if self.input_kinds[j] == "row_batched" else i
-
-    @cute.jit
     def _locate(self, offsets: cute.Tensor, slot, num_groups):
-        """(group, m-tile in the group) of row slot `slot`; group -1 past the last m-tile."""
-        tm = self.tile_shape_mnk[0]
-        grp = cutlass.Int32(-1)
-        mt = cutlass.Int32(0)
-        before = cutlass.Int32(0)
-        for e in range(num_groups):
-            tiles = (offsets[e + 1] - offsets[e] + tm - 1) // tm
-            if (slot >= before) & (slot < before + tiles):
-                grp = e
-                mt = slot - before
-            before = before + tiles
-        return grp, mt
+        return locate(offsets, slot, num_groups, self.tile_shape_mnk[0])
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, offsets: cute.Tensor, inputs, scalars,
@@ -107,16 +107,7 @@ class Sm90GroupedGemm(Sm90Gemm):
         sched = utils.PersistentTileSchedulerParams(ntiles, (1, 1, 1))
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
 
-        @cute.struct
-        class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)],
-                                  self.buffer_align_bytes]
-            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)],
-                                  self.buffer_align_bytes]
-            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)],
-                                  self.buffer_align_bytes]
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage()
         self.kernel(tma_a, gA, tma_b, gB, tma_d, gD, offsets, inputs, scalars, self.tiled_mma,
                     self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, sched, rows_n, n, rows).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1, stream=stream)
@@ -260,32 +251,14 @@ class Sm90GroupedGemm(Sm90Gemm):
             ab_pipe.producer_tail(prod)
 
         if wg_idx > 0:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
-                                                               cute.arch.grid_dim())
-            work = sched.initial_work_tile_info()
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-            k_blocks = cute.size(tCrA, mode=[2])
+            sched, work, read, release, k_blocks = self._consumer_begin(sched_params, tCrA)
             epi_tidx = tidx - self.threads_per_wg
-            atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype,
-                                                         elem_ty_acc=self.acc_dtype)
-            atom_d = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4),
-                                         self.d_dtype)
-            copy_r2s = cute.make_tiled_copy_S(atom_r2s, cute.make_tiled_copy_C_atom(atom_d, tiled_mma))
-            thr_r2s = copy_r2s.get_slice(epi_tidx)
-            tRS_sD = thr_r2s.partition_D(sD)
-            tRS_rAcc = copy_r2s.retile(acc)
-            rD_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-            tRS_rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
-            tRS_rOut = cute.make_rmem_tensor(rD_shape, self.d_dtype)
+            copy_r2s, thr_r2s, tRS_sD, tRS_rAcc, rD_shape, tRS_rD, tRS_rOut = self._epilogue_copies(
+                tiled_mma, epi_tidx, sD, acc)
             rIn = [cute.make_rmem_tensor(rD_shape, self.epi_dtype) for _ in self.input_kinds]
             tRS_cL = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile))
             n_v = cute.size(tRS_rD)
-            epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+            epi_bar, store_pipe = self._epilogue_sync()
             epi_grid = (tm // self.epi_tile[0], tn // self.epi_tile[1])
             n_epi = epi_grid[0] * epi_grid[1]
             stored = cutlass.Int32(0)            # sub-tiles stored so far: the staging buffer ring's position
@@ -345,16 +318,8 @@ class Sm90GroupedGemm(Sm90Gemm):
                                     else:
                                         rIn[j][v] = sIn[j][ec[1] * self.epi_tile[1] + ln]
                         values = self.epi_fn(tRS_rD.load(), tuple(r.load() for r in rIn), scalars)
-                        tRS_rOut.store(values[0].to(self.d_dtype))
-                        buf = (stored + e) % self.epi_stage
-                        cute.copy(copy_r2s, tRS_rOut, tRS_sD[None, None, None, buf])
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_bar.arrive_and_wait()
-                        if warp_idx == self.epi_store_warp_id:
-                            cute.copy(tma_d, bSG_sD[None, buf], bSG_gD[None, ec])
-                            store_pipe.producer_commit()
-                            store_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
+                        self._store_subtile(values, stored + e, ec, copy_r2s, tRS_rOut, tRS_sD, epi_bar, warp_idx,
+                                            tma_d, bSG_sD, bSG_gD, store_pipe)
                     stored = stored + n_epi
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
