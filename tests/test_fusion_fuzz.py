@@ -381,15 +381,7 @@ def test_column_reduction_stored_to_two_outputs(tmp_path):
     """The generic backend's column kernel stores its reduction to every buffer that holds it (it
     unpacked exactly one store: `too many values to unpack`); each output is zeroed and added to
     atomically, and on the CPU emulation of the kernel both equal numpy."""
-    import ctypes
-    import math
-    import shutil
-    import subprocess
-
-    from rowwise_harness import cuda_include
-    from test_grad_plans import _COL_EMU, _COL_RUN
-
-    from kspec.backends.reference.numerics import storage_dtype
+    from generic_emu import emulate
     from kspec.compile import emit_spec
     assert run_case(20272444, emit_all=True) == "ok"
     path = tmp_path / "fz.kspec"
@@ -400,34 +392,12 @@ def test_column_reduction_stored_to_two_outputs(tmp_path):
         names = ep.lowered.names
         assert {names[x] for x, _ in ep.emitted.init} == {"t1", "t2"}
         assert ep.emitted.source.count("atomicAdd(") == 2
-    if shutil.which("g++") is None or cuda_include() is None:
-        pytest.skip("no g++ or CUDA headers")
-    ep = col[0]
-    names, ir = ep.lowered.names, ep.lowered.ir
-    cpp, so = tmp_path / "col.cpp", tmp_path / "col.so"
-    cpp.write_text(_COL_EMU + ep.emitted.source + _COL_RUN)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{cuda_include()}", str(cpp),
-                    "-o", str(so)], check=True, capture_output=True, text=True)
-    lib = ctypes.CDLL(str(so))
     sizes = {"I": 3, "K": 600, "L": 45}          # 2 column blocks; the 600 rows split over CTAs
-    rng = np.random.default_rng(5)
+    ep = col[0]
+    arrays, names, grid, _ = emulate(ep, sizes, np.random.default_rng(5), tmp_path,
+                                     scalars=(3.0,) * len(ep.lowered.scalars))
     zeroed = {names[x] for x, _ in ep.emitted.init}
-    arrays = {}
-    for a in ep.lowered.desc.args:
-        b = ir.buffer(names[a])
-        shape = tuple(d if isinstance(d, int) else sizes[d] for d in b.shape)
-        arrays[names[a]] = np.zeros(shape, np.float32) if names[a] in zeroed else \
-            rng.standard_normal(shape).astype(storage_dtype(b.dtype))
-    dims = [math.prod(v if isinstance(v, int) else sizes[v] for v in (d if isinstance(d, tuple) else (d,)))
-            for _, d in ep.lowered.dims]
-    ptrs = [arrays[names[a]].ctypes.data for a in ep.lowered.desc.args]
-    launch = (ctypes.c_int64 * 2)()
-    err = ctypes.create_string_buffer(256)
-    scalars = (ctypes.c_double * max(len(ep.lowered.scalars), 1))(*([3.0] * len(ep.lowered.scalars)))
-    rc = lib.kspec_emu_run((ctypes.c_int64 * len(dims))(*dims), (ctypes.c_void_p * len(ptrs))(*ptrs), scalars,
-                           launch, err, ctypes.c_uint64(256))
-    assert rc == 0, err.value
-    assert launch[0] == 6                        # 2 column blocks x 3 row splits: partials added atomically
+    assert grid == 6                             # 2 column blocks x 3 row splits: partials added atomically
     # what the kernel reads: the dot product over i (an earlier kernel's [K, L] result)
     (x,) = [arrays[n] for n in arrays if n not in zeroed]
     assert x.shape == (sizes["K"], sizes["L"])

@@ -4,11 +4,6 @@ output and a share of its elements, not one thread per output; planned as no fal
 threaded CPU emulation of the generated CUDA (tests/test_grad_plans.py's) equal to numpy in float64."""
 from __future__ import annotations
 
-import ctypes
-import math
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -73,39 +68,14 @@ def test_alibi_backward_slope_gradient_is_a_split_reduction():
 
 def _emulate(tmp_path, kernel, sizes, rng):
     """Run the generated kernel of `kernel` on the CPU emulation; (arrays by name, launch grid)."""
-    from rowwise_harness import cuda_include
-    from test_grad_plans import _COL_EMU, _COL_RUN
-
-    from kspec.backends.reference.numerics import storage_dtype
-    if shutil.which("g++") is None or cuda_include() is None:
-        pytest.skip("no g++ or CUDA headers")
+    from generic_emu import emulate
     path = tmp_path / "s.kspec"
     path.write_text(SPECS)
     em = emit_spec(path, ("sm90a",), kernel)
     ((ep,),) = [eps for eps in em.plans.values()]
     assert "kspec_split_" in ep.emitted.source and ep.emitted.init
-    names, ir = ep.lowered.names, ep.lowered.ir
-    cpp, so = tmp_path / f"{kernel}.cpp", tmp_path / f"{kernel}.so"
-    cpp.write_text(_COL_EMU + ep.emitted.source + _COL_RUN)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{cuda_include()}", str(cpp),
-                    "-o", str(so)], check=True, capture_output=True, text=True)
-    lib = ctypes.CDLL(str(so))
-    zeroed = {names[x] for x, _ in ep.emitted.init}
-    arrays = {}
-    for a in ep.lowered.desc.args:
-        b = ir.buffer(names[a])
-        shape = tuple(d if isinstance(d, int) else sizes[d] for d in b.shape)
-        arrays[names[a]] = np.zeros(shape, np.float32) if names[a] in zeroed else \
-            rng.standard_normal(shape).astype(storage_dtype(b.dtype))
-    dims = [math.prod(v if isinstance(v, int) else sizes[v] for v in (d if isinstance(d, tuple) else (d,)))
-            for _, d in ep.lowered.dims]
-    ptrs = [arrays[names[a]].ctypes.data for a in ep.lowered.desc.args]
-    launch = (ctypes.c_int64 * 2)()
-    err = ctypes.create_string_buffer(256)
-    rc = lib.kspec_emu_run((ctypes.c_int64 * len(dims))(*dims), (ctypes.c_void_p * len(ptrs))(*ptrs),
-                           (ctypes.c_double * 1)(0.0), launch, err, ctypes.c_uint64(256))
-    assert rc == 0, err.value
-    return arrays, launch[0]
+    arrays, _, grid, _ = emulate(ep, sizes, rng, tmp_path)
+    return arrays, grid
 
 
 def test_slope_gradient_runs_on_the_cpu(tmp_path):

@@ -5,7 +5,6 @@ bias's column sum in their epilogues; cross-entropy as one kernel; the cases ksp
 of the GEMM + gelu backward for both archs with tensor-core SASS is `slow` (CuTe DSL builds)."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -195,54 +194,6 @@ def test_norm_backward_row_kernel_runs_on_the_cpu_emulator(stem):
 
 # ---------------------------------------------------------------- column reductions, on the CPU
 
-_COL_EMU = r"""
-#include <barrier>
-#include <thread>
-#include <vector>
-#define __device__
-#define __forceinline__ inline
-#define __global__
-#define __launch_bounds__(n)
-#define __shared__ static
-struct kspec_u3 { unsigned x, y, z; };
-static thread_local kspec_u3 blockIdx, threadIdx, blockDim, gridDim;
-static std::barrier<>* kspec_bar;
-inline void __syncthreads() { kspec_bar->arrive_and_wait(); }
-// CTAs run one after another (so a function-level static is one CTA's shared memory) and only one
-// thread per column adds: a plain add is the atomic here
-inline float atomicAdd(float* a, float v) { float old = *a; *a = old + v; return old; }
-#define KSPEC_DEVICE
-#define KSPEC_HOST
-"""
-
-_COL_RUN = r"""
-extern "C" int kspec_emu_run(const int64_t* dims, void* const* ptrs, const double* scalars, int64_t* launch,
-                             char* err, uint64_t cap) {
-  alignas(16) unsigned char blob[sizeof(Params)];
-  uint64_t size = 0;
-  uint32_t grid[3], block[3], cluster[3], smem = 0;
-  int rc = kspec_prepare(dims, ptrs, scalars, nullptr, 0, 132, blob, sizeof blob, &size, grid, block, cluster,
-                         &smem, err, cap);
-  if (rc) return rc;
-  Params p;
-  std::memcpy(&p, blob, sizeof p);
-  launch[0] = grid[0]; launch[1] = block[0];
-  for (unsigned b = 0; b < grid[0]; ++b) {
-    std::barrier<> bar(block[0]);
-    kspec_bar = &bar;
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < block[0]; ++t)
-      ts.emplace_back([&, b, t] {
-        blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; blockDim = {block[0], 1, 1}; gridDim = {grid[0], 1, 1};
-        kspec_kernel(p);
-      });
-    for (auto& th : ts) th.join();
-  }
-  return 0;
-}
-"""
-
-
 _COLUMN_SUMS = """
 kernel colsums {
   in dy : bf16[M, N]
@@ -261,16 +212,10 @@ def test_column_reductions_of_the_norm_backward_run_on_the_cpu(tmp_path):
     generic backend's column kernels (32 columns and a share of the rows per CTA, the rows split
     over CTAs whose partials are added atomically into a zeroed output), compiled with g++ against a
     threaded CUDA emulation, equal numpy; they are no fallback, so --strict plans them."""
-    import ctypes
-    import math
-
     import numpy as np
 
-    from kspec.backends.reference.numerics import storage_dtype
+    from generic_emu import emulate
     from kspec.compile import emit_spec
-    from rowwise_harness import cuda_include
-    if shutil.which("g++") is None or cuda_include() is None:
-        pytest.skip("no g++ or CUDA headers")
     path = tmp_path / "colsums.kspec"
     path.write_text(_COLUMN_SUMS)
     em = emit_spec(path, ("sm90a",), "colsums", strict=True)
@@ -279,35 +224,11 @@ def test_column_reductions_of_the_norm_backward_run_on_the_cpu(tmp_path):
     assert len(cols) == 2                                   # dβ's and dγ's column sums
     rng = np.random.default_rng(3)
     M, N = 700, 45                                          # 2 column blocks, the rows split in 3
-    sizes = {"M": M, "N": N}
     for ep in cols:
-        so = tmp_path / f"{ep.lowered.ir.id}.so"
-        cpp = tmp_path / f"{ep.lowered.ir.id}.cpp"
-        cpp.write_text(_COL_EMU + ep.emitted.source + _COL_RUN)
-        subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{cuda_include()}", str(cpp),
-                        "-o", str(so)], check=True, capture_output=True, text=True)
-        lib = ctypes.CDLL(str(so))
-        names = ep.lowered.names
-        ir = ep.lowered.ir
-        arrays = {}
-        for a in ep.lowered.desc.args:
-            b = ir.buffer(names[a])
-            shape = tuple(d if isinstance(d, int) else sizes[d] for d in b.shape)
-            zeroed = names[a] in {names[x] for x, _ in ep.emitted.init}      # the loader's `init: zero`
-            arrays[names[a]] = np.zeros(shape, np.float32) if zeroed else \
-                rng.standard_normal(shape).astype(storage_dtype(b.dtype))
-        dims = [math.prod(v if isinstance(v, int) else sizes[v] for v in (d if isinstance(d, tuple) else (d,)))
-                for _, d in ep.lowered.dims]
-        ptrs = [arrays[names[a]].ctypes.data for a in ep.lowered.desc.args]
-        launch = (ctypes.c_int64 * 2)()
-        err = ctypes.create_string_buffer(256)
-        rc = lib.kspec_emu_run((ctypes.c_int64 * len(dims))(*dims), (ctypes.c_void_p * len(ptrs))(*ptrs),
-                               (ctypes.c_double * 1)(0.0), launch, err, ctypes.c_uint64(256))
-        assert rc == 0, err.value
-        assert launch[0] == 6 and launch[1] == 256
+        arrays, names, grid, block = emulate(ep, {"M": M, "N": N}, rng, tmp_path)
+        assert grid == 6 and block == 256
         (out,) = [names[x] for x, _ in ep.emitted.init]
-        ins = [arrays[n] for n in arrays if n != out]
-        ins = [x.astype(np.float64) for x in ins]
+        ins = [arrays[n].astype(np.float64) for n in arrays if n != out]
         want = (ins[0] * ins[1] if len(ins) == 2 else ins[0]).sum(axis=0)
         np.testing.assert_allclose(arrays[out], want, rtol=1e-4, atol=1e-4)
 

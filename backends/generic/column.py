@@ -63,7 +63,25 @@ def sole_reduction(ir: KernelIR):
         visit(u, labels)
     if not loads or None in loads:
         return None
-    return r, loads
+    # each load with the label of its axis that is contiguous in memory (None for a scalar read)
+    out = []
+    for buf, labels in loads:
+        b = ir.buffer(buf)
+        last = len(labels) - 1 if not (b.layout == "col" and len(labels) >= 2) else len(labels) - 2
+        out.append((buf, labels, labels[last] if labels else None))
+    return r, out
+
+
+def begin_lowering(gen: _Gen, r):
+    """The shared start of a column or split reduction's lowering: every op of the operand is
+    computed per element (inlined), the reduced labels get their dims; returns (op, stores)."""
+    ir = gen.ir
+    o = op(gen.g, r)
+    gen.inline = {x.id for x in ir.internal if x.kind != "const"} - {r}   # the operand's ops, per element
+    for label, ext in zip(o.reduced, o.reduced_shape):
+        gen.dim(label, ext)
+    # every buffer the reduction is stored to (an output may alias another: `t2[l] = t1[l]`)
+    return o, ir.stores_of(r)
 
 
 def column_reduction(ir: KernelIR):
@@ -75,28 +93,21 @@ def column_reduction(ir: KernelIR):
     o = op(ir.graph(), r)
     inner = o.axes[-1]
     contiguous = 0
-    for buf, labels in loads:
-        b = ir.buffer(buf)
+    for _buf, labels, last in loads:
         if not labels:
             continue
         if set(labels) & set(o.axes) not in (set(), set(o.axes)):
             return None                      # an outer product (a GEMM's shape), not a column reduction
-        last = len(labels) - 1 if not (b.layout == "col" and len(labels) >= 2) else len(labels) - 2
-        if labels[last] in o.reduced:
+        if last in o.reduced:
             return None                      # a row reduction: the rows are contiguous (row kernels)
-        if labels[last] == inner:
+        if last == inner:
             contiguous += 1
     return r if contiguous else None
 
 
 def lower_column(gen: _Gen, r, space, plan_id) -> LoweredPlan:
     g, ir = gen.g, gen.ir
-    o = op(g, r)
-    gen.inline = {x.id for x in ir.internal if x.kind != "const"} - {r}   # the operand's ops, per element
-    for label, ext in zip(o.reduced, o.reduced_shape):
-        gen.dim(label, ext)
-    # every buffer the reduction is stored to (an output may alias another: `t2[l] = t1[l]`)
-    stores = ir.stores_of(r)
+    o, stores = begin_lowering(gen, r)
     atomic = o.kind == "contraction" or o.fn in ("sum", "mean")
     atomic = atomic and all(ir.buffer(t).dtype == "f32" for t in stores)
     ncols = " * ".join(gen.dimx(gen.dim_of[l]) for l in space)
@@ -154,13 +165,20 @@ def lower_column(gen: _Gen, r, space, plan_id) -> LoweredPlan:
         else:
             body.append("  " + _store(ir.buffer(t).dtype, f"p.ptr[{{{gen.ptr(t)}}}]", off, _round(o.dtype, "acc_")))
     body.append("}")
+    return finish_lowering(gen, body, threads, plan_id, stores if atomic else ())
+
+
+def finish_lowering(gen: _Gen, body: list[str], threads: str, plan_id: str, zeroed) -> LoweredPlan:
+    """The shared end of a column or split reduction's lowering: the kernel body with its buffer and
+    scalar placeholders numbered, as a LoweredPlan whose `zeroed` buffers are cleared before launch."""
+    ir = gen.ir
     names = gen.names
     text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
     back = names.back()
     desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=gen.arch, body=text, args=args, scalars=scalars,
                        dims=tuple(d for d, _ in gen.dim_values), threads=threads,
                        arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args),
-                       init=tuple((gen.ptr(t), "zero") for t in stores) if atomic else ())
+                       init=tuple((gen.ptr(t), "zero") for t in zeroed))
     return LoweredPlan(ir, gen.arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
 
 

@@ -16,12 +16,10 @@ atomic) and outputs stored in another dtype than f32 are not split: they keep th
 from __future__ import annotations
 
 from kspec.backends.api import LoweredPlan
-from kspec.backends.generic.column import _decode, sole_reduction
-from kspec.backends.generic.gen import BLOCK, GenericDesc, _Gen
-from kspec.backends.names import number_placeholders
+from kspec.backends.generic.column import _decode, begin_lowering, finish_lowering, sole_reduction
+from kspec.backends.generic.gen import BLOCK, _Gen
 from kspec.compiler.graph import op, operands
 from kspec.compiler.kir import KernelIR
-from kspec.core import dtype_bytes
 
 SPLIT_TARGET_CTAS = 1024        # split each output's elements until about this many CTAs are in flight
 SPLIT_MIN_PER_THREAD = 8        # ... but give each thread at least this many elements
@@ -42,12 +40,10 @@ def split_reduction(ir: KernelIR):
     if any(ir.buffer(t).dtype != "f32" for t in ir.stores_of(r)):
         return None
     rows = 0
-    for buf, labels in loads:
-        b = ir.buffer(buf)
+    for _buf, labels, last in loads:
         if not labels:
             continue
-        last = len(labels) - 1 if not (b.layout == "col" and len(labels) >= 2) else len(labels) - 2
-        if labels[last] not in o.reduced:
+        if last not in o.reduced:
             return None                       # reads along a kept axis: a column reduction's pattern
         rows += 1
     return r if rows else None
@@ -55,11 +51,7 @@ def split_reduction(ir: KernelIR):
 
 def lower_split(gen: _Gen, r, space, plan_id) -> LoweredPlan:
     g, ir = gen.g, gen.ir
-    o = op(g, r)
-    gen.inline = {x.id for x in ir.internal if x.kind != "const"} - {r}   # the operand's ops, per element
-    for label, ext in zip(o.reduced, o.reduced_shape):
-        gen.dim(label, ext)
-    stores = ir.stores_of(r)
+    o, stores = begin_lowering(gen, r)
     nout = " * ".join(gen.dimx(gen.dim_of[l]) for l in space) or "1LL"
     nred = " * ".join(gen.dimx(gen.dim_of[l]) for l in o.reduced)
     want = f"(({nred}) + {BLOCK * SPLIT_MIN_PER_THREAD - 1}LL) / {BLOCK * SPLIT_MIN_PER_THREAD}LL"
@@ -102,11 +94,4 @@ def lower_split(gen: _Gen, r, space, plan_id) -> LoweredPlan:
         off = gen.offset(t, ir.store_labels(r, t))
         body.append(f"  atomicAdd(((float*)p.ptr[{{{gen.ptr(t)}}}]) + ({off}), acc_);")
     body.append("}")
-    names = gen.names
-    text, args, scalars = number_placeholders("\n".join("    " + line for line in body), names, gen.scalars)
-    back = names.back()
-    desc = GenericDesc(name=f"k_{plan_id.rsplit('_', 1)[-1]}", arch=gen.arch, body=text, args=args, scalars=scalars,
-                       dims=tuple(d for d, _ in gen.dim_values), threads=threads,
-                       arg_bytes=tuple(dtype_bytes(ir.buffer(back[a]).dtype) for a in args),
-                       init=tuple((gen.ptr(t), "zero") for t in stores))
-    return LoweredPlan(ir, gen.arch, "generic", desc, names.back(), tuple(gen.dim_values), dict(gen.scalars))
+    return finish_lowering(gen, body, threads, plan_id, stores)
