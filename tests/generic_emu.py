@@ -2,7 +2,7 @@
 reductions): the emitted CUDA source compiled with g++ against a few definitions (__syncthreads as
 a std::barrier, atomicAdd as a plain add, since CTAs run one after another and one thread per
 output adds), run through its own host glue (kspec_prepare) on numpy arrays.  Used by
-tests/test_grad_plans.py, test_fusion_fuzz.py and test_generic_split.py."""
+tests/test_grad_plans.py, test_fusion_fuzz.py, test_generic_split.py and test_logsumexp.py."""
 from __future__ import annotations
 
 import ctypes
@@ -61,10 +61,11 @@ extern "C" int kspec_emu_run(const int64_t* dims, void* const* ptrs, const doubl
 """
 
 
-def emulate(ep, sizes: dict, rng, workdir, scalars=(0.0,)):
-    """Run emitted plan `ep` (an emit_spec plan) on random inputs at `sizes`; the buffers it zeroes
-    before launch (EmittedKernel.init) start at 0.  Returns (arrays by buffer name, names (kernel
-    argument -> buffer), grid size, block size); skips without g++ or CUDA headers."""
+def emulate(ep, sizes: dict, rng, workdir, scalars=(0.0,), given: dict | None = None):
+    """Run emitted plan `ep` (an emit_spec plan) on random inputs at `sizes` (`given`: arrays by
+    buffer name to use instead); the buffers it zeroes before launch (EmittedKernel.init) start at 0.
+    Returns (arrays by buffer name, names (kernel argument -> buffer), grid size, block size); skips
+    without g++ or CUDA headers."""
     from rowwise_harness import cuda_include
 
     from kspec.backends.reference.numerics import storage_dtype
@@ -82,6 +83,9 @@ def emulate(ep, sizes: dict, rng, workdir, scalars=(0.0,)):
     for a in ep.lowered.desc.args:
         b = ir.buffer(names[a])
         shape = tuple(d if isinstance(d, int) else sizes[d] for d in b.shape)
+        if given and names[a] in given:
+            arrays[names[a]] = given[names[a]]
+            continue
         arrays[names[a]] = np.zeros(shape, np.float32) if names[a] in zeroed else \
             rng.standard_normal(shape).astype(storage_dtype(b.dtype))
     dims = [math.prod(v if isinstance(v, int) else sizes[v] for v in (d if isinstance(d, tuple) else (d,)))

@@ -4,11 +4,7 @@ its LSE output; one of anything else does not, and still runs), and the generic 
 the CPU."""
 from __future__ import annotations
 
-import ctypes
 import math
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +13,9 @@ import pytest
 import kspec
 from kspec.backends.reference.numerics import storage_dtype
 from kspec.compile import emit_spec, plan_spec
-from kspec.compiler import build_graph, canonicalize, op
-from kspec.core import ARCHS, NoBackendError
-from kspec.spec_lang import KspecError, load_spec, parse, print_program
+from kspec.compiler import build_graph, op
+from kspec.core import NoBackendError
+from kspec.spec_lang import load_spec, parse, print_program
 
 from conftest import needs_fa4
 from test_spec_errors import assert_error
@@ -242,68 +238,23 @@ def test_every_backend_implements_or_declines_it():
 
 # ---------------------------------------------------------------- the generic loop kernel, on the CPU
 
-_EMU = r"""
-#define __device__
-#define __forceinline__ inline
-#define __global__
-#define __launch_bounds__(n)
-struct kspec_u3 { unsigned x, y, z; };
-static kspec_u3 blockIdx, threadIdx, blockDim;
-#define KSPEC_DEVICE
-#define KSPEC_HOST
-"""
-
-_RUN = r"""
-extern "C" int kspec_emu_run(const int64_t* dims, void* const* ptrs, const double* scalars, char* err, uint64_t cap) {
-  alignas(16) unsigned char blob[sizeof(Params)];
-  uint64_t size = 0;
-  uint32_t grid[3], block[3], cluster[3], smem = 0;
-  int rc = kspec_prepare(dims, ptrs, scalars, nullptr, 0, 132, blob, sizeof blob, &size, grid, block, cluster,
-                         &smem, err, cap);
-  if (rc) return rc;
-  Params p;
-  std::memcpy(&p, blob, sizeof p);
-  blockDim = {block[0], 1, 1};
-  for (unsigned b = 0; b < grid[0]; ++b)
-    for (unsigned t = 0; t < block[0]; ++t) { blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; kspec_kernel(p); }
-  return 0;
-}
-"""
-
 
 def test_generic_loop_kernel_computes_it_on_the_cpu(tmp_path):
     """logsumexp over two axes is no row kernel: the generic backend's loop kernel, whose generated
-    text is compiled with g++ against a tiny sequential CUDA emulation and run here."""
-    from rowwise_harness import cuda_include
-    if shutil.which("g++") is None or cuda_include() is None:
-        pytest.skip("no g++ or CUDA headers")
+    text is compiled with g++ against the CPU emulation of CUDA (tests/generic_emu.py) and run here."""
+    from generic_emu import emulate
     src = "kernel k {\n  in x : f16[M, N, C]\n  out L : f32[M]\n  L[m] = logsumexp(n, c) f32(x[m, n, c]) * 0.5\n}\n"
     path = tmp_path / "k.kspec"
     path.write_text(src)
     em = emit_spec(path, ("sm90a",))
     ((ep,),) = em.plans.values()
     assert ep.lowered.backend == "generic"
-    cpp = tmp_path / "k.cpp"
-    cpp.write_text(_EMU + ep.emitted.source + _RUN)
-    so = tmp_path / "k.so"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{cuda_include()}", str(cpp), "-o", str(so)],
-                   check=True, capture_output=True, text=True)
-    lib = ctypes.CDLL(str(so))
     x = (np.random.default_rng(4).standard_normal((5, 6, 7)) * 3).astype(np.float16)
     x[1] = -np.inf
     x[2, :, ::2] = -np.inf
     x[3, 0, 0] = 200.0                  # 0.5 * 200: exp(100) overflows f32 without the max shift
     L = np.full(5, np.nan, np.float32)
-    sizes = {"M": 5, "N": 6, "C": 7}
-    names = ep.lowered.names
-    dims = [math.prod(v if isinstance(v, int) else sizes[v] for v in (d if isinstance(d, tuple) else (d,)))
-            for _, d in ep.lowered.dims]
-    arrays = {"x": x, "L": L}
-    ptrs = [arrays[names[a]].ctypes.data for a in ep.lowered.desc.args]
-    err = ctypes.create_string_buffer(256)
-    rc = lib.kspec_emu_run((ctypes.c_int64 * len(dims))(*dims), (ctypes.c_void_p * len(ptrs))(*ptrs),
-                           (ctypes.c_double * 1)(0.0), err, ctypes.c_uint64(256))
-    assert rc == 0, err.value
+    emulate(ep, {"M": 5, "N": 6, "C": 7}, None, tmp_path, given={"x": x, "L": L})
     want = _lse64(x.astype(np.float64) * 0.5, (1, 2))
     assert L[1] == -np.inf and np.isfinite(L[3])
     np.testing.assert_allclose(L, want, rtol=1e-5, atol=1e-5)
