@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kspec.core import split_offset_dim, split_quotient_dim
+from kspec.core import KspecInternalError, split_offset_dim, split_quotient_dim
 from kspec.runtime import dtypes as rt_dtypes
 
 EXIT_OK, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 3
@@ -237,23 +237,13 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
         first = len(getattr(drv, "launches", ()))
         result = kernel(**args)
         if fake:
-            from kspec.runtime.fakedriver import FakeCall, check_call
+            from kspec.runtime.fakedriver import check_call, record_call
             launches = drv.launches[first:]
-            plan_args = []
-            from kspec.runtime.fakedriver import ArgTensor
-            b = kernel.check(**args)
-            for plan, rec in zip(entry.plans, launches):
-                row = []
-                for name, ptr in zip(plan.args, rec.prepare.ptrs):
-                    spec = entry.tensor(name)
-                    strides = b.views[name].strides if name in b.views else (
-                        tuple(result[name].strides) if name in result else b.strides[name])
-                    row.append(ArgTensor(name, int(ptr), b.extents(spec), tuple(strides), spec.dtype))
-                plan_args.append(row)
-            call = FakeCall(kname, sizes, b, launches, plan_args, [p.id for p in entry.plans])
-            problems = check_call(call, arch, mod)
-            if len(launches) != len(entry.plans):
-                problems.append(f"{len(entry.plans)} plans, {len(launches)} launches")
+            try:
+                call = record_call(mod, kname, sizes, kernel.check(**args), launches, result, args, drv)
+                problems = check_call(call, arch, mod)
+            except KspecInternalError as e:             # launches that match no plan sequence
+                problems = [str(e)]
             # the open FA4 question: the fake driver counts FA4's static section against the limit;
             # whether a GPU does is what the run on one settles (FA4_SMEM_RISK)
             fa4 = [p for p in problems if arch == "sm100a" and "static shared memory exceed" in p

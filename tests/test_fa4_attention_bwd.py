@@ -224,3 +224,19 @@ def test_inspect_says_a_call_launches_the_three_kernels_in_order(bwd_artifacts, 
     want = attention_bwd_workspace(2, 8, 4096, 128, 64)["total"][0]          # head dim 64: tile_m 128 on both
     assert len(lines) == 2 and all(f"variants 0, 1, 2 in order (the attention backward's preprocess, main and "
                                    f"postprocess kernels; {want} bytes of workspace)" in x for x in lines), lines
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_selftest_fake_checks_each_of_the_three_launches(bwd_artifacts, capsys, arch):
+    """`kspec selftest --fake` (what a CPU machine checks before a GPU run) matches the three launches
+    of one attention backward call to the plan and checks each against its own kernel's ABI and the
+    tensors it reads and writes (the workspace's buffers included); it once zipped one launch per
+    plan and reported Q, K, V, dQ, dK, dV missing from the preprocess kernel's parameters."""
+    from kspec.cli import main
+    art = bwd_artifacts("attention_causal")
+    rc = main(["selftest", str(art), "--fake", arch, "--no-bench"])
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if "attention_causal_bwd" in x]
+    assert rc == 0 and lines and all("PASS" in x and "3 launch(es) recorded, ABI ok" in x for x in lines), out

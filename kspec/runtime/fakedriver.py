@@ -786,10 +786,19 @@ def fake_call(mod, kernel: str, sizes: dict[str, int], fake: FakeDriver, *, pass
     binding = mod[kernel].check(**args)
     first = len(fake.launches)
     result = mod[kernel](**args)
-    launches = fake.launches[first:]
+    return record_call(mod, kernel, sizes, binding, fake.launches[first:], result, args, fake)
+
+
+def record_call(mod, kernel: str, sizes: dict, binding, launches, result, args, fake) -> FakeCall:
+    """The FakeCall of one call of `mod.<kernel>` that recorded `launches` on `fake` (binding: the
+    kernel's check of the call's `args`; result: what it returned): per launch, its plan and the
+    tensors it reads and writes in ABI order (a split-KV pair's or an attention backward's steps with
+    their workspace buffers).  Used by fake_call and `kspec selftest --fake`."""
+    k = mod[kernel].entry
     by_id = {p.id: p for p in k.plans}
     ids = [_launch_plan(rec.what) for rec in launches]
-    # one launch per plan, or a split-KV pair (split kernel, then combine) for an attention plan
+    # one launch per plan, a split-KV pair (split kernel, then combine) for an attention plan, or
+    # an attention backward's steps
     if [i for n, i in enumerate(ids) if n == 0 or ids[n - 1] != i] != [p.id for p in k.plans]:
         raise KspecInternalError(f"{kernel}: {len(k.plans)} plans but launches {ids} recorded")
     plan_args = []
