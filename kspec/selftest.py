@@ -83,8 +83,20 @@ RISK_ARCHS: dict[str, tuple[str, ...]] = {
     "risk_residual_64x128": ("sm100a",), "risk_big_epilogue": ("sm100a",), "risk_mixed_fp8_cute": ("sm100a",),
     "risk_tf32_cute": ("sm90a",),
 }
-FA4_SMEM_RISK = ("FlashAttention-4 on sm_100a: 232,448 B of dynamic shared memory beside a 1,024 B static "
-                 "section (issue 22)")
+FA4_SMEM_RISK = ("FlashAttention-4 on sm_100a (and its sm_90a backward at head dim 128): 232,448 B of dynamic "
+                 "shared memory beside a 1,024 B static section (issue 22)")
+
+
+def fa4_smem_open(plans, arch: str) -> bool:
+    """Whether FA4_SMEM_RISK is open for these plans on `arch`: an FA4 forward on sm_100a, or an FA4
+    attention backward (its variants are the steps kspec.core.ATTENTION_BWD_STEPS) on either arch."""
+    from kspec.core import ATTENTION_BWD_STEPS
+    for p in plans:
+        if arch == "sm100a" and p.kind == "attention":
+            return True
+        if any(v.config.get("role") in ATTENTION_BWD_STEPS for b in p.binaries.values() for v in b.variants):
+            return True
+    return False
 
 
 @dataclass
@@ -246,8 +258,7 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
                 problems = [str(e)]
             # the open FA4 question: the fake driver counts FA4's static section against the limit;
             # whether a GPU does is what the run on one settles (FA4_SMEM_RISK)
-            fa4 = [p for p in problems if arch == "sm100a" and "static shared memory exceed" in p
-                   and any(pl.kind == "attention" for pl in entry.plans)]
+            fa4 = [p for p in problems if "static shared memory exceed" in p and fa4_smem_open(entry.plans, arch)]
             if fa4 and len(fa4) == len(problems):
                 return True, "OPEN (a GPU settles it): " + fa4[0], {"open": 1.0}
             if problems or getattr(drv, "on_launch", None) is None:
@@ -684,7 +695,7 @@ def run(paths: list[str], *, fake: str | None = None, sizes_extra: dict[str, int
             elsewhere = risk and arch not in RISK_ARCHS.get(art.name, (arch,))
             if elsewhere:
                 risk = ""
-            if not risk and arch == "sm100a" and any(p.kind == "attention" for k in mod.manifest.kernels for p in k.plans):
+            if not risk and fa4_smem_open([p for k in mod.manifest.kernels for p in k.plans], arch):
                 risk = FA4_SMEM_RISK
             say(f"{art.name} ({arch}):" + (f"  [settles: {risk}]" if risk else "")
                 + (f"  [settles nothing on {arch}: its risk is on {', '.join(RISK_ARCHS[art.name])}]" if elsewhere else ""))
