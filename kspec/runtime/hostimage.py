@@ -47,11 +47,20 @@ def host_image(array: Any, strides, what: str = "array"):
     strides = tuple(int(s) for s in strides)
     if len(strides) != a.ndim or any(s < 0 for s in strides):
         raise KspecRuntimeError(f"{what}: strides {strides} do not fit an array of shape {a.shape}")
-    image = np.zeros(span_elements(a.shape, strides), dtype=a.dtype)
+    # placed as unsigned integers of the same width: numpy's as_strided cannot rebuild some ml_dtypes
+    # arrays from their array interface (float8_e5m2's typestr '<f1' is "not understood")
+    bits = _as_uint(a)
+    image = np.zeros(span_elements(a.shape, strides), dtype=bits.dtype)
     if a.size:
         view = np.lib.stride_tricks.as_strided(image, a.shape, tuple(s * a.dtype.itemsize for s in strides))
-        view[...] = a
-    return image
+        view[...] = bits
+    return image.view(a.dtype)
+
+
+def _as_uint(a):
+    """`a` viewed as unsigned integers of its element width (no copy)."""
+    import numpy as np
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def pack_fp4(a):
@@ -102,4 +111,5 @@ def host_array(raw, first: int, shape, strides, name: str):
             np.ascontiguousarray(raw).view(np_dtype).ravel()
         first //= np_dtype.itemsize
     item = np_dtype.itemsize
-    return np.lib.stride_tricks.as_strided(flat[first:], tuple(shape), tuple(s * item for s in strides)).copy()
+    bits = _as_uint(flat[first:])                      # (as host_image: strided views of unsigned ints)
+    return np.lib.stride_tricks.as_strided(bits, tuple(shape), tuple(s * item for s in strides)).copy().view(np_dtype)
