@@ -24,9 +24,7 @@ def value_bytes(dtype: str) -> int:
 def tensor_bytes(dtype: str, numel: int) -> int:
     """Bytes of memory `numel` values of `dtype` occupy: a 4-bit f4e2m1 packs two a byte (the
     runtime's rule, kspec.runtime.dtypes.span_bytes), a condition takes a byte."""
-    if dtype == "bool":
-        return numel
-    return (numel * DTYPE_TABLE[dtype].bits + 7) // 8
+    return numel if dtype == "bool" else DTYPE_TABLE[dtype].storage_bytes(numel)
 
 
 def _rewire(g: nx.DiGraph, old, new, relabel=None) -> None:

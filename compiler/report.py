@@ -222,12 +222,11 @@ def plan_warnings(sched: KernelSchedule, c: CostReport, given: dict | None = Non
     --strict): the modelled DRAM traffic exceeds TRAFFIC_LIMIT x the spec minimum, or a global
     intermediate exceeds INTERMEDIATE_LIMIT bytes; each names the intermediate(s) and why.  Not
     severe: size symbols the caller did not give (`given`), which the cost model set to 1024."""
-    from .canon import tensor_bytes
-    from .cost import DEFAULT_SIZE, _numel
+    from .cost import DEFAULT_SIZE, _buffer_bytes
     name = sched.kernel.name
     out: list[tuple[bool, str]] = []
     at = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
-    big = sorted(((tensor_bytes(b.dtype, _numel(b.shape, c.sizes)), b) for b in sched.intermediates),
+    big = sorted(((_buffer_bytes(b, c.sizes), b) for b in sched.intermediates),
                  key=lambda t: -t[0])
     for nbytes, b in big:
         if nbytes > INTERMEDIATE_LIMIT:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from kspec.core import ARCHS, DTYPE_TABLE, KspecInternalError
+from kspec.core import ARCHS, KspecInternalError
 from kspec.spec_lang.check import CheckedKernel, DimValue
 
 from .fusion import FusionResult, Group

@@ -211,6 +211,11 @@ class DType:
         byte size of a tensor of it is `storage_bytes`)."""
         return max(1, self.bits // 8)
 
+    def storage_bytes(self, count: int) -> int:
+        """Bytes of memory `count` values occupy: their bits in whole bytes (two f4e2m1 values a byte,
+        packed along the contiguous axis)."""
+        return (count * self.bits + 7) // 8
+
     @property
     def per_byte(self) -> int:
         """Values per byte of memory: 2 for a 4-bit dtype (packed along the contiguous axis), else 1."""

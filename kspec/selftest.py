@@ -174,29 +174,13 @@ class _Memory:
         self.owned.clear()
 
 
-def _storage(a, layout: str, dtype: str = ""):
-    """Bytes of a logical array in the declared layout (col: last two axes swapped in memory).
-    f4e2m1 (one ml_dtypes value a byte on the host) is packed two values a byte along the
-    contiguous axis, the first in the low nibble, as the device and torch's float4_e2m1fn_x2 hold it
-    (kspec.runtime.dtypes.span_bytes)."""
-    import numpy as np
-    if layout == "col" and a.ndim >= 2:
-        a = np.swapaxes(a, -1, -2)
-    a = np.ascontiguousarray(a)
-    if dtype == "f4e2m1":
-        from kspec.runtime.hostimage import pack_fp4
-        return pack_fp4(a).tobytes()
-    return a.tobytes()
-
-
-def _from_storage(raw: bytes, shape, layout: str, np_dtype):
-    import numpy as np
-    a = np.frombuffer(raw, dtype=np_dtype)
-    if layout == "col" and len(shape) >= 2:
-        s = list(shape)
-        s[-1], s[-2] = s[-2], s[-1]
-        return np.swapaxes(a.reshape(s), -1, -2)
-    return a.reshape(shape)
+def _storage(a, layout: str, dtype: str) -> bytes:
+    """Bytes of a logical host array in the declared layout (col: last two axes swapped in memory),
+    as an upload copies them (kspec.runtime.hostimage.device_image: f4e2m1 packed two values a byte
+    along the contiguous axis, value 2i in the low nibble)."""
+    from kspec.artifact import layout_strides
+    from kspec.runtime.hostimage import device_image
+    return device_image(a, layout_strides(tuple(a.shape), layout), dtype).tobytes()
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -213,8 +197,8 @@ def _to_host(x, dtype: str):
 
 def _np_dtype(name: str):
     from kspec.runtime import dtypes
-    from kspec.runtime.driver import _numpy_dtype
-    return _numpy_dtype(dtypes.storage(name))
+    from kspec.runtime.hostimage import numpy_dtype
+    return numpy_dtype(dtypes.storage(name))
 
 
 def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: str, drv, arch: str,
@@ -224,6 +208,7 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
     from kspec.artifact import layout_strides
     from kspec.backends.reference import reference
     from kspec.runtime import DeviceBuffer, dtypes
+    from kspec.runtime.hostimage import host_array
     from kspec.run import TOLERANCE, random_inputs, relative_error
 
     kernel = mod[kname]
@@ -271,8 +256,8 @@ def run_kernel_check(mod, program, kname: str, sizes: dict[str, int], variant: s
             ref = np.asarray(want[t.name])
             if t.name in placed:
                 ptr, shape, layout, dt = placed[t.name]
-                npd = _np_dtype(dt)
-                got = _from_storage(mem.download(ptr, math.prod(shape) * npd.itemsize), shape, layout, npd)
+                strides = layout_strides(shape, layout)
+                got = host_array(mem.download(ptr, dtypes.span_bytes(dt, shape, strides)), 0, shape, strides, dt)
             else:
                 got = _to_host(result[t.name], t.dtype)
             if tuple(got.shape) != tuple(ref.shape):

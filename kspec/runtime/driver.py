@@ -416,7 +416,3 @@ class DeviceArray:
     def __repr__(self) -> str:
         return f"DeviceArray({self.dtype}{list(self.shape)}, strides={self.strides}, cuda:{self.device}, 0x{self.ptr:x})"
 
-
-def _numpy_dtype(name: str):
-    from kspec.runtime.hostimage import numpy_dtype
-    return numpy_dtype(name)

@@ -85,7 +85,7 @@ def span_bytes(name: str, shape, strides) -> int:
     if any(int(n) == 0 for n in shape):
         return 0
     values = sum((int(n) - 1) * int(s) for n, s in zip(shape, strides)) + 1
-    return (values * bits(name) + 7) // 8 if name in DTYPE_TABLE else values * itemsize(name)
+    return DTYPE_TABLE[name].storage_bytes(values) if name in DTYPE_TABLE else values * itemsize(name)
 
 
 # torch's float4_e2m1fn_x2 (and its DLPack export: code 17, 4 bits x 2 lanes) counts bytes of two

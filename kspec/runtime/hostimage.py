@@ -74,11 +74,18 @@ def pack_fp4(a):
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
+def _flat_bytes(raw):
+    """`raw` (bytes, or a numpy array of them) as a flat uint8 array, without a copy."""
+    import numpy as np
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return np.frombuffer(raw, dtype=np.uint8)
+    return np.ascontiguousarray(raw).view(np.uint8).ravel()
+
+
 def unpack_fp4(raw):
     """The inverse of pack_fp4 on a flat byte buffer: 2 * len(raw) float4_e2m1fn values."""
     import numpy as np
-    b = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else \
-        np.ascontiguousarray(raw).view(np.uint8).ravel()
+    b = _flat_bytes(raw)
     codes = np.empty(2 * b.size, dtype=np.uint8)
     codes[0::2], codes[1::2] = b & 0xF, b >> 4
     return codes.view(numpy_dtype("f4e2m1"))
@@ -107,9 +114,7 @@ def host_array(raw, first: int, shape, strides, name: str):
     if dtypes.storage(name) == "f4e2m1":
         flat, first = unpack_fp4(raw), 2 * first      # one value a byte: offsets in values
     else:
-        flat = np.frombuffer(raw, dtype=np_dtype) if isinstance(raw, (bytes, bytearray, memoryview)) else \
-            np.ascontiguousarray(raw).view(np_dtype).ravel()
-        first //= np_dtype.itemsize
+        flat, first = _flat_bytes(raw).view(np_dtype), first // np_dtype.itemsize
     item = np_dtype.itemsize
     bits = _as_uint(flat[first:])                      # (as host_image: strided views of unsigned ints)
     return np.lib.stride_tricks.as_strided(bits, tuple(shape), tuple(s * item for s in strides)).copy().view(np_dtype)

@@ -753,7 +753,6 @@ class Module:
                   prepared: "Prepared | None" = None, fills=None) -> None:
         """Launch one prepared plan.  fills: the plan's initial fills as `_LaunchPlan` holds them
         ((tensor, pattern, width, count)); None to work them out here."""
-        k = b.kernel
         what = f"plan '{plan.id}' ({arch})"
         if fills is None:
             fills = _plan_fills(b, plan)

@@ -19,7 +19,8 @@ from typing import Any
 from kspec.artifact import LAYOUTS, TensorSpec, layout_strides
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
-from kspec.runtime.hostimage import device_image, host_array, host_image, numpy_dtype, span_elements  # noqa: F401
+from kspec.runtime.hostimage import (device_image, host_array, host_image, numpy_dtype, span_elements,  # noqa: F401
+                                      unpack_fp4)
 
 
 def _layout_and_dtype(spec_or_layout: Any, dtype: Any) -> tuple[str, str | None, str]:
@@ -70,8 +71,7 @@ def from_device(x: Any):
         name = dtypes.from_torch(t.dtype)
         if name == "f4e2m1":                                 # float4_e2m1fn_x2: two values a byte
             raw = t.contiguous().view(torch.uint8).numpy()
-            shape = raw.shape[:-1] + (2 * raw.shape[-1],) if raw.ndim else (2,)
-            return host_array(raw.tobytes(), 0, shape, layout_strides(shape, "row"), name)
+            return unpack_fp4(raw).reshape(raw.shape[:-1] + (2 * raw.shape[-1],) if raw.ndim else (2,))
         if name in ("bf16", "f8e4m3", "f8e5m2", "f8e8m0"):   # numpy has no such dtypes: reinterpret the bits
             bits = t.contiguous().view(torch.int16 if name == "bf16" else torch.int8).numpy()
             return bits.view(numpy_dtype(name))
