@@ -545,7 +545,8 @@ class _Grad:
             canon = self.canon_of(x, tuple(s if isinstance(s, str) else None for s in g.subscripts))
             # a rotation of an axis (`(e + 64) % 128` over e's 128 values) is a bijection: its adjoint
             # reads the gradient at the inverse rotation (v + n - c) % n, with no scatter
-            t, F, hold, rotated = self._invert_rotations(g, t, F, st.extents, x)
+            t, F, rotated = self._invert_rotations(g, t, F, st.extents, x)
+            hold = {f"__v{a}": canon[a] for a in rotated}
             src, dst, conds = [], [], []
             for a, s in enumerate(g.subscripts):
                 if a in rotated:
@@ -565,7 +566,7 @@ class _Grad:
             for a, sx in enumerate(g.subscripts):    # in the order of x's axes: dK_part[b, h, j, e]
                 if a in rotated:
                     continue
-                for f in ((sx,) if isinstance(sx, str) else sx.free if isinstance(sx, TExpr) else ()):
+                for f in _subscript_indices(sx):
                     if f in F and f not in keep:
                         keep.append(f)
             others = [f for f in F if f not in keep]
@@ -586,7 +587,6 @@ class _Grad:
                 cond = c if cond is None else ast.Binary("and", cond, c)
             # rename the summed indices away from the canonical names first, then transport
             clash = {f: self.fresh(f) for f in F if f not in src and f in canon}
-            hold.update((f"__v{a}", canon[a]) for a in rotated)
             t = rename(t, clash, self.fresh)
             cond = rename(cond, clash, self.fresh)
             F = tuple(clash.get(f, f) for f in F)
@@ -600,13 +600,13 @@ class _Grad:
         """For each subscript of gather g that rotates an axis (grad_rules.modular_shift) by an index f
         no other subscript uses: t with f replaced by the inverse rotation of a placeholder for dX's
         own index at that axis (`__v<axis>`, renamed once the term is in dX's indices), and f dropped
-        from the indices to sum.  Returns (t, F, placeholders {`__v<axis>`: None}, rotated axes)."""
+        from the indices to sum.  Returns (t, F, the rotated axes)."""
         shape = self.infos[x].shape
         uses: dict[str, int] = {}
         for sx in g.subscripts:
-            for f in ((sx,) if isinstance(sx, str) else sx.free if isinstance(sx, TExpr) else ()):
+            for f in _subscript_indices(sx):
                 uses[f] = uses.get(f, 0) + 1
-        hold, rotated = {}, []
+        rotated = []
         for a, sx in enumerate(g.subscripts):
             rot = modular_shift(sx, extents, shape[a]) if isinstance(sx, TExpr) else None
             if rot is None or uses[rot[0]] != 1 or rot[0] not in F:
@@ -616,9 +616,8 @@ class _Grad:
             inverse = v if c == 0 else ast.Binary("%", ast.Binary("+", v, num(n - c)), num(n))
             t = substitute(t, f, inverse)
             F = tuple(i for i in F if i != f)
-            hold[f"__v{a}"] = None
             rotated.append(a)
-        return t, F, hold, rotated
+        return t, F, rotated
 
     # ---- 4. saved and recomputed; 5. the two kernels ----
     def emit(self, grads: list[str]):
@@ -709,6 +708,11 @@ class _Grad:
         self.infos[name] = TensorInfo(name, "temp", "f32", tuple(st.extents[i] for i in idx), "row", None, st.span)
         self.fwd_extra.append(NStmt(name, idx, "f32", want, {i: st.extents[i] for i in st.indices}, st.span))
         return name
+
+
+def _subscript_indices(sx) -> tuple[str, ...]:
+    """The indices a typed subscript uses: itself if an index label, an expression's free ones."""
+    return (sx,) if isinstance(sx, str) else sx.free if isinstance(sx, TExpr) else ()
 
 
 def _has_reduce(e) -> bool:

@@ -265,9 +265,10 @@ def rename(e: ast.Expr, mapping: dict[str, str], fresh: Callable[[str], str]) ->
 def substitute(e: ast.Expr, name: str, value: ast.Expr) -> ast.Expr:
     """e with the free index `name` replaced by the integer expression `value` (a read at `name`
     becomes a read at `value`: an Access turns into a Gather); a reduction binding `name` shadows it."""
-    def sub(x):
-        return x if isinstance(x, ast.Num) else value if isinstance(x, ast.IndexVar) and x.name == name \
-            else x if isinstance(x, ast.IndexVar) else substitute(x, name, value)
+    def sub(x):                     # a gather's subscript
+        if isinstance(x, ast.IndexVar):
+            return value if x.name == name else x
+        return x if isinstance(x, ast.Num) else substitute(x, name, value)
     if isinstance(e, ast.Access):
         if name not in e.indices:
             return e
@@ -307,7 +308,7 @@ def modular_shift(s, extents: dict, axis_extent) -> tuple[str, int, int] | None:
         return None
     if inner.op == "+" and isinstance(inner.lhs, TConst) and isinstance(inner.rhs, TIndex):
         f, c = inner.rhs.name, inner.lhs.value
-    elif inner.op in "+-" and isinstance(inner.lhs, TIndex) and isinstance(inner.rhs, TConst):
+    elif inner.op in ("+", "-") and isinstance(inner.lhs, TIndex) and isinstance(inner.rhs, TConst):
         f, c = inner.lhs.name, inner.rhs.value if inner.op == "+" else -inner.rhs.value
     else:
         return None
