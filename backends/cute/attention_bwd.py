@@ -29,10 +29,19 @@ stride specialisations kspec does not use); capture checks this at two sizes.
 roles STEPS as one call: the three in order, one workspace of the size the first one's glue asks,
 not cleared (the preprocess zeroes dq_accum; FA4 allocates all three uninitialised too).
 
+**Masks and layouts.**  Causal is FA4's own mask, aligned bottom-right: the spec's `j <= i + (T - S)`
+for any lengths, or `j <= i` when the query and key lengths are one (checked at launch).  Q, K, V,
+O, dO, dQ, dK, dV may be stored in any order of [b, h, seq, head] with the head dim innermost
+(kspec passes strided views: BwdDesc.layout / _view).  **Packed (varlen) sequences**: Q, O, dO,
+dQ and the LSE packed by one offsets tensor, K, V, dK, dV by one (or dense): FA4's cu_seqlens_q /
+cu_seqlens_k, its [rows, H, E] layout, the packed LSE [rows, H] passed as FA4's [H, rows] view, S
+and T the row counts; the workspace is then FA4's varlen one ([H, n], n = rows + B tiles rounded up
+to a tile: FA4 pads each sequence to whole tiles).  Batches of more than 256
+sequences run without FA4's host-built batch lookup (as the forward does).
+
 **Not covered** (planned unfused, with the reason `kspec graph` prints): score modifications (ALiBi,
-soft-capping: FA4 needs a score_mod_bwd), varlen, head dims other than 64 and 128, causal attention
-with query and key lengths that may differ (FA4 aligns its mask bottom-right, the spec's `j <= i`
-top-left), dtypes other than f16/bf16, and GQA.  GQA is what remains to be done, in three steps:
+soft-capping: FA4 needs a score_mod_bwd), head dims other than 64 and 128, a top-left causal mask
+over lengths that may differ, dtypes other than f16/bf16, and GQA.  GQA is what remains to be done, in three steps:
 (1) compiler/fusion.py match_attention_backward: accept K and V read at head `h / G` (the gather the
 forward's GQA matching recognises) and dK, dV stored as `sum(h) where(h / G == kh, dK_part, 0)` over
 the per-query-head dK_part/dV_part contractions, and give AttentionBwdStructure the group and the
@@ -54,7 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kspec.backends.desc import Const, Load
-from kspec.core import ARCHS, ATTENTION_BWD_STEPS, KspecError, KspecInternalError, attention_bwd_workspace
+from kspec.core import (ARCHS, ATTENTION_BWD_STEPS, KspecError, KspecInternalError, attention_bwd_workspace,
+                        packed_rows_symbol)
 
 HEAD_DIMS = (64, 128)
 DTYPES = ("f16", "bf16")
@@ -79,12 +89,25 @@ def covered(ir, arch: str) -> str | None:
     if tuple(a.out_dtypes) != (a.dtype,) * 3:
         return f"dQ, dK and dV must be stored as {a.dtype} (got {', '.join(a.out_dtypes)})"
     dims = dict(a.dims)
-    if a.causal and dims["S"] != dims["T"]:
+    cu_q, cu_k = _packing(ir, a)
+    if a.causal and not a.bottom_right and (dims["S"] != dims["T"] or cu_q or cu_k):
         return ("a causal backward with query and key lengths that may differ (FlashAttention-4 aligns its causal "
-                "mask bottom-right, the spec's `j <= i` top-left)")
+                "mask bottom-right, the spec's `j <= i` top-left; write `j <= i + (T - S)`)")
     if len(a.batch) != 2:
         return "FlashAttention-4's backward takes [b, h, seq, head] tensors (one batch and one head axis)"
+    for names, cu in (((a.q_buffer, a.o_buffer, a.do_buffer, a.lse_buffer, a.dq_buffer), cu_q),
+                      ((a.k_buffer, a.v_buffer, a.dk_buffer, a.dv_buffer), cu_k)):
+        if any(ir.buffer(n).packed != cu for n in names):
+            return (f"{', '.join(names)} must be packed alike (all by {cu})" if cu else
+                    f"{', '.join(names)} must all be dense or all packed by the same offsets")
+        if cu is not None and ir.buffer(cu).dtype != "i32":
+            return f"FlashAttention-4 takes cumulative sequence offsets as i32, not {ir.buffer(cu).dtype}"
     return None
+
+
+def _packing(ir, a) -> tuple[str | None, str | None]:
+    """The offsets packing the queries (Q, O, dO, LSE, dQ) and the keys (K, V, dK, dV), or None."""
+    return ir.buffer(a.q_buffer).packed, ir.buffer(a.k_buffer).packed
 
 
 def unsupported(ir, arch: str) -> str | None:
@@ -118,13 +141,25 @@ class BwdDesc:
     dims: tuple[str, ...]
     scalars: tuple[str, ...]
     sm_count: int
+    bottom_right: bool = False         # the causal mask aligned bottom-right (FA4's own alignment)
+    layouts: tuple[tuple[str, ...], ...] = ()     # storage orders (AttentionBwdStructure.layouts)
+    cu_q: str | None = None            # FA4's cu_seqlens_q / cu_seqlens_k (i32 [B + 1]): packed rows
+    cu_k: str | None = None
 
     @property
     def args(self) -> tuple[str, ...]:
-        return (self.q, self.k, self.v, self.o, self.do, self.lse, self.dq, self.dk, self.dv)
+        return (self.q, self.k, self.v, self.o, self.do, self.lse, self.dq, self.dk, self.dv,
+                *(n for n in (self.cu_q, self.cu_k) if n))
 
     def alignment(self) -> tuple[tuple[str, int], ...]:
-        return tuple((n, 4 if n == self.lse else 16) for n in self.args)
+        return tuple((n, 4 if n in (self.lse, self.cu_q, self.cu_k) else 16) for n in self.args)
+
+    def layout(self, k: int) -> tuple[str, ...]:
+        """Tensor k's (Q, K, V, O, dO, LSE, dQ, dK, dV) storage order as roles, outermost first; a
+        packed one without B (its sequence role is then the packed row count)."""
+        seq = "T" if k in (1, 2, 7, 8) else "S"
+        order = self.layouts[k] if self.layouts else (("B", "H", "S") if k == 5 else ("B", "H", seq, "E"))
+        return tuple(r for r in order if r != "B") if (self.cu_k if seq == "T" else self.cu_q) else order
 
 
 def lower(ir, arch: str, sm_count: int | None = None):
@@ -147,9 +182,16 @@ def lower(ir, arch: str, sm_count: int | None = None):
                                a.dq_buffer, a.dk_buffer, a.dv_buffer)]
     if isinstance(scale, Load):
         scalars[scale.name] = a.scale
+    cu_q, cu_k = _packing(ir, a)
+    if cu_q is not None:                 # packed: FA4's S and T are the row counts of the packed arrays
+        ext["S"] = packed_rows_symbol(cu_q)
+    if cu_k is not None:
+        ext["T"] = packed_rows_symbol(cu_k)
     desc = BwdDesc(f"k_{ir.id.rsplit('_', 1)[-1]}", arch, a.dtype, int(a.head_dim), bool(a.causal), *bufs,
                    scale=scale, dims=ROLES, scalars=tuple(scalars),
-                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]))
+                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]), bottom_right=bool(a.bottom_right),
+                   layouts=tuple(a.layouts), cu_q=names(cu_q) if cu_q else None,
+                   cu_k=names(cu_k) if cu_k else None)
     return desc, names.back(), tuple((r, ext[r]) for r in ROLES), scalars
 
 
@@ -158,7 +200,10 @@ def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, 
     main = "FlashAttentionBackwardSm90" if desc.arch == "sm90a" else "FlashAttentionBackwardSm100"
     return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} backward: " +
              (kernels or f"FlashAttentionBackwardPreprocess, {main}, FlashAttentionBackwardPostprocess")),
-            ("head_dim", str(desc.head_dim)), ("mask", "causal" if desc.causal else "none"),
+            ("head_dim", str(desc.head_dim)),
+            ("mask", ("causal (bottom-right)" if desc.bottom_right else "causal") if desc.causal else "none"),
+            *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_q), ("cu_seqlens_k", desc.cu_k)) if c)),)
+              if desc.cu_q or desc.cu_k else ()),
             ("workspace", "dq_accum f32, dpsum f32, lse_log2 f32 (per call)"),
             ("source", "FlashAttention-4 heuristics"))
 
@@ -167,35 +212,57 @@ def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, 
 # the three kernels' tensors and entry
 # ---------------------------------------------------------------------------------------------
 
-def _seq(role: str, e: str) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
-    """FA4's (b, s, h) view of a [B, H, role, E] tensor: extents and stride factors (d innermost)."""
-    return ("B", role, "H"), (("H", role, e), (e,), (role, e))
+def _view(desc: BwdDesc, k: int) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """FA4's view of tensor k (Q, K, V, O, dO, dQ, dK, dV: (b, seq, h), or (rows, h) when packed, then
+    the static head dim; the LSE: (b, h, S), or (h, rows) when packed): the modes' extents (roles)
+    and strides (products of the storage extents after each), from its storage order.  A mode
+    whose stride is a static 1 (the head dim; the canonical LSE's S) gets none."""
+    order = desc.layout(k)
+    seq = "T" if k in (1, 2, 7, 8) else "S"
+    packed = desc.cu_k if seq == "T" else desc.cu_q
+    if k == 5:
+        modes = ("H", "S") if packed else ("B", "H", "S")
+    else:
+        modes = (seq, "H") if packed else ("B", seq, "H")
+    extent = {r: (str(desc.head_dim) if r == "E" else r) for r in order}
+
+    def stride(r: str) -> tuple[str, ...]:
+        return tuple(extent[x] for x in order[order.index(r) + 1:]) or ("1",)
+    if k == 5 and order == modes:
+        return modes, tuple(stride(r) for r in modes[:-1])
+    return modes, tuple(stride(r) for r in modes)
 
 
 def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     """(entry name, dtype, dynamic shape (C expressions), stride factors, data C expression) of one
     kernel's tensors, in the entry's order.  FA4's Q/K/V/O/dO/dQ/dK/dV views end with the static head
-    dim; the workspace buffers and the LSE are row-major [B, H, n] (a static unit last stride)."""
-    e = str(desc.head_dim)
+    dim (_view); the workspace buffers are row-major [B, H, n] ([H, n] for packed queries), and the
+    offsets of packed sequences [B + 1]."""
     idx = {n: f"ptrs[{i}]" for i, n in enumerate(("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"))}
+    for n, c in (("cu_q", desc.cu_q), ("cu_k", desc.cu_k)):
+        if c:
+            idx[n] = f"ptrs[{len(idx)}]"
     dt = desc.dtype
+    k_of = {"q": 0, "k": 1, "v": 2, "o": 3, "do": 4, "lse": 5, "dq": 6, "dk": 7, "dv": 8}
 
-    def seq(name, which, role="S"):
-        return (name, dt, *_seq(role, e), idx[which])
+    def seq(name, which):
+        return (name, dt, *_view(desc, k_of[which]), idx[which])
 
     def rows(n):
-        return ("B", "H", n), (("H", n), (n,))
-    lse = ("mLSE", "f32", *rows("S"), idx["lse"])
+        return (("H", n), ((n,),)) if desc.cu_q else (("B", "H", n), (("H", n), (n,)))
+    lse = ("mLSE", "f32", *_view(desc, 5), idx["lse"])
     dpsum = ("mdPsum", "f32", *rows("ks_sr"), "ks_dpsum")
     lse2 = ("mLSElog2", "f32", *rows("ks_sr"), "ks_lse_log2")
     acc = ("mdQaccum", "f32", *rows("ks_qd"), "ks_dq_accum")
+    cq = [("mCQ", "i32", ("(B + 1)",), (), idx["cu_q"])] if desc.cu_q else []
+    ck = [("mCK", "i32", ("(B + 1)",), (), idx["cu_k"])] if desc.cu_k else []
     if step == "bwd_preprocess":
-        return [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc]
+        return [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc, *cq]
     if step == "bwd_main":
-        return [seq("mQ", "q"), seq("mK", "k", "T"), seq("mV", "v", "T"), seq("mdO", "do"), lse2, dpsum, acc,
-                seq("mdK", "dk", "T"), seq("mdV", "dv", "T")]
+        return [seq("mQ", "q"), seq("mK", "k"), seq("mV", "v"), seq("mdO", "do"), lse2, dpsum, acc,
+                seq("mdK", "dk"), seq("mdV", "dv"), *cq, *ck]
     if step == "bwd_postprocess":
-        return [acc, seq("mdQ", "dq")]
+        return [acc, seq("mdQ", "dq"), *cq]
     raise KspecInternalError(f"no attention backward step {step!r}")
 
 
@@ -205,10 +272,11 @@ _VALUES = {"bwd_preprocess": (), "bwd_main": ("softmax_scale",), "bwd_postproces
 def entry_source(desc: BwdDesc) -> str:
     """The traced module: kspec_<step> for each of STEPS, calling the FA4 object kspec set in PRE,
     MAIN, POST with FA4's own argument order (the optional ones None, as _flash_attn_bwd passes them
-    for a dense, non-varlen, non-deterministic backward)."""
+    for a non-deterministic backward; cu_seqlens_q / cu_seqlens_k for packed sequences)."""
     def params(step):
         return ", ".join([f"{t[0]}: cute.Tensor" for t in tensors(desc, step)] +
                          [f"{v}: cutlass.Float32" for v in _VALUES[step]] + ["stream: cuda.CUstream"])
+    cq, ck = ("mCQ" if desc.cu_q else "None"), ("mCK" if desc.cu_k else "None")
     return "\n".join([
         f'"""Generated by kspec (CuTe DSL backend, FlashAttention-4): attention backward {desc.name} for '
         f'{desc.arch}."""',
@@ -224,19 +292,19 @@ def entry_source(desc: BwdDesc) -> str:
         f"def kspec_bwd_preprocess({params('bwd_preprocess')}):",
         "    # (O, dO, dpsum, LSE, lse_log2, dq_accum, cu_seqlens_q, seqused_q, dLSE, row_max, scale_p,",
         "    #  softmax_scale (read with scale_p only), cu_total_m_blocks, o_lo)",
-        "    PRE(mO, mdO, mdPsum, mLSE, mLSElog2, mdQaccum, None, None, None, None, None, cutlass.Float32(1.0),",
+        f"    PRE(mO, mdO, mdPsum, mLSE, mLSElog2, mdQaccum, {cq}, None, None, None, None, cutlass.Float32(1.0),",
         "        None, None, stream=stream)",
         "",
         "",
         "@cute.jit",
         f"def kspec_bwd_main({params('bwd_main')}):",
-        "    MAIN(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, None, None, None, None,",
+        f"    MAIN(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, {cq}, {ck}, None, None,",
         "         None, None, None, None, None, AuxData(None, None), None, None, stream=stream)",
         "",
         "",
         "@cute.jit",
         f"def kspec_bwd_postprocess({params('bwd_postprocess')}):",
-        "    POST(mdQaccum, mdQ, softmax_scale, None, None, None, None, stream=stream)",
+        f"    POST(mdQaccum, mdQ, softmax_scale, {cq}, None, None, None, stream=stream)",
         "",
     ])
 
@@ -254,12 +322,15 @@ def _fake_args(desc: BwdDesc, step: str) -> list:
     for name, dt, shape, strides, _data in tensors(desc, step):
         el = dtype_bytes(dt)
         div = 16 // el                      # FA4's assumed 16-byte alignment of every tensor but the LSE
-        if name == "mLSE":
+        if name in ("mLSE", "mCQ", "mCK"):
             div = 1
         shp = [syms.setdefault(r, cute.sym_int32()) for r in shape]
-        if dt != "f32":
+        if dt in ("f16", "bf16"):
             shp.append(desc.head_dim)
-        stride = tuple(cute.sym_int64(divisibility=div) for _ in strides) + (1,)
+        if len(strides) == len(shp):       # every mode strided (a packed LSE [h, rows] of [rows, h])
+            stride = tuple(cute.sym_int64(divisibility=1) for _ in strides)
+        else:
+            stride = tuple(cute.sym_int64(divisibility=div) for _ in strides) + (1,)
         out.append(make_fake_tensor(dsl_type(dt), tuple(shp), stride=stride, assumed_align=div * el))
     return out + [cutlass.Float32(1.0) for _ in _VALUES[step]]
 
@@ -272,18 +343,22 @@ def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def workspace_bytes(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int) -> int:
+def workspace_bytes(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int, packed: bool = False) -> int:
     """The workspace of one call (kspec.core.attention_bwd_workspace: what the glue's C computes)."""
-    return attention_bwd_workspace(B, H, S, tile_m, head_dim_rounded)["total"][0]
+    return attention_bwd_workspace(B, H, S, tile_m, head_dim_rounded, packed)["total"][0]
 
 
-def _layout_c(tile_m: int, dr: int) -> list[str]:
-    """C lines computing the sub-buffer sizes of workspace_layout from B, H, S."""
+def _layout_c(tile_m: int, dr: int, packed: bool) -> list[str]:
+    """C lines computing the sub-buffer sizes of workspace_layout from B, H, S (S the packed row
+    count when the queries are packed: FA4 pads each sequence, total + (B + 1) tiles, rounded)."""
+    rows = (f"    const int64_t ks_sr = (S + (B + 1) * {tile_m} - 1) / {tile_m} * {tile_m};" if packed else
+            f"    const int64_t ks_sr = (S + {tile_m} - 1) / {tile_m} * {tile_m};")
+    n = "(uint64_t)H" if packed else "(uint64_t)B * H"
     return [
-        f"    const int64_t ks_sr = (S + {tile_m} - 1) / {tile_m} * {tile_m};",
+        rows,
         f"    const int64_t ks_qd = ks_sr * {dr};",
-        f"    const uint64_t ks_off1 = ((uint64_t)B * H * ks_qd * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
-        f"    const uint64_t ks_rows = ((uint64_t)B * H * ks_sr * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
+        f"    const uint64_t ks_off1 = ({n} * ks_qd * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
+        f"    const uint64_t ks_rows = ({n} * ks_sr * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
     ]
 
 
@@ -291,20 +366,21 @@ def _decl() -> list[str]:
     return [f"    const int64_t {r} = dims[{k}]; (void){r};" for k, r in enumerate(ROLES)]
 
 
-def workspace_lines(tile_m: int, dr: int) -> list[str]:
+def workspace_lines(tile_m: int, dr: int, packed: bool = False) -> list[str]:
     """The body of kspec_workspace_size (the same in the three kernels' glue)."""
     return _decl() + [
         "    (void)device; (void)sm_count; (void)err; (void)err_cap;",
         "    *bytes = 0;",
         "    if (B <= 0 || H <= 0 || S <= 0 || T <= 0) return 0;",
-        *_layout_c(tile_m, dr),
+        *_layout_c(tile_m, dr, packed),
         "    *bytes = ks_off1 + 2 * ks_rows;",
         "    return 0;",
     ]
 
 
 def checks(desc: BwdDesc, tile_m: int, dr: int) -> list[str]:
-    """C lines of kspec_prepare: the sizes validated, the workspace's sub-buffers placed."""
+    """C lines of kspec_prepare: the sizes validated, the workspace's sub-buffers placed.  S and T are
+    the packed row counts when the queries / keys are packed (the runtime checks the offsets)."""
     out = _decl() + [
         "    if (B < 0 || H < 0 || S < 0 || T < 0)",
         "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld)\", (long long)B, (long long)H, "
@@ -316,11 +392,11 @@ def checks(desc: BwdDesc, tile_m: int, dr: int) -> list[str]:
         "        KS_FAIL(\"S = %lld queries, T = %lld keys: FlashAttention-4's backward needs at least one of each\", "
         "(long long)S, (long long)T);",
     ]
-    if desc.causal:
+    if desc.causal and not desc.bottom_right:
         out += ["    if (S != T) KS_FAIL(\"causal attention backward with S = %lld queries and T = %lld keys: they must "
                 "be equal\", (long long)S, (long long)T);"]
     return out + [
-        *_layout_c(tile_m, dr),
+        *_layout_c(tile_m, dr, bool(desc.cu_q)),
         "    if (ks_qd > INT32_MAX) KS_FAIL(\"S = %lld queries: the dQ accumulator rows exceed 32-bit extents\", "
         "(long long)S);",
         "    if (workspace == NULL) KS_FAIL(\"FlashAttention-4's backward called without its workspace\");",
@@ -348,7 +424,7 @@ def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m
         args.append("&softmax_scale")
     return capture_glue(_glue_tensors(desc, step), checks(desc, tile_m, dr), values, args, ciface, entry, offs,
                         sizes, compat.SMEM_OPTIN[desc.arch], what=f"FlashAttention-4 backward ({step})",
-                        workspace=workspace_lines(tile_m, dr))
+                        workspace=workspace_lines(tile_m, dr, bool(desc.cu_q)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,9 +472,17 @@ def capture(desc: BwdDesc) -> Captured:
             f.compile_cache = {}
         try:
             with FakeTensorMode():
-                q = torch.empty(B, S, H, desc.head_dim, dtype=tdt, device="cuda")
-                lse = torch.empty(B, H, S, dtype=torch.float32, device="cuda")
-                interface._flash_attn_bwd(q, q, q, q, q, lse, softmax_scale=0.125, causal=desc.causal)
+                # packed: S rows in all, B sequences (FA4's varlen layout [rows, H, E], LSE [H, rows])
+                rows = (S,) if desc.cu_q else (B, S)
+                q = torch.empty(*rows, H, desc.head_dim, dtype=tdt, device="cuda")
+                kv = torch.empty(*((S,) if desc.cu_k else (B, S)), H, desc.head_dim, dtype=tdt, device="cuda")
+                lse = torch.empty(H, S, dtype=torch.float32, device="cuda") if desc.cu_q else \
+                    torch.empty(B, H, S, dtype=torch.float32, device="cuda")
+                cu = {f"cu_seqlens_{x}": torch.empty(B + 1, dtype=torch.int32, device="cuda")
+                      for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c}
+                lens = {f"max_seqlen_{x}": S for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c}
+                interface._flash_attn_bwd(q, kv, kv, q, q, lse, softmax_scale=0.125, causal=desc.causal, **cu,
+                                          **lens)
         finally:
             cute.compile = real
             torch._C._set_warn_deprecated_on_mutable_data_ptr = warn
@@ -412,11 +496,13 @@ def capture(desc: BwdDesc) -> Captured:
             raise KspecInternalError(f"FlashAttention-4's backward built {names} for {desc.name} on {desc.arch}, "
                                      f"kspec expects {want}")
         pre, main, post = (a[0] for a in calls)
-        # the workspace as FA4 allocated it: lse_log2 [B, H, S_r], dq_accum [B, H, S_r * E_r]
+        # the workspace as FA4 allocated it: lse_log2 [B, H, S_r], dq_accum [B, H, S_r * E_r] ([H, ..]
+        # with packed queries, S_r then the padded row count)
         lse2, acc = calls[1][5], calls[1][7]
-        sr, qd = int(lse2.shape[2]), int(acc.shape[2])
+        sr, qd = int(lse2.shape[-1]), int(acc.shape[-1])
         tile_m = int(pre.tile_m)
-        if sr != _up(S, tile_m) or qd % sr or main.tile_m != tile_m or post.tile_m != tile_m:
+        want = (S + (B + 1) * tile_m - 1) // tile_m * tile_m if desc.cu_q else _up(S, tile_m)
+        if sr != want or qd % sr or main.tile_m != tile_m or post.tile_m != tile_m:
             raise KspecInternalError(f"FlashAttention-4's backward workspace for S={S} is not rounded to its tile "
                                      f"({sr} rows, tile_m {tile_m})")
         seen.append(Captured((pre, main, post), " ".join(_describe(o) for o in (pre, main, post)), tile_m, qd // sr))
@@ -508,6 +594,7 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                     cfg = [["variant", str(k)], ["role", step], ["fa4_class", type(fa).__name__],
                            ["tile", f"{fa.tile_m}x{getattr(fa, 'tile_n', getattr(fa, 'tile_hdim', getattr(fa, 'head_dim_padded', '?')))}"],
                            ["ws_tile_m", str(cap.tile_m)], ["ws_head_dim", str(cap.head_dim_rounded)],
+                           ["packed", ",".join(x for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c) or "none"],
                            *([["2cta", str(bool(fa.use_2cta_instrs)).lower()]]
                              if hasattr(fa, "use_2cta_instrs") else []),
                            ["fa4_signature", hashlib.sha256(cap.signature.encode()).hexdigest()[:16]]]
