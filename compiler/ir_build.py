@@ -326,7 +326,8 @@ def _attention_bwd(g, group, buffer_of, stores) -> AttentionBwdStructure:
         out_dtypes=tuple(op(g, n).dtype for n in (info.dq, info.dk, info.dv)), batch=tuple(info.batch),
         query=info.query, key=info.key, head=info.head, causal=bool(info.causal),
         scale=op(g, info.scale).name if info.scale is not None else None, head_dim=e,
-        dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)), ("E", e)))
+        dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)), ("E", e)),
+        kv_group=info.kv_group, kv_head=info.kv_head)
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:

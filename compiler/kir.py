@@ -394,7 +394,9 @@ class AttentionBwdStructure:
     """The backward of a plain or causal attention (what `kspec grad` derives; FlashAttention-4's
     backward): P = exp(scale * Q K^T (causally masked) - LSE), dV = P^T dO, dP = dO V^T,
     D = rowsum(dO * O), dS = scale * P * (dP - D), dQ = dS K, dK = dS^T Q.  Every tensor is
-    [batch.., seq, head] in canonical order ([b, h, s, e]); LSE is f32 [b, h, i]."""
+    [batch.., seq, head] in canonical order ([b, h, s, e]); LSE is f32 [b, h, i].  GQA: K and V
+    (and dK, dV) have kv_head heads, read at head h // kv_group; dK and dV sum each group's query
+    heads' parts."""
     q_buffer: str
     k_buffer: str
     v_buffer: str
@@ -414,6 +416,10 @@ class AttentionBwdStructure:
     scale: str | None                              # a param name, or None (scale 1)
     head_dim: Extent | None
     dims: tuple[tuple[str, Extent], ...]           # ("B", ..), ("H", ..), ("S", ..), ("T", ..), ("E", ..)
+    # GQA: the group (an int, a size symbol or the name of an i32 param, as AttentionStructure's
+    # kv_group) and the K/V head count; None, None without GQA
+    kv_group: Extent | None = None
+    kv_head: Extent | None = None
 
 
 @dataclass(frozen=True)
@@ -781,7 +787,9 @@ def format_ir(ir: KernelIR) -> str:
         lines.append(f"  attention backward: Q={a.q_buffer} K={a.k_buffer} V={a.v_buffer} O={a.o_buffer} "
                      f"dO={a.do_buffer} LSE={a.lse_buffer} ({a.dtype}) -> dQ={a.dq_buffer} dK={a.dk_buffer} "
                      f"dV={a.dv_buffer} ({'/'.join(a.out_dtypes)}); {'causal, ' if a.causal else ''}scale "
-                     f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims))
+                     f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims)
+                     + (f"; kv heads: {a.head} // {a.kv_group} of {format_extent(a.kv_head)}"
+                        if a.kv_group is not None else ""))
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
@@ -864,7 +872,9 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
     if ir.attention_bwd is not None:     # (only when present: other kernels keep the digests they had)
-        doc["attention_bwd"] = plain(ir.attention_bwd)
+        # (GQA's fields only when set: plain backwards keep the digests they had)
+        doc["attention_bwd"] = {k: v for k, v in plain(ir.attention_bwd).items()
+                                if v is not None or k not in ("kv_group", "kv_head")}
     if ir.epilogue is not None:
         doc["epilogue"] = {
             "stores": [{"name": s.name, "value": _epi_to_json(s.value), "dtype": s.dtype, "layout": s.layout}

@@ -3,7 +3,9 @@
 by the CuTe backend on both archs (and what FA4 cannot take is refused with the reason); the offline
 build (tensor-core SASS in the main kernel, parameter offsets from the cubins); the runtime's plan
 running preprocess, main and postprocess in order with one correctly sized workspace under the fake
-driver; bad sizes refused before launch; a warm compile importing neither FA4 nor the DSL."""
+driver; bad sizes refused before launch; a warm compile importing neither FA4 nor the DSL.  GQA
+(attention_gqa: K and V read at head h / 4): five kernels (the dK and dV postprocesses too), the
+dK/dV accumulators in the workspace zeroed before the main kernel."""
 from __future__ import annotations
 
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 from conftest import SPECS, checkout_env, cubin_sass, needs_fa4, test_cache_root
 
 from kspec.compile import plan_spec
-from kspec.core import ATTENTION_BWD_STEPS, KspecError, attention_bwd_workspace
+from kspec.core import ATTENTION_BWD_GQA_STEPS, ATTENTION_BWD_STEPS, KspecError, attention_bwd_workspace
 from kspec.spec_lang import load_spec
 from kspec.spec_lang.grad import grad_program
 
@@ -67,9 +69,45 @@ def test_causal_backward_over_keys_that_may_differ_from_queries_is_refused():
     assert any("bottom-right" in n for n in sched.fusion.notes), sched.fusion.notes
 
 
-def test_gqa_backward_is_refused_with_the_reason():
-    sched = _plan("attention_gqa", strict=False)
-    assert any("attention backward" in n and "no GQA" in n for n in sched.fusion.notes), sched.fusion.notes
+@needs_fa4
+def test_gqa_backward_plans_as_one_fa4_attention_bwd_kernel_of_five_on_both_archs():
+    """K and V read at head h / 4, dK and dV the sums over each group's query heads (what `kspec grad`
+    derives): one attention_bwd plan, FA4's GQA backward (five kernels) on both archs, under strict."""
+    sched = _plan("attention_gqa")
+    (p,) = sched.plans
+    assert p.kind == "attention_bwd" and set(p.writes) == {"dQ", "dK", "dV"}
+    a = p.ir.attention_bwd
+    assert (a.kv_group, a.kv_head, a.k_buffer, a.dk_buffer) == (4, "KH", "K", "dK")
+    for arch in ARCHS:
+        c = p.choices[arch]
+        cfg = dict(c.config)
+        assert c.backend == "cute" and not c.fallback and cfg["gqa_group"] == "4"
+        assert cfg["kernel"].endswith(f"FlashAttentionBackwardPreprocess, {MAIN[arch]}, FlashAttentionBackwardPostprocess "
+                                      "(dQ), FlashAttentionBackwardPostprocess (dK), FlashAttentionBackwardPostprocess (dV)")
+        assert "dk_accum f32, dv_accum f32" in cfg["workspace"]
+
+
+def _gqa_heads(h: str, kh: str):
+    def edit(t):
+        return t.replace("[B, H, S, 128]", f"[B, {h}, S, 128]").replace("[B, KH, T, 128]", f"[B, {kh}, T, 128]")
+    return edit
+
+
+@pytest.mark.parametrize("edit, why", [
+    # the group a param: FA4 compiles it in, kspec builds the GQA backward for a literal one
+    (lambda t: t.replace("h / 4", "h / G").replace("kernel attention_gqa {", "kernel attention_gqa {\n  param G : i32"),
+     "known only per call (h / G)"),
+    # 6 query heads over 2 K/V heads at h / 4: a valid spec, but not 4 query heads per K/V head
+    (_gqa_heads("6", "2"), "H = 6 query heads over KH = 2 K/V heads at h / 4"),
+    # K and V in different groupings
+    (lambda t: t.replace("V : f16[B, KH, T, 128]", "V : f16[B, KV, T, 128]").replace("V[b, h / 4", "V[b, h / 2"),
+     "different head groupings"),
+])
+def test_what_fa4_cannot_take_of_a_gqa_backward_is_printed_and_refused_by_strict(edit, why):
+    sched = _plan("attention_gqa", strict=False, edit=edit)
+    assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes
+    with pytest.raises(KspecError, match="attention backward"):
+        _plan("attention_gqa", edit=edit)
 
 
 # ---------------------------------------------------------------------------------------------

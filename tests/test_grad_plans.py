@@ -290,10 +290,13 @@ def _bwd_graph(stem: str):
     return g
 
 
-@pytest.mark.parametrize("stem, causal, d", [("attention_causal", True, 64), ("attention", False, 128)])
+@pytest.mark.parametrize("stem, causal, d", [("attention_causal", True, 64), ("attention", False, 128),
+                                            ("attention_gqa", False, 128)])
 def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implements_it(stem, causal, d):
     """The whole backward (S, P, dP, D, dS, dQ, dK, dV) is one group of kind attention_bwd when the
-    oracle says a backend implements it; its IR names FlashAttention-4's operands."""
+    oracle says a backend implements it; its IR names FlashAttention-4's operands.  GQA: K and V read
+    at head h / 4, dK and dV the sums over each group's query heads, one group too (the group and
+    the K/V head count in the IR)."""
     from kspec.compiler import FusionContext, fuse
     g = _bwd_graph(stem)
     oracle = _AcceptBackward()
@@ -305,6 +308,7 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
     assert (a.q_buffer, a.k_buffer, a.v_buffer, a.o_buffer, a.do_buffer) == ("Q", "K", "V", "O", "dO")
     assert a.lse_buffer.endswith("lse") and (a.dq_buffer, a.dk_buffer, a.dv_buffer) == ("dQ", "dK", "dV")
     assert a.causal is causal and a.scale == "scale" and a.head_dim == d and a.dtype in ("f16", "bf16")
+    assert (a.kv_group, a.kv_head) == ((4, "KH") if stem == "attention_gqa" else (None, None))
     assert {b for _, b, _ in ir.stores} == {"dQ", "dK", "dV"}
     # the IR's JSON (its digest, `kspec lower --json`) and its printout carry the backward's structure
     from kspec.compiler import format_ir, ir_from_json, ir_to_json
@@ -316,8 +320,7 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
 
 @pytest.mark.parametrize("stem, why", [
     ("attention_varlen_padded", "the mask is not causal"),
-    ("attention_alibi", "a score modification"),
-    ("attention_gqa", "no GQA")])
+    ("attention_alibi", "a score modification")])
 def test_attention_backward_unfused_reason_names_what_is_missing(stem, why):
     sched = _bwd(stem, strict=False)
     assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes

@@ -45,6 +45,7 @@ kspec.core.ATTENTION_BWD_STEPS' place and the dK/dV accumulators zeroed before t
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -54,15 +55,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kspec.backends.desc import Const, Load
-from kspec.core import ARCHS, ATTENTION_BWD_STEPS, KspecError, KspecInternalError, attention_bwd_workspace
+from kspec.core import (ARCHS, ATTENTION_BWD_GQA_STEPS, ATTENTION_BWD_STEPS, KspecError, KspecInternalError,
+                        attention_bwd_workspace)
 
 HEAD_DIMS = (64, 128)
 DTYPES = ("f16", "bf16")
-ROLES = ("B", "H", "S", "T")                       # ABI dims, in order
-STEPS = ATTENTION_BWD_STEPS                        # the variants' roles, in launch order
+ROLES = ("B", "H", "S", "T")                       # ABI dims, in order (GQA: then HK, the K/V heads)
+STEPS = ATTENTION_BWD_STEPS                        # the variants' roles, in launch order (GQA: GQA_STEPS)
+GQA_STEPS = ATTENTION_BWD_GQA_STEPS
 ALIGN = 256                                        # workspace sub-buffer alignment (attention_bwd_workspace's)
 BUILD_FORMAT = 1
-CAPTURE_POINTS = ((2, 512, 4), (1, 200, 2))        # (B, S, H) at which FA4's choice is captured
+# (B, S, H) at which FA4's choice is captured (GQA: H K/V heads, G times as many query heads); S = 300
+# is an odd number of key tiles of 128 and 64 (a 2-CTA backward rounds its dK/dV accumulators to even)
+CAPTURE_POINTS = ((2, 512, 4), (1, 200, 2), (1, 300, 2))
 
 
 def covered(ir, arch: str) -> str | None:
@@ -84,6 +89,23 @@ def covered(ir, arch: str) -> str | None:
                 "mask bottom-right, the spec's `j <= i` top-left)")
     if len(a.batch) != 2:
         return "FlashAttention-4's backward takes [b, h, seq, head] tensors (one batch and one head axis)"
+    return _gqa_unsupported(a)
+
+
+def _gqa_unsupported(a) -> str | None:
+    """Why FA4's GQA backward as kspec drives it cannot take this group (None: it can, or no GQA)."""
+    g = a.kv_group
+    if g is None:
+        return None
+    if not isinstance(g, int):
+        return (f"a GQA group known only per call (h / {g}): kspec builds FlashAttention-4's GQA backward for an "
+                "integer literal group only (FlashAttention-4 compiles it into the kernel; write e.g. h / 4)")
+    if g < 2:
+        return f"GQA group {g}: K/V read at head h / {g} (FlashAttention-4's GQA backward takes a group of 2 or more)"
+    h, hk = dict(a.dims)["H"], a.kv_head
+    if isinstance(h, int) and isinstance(hk, int) and h != g * hk:
+        return (f"H = {h} query heads over KH = {hk} K/V heads at h / {g}: FlashAttention-4's GQA backward needs "
+                f"H = {g} x KH (every K/V head shared by exactly {g} query heads)")
     return None
 
 
@@ -118,6 +140,12 @@ class BwdDesc:
     dims: tuple[str, ...]
     scalars: tuple[str, ...]
     sm_count: int
+    group: int = 1             # GQA: query heads per K/V head (dims then end with HK)
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The kernels' roles in launch order: three, five with GQA (its dK, dV postprocesses)."""
+        return GQA_STEPS if self.group > 1 else STEPS
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -138,6 +166,9 @@ def lower(ir, arch: str, sm_count: int | None = None):
     a = ir.attention_bwd
     names = Names()
     ext = dict(a.dims)
+    roles = ROLES
+    if a.kv_group is not None:
+        ext["HK"], roles = a.kv_head, (*ROLES, "HK")
     scalars: dict[str, object] = {}
     if a.scale is not None:
         scale: Load | Const = Load(names(a.scale), "scalar", "f32")
@@ -148,67 +179,93 @@ def lower(ir, arch: str, sm_count: int | None = None):
     if isinstance(scale, Load):
         scalars[scale.name] = a.scale
     desc = BwdDesc(f"k_{ir.id.rsplit('_', 1)[-1]}", arch, a.dtype, int(a.head_dim), bool(a.causal), *bufs,
-                   scale=scale, dims=ROLES, scalars=tuple(scalars),
-                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]))
-    return desc, names.back(), tuple((r, ext[r]) for r in ROLES), scalars
+                   scale=scale, dims=roles, scalars=tuple(scalars),
+                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]), group=int(a.kv_group or 1))
+    return desc, names.back(), tuple((r, ext[r]) for r in roles), scalars
+
+
+def fa4_classes(desc: BwdDesc) -> list[str]:
+    """The FA4 class of each of desc's kernels, in launch order (desc.steps)."""
+    main = "FlashAttentionBackwardSm90" if desc.arch == "sm90a" else "FlashAttentionBackwardSm100"
+    return ["FlashAttentionBackwardPreprocess", main] + ["FlashAttentionBackwardPostprocess"] * (len(desc.steps) - 2)
 
 
 def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, str], ...]:
     from . import compat
-    main = "FlashAttentionBackwardSm90" if desc.arch == "sm90a" else "FlashAttentionBackwardSm100"
-    return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} backward: " +
-             (kernels or f"FlashAttentionBackwardPreprocess, {main}, FlashAttentionBackwardPostprocess")),
+    pre, main, post, *_ = fa4_classes(desc)
+    gqa = desc.group > 1
+    names = f"{pre}, {main}, {post}" + (f" (dQ), {post} (dK), {post} (dV)" if gqa else "")
+    ws = "dq_accum f32, dpsum f32, lse_log2 f32" + (", dk_accum f32, dv_accum f32 (per call; dk_accum and dv_accum "
+                                                   "zeroed before the main kernel)" if gqa else " (per call)")
+    return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} backward: " + (kernels or names)),
             ("head_dim", str(desc.head_dim)), ("mask", "causal" if desc.causal else "none"),
-            ("workspace", "dq_accum f32, dpsum f32, lse_log2 f32 (per call)"),
+            *((("gqa_group", str(desc.group)),) if gqa else ()), ("workspace", ws),
             ("source", "FlashAttention-4 heuristics"))
 
 
 # ---------------------------------------------------------------------------------------------
-# the three kernels' tensors and entry
+# the kernels' tensors and entry
 # ---------------------------------------------------------------------------------------------
 
-def _seq(role: str, e: str) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
-    """FA4's (b, s, h) view of a [B, H, role, E] tensor: extents and stride factors (d innermost)."""
-    return ("B", role, "H"), (("H", role, e), (e,), (role, e))
+def _seq(role: str, e: str, heads: str = "H") -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """FA4's (b, s, h) view of a [B, heads, role, E] tensor: extents and stride factors (d innermost)."""
+    return ("B", role, heads), ((heads, role, e), (e,), (role, e))
 
 
 def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     """(entry name, dtype, dynamic shape (C expressions), stride factors, data C expression) of one
     kernel's tensors, in the entry's order.  FA4's Q/K/V/O/dO/dQ/dK/dV views end with the static head
-    dim; the workspace buffers and the LSE are row-major [B, H, n] (a static unit last stride)."""
+    dim; the workspace buffers and the LSE are row-major [B, H, n] (a static unit last stride).  GQA:
+    K, V, dK, dV and the dK/dV accumulators have HK heads; the main kernel writes the accumulators."""
     e = str(desc.head_dim)
     idx = {n: f"ptrs[{i}]" for i, n in enumerate(("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"))}
     dt = desc.dtype
+    kv = "HK" if desc.group > 1 else "H"
 
-    def seq(name, which, role="S"):
-        return (name, dt, *_seq(role, e), idx[which])
+    def seq(name, which, role="S", heads="H"):
+        return (name, dt, *_seq(role, e, heads), idx[which])
 
-    def rows(n):
-        return ("B", "H", n), (("H", n), (n,))
+    def rows(n, heads="H"):
+        return ("B", heads, n), ((heads, n), (n,))
     lse = ("mLSE", "f32", *rows("S"), idx["lse"])
     dpsum = ("mdPsum", "f32", *rows("ks_sr"), "ks_dpsum")
     lse2 = ("mLSElog2", "f32", *rows("ks_sr"), "ks_lse_log2")
     acc = ("mdQaccum", "f32", *rows("ks_qd"), "ks_dq_accum")
-    if step == "bwd_preprocess":
-        return [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc]
-    if step == "bwd_main":
-        return [seq("mQ", "q"), seq("mK", "k", "T"), seq("mV", "v", "T"), seq("mdO", "do"), lse2, dpsum, acc,
-                seq("mdK", "dk", "T"), seq("mdV", "dv", "T")]
-    if step == "bwd_postprocess":
-        return [acc, seq("mdQ", "dq")]
-    raise KspecInternalError(f"no attention backward step {step!r}")
+    dk, dv = seq("mdK", "dk", "T", kv), seq("mdV", "dv", "T", kv)
+    dk_acc = ("mdKaccum", "f32", *rows("ks_kd", kv), "ks_dk_accum")
+    dv_acc = ("mdVaccum", "f32", *rows("ks_kd", kv), "ks_dv_accum")
+    out = {"bwd_preprocess": [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc],
+           "bwd_main": [seq("mQ", "q"), seq("mK", "k", "T", kv), seq("mV", "v", "T", kv), seq("mdO", "do"), lse2,
+                        dpsum, acc, *((dk_acc, dv_acc) if desc.group > 1 else (dk, dv))],
+           "bwd_postprocess": [acc, seq("mdQ", "dq")],
+           "bwd_postprocess_dk": [dk_acc, dk], "bwd_postprocess_dv": [dv_acc, dv]}
+    if step not in desc.steps:
+        raise KspecInternalError(f"no attention backward step {step!r}")
+    return out[step]
 
 
-_VALUES = {"bwd_preprocess": (), "bwd_main": ("softmax_scale",), "bwd_postprocess": ("softmax_scale",)}
+# each kernel's non-tensor arguments (dV's postprocess scales by 1, a constant in the entry)
+_VALUES = {"bwd_preprocess": (), "bwd_main": ("softmax_scale",), "bwd_postprocess": ("softmax_scale",),
+           "bwd_postprocess_dk": ("softmax_scale",), "bwd_postprocess_dv": ()}
+# the entry's names of the FA4 kernel objects kspec sets, per step
+_OBJECTS = {"bwd_preprocess": "PRE", "bwd_main": "MAIN", "bwd_postprocess": "POST", "bwd_postprocess_dk": "POST_DK",
+            "bwd_postprocess_dv": "POST_DV"}
 
 
 def entry_source(desc: BwdDesc) -> str:
-    """The traced module: kspec_<step> for each of STEPS, calling the FA4 object kspec set in PRE,
-    MAIN, POST with FA4's own argument order (the optional ones None, as _flash_attn_bwd passes them
-    for a dense, non-varlen, non-deterministic backward)."""
+    """The traced module: kspec_<step> for each of desc.steps, calling the FA4 object kspec set in PRE,
+    MAIN, POST (GQA: and POST_DK, POST_DV) with FA4's own argument order (the optional ones None, as
+    _flash_attn_bwd passes them for a dense, non-varlen, non-deterministic backward)."""
     def params(step):
         return ", ".join([f"{t[0]}: cute.Tensor" for t in tensors(desc, step)] +
                          [f"{v}: cutlass.Float32" for v in _VALUES[step]] + ["stream: cuda.CUstream"])
+    main = [t[0] for t in tensors(desc, "bwd_main")]
+    posts = []
+    for step, scale in (("bwd_postprocess_dk", "softmax_scale"), ("bwd_postprocess_dv", "cutlass.Float32(1.0)")):
+        if step in desc.steps:
+            acc, out = (t[0] for t in tensors(desc, step))
+            posts += ["", "", "@cute.jit", f"def kspec_{step}({params(step)}):",
+                      f"    {_OBJECTS[step]}({acc}, {out}, {scale}, None, None, None, None, stream=stream)"]
     return "\n".join([
         f'"""Generated by kspec (CuTe DSL backend, FlashAttention-4): attention backward {desc.name} for '
         f'{desc.arch}."""',
@@ -217,7 +274,7 @@ def entry_source(desc: BwdDesc) -> str:
         "import cutlass.cute as cute",
         "from flash_attn.cute.utils import AuxData",
         "",
-        "PRE = MAIN = POST = None   # FA4's kernel objects (set by kspec)",
+        f"{' = '.join(_OBJECTS[st] for st in desc.steps)} = None   # FA4's kernel objects (set by kspec)",
         "",
         "",
         "@cute.jit",
@@ -230,13 +287,14 @@ def entry_source(desc: BwdDesc) -> str:
         "",
         "@cute.jit",
         f"def kspec_bwd_main({params('bwd_main')}):",
-        "    MAIN(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, None, None, None, None,",
+        f"    MAIN({', '.join(main)}, softmax_scale, None, None, None, None,",
         "         None, None, None, None, None, AuxData(None, None), None, None, stream=stream)",
         "",
         "",
         "@cute.jit",
         f"def kspec_bwd_postprocess({params('bwd_postprocess')}):",
         "    POST(mdQaccum, mdQ, softmax_scale, None, None, None, None, stream=stream)",
+        *posts,
         "",
     ])
 
@@ -272,46 +330,70 @@ def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def workspace_bytes(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int) -> int:
-    """The workspace of one call (kspec.core.attention_bwd_workspace: what the glue's C computes)."""
-    return attention_bwd_workspace(B, H, S, tile_m, head_dim_rounded)["total"][0]
+def workspace_bytes(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int, *kv: int) -> int:
+    """The workspace of one call (kspec.core.attention_bwd_workspace: what the glue's C computes; kv:
+    GQA's HK, T, kv_tile, kv_pair)."""
+    return attention_bwd_workspace(B, H, S, tile_m, head_dim_rounded, *kv)["total"][0]
 
 
-def _layout_c(tile_m: int, dr: int) -> list[str]:
-    """C lines computing the sub-buffer sizes of workspace_layout from B, H, S."""
-    return [
+def _layout_c(desc: BwdDesc, cap: "Captured") -> list[str]:
+    """C lines computing the sub-buffer sizes of the workspace (kspec.core.attention_bwd_workspace) from
+    B, H, S (GQA: and HK, T)."""
+    tile_m, dr = cap.tile_m, cap.head_dim_rounded
+    out = [
         f"    const int64_t ks_sr = (S + {tile_m} - 1) / {tile_m} * {tile_m};",
         f"    const int64_t ks_qd = ks_sr * {dr};",
         f"    const uint64_t ks_off1 = ((uint64_t)B * H * ks_qd * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
         f"    const uint64_t ks_rows = ((uint64_t)B * H * ks_sr * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
     ]
+    if desc.group > 1:
+        n, pair = cap.kv_tile, cap.kv_pair
+        out += [
+            f"    const int64_t ks_kr = ((T + {n} - 1) / {n} + {pair - 1}) / {pair} * {pair} * {n};",
+            f"    const int64_t ks_kd = ks_kr * {dr};",
+            "    const uint64_t ks_off3 = ks_off1 + 2 * ks_rows;",
+            f"    const uint64_t ks_kv = ((uint64_t)B * HK * ks_kd * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
+        ]
+    return out
 
 
-def _decl() -> list[str]:
-    return [f"    const int64_t {r} = dims[{k}]; (void){r};" for k, r in enumerate(ROLES)]
+def _decl(desc: BwdDesc) -> list[str]:
+    return [f"    const int64_t {r} = dims[{k}]; (void){r};" for k, r in enumerate(desc.dims)]
 
 
-def workspace_lines(tile_m: int, dr: int) -> list[str]:
-    """The body of kspec_workspace_size (the same in the three kernels' glue)."""
-    return _decl() + [
+def _sizes(desc: BwdDesc, sep: str) -> str:
+    return sep.join(f"{r} {{op}} 0" for r in desc.dims)
+
+
+def workspace_lines(desc: BwdDesc, cap: "Captured") -> list[str]:
+    """The body of kspec_workspace_size (the same in every kernel's glue)."""
+    return _decl(desc) + [
         "    (void)device; (void)sm_count; (void)err; (void)err_cap;",
         "    *bytes = 0;",
-        "    if (B <= 0 || H <= 0 || S <= 0 || T <= 0) return 0;",
-        *_layout_c(tile_m, dr),
-        "    *bytes = ks_off1 + 2 * ks_rows;",
+        f"    if ({_sizes(desc, ' || ').format(op='<=')}) return 0;",
+        *_layout_c(desc, cap),
+        "    *bytes = " + ("ks_off3 + 2 * ks_kv;" if desc.group > 1 else "ks_off1 + 2 * ks_rows;"),
         "    return 0;",
     ]
 
 
-def checks(desc: BwdDesc, tile_m: int, dr: int) -> list[str]:
+def checks(desc: BwdDesc, cap: "Captured") -> list[str]:
     """C lines of kspec_prepare: the sizes validated, the workspace's sub-buffers placed."""
-    out = _decl() + [
-        "    if (B < 0 || H < 0 || S < 0 || T < 0)",
-        "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld)\", (long long)B, (long long)H, "
-        "(long long)S, (long long)T);",
-        "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
+    names = " ".join(f"{r}=%lld" for r in desc.dims)
+    values = ", ".join(f"(long long){r}" for r in desc.dims)
+    out = _decl(desc) + [
+        f"    if ({_sizes(desc, ' || ').format(op='<')})",
+        f"        KS_FAIL(\"bad attention sizes ({names})\", {values});",
+        "    if (" + " || ".join(f"{r} > INT32_MAX" for r in desc.dims) + ")",
         "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
         "    if (B == 0 || H == 0) KS_EMPTY();",
+    ]
+    if desc.group > 1:
+        g = desc.group
+        out += [f"    if (H != HK * {g})",
+                f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {g} query heads per "
+                f"K/V head (H = {g} x K/V heads)\", (long long)H, (long long)HK);"]
+    out += [
         "    if (S == 0 || T == 0)",
         "        KS_FAIL(\"S = %lld queries, T = %lld keys: FlashAttention-4's backward needs at least one of each\", "
         "(long long)S, (long long)T);",
@@ -319,15 +401,24 @@ def checks(desc: BwdDesc, tile_m: int, dr: int) -> list[str]:
     if desc.causal:
         out += ["    if (S != T) KS_FAIL(\"causal attention backward with S = %lld queries and T = %lld keys: they must "
                 "be equal\", (long long)S, (long long)T);"]
-    return out + [
-        *_layout_c(tile_m, dr),
+    out += [
+        *_layout_c(desc, cap),
         "    if (ks_qd > INT32_MAX) KS_FAIL(\"S = %lld queries: the dQ accumulator rows exceed 32-bit extents\", "
         "(long long)S);",
+    ]
+    if desc.group > 1:
+        out += ["    if (ks_kd > INT32_MAX) KS_FAIL(\"T = %lld keys: the dK/dV accumulator rows exceed 32-bit extents\", "
+                "(long long)T);"]
+    out += [
         "    if (workspace == NULL) KS_FAIL(\"FlashAttention-4's backward called without its workspace\");",
         "    void *ks_dq_accum = workspace;",
         "    void *ks_dpsum = (void *)((char *)workspace + ks_off1);",
         "    void *ks_lse_log2 = (void *)((char *)workspace + ks_off1 + ks_rows);",
     ]
+    if desc.group > 1:
+        out += ["    void *ks_dk_accum = (void *)((char *)workspace + ks_off3);",
+                "    void *ks_dv_accum = (void *)((char *)workspace + ks_off3 + ks_kv);"]
+    return out
 
 
 def _glue_tensors(desc: BwdDesc, step: str) -> list:
@@ -336,7 +427,7 @@ def _glue_tensors(desc: BwdDesc, step: str) -> list:
             for name, _dt, shape, strides, data in tensors(desc, step)]
 
 
-def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m: int, dr: int) -> str:
+def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, cap: "Captured") -> str:
     from . import compat
     from .build import capture_glue
     values, args = [], []
@@ -346,9 +437,9 @@ def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m
         else:
             values.append(f"    float softmax_scale = (float){float(desc.scale.value)!r};")
         args.append("&softmax_scale")
-    return capture_glue(_glue_tensors(desc, step), checks(desc, tile_m, dr), values, args, ciface, entry, offs,
+    return capture_glue(_glue_tensors(desc, step), checks(desc, cap), values, args, ciface, entry, offs,
                         sizes, compat.SMEM_OPTIN[desc.arch], what=f"FlashAttention-4 backward ({step})",
-                        workspace=workspace_lines(tile_m, dr))
+                        workspace=workspace_lines(desc, cap))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,10 +448,25 @@ def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m
 
 @dataclass(frozen=True)
 class Captured:
-    objects: tuple                  # the preprocess, main and postprocess kernel objects
+    objects: tuple                  # the kernel objects, one per step (desc.steps)
     signature: str
     tile_m: int                     # the workspace's row rounding
     head_dim_rounded: int
+    kv_tile: int = 0                # GQA: the dK/dV accumulators' key rounding (FA4's tile_n) ..
+    kv_pair: int = 1                # .. to an even number of tiles where 2 (a 2-CTA cluster's)
+
+    def config(self) -> list[list[str]]:
+        """The workspace rounding as every variant's config records it (kspec.core.attention_bwd_layout)."""
+        return [["ws_tile_m", str(self.tile_m)], ["ws_head_dim", str(self.head_dim_rounded)],
+                *([["ws_kv_tile", str(self.kv_tile)], ["ws_kv_pair", str(self.kv_pair)]] if self.kv_tile else [])]
+
+
+class _Uncached(dict):
+    """A compile cache that never hits: FA4 constructs every kernel of a call, even two alike (GQA's
+    dK and dV postprocesses at equal head dims)."""
+
+    def __contains__(self, key) -> bool:
+        return False
 
 
 def _describe(obj) -> str:
@@ -369,9 +475,10 @@ def _describe(obj) -> str:
 
 
 def capture(desc: BwdDesc) -> Captured:
-    """FA4's three backward kernel objects for desc, from `_flash_attn_bwd` run on torch FakeTensors
-    with `cute.compile` recorded (nothing is compiled or launched there); FA4's compile caches are
-    swapped for empty ones meanwhile, so every kernel is constructed.  Runs under compat.fa4_target."""
+    """FA4's backward kernel objects for desc (three; GQA: five), from `_flash_attn_bwd` run on torch
+    FakeTensors with `cute.compile` recorded (nothing is compiled or launched there); FA4's compile
+    caches are swapped for ones that never hit meanwhile, so every kernel is constructed.  GQA: K and
+    V of H / G heads.  Runs under compat.fa4_target."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -381,7 +488,7 @@ def capture(desc: BwdDesc) -> Captured:
     interface = compat.fa4_interface()
     fns = (interface._bwd_preprocess, interface._flash_attn_bwd, interface._bwd_postprocess_convert)
     tdt = {"f16": torch.float16, "bf16": torch.bfloat16}[desc.dtype]
-    seen, calls = [], []
+    seen, calls, kv_seen = [], [], []
 
     def record(*args, **kwargs):
         calls.append(args)
@@ -393,25 +500,25 @@ def capture(desc: BwdDesc) -> Captured:
         cute.compile = record
         torch._C._set_warn_deprecated_on_mutable_data_ptr = lambda t: None
         for f in fns:
-            f.compile_cache = {}
+            f.compile_cache = _Uncached()
+        HK, H = H, H * desc.group
         try:
             with FakeTensorMode():
                 q = torch.empty(B, S, H, desc.head_dim, dtype=tdt, device="cuda")
+                kv = torch.empty(B, S, HK, desc.head_dim, dtype=tdt, device="cuda")
                 lse = torch.empty(B, H, S, dtype=torch.float32, device="cuda")
-                interface._flash_attn_bwd(q, q, q, q, q, lse, softmax_scale=0.125, causal=desc.causal)
+                interface._flash_attn_bwd(q, kv, kv, q, q, lse, softmax_scale=0.125, causal=desc.causal)
         finally:
             cute.compile = real
             torch._C._set_warn_deprecated_on_mutable_data_ptr = warn
             for f, c in zip(fns, caches):
                 f.compile_cache = c
-        names = [type(a[0]).__name__ for a in calls]
-        want = ["FlashAttentionBackwardPreprocess",
-                "FlashAttentionBackwardSm90" if desc.arch == "sm90a" else "FlashAttentionBackwardSm100",
-                "FlashAttentionBackwardPostprocess"]
+        names, want = [type(a[0]).__name__ for a in calls], fa4_classes(desc)
         if names != want:
             raise KspecInternalError(f"FlashAttention-4's backward built {names} for {desc.name} on {desc.arch}, "
                                      f"kspec expects {want}")
-        pre, main, post = (a[0] for a in calls)
+        objects = tuple(a[0] for a in calls)
+        pre, main, post = objects[:3]
         # the workspace as FA4 allocated it: lse_log2 [B, H, S_r], dq_accum [B, H, S_r * E_r]
         lse2, acc = calls[1][5], calls[1][7]
         sr, qd = int(lse2.shape[2]), int(acc.shape[2])
@@ -419,11 +526,33 @@ def capture(desc: BwdDesc) -> Captured:
         if sr != _up(S, tile_m) or qd % sr or main.tile_m != tile_m or post.tile_m != tile_m:
             raise KspecInternalError(f"FlashAttention-4's backward workspace for S={S} is not rounded to its tile "
                                      f"({sr} rows, tile_m {tile_m})")
-        seen.append(Captured((pre, main, post), " ".join(_describe(o) for o in (pre, main, post)), tile_m, qd // sr))
+        cap = Captured(objects, " ".join(_describe(o) for o in objects), tile_m, qd // sr)
+        seen.append(cap)
+        # GQA: the dK/dV accumulators as FA4 allocated them, (B, HK, T) with T = S
+        kv_seen.append((calls[1][8:10], B, HK, S) if desc.group > 1 else None)
     if len({c.signature for c in seen}) != 1 or len({c.head_dim_rounded for c in seen}) != 1:
         raise KspecInternalError(f"FlashAttention-4's backward for {desc.name} on {desc.arch} depends on the sizes; "
                                  "kspec builds one")
-    return seen[0]
+    return seen[0] if desc.group == 1 else _kv_rounding(desc, seen[0], kv_seen)
+
+
+def _kv_rounding(desc: BwdDesc, cap: Captured, seen) -> Captured:
+    """cap with the rounding of GQA's dK/dV accumulators as FA4 allocated them at the capture points
+    `seen` ((dk_accum, dv_accum), B, HK, T): [B, HK, T_r * E_r], T_r a whole number of the main
+    kernel's tile_n, one tile more where a 2-CTA cluster needs an even count; checked at every point
+    against kspec.core.attention_bwd_workspace."""
+    n = int(cap.objects[1].tile_n)
+    odd = [int(accs[0].shape[2]) // cap.head_dim_rounded - _up(T, n) for accs, _B, _HK, T in seen if _up(T, n) // n % 2]
+    cap = dataclasses.replace(cap, kv_tile=n, kv_pair=2 if any(odd) else 1)
+    for accs, B, HK, T in seen:
+        want = attention_bwd_workspace(B, HK * desc.group, T, cap.tile_m, cap.head_dim_rounded, HK, T, n, cap.kv_pair)
+        shapes = [tuple(int(x) for x in t.shape) for t in accs]
+        if not odd or shapes != [want["dk_accum"][1], want["dv_accum"][1]] or \
+                any(int(p.tile_m) != n for p in cap.objects[3:]):
+            raise KspecInternalError(f"FlashAttention-4's GQA backward accumulates dK and dV in {shapes} for B={B}, "
+                                     f"HK={HK}, T={T}; kspec expects {[want['dk_accum'][1], want['dv_accum'][1]]} "
+                                     f"(tile_n {n}, postprocess tiles {[p.tile_m for p in cap.objects[3:]]})")
+    return cap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,9 +612,10 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
         with compat.fa4_target(desc.arch, desc.sm_count):
             mod = attention._import_entry(work / "entry.py")
             cap = capture(desc)
-            mod.PRE, mod.MAIN, mod.POST = cap.objects
+            for step, fa in zip(desc.steps, cap.objects):
+                setattr(mod, _OBJECTS[step], fa)
             try:
-                for k, (step, fa) in enumerate(zip(STEPS, cap.objects)):
+                for k, (step, fa) in enumerate(zip(desc.steps, cap.objects)):
                     vd = work / f"v{k}"
                     vd.mkdir()
                     ptxas = getattr(fa, "ptxas_options", "")
@@ -501,13 +631,12 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                     gts = _glue_tensors(desc, step)
                     ciface = check_header((vd / "kernel.h").read_text(), gts,
                                           [f"float {v}" for v in _VALUES[step]], trailing=[])
-                    (vd / "glue.c").write_text(_glue(desc, step, ciface, entry, offs, sizes, cap.tile_m,
-                                                     cap.head_dim_rounded))
+                    (vd / "glue.c").write_text(_glue(desc, step, ciface, entry, offs, sizes, cap))
                     link_host(vd / "kernel.o", vd / "glue.c", vd / "kernel.so", vd / "link.log")
                     (vd / "kernel.o").unlink(missing_ok=True)
                     cfg = [["variant", str(k)], ["role", step], ["fa4_class", type(fa).__name__],
                            ["tile", f"{fa.tile_m}x{getattr(fa, 'tile_n', getattr(fa, 'tile_hdim', getattr(fa, 'head_dim_padded', '?')))}"],
-                           ["ws_tile_m", str(cap.tile_m)], ["ws_head_dim", str(cap.head_dim_rounded)],
+                           *cap.config(),
                            *([["2cta", str(bool(fa.use_2cta_instrs)).lower()]]
                              if hasattr(fa, "use_2cta_instrs") else []),
                            ["fa4_signature", hashlib.sha256(cap.signature.encode()).hexdigest()[:16]]]
@@ -516,7 +645,8 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                                      "config": cfg, "sha256": {f: _sha(vd / f) for f in ("kernel.cubin",
                                                                                          "kernel.so")}})
             finally:
-                mod.PRE = mod.MAIN = mod.POST = None
+                for step in desc.steps:
+                    setattr(mod, _OBJECTS[step], None)
         meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "variants": variants}
         shutil.rmtree(work / "__pycache__", ignore_errors=True)
         cache_entry.seal(work, meta)
