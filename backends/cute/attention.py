@@ -1261,7 +1261,7 @@ def _import_entry(path: Path):
 
 
 def _read(d: Path, fmt: int = BUILD_FORMAT) -> dict | None:
-    """A whole cache entry's metadata (of every variant: attention_bwd.py's three kernels too), or
+    """A whole cache entry's metadata (of every variant: attention_bwd.py's three or five kernels too), or
     None (missing; damaged or stale: removed, rebuilt)."""
     meta = cache_entry.read(d, fmt)
     if meta is None:

@@ -1,47 +1,54 @@
-"""The attention backward in the CuTe DSL backend: this module owns it.  The backward of a plain or
-causal attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
-FlashAttention-4 4.0.0b36's own backward: three kernels, run in order by one kspec call, sharing a
-per-call workspace, exactly as `flash_attn.cute.interface._flash_attn_bwd` drives them:
+"""The attention backward in the CuTe DSL backend: this module owns it.  The backward of a plain,
+causal or GQA attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
+FlashAttention-4 4.0.0b36's own backward: three kernels (GQA: five), run in order by one kspec call,
+sharing a per-call workspace, exactly as `flash_attn.cute.interface._flash_attn_bwd` drives them:
 
     1. FlashAttentionBackwardPreprocess   D = rowsum(dO * O) (`dpsum`), LSE * log2(e) (`lse_log2`),
                                           the f32 dQ accumulator (`dq_accum`) zeroed
-    2. FlashAttentionBackwardSm90 / Sm100 dK and dV, and dQ accumulated in f32 into dq_accum
+    2. FlashAttentionBackwardSm90 / Sm100 dK and dV, and dQ accumulated in f32 into dq_accum (GQA:
+                                          dK and dV accumulated in f32 into dk_accum and dv_accum
+                                          over each K/V head's G query heads)
     3. FlashAttentionBackwardPostprocess  dq_accum * softmax_scale converted to dQ
+    4. FlashAttentionBackwardPostprocess  GQA: dk_accum * softmax_scale converted to dK
+    5. FlashAttentionBackwardPostprocess  GQA: dv_accum converted to dV
 
     covered(ir, arch) / unsupported(...)  which backwards FA4 takes (and why not)
     lower(ir, arch) -> BwdDesc            what the kernel is (no DSL import)
     entry_source(desc) -> str             the traced module: one @cute.jit entry per kernel
-    build(desc, cache_root) / lookup(...) the three kernels on desc.arch (cached; an attention.AttnBuild
-                                          whose variants have the roles STEPS, never chosen by size)
+    build(desc, cache_root) / lookup(...) the kernels on desc.arch (cached; an attention.AttnBuild whose
+                                          variants have the roles desc.steps, never chosen by size)
 
 **FA4's choices, not copies of them.**  kspec runs `_flash_attn_bwd` itself (torch FakeTensors, no
-device, under compat.fa4_target) with `cute.compile` intercepted (capture): the three kernel objects
-it constructs are the ones kspec compiles, through its own entry (kspec's strided views of
+device, under compat.fa4_target) with `cute.compile` intercepted (capture): the kernel objects it
+constructs are the ones kspec compiles, through its own entry (kspec's strided views of
 [B, H, S, E] tensors, no TVM-FFI; build.compile_export), so the tiles, stages, swaps, 2-CTA and
-accumulator orders are FA4's for the arch, head dim and mask.  The workspace layout is read from the
-tensors FA4 allocates in that same call: dq_accum f32 [B, H, S_r * E_r], dpsum and lse_log2 f32
-[B, H, S_r], with S_r the query length rounded up to FA4's tile_m and E_r the head dim rounded up
-as FA4 rounds it; each 256-byte aligned, in that order (workspace_bytes; the C in every kernel's
-glue).  The choice does not depend on the sizes (FA4's compile key varies with them only for TVM-FFI
-stride specialisations kspec does not use); capture checks this at two sizes.
+accumulator orders are FA4's for the arch, head dim, mask and GQA group.  The workspace layout is
+read from the tensors FA4 allocates in that same call: dq_accum f32 [B, H, S_r * E_r], dpsum and
+lse_log2 f32 [B, H, S_r], with S_r the query length rounded up to FA4's tile_m and E_r the head dim
+rounded up as FA4 rounds it; with GQA then dk_accum and dv_accum f32 [B, HK, T_r * E_r], T_r the key
+length rounded up to the main kernel's tile_n, to an even number of tiles for a 2-CTA cluster; each
+256-byte aligned, in that order (kspec.core.attention_bwd_workspace; the C in every kernel's glue;
+the rounding in every variant's config, ws_*).  The choice does not depend on the sizes (FA4's
+compile key varies with them only for TVM-FFI stride specialisations kspec does not use); capture
+checks this at three sizes, one of them an odd number of key tiles.
+
+**GQA** (K and V read at head `h / G`, G an integer literal; compiler.fusion.match_attention_backward
+matches dK and dV stored as `sum(h) where(h / G == kh, part, 0)` over the per-query-head parts): FA4 is
+run with K and V of HK = H / G heads, which makes it construct the main kernel with qhead_per_kvhead = G
+and the dK and dV postprocesses; the ABI's dims end with HK, and the glue refuses H != G * HK.
 
 **The runtime** (kspec.runtime.module.Module.launches) launches a binary whose variants carry the
-roles STEPS as one call: the three in order, one workspace of the size the first one's glue asks,
-not cleared (the preprocess zeroes dq_accum; FA4 allocates all three uninitialised too).
+roles of one of kspec.core.STEP_SEQUENCES as one call: the kernels in order, one workspace of the
+size the first one's glue asks, not cleared (the preprocess zeroes dq_accum; FA4 allocates it and
+the row buffers uninitialised too), but for what kspec.core.STEP_ZEROED names: GQA's dk_accum and
+dv_accum, zeroed (one memset) right before the main kernel, as FA4 allocates them with torch.zeros.
 
 **Not covered** (planned unfused, with the reason `kspec graph` prints): score modifications (ALiBi,
 soft-capping: FA4 needs a score_mod_bwd), varlen, head dims other than 64 and 128, causal attention
 with query and key lengths that may differ (FA4 aligns its mask bottom-right, the spec's `j <= i`
-top-left), dtypes other than f16/bf16, and GQA.  GQA is what remains to be done, in three steps:
-(1) compiler/fusion.py match_attention_backward: accept K and V read at head `h / G` (the gather the
-forward's GQA matching recognises) and dK, dV stored as `sum(h) where(h / G == kh, dK_part, 0)` over
-the per-query-head dK_part/dV_part contractions, and give AttentionBwdStructure the group and the
-K/V head extent (HK); (2) here: capture with K/V of HK = H / G heads (FA4 then constructs the main
-kernel with qhead_per_kvhead = G writing f32 dk_accum and dv_accum [B, HK, T_r * E_r], and two more
-FlashAttentionBackwardPostprocess objects, dK scaled by softmax_scale and dV by 1; T_r is T rounded
-up to tile_n, one tile more where a 2-CTA cluster needs an even count), i.e. five kernels; (3) the runtime: those five roles in
-kspec.core.ATTENTION_BWD_STEPS' place and the dK/dV accumulators zeroed before the main kernel
-(FA4 allocates them with torch.zeros; the preprocess zeroes only dq_accum).
+top-left), dtypes other than f16/bf16, GQA groups known only per call (`h / G` with G an i32 param
+or a size symbol: the forward builds one kernel per group `kspec compile --sizes` names; the
+backward does not yet), K and V in different groupings, and MQA (K/V without a head axis).
 """
 from __future__ import annotations
 
@@ -584,8 +591,8 @@ def lookup(desc: BwdDesc, cache_root: Path | None):
 
 
 def build(desc: BwdDesc, cache_root: Path | None):
-    """The three kernels of desc on desc.arch (cached by content): an attention.AttnBuild whose
-    variants are the STEPS in order."""
+    """The kernels of desc on desc.arch (cached by content): an attention.AttnBuild whose variants
+    are desc.steps in order."""
     from . import attention, compat
     why = compat.fa4_available()
     if why:

@@ -249,7 +249,7 @@ class CuteBackend:
     def build_binaries(self, items, cache_root, jobs=None, progress=None) -> dict:
         """Build (cache lookups first, misses in parallel processes) every (label, LoweredPlan) of
         this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets) or
-        attention.AttnBuild (every size variant of a FlashAttention-4 kernel; the three kernels of its
+        attention.AttnBuild (every size variant of a FlashAttention-4 kernel; the three or five kernels of its
         attention backward)."""
         from pathlib import Path
 
