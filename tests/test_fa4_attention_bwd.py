@@ -103,10 +103,44 @@ def _gqa_heads(h: str, kh: str):
     return edit
 
 
+def _param_group(t: str) -> str:
+    """attention_gqa with the group an i32 param G: known only per call."""
+    return t.replace("h / 4", "h / G").replace("kernel attention_gqa {", "kernel attention_gqa {\n  param G : i32")
+
+
+@needs_fa4
+@pytest.mark.parametrize("edit, group, name, naming", [
+    (_param_group, "G", "G (or the query and K/V head counts)", ({"G": 4}, {"H": 32, "KH": 8})),
+    (lambda t: t.replace("h / 4", "h / (H / KH)"), "H/KH", "H and KH", ({"H": 32, "KH": 8},)),
+])
+def test_gqa_backward_over_a_per_call_group_plans_where_the_sizes_name_it(edit, group, name, naming):
+    """`h / G` with G an i32 param, or `h / (H / KH)`: like the forward, FA4's GQA backward is built for
+    the group `--sizes` names (G itself, or H and KH); without them it plans unfused, saying so (and
+    strict refuses it)."""
+    from kspec.backends import registry
+    prog = load_spec(_grad_text(GQA, edit), is_text=True, file="g.kspec")
+    (sched,) = plan_spec(prog, ARCHS, f"{GQA}_bwd", strict=False)
+    assert any("attention backward" in n and f"name {name} with --sizes" in n for n in sched.fusion.notes), \
+        sched.fusion.notes
+    with pytest.raises(KspecError, match="attention backward"):
+        plan_spec(prog, ARCHS, f"{GQA}_bwd", strict=True)
+    cute = registry.get("cute")
+    for sizes in naming:
+        (sched,) = plan_spec(prog, ARCHS, f"{GQA}_bwd", strict=True, sizes=sizes)
+        (p,) = sched.plans
+        assert p.kind == "attention_bwd" and (p.ir.attention_bwd.kv_group, p.ir.attention_bwd.kv_head) == (group, "KH")
+        assert all(dict(c.config)["gqa_group"].startswith("per call") for c in p.choices.values())
+        text = ",".join(f"{k}={v}" for k, v in sizes.items())
+        lp = cute.lower(p.ir, "sm90a", (*cute.default_config(p.ir, "sm90a"), ("sizes", text)))
+        assert (lp.desc.group, lp.desc.groups, dict(lp.config)["gqa_group"]) == (0, (4,), "per call, built for 4")
+        # the param checked against the group by the glue; H / KH checked as H = 4 x HK anyway
+        assert lp.desc.dims == ("B", "H", "S", "T", "HK")
+        assert lp.names.get(lp.desc.group_param) == (None if group == "H/KH" else "G")
+
+
 @pytest.mark.parametrize("edit, why", [
-    # the group a param: FA4 compiles it in, kspec builds the GQA backward for a literal one
-    (lambda t: t.replace("h / 4", "h / G").replace("kernel attention_gqa {", "kernel attention_gqa {\n  param G : i32"),
-     "known only per call (h / G)"),
+    # a group kspec does not build per call: an i8 param (the forward's rule: a literal, a size symbol, an i32 param)
+    (lambda t: _param_group(t).replace("param G : i32", "param G : i8"), "a size symbol or an i32 param"),
     # 6 query heads over 2 K/V heads at h / 4: a valid spec, but not 4 query heads per K/V head
     (_gqa_heads("6", "2"), "H = 6 query heads over KH = 2 K/V heads at h / 4"),
     # K and V in different groupings
@@ -132,12 +166,13 @@ def bwd_artifacts(tmp_path_factory):
     cache = CompileCache(test_cache_root())
     done = {}
 
-    def get(stem):
-        if stem not in done:
-            spec = out / f"{stem}_grad.kspec"
-            spec.write_text(_grad_text(stem))
-            done[stem] = compile_spec(spec, ARCHS, out / "art", cache=cache, kernel=f"{stem}_bwd")
-        return done[stem]
+    def get(stem, edit=None, sizes=None, name=None):
+        name = name or stem
+        if name not in done:
+            spec = out / f"{name}_grad.kspec"
+            spec.write_text(_grad_text(stem, edit))
+            done[name] = compile_spec(spec, ARCHS, out / "art", cache=cache, kernel=f"{stem}_bwd", sizes=sizes)
+        return done[name]
     return get
 
 
@@ -180,10 +215,10 @@ def test_backward_builds_its_fa4_kernels_per_arch_with_tensor_core_sass(bwd_arti
         assert not any(mma in x for k, x in enumerate(sass) if k != 1)
 
 
-def _fake_call(mod, stem, sizes, cc, sms, arch):
+def _fake_call(mod, stem, sizes, cc, sms, arch, params=None):
     from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
     with FakeDriver(cc, sm_count=sms) as fake:
-        call = fake_call(mod, f"{stem}_bwd", sizes, fake)
+        call = fake_call(mod, f"{stem}_bwd", sizes, fake, params=params)
         # (FA4's kernels declare 1 KiB of static shared memory beside the full dynamic opt-in, which the
         # fake's limit check counts against every FA4 kernel alike: see test_fa4_attention's _split_call)
         problems = [p for p in check_call(call, arch, mod) if "static shared memory exceed" not in p]
@@ -228,25 +263,37 @@ def test_one_call_launches_preprocess_main_postprocess_with_one_workspace(bwd_ar
         assert call.launches[0].grid == (-(-S // tile_m), H, B)
 
 
+def _gqa_artifact(bwd_artifacts, group: str):
+    """attention_gqa's backward built with its group a literal (h / 4), or an i32 param G built for
+    the group --sizes G=4 names."""
+    if group == "literal":
+        return bwd_artifacts(GQA), None
+    return bwd_artifacts(GQA, _param_group, {"G": 4}, "attention_gqa_param"), {"G": 4}
+
+
 @needs_fa4
 @pytest.mark.cute
+@pytest.mark.parametrize("group", ["literal", "param"])
 @pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
 def test_one_gqa_call_launches_five_kernels_zeroing_the_dk_dv_accumulators_before_the_main_one(bwd_artifacts, arch,
-                                                                                                cc, sms):
+                                                                                                cc, sms, group):
     """A GQA backward call: preprocess, main, then the dQ, dK and dV postprocesses, in order, on one
     workspace holding FA4's dq_accum, dpsum, lse_log2, dk_accum and dv_accum (kspec.core's layout);
     the main kernel accumulates dK and dV into dk_accum and dv_accum [B, KH, T_r * E_r] (zeroed just
-    before it, as FA4's torch.zeros allocates them), the postprocesses convert them into dK and dV."""
+    before it, as FA4's torch.zeros allocates them), the postprocesses convert them into dK and dV.
+    A per-call group (`param G`, built for G = 4): the same, its kernels in the box G = 4."""
     import kspec
     from kspec.core import attention_bwd_layout
-    mod = kspec.load(bwd_artifacts(GQA))
+    art, params = _gqa_artifact(bwd_artifacts, group)
+    mod = kspec.load(art)
     plan = _bwd_plan(mod, GQA)
     b = plan.binaries[arch]
     assert mod.step_variants(plan, arch) == [0, 1, 2, 3, 4]
+    assert all(v.select == (() if group == "literal" else ({"G": (4, 4)},)) for v in b.variants)
     # (T = 300: an odd number of key tiles, which sm_100a's 2-CTA backward pads to an even one)
     for B, KH, S, T in ((2, 3, 300, 300), (1, 1, 1, 1), (3, 2, 1000, 700)):
         sizes = {"B": B, "H": 4 * KH, "S": S, "T": T, "KH": KH}
-        call, problems, fake = _fake_call(mod, GQA, sizes, cc, sms, arch)
+        call, problems, fake = _fake_call(mod, GQA, sizes, cc, sms, arch, params)
         assert problems == [], problems
         assert call.plan_ids == [plan.id] * 5
         assert [r.symbol for r in call.launches] == [v.symbol for v in b.variants]
@@ -331,6 +378,25 @@ def test_gqa_sizes_fa4_cannot_take_are_refused_before_launch(bwd_artifacts, arch
         lay = attention_bwd_workspace(2, 8, 300, int(v.config["ws_tile_m"]), int(v.config["ws_head_dim"]), 2, 500,
                                       int(v.config["ws_kv_tile"]), int(v.config["ws_kv_pair"]))
         assert glue.workspace_size([2, 8, 300, 500, 2], 0, 132) == lay["total"][0]
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_a_call_in_another_group_than_the_per_call_groups_built_is_refused_by_name(bwd_artifacts):
+    """The backward of `h / G` built for G = 4 (--sizes G=4): a call with 2 query heads per K/V head
+    finds no kernels for its group (the runtime says which it holds and how to build the other); one
+    whose param G is not the group H / KH gets the glue's refusal, before anything launches."""
+    import kspec
+    from kspec.runtime.errors import KspecRuntimeError
+    art, _params = _gqa_artifact(bwd_artifacts, "param")
+    mod = kspec.load(art)
+    sizes = {"B": 1, "H": 4, "S": 64, "T": 64, "KH": 2}
+    with pytest.raises(KspecRuntimeError, match=r"kernels for the GQA group 4 .* this call has 4 query heads on 2 K/V "
+                                                r"heads \(group 2\)") as e:
+        _fake_call(mod, GQA, sizes, (9, 0), 132, "sm90a", {"G": 2})
+    assert "--sizes H=4,KH=2" in e.value.hint
+    with pytest.raises(KspecRuntimeError, match="GQA group param = 2, but the kernel was built for 4"):
+        _fake_call(mod, GQA, {**sizes, "H": 8}, (10, 0), 148, "sm100a", {"G": 2})
 
 
 @needs_fa4

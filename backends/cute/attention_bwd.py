@@ -32,10 +32,14 @@ the rounding in every variant's config, ws_*).  The choice does not depend on th
 compile key varies with them only for TVM-FFI stride specialisations kspec does not use); capture
 checks this at three sizes, one of them an odd number of key tiles.
 
-**GQA** (K and V read at head `h / G`, G an integer literal; compiler.fusion.match_attention_backward
-matches dK and dV stored as `sum(h) where(h / G == kh, part, 0)` over the per-query-head parts): FA4 is
-run with K and V of HK = H / G heads, which makes it construct the main kernel with qhead_per_kvhead = G
-and the dK and dV postprocesses; the ABI's dims end with HK, and the glue refuses H != G * HK.
+**GQA** (K and V read at head `h / G`; compiler.fusion.match_attention_backward matches dK and dV
+stored as `sum(h) where(h / G == kh, part, 0)` over the per-query-head parts): FA4 is run with K and V
+of HK = H / G heads, which makes it construct the main kernel with qhead_per_kvhead = G and the dK
+and dV postprocesses; the ABI's dims hold HK, and the glue refuses H != G * HK.  A group known only
+per call (G an i32 param or a size symbol, or `h / (H / KH)`) is built, as the forward's is
+(attention.py), for the group `kspec compile --sizes` names: each group's five kernels in a select
+box G = that group (the runtime's step_variants picks the call's), a param G or a dim G checked
+against it by the glue; without the sizes it plans unfused, saying so.
 
 **The runtime** (kspec.runtime.module.Module.launches) launches a binary whose variants carry the
 roles of one of kspec.core.STEP_SEQUENCES as one call: the kernels in order, one workspace of the
@@ -46,9 +50,9 @@ dv_accum, zeroed (one memset) right before the main kernel, as FA4 allocates the
 **Not covered** (planned unfused, with the reason `kspec graph` prints): score modifications (ALiBi,
 soft-capping: FA4 needs a score_mod_bwd), varlen, head dims other than 64 and 128, causal attention
 with query and key lengths that may differ (FA4 aligns its mask bottom-right, the spec's `j <= i`
-top-left), dtypes other than f16/bf16, GQA groups known only per call (`h / G` with G an i32 param
-or a size symbol: the forward builds one kernel per group `kspec compile --sizes` names; the
-backward does not yet), K and V in different groupings, and MQA (K/V without a head axis).
+top-left), dtypes other than f16/bf16, a GQA group FA4 cannot compile in (not a literal, a size
+symbol or an i32 param; a literal group of 1, H != G x KH at literal head counts), a per-call group
+--sizes does not name, K and V in different groupings, and MQA (K/V without a head axis).
 """
 from __future__ import annotations
 
@@ -96,17 +100,19 @@ def covered(ir, arch: str) -> str | None:
                 "mask bottom-right, the spec's `j <= i` top-left)")
     if len(a.batch) != 2:
         return "FlashAttention-4's backward takes [b, h, seq, head] tensors (one batch and one head axis)"
-    return _gqa_unsupported(a)
+    return _gqa_unsupported(ir, a)
 
 
-def _gqa_unsupported(a) -> str | None:
+def _gqa_unsupported(ir, a) -> str | None:
     """Why FA4's GQA backward as kspec drives it cannot take this group (None: it can, or no GQA)."""
+    from . import attention
     g = a.kv_group
     if g is None:
         return None
-    if not isinstance(g, int):
-        return (f"a GQA group known only per call (h / {g}): kspec builds FlashAttention-4's GQA backward for an "
-                "integer literal group only (FlashAttention-4 compiles it into the kernel; write e.g. h / 4)")
+    if isinstance(g, str):
+        return None if attention._per_call_group(ir, a) else (
+            f"the GQA group {g} must be an integer literal, a size symbol or an i32 param dividing the head index "
+            "(FlashAttention-4 compiles it into the kernel)")
     if g < 2:
         return f"GQA group {g}: K/V read at head h / {g} (FlashAttention-4's GQA backward takes a group of 2 or more)"
     h, hk = dict(a.dims)["H"], a.kv_head
@@ -147,12 +153,18 @@ class BwdDesc:
     dims: tuple[str, ...]
     scalars: tuple[str, ...]
     sm_count: int
-    group: int = 1             # GQA: query heads per K/V head (dims then end with HK)
+    group: int = 1             # GQA: query heads per K/V head (dims then hold HK); 0: known per call ..
+    groups: tuple[int, ...] = ()         # .. built for these (`kspec compile --sizes`)
+    group_param: str | None = None       # the i32 param the spec divides the head by (checked against it)
+
+    @property
+    def gqa(self) -> bool:
+        return self.group != 1
 
     @property
     def steps(self) -> tuple[str, ...]:
         """The kernels' roles in launch order: three, five with GQA (its dK, dV postprocesses)."""
-        return GQA_STEPS if self.group > 1 else STEPS
+        return GQA_STEPS if self.gqa else STEPS
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -173,9 +185,16 @@ def lower(ir, arch: str, sm_count: int | None = None):
     a = ir.attention_bwd
     names = Names()
     ext = dict(a.dims)
-    roles = ROLES
+    roles, group_param = ROLES, None
     if a.kv_group is not None:
         ext["HK"], roles = a.kv_head, (*ROLES, "HK")
+    if isinstance(a.kv_group, str):
+        # known per call: a param (checked against the kernel's group at launch), a size symbol (a dim,
+        # checked too), or "H/KH" (the glue's H == G * HK check says it all)
+        if any(b.name == a.kv_group and b.role == "param" for b in ir.buffers):
+            group_param = a.kv_group
+        elif "/" not in a.kv_group:
+            ext["G"], roles = a.kv_group, (*roles, "G")
     scalars: dict[str, object] = {}
     if a.scale is not None:
         scale: Load | Const = Load(names(a.scale), "scalar", "f32")
@@ -185,9 +204,13 @@ def lower(ir, arch: str, sm_count: int | None = None):
                                a.dq_buffer, a.dk_buffer, a.dv_buffer)]
     if isinstance(scale, Load):
         scalars[scale.name] = a.scale
+    if group_param is not None:
+        scalars[names(group_param)] = group_param
     desc = BwdDesc(f"k_{ir.id.rsplit('_', 1)[-1]}", arch, a.dtype, int(a.head_dim), bool(a.causal), *bufs,
                    scale=scale, dims=roles, scalars=tuple(scalars),
-                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]), group=int(a.kv_group or 1))
+                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]),
+                   group=a.kv_group if isinstance(a.kv_group, int) else 0 if a.kv_group else 1,
+                   group_param=names(group_param) if group_param else None)
     return desc, names.back(), tuple((r, ext[r]) for r in roles), scalars
 
 
@@ -199,14 +222,15 @@ def fa4_classes(desc: BwdDesc) -> list[str]:
 
 def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, str], ...]:
     from . import compat
+    from .attention import _group_item
     pre, main, post, *_ = fa4_classes(desc)
-    gqa = desc.group > 1
+    gqa = desc.gqa
     names = f"{pre}, {main}, {post}" + (f" (dQ), {post} (dK), {post} (dV)" if gqa else "")
     ws = "dq_accum f32, dpsum f32, lse_log2 f32" + (", dk_accum f32, dv_accum f32 (per call; dk_accum and dv_accum "
                                                    "zeroed before the main kernel)" if gqa else " (per call)")
     return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} backward: " + (kernels or names)),
             ("head_dim", str(desc.head_dim)), ("mask", "causal" if desc.causal else "none"),
-            *((("gqa_group", str(desc.group)),) if gqa else ()), ("workspace", ws),
+            *((("gqa_group", _group_item(desc)),) if gqa else ()), ("workspace", ws),
             ("source", "FlashAttention-4 heuristics"))
 
 
@@ -227,7 +251,7 @@ def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     e = str(desc.head_dim)
     idx = {n: f"ptrs[{i}]" for i, n in enumerate(("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"))}
     dt = desc.dtype
-    kv = "HK" if desc.group > 1 else "H"
+    kv = "HK" if desc.gqa else "H"
 
     def seq(name, which, role="S", heads="H"):
         return (name, dt, *_seq(role, e, heads), idx[which])
@@ -243,7 +267,7 @@ def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     dv_acc = ("mdVaccum", "f32", *rows("ks_kd", kv), "ks_dv_accum")
     out = {"bwd_preprocess": [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc],
            "bwd_main": [seq("mQ", "q"), seq("mK", "k", "T", kv), seq("mV", "v", "T", kv), seq("mdO", "do"), lse2,
-                        dpsum, acc, *((dk_acc, dv_acc) if desc.group > 1 else (dk, dv))],
+                        dpsum, acc, *((dk_acc, dv_acc) if desc.gqa else (dk, dv))],
            "bwd_postprocess": [acc, seq("mdQ", "dq")],
            "bwd_postprocess_dk": [dk_acc, dk], "bwd_postprocess_dv": [dv_acc, dv]}
     if step not in desc.steps:
@@ -353,7 +377,7 @@ def _layout_c(desc: BwdDesc, cap: "Captured") -> list[str]:
         f"    const uint64_t ks_off1 = ((uint64_t)B * H * ks_qd * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
         f"    const uint64_t ks_rows = ((uint64_t)B * H * ks_sr * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
     ]
-    if desc.group > 1:
+    if desc.gqa:
         n, pair = cap.kv_tile, cap.kv_pair
         out += [
             f"    const int64_t ks_kr = ((T + {n} - 1) / {n} + {pair - 1}) / {pair} * {pair} * {n};",
@@ -379,13 +403,14 @@ def workspace_lines(desc: BwdDesc, cap: "Captured") -> list[str]:
         "    *bytes = 0;",
         f"    if ({_sizes(desc, ' || ').format(op='<=')}) return 0;",
         *_layout_c(desc, cap),
-        "    *bytes = " + ("ks_off3 + 2 * ks_kv;" if desc.group > 1 else "ks_off1 + 2 * ks_rows;"),
+        "    *bytes = " + ("ks_off3 + 2 * ks_kv;" if desc.gqa else "ks_off1 + 2 * ks_rows;"),
         "    return 0;",
     ]
 
 
 def checks(desc: BwdDesc, cap: "Captured") -> list[str]:
     """C lines of kspec_prepare: the sizes validated, the workspace's sub-buffers placed."""
+    from . import attention
     names = " ".join(f"{r}=%lld" for r in desc.dims)
     values = ", ".join(f"(long long){r}" for r in desc.dims)
     out = _decl(desc) + [
@@ -395,11 +420,12 @@ def checks(desc: BwdDesc, cap: "Captured") -> list[str]:
         "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
         "    if (B == 0 || H == 0) KS_EMPTY();",
     ]
-    if desc.group > 1:
+    if desc.gqa:
         g = desc.group
         out += [f"    if (H != HK * {g})",
                 f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {g} query heads per "
                 f"K/V head (H = {g} x K/V heads)\", (long long)H, (long long)HK);"]
+    out += attention.group_checks(desc)
     out += [
         "    if (S == 0 || T == 0)",
         "        KS_FAIL(\"S = %lld queries, T = %lld keys: FlashAttention-4's backward needs at least one of each\", "
@@ -413,7 +439,7 @@ def checks(desc: BwdDesc, cap: "Captured") -> list[str]:
         "    if (ks_qd > INT32_MAX) KS_FAIL(\"S = %lld queries: the dQ accumulator rows exceed 32-bit extents\", "
         "(long long)S);",
     ]
-    if desc.group > 1:
+    if desc.gqa:
         out += ["    if (ks_kd > INT32_MAX) KS_FAIL(\"T = %lld keys: the dK/dV accumulator rows exceed 32-bit extents\", "
                 "(long long)T);"]
     out += [
@@ -422,7 +448,7 @@ def checks(desc: BwdDesc, cap: "Captured") -> list[str]:
         "    void *ks_dpsum = (void *)((char *)workspace + ks_off1);",
         "    void *ks_lse_log2 = (void *)((char *)workspace + ks_off1 + ks_rows);",
     ]
-    if desc.group > 1:
+    if desc.gqa:
         out += ["    void *ks_dk_accum = (void *)((char *)workspace + ks_off3);",
                 "    void *ks_dv_accum = (void *)((char *)workspace + ks_off3 + ks_kv);"]
     return out
@@ -536,7 +562,7 @@ def capture(desc: BwdDesc) -> Captured:
         cap = Captured(objects, " ".join(_describe(o) for o in objects), tile_m, qd // sr)
         seen.append(cap)
         # GQA: the dK/dV accumulators as FA4 allocated them, (B, HK, T) with T = S
-        kv_seen.append((calls[1][8:10], B, HK, S) if desc.group > 1 else None)
+        kv_seen.append((calls[1][8:10], B, HK, S) if desc.gqa else None)
     if len({c.signature for c in seen}) != 1 or len({c.head_dim_rounded for c in seen}) != 1:
         raise KspecInternalError(f"FlashAttention-4's backward for {desc.name} on {desc.arch} depends on the sizes; "
                                  "kspec builds one")
@@ -580,9 +606,24 @@ def _dir(root: Path, desc: BwdDesc) -> tuple[str, Path]:
     return key, root / "cute-attention-bwd" / key[:2] / key
 
 
+_WHAT = "attention backward kernel"
+
+
+def _grouped(desc: BwdDesc, builds):
+    """One AttnBuild of a per-call GQA group's per-group builds (attention._grouped): each group's
+    kernels in a box G = that group, so the runtime launches the call's group's sequence."""
+    from . import attention
+    one_box = [dataclasses.replace(b, variants=tuple(dataclasses.replace(v, select=({},)) for v in b.variants))
+               for b in builds]
+    return attention._grouped(desc, one_box, config_items(desc))
+
+
 def lookup(desc: BwdDesc, cache_root: Path | None):
     """The cached build (an attention.AttnBuild), or None; never imports the DSL or FA4."""
     from . import attention
+    if not desc.group:
+        builds = [lookup(one, cache_root) for one in attention._per_group(desc, _WHAT)]
+        return None if any(b is None for b in builds) else _grouped(desc, builds)
     if cache_root is None:
         return None
     key, d = _dir(Path(cache_root), desc)
@@ -597,6 +638,8 @@ def build(desc: BwdDesc, cache_root: Path | None):
     why = compat.fa4_available()
     if why:
         raise KspecError(f"attention backward kernel {desc.name} on {desc.arch}: {why}")
+    if not desc.group:
+        return _grouped(desc, [build(one, cache_root) for one in attention._per_group(desc, _WHAT)])
     root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-attn-bwd-"))
     t0 = time.monotonic()
     key, d = _dir(root, desc)

@@ -531,16 +531,24 @@ class Module:
                                     "kernel for it", hint="rebuild the artifact with `kspec compile`")
         return split, combine
 
-    def step_variants(self, plan: Plan, arch: str) -> list[int] | None:
+    def step_variants(self, plan: Plan, arch: str, dims: list[int] | None = None) -> list[int] | None:
         """The variant numbers of a binary made of several kernels launched in order as one call (an
         attention backward: FlashAttention-4's preprocess, main and postprocess kernels; GQA: and the
-        dK, dV postprocesses), in the order of its sequence in kspec.core.STEP_SEQUENCES, or None."""
+        dK, dV postprocesses), in the order of its sequence in kspec.core.STEP_SEQUENCES, or None.
+        A binary built for several GQA groups (a per-call group) holds one sequence per group, each in
+        its box G: dims picks the call's."""
         b = plan.binaries[arch]
-        at = {v.config.get("role"): i for i, v in enumerate(b.variants) if v.config.get("role") in _STEP_ROLES}
-        if not at:
+        steps = [(i, v) for i, v in enumerate(b.variants) if v.config.get("role") in _STEP_ROLES]
+        if not steps:
             return None
+        if dims is not None and any("G" in box for _i, v in steps for box in v.select):
+            values = _select_values(plan, dims)
+            steps = [(i, v) for i, v in steps if all(_box_group_ok(box, values) for box in v.select)]
+            if not steps:
+                _missing_group(plan, arch, b, values)
+        at = {v.config.get("role"): i for i, v in steps}
         seq = next((seq for seq in STEP_SEQUENCES if set(seq) == set(at)), None)
-        if seq is None or len(at) != len(b.variants):
+        if seq is None or len(at) != len(steps) or not all(v.config.get("role") in _STEP_ROLES for v in b.variants):
             raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the artifact has the kernels "
                                     f"{sorted(at)}, not a sequence of "
                                     f"{' or '.join(', '.join(seq) for seq in STEP_SEQUENCES)}",
@@ -567,7 +575,7 @@ class Module:
         a sequence (step_variants) with the workspace every one's glue asks for; the split-KV kernel and
         its combine when the split kernel's glue asks for a workspace at these sizes; else the single
         variant `variant` picks (its own workspace)."""
-        steps = self.step_variants(plan, arch)
+        steps = self.step_variants(plan, arch, dims)
         if steps is not None:
             sizes = [self.glue(plan, arch, v).workspace_size(dims, device, sm_count or 0) for v in steps]
             if len(set(sizes)) != 1:
