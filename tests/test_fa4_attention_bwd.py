@@ -313,7 +313,8 @@ def test_one_gqa_call_launches_five_kernels_zeroing_the_dk_dv_accumulators_befor
         # K and V (and dK, dV) have KH heads; the accumulators [B, KH, T_r * E_r] lie after the rows
         assert main[1].shape == (B, KH, T, 128) and post_dv[1].shape == (B, KH, T, 128)
         tile, pair, dr = int(cfg["ws_kv_tile"]), int(cfg["ws_kv_pair"]), int(cfg["ws_head_dim"])
-        tr = -(-(-(-T // tile)) // pair) * pair * tile
+        tiles = -(-T // tile)
+        tr = -(-tiles // pair) * pair * tile                      # T rounded to tiles, to pairs of them
         assert main[7].ptr == ws + lay["dk_accum"][0] and main[7].shape == (B, KH, tr * dr)
         assert main[8].ptr == ws + lay["dv_accum"][0] == ws + lay["dk_accum"][0] + -(-B * KH * tr * dr * 4 // 256) * 256
         assert lay["dk_accum"][0] >= lay["lse_log2"][0] + 4 * B * 4 * KH * -(-S // int(cfg["ws_tile_m"])) * \
@@ -430,8 +431,8 @@ def test_inspect_says_a_call_launches_the_three_kernels_in_order(bwd_artifacts, 
 @needs_fa4
 @pytest.mark.cute
 def test_inspect_says_a_gqa_call_launches_the_five_kernels_in_order(bwd_artifacts, capsys):
-    from kspec.cli import main
     import kspec
+    from kspec.cli import main
     art = bwd_artifacts(GQA)
     assert main(["inspect", str(art), "--sizes", "B=2,H=32,S=4096,T=4096,KH=8"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if "attention_gqa_bwd_0" in x]

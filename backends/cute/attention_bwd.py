@@ -367,7 +367,7 @@ def workspace_bytes(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int, 
     return attention_bwd_workspace(B, H, S, tile_m, head_dim_rounded, *kv)["total"][0]
 
 
-def _layout_c(desc: BwdDesc, cap: "Captured") -> list[str]:
+def _layout_c(desc: BwdDesc, cap: Captured) -> list[str]:
     """C lines computing the sub-buffer sizes of the workspace (kspec.core.attention_bwd_workspace) from
     B, H, S (GQA: and HK, T)."""
     tile_m, dr = cap.tile_m, cap.head_dim_rounded
@@ -396,7 +396,7 @@ def _sizes(desc: BwdDesc, sep: str) -> str:
     return sep.join(f"{r} {{op}} 0" for r in desc.dims)
 
 
-def workspace_lines(desc: BwdDesc, cap: "Captured") -> list[str]:
+def workspace_lines(desc: BwdDesc, cap: Captured) -> list[str]:
     """The body of kspec_workspace_size (the same in every kernel's glue)."""
     return _decl(desc) + [
         "    (void)device; (void)sm_count; (void)err; (void)err_cap;",
@@ -408,7 +408,7 @@ def workspace_lines(desc: BwdDesc, cap: "Captured") -> list[str]:
     ]
 
 
-def checks(desc: BwdDesc, cap: "Captured") -> list[str]:
+def checks(desc: BwdDesc, cap: Captured) -> list[str]:
     """C lines of kspec_prepare: the sizes validated, the workspace's sub-buffers placed."""
     from . import attention
     names = " ".join(f"{r}=%lld" for r in desc.dims)
@@ -460,7 +460,7 @@ def _glue_tensors(desc: BwdDesc, step: str) -> list:
             for name, _dt, shape, strides, data in tensors(desc, step)]
 
 
-def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, cap: "Captured") -> str:
+def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, cap: Captured) -> str:
     from . import compat
     from .build import capture_glue
     values, args = [], []
