@@ -35,14 +35,16 @@ def folder_bytes(p: Path) -> int:
 def bench_specs() -> dict[str, str]:
     """Spec texts that bench/attention_decode.py and bench/grad.py compile for themselves, by the
     artifact name their `--prebuilt DIR` loads; and the plain attention's backward (head dim 128),
-    whose sm_90a main kernel is FA4_SMEM_RISK's case, for gpu_check.sh's selftest to settle."""
+    whose sm_90a main kernel is FA4_SMEM_RISK's case, for gpu_check.sh's selftest to settle, and the
+    GQA attention's (FA4's five-kernel GQA backward, its dK/dV accumulators zeroed by the runtime),
+    for the selftest to check against the reference on a GPU."""
     sys.path.insert(0, str(ROOT / "bench"))
     import attention_decode
     import grad
     from kspec.spec_lang import load_spec
     from kspec.spec_lang.grad import grad_program
     out = {"attention_decode_dense": attention_decode.DENSE, "attention_decode_paged": attention_decode.PAGED}
-    for stem in (*grad.GPU_PATTERNS, "attention"):
+    for stem in (*grad.GPU_PATTERNS, "attention", "attention_gqa"):
         out[f"{stem}_grad"] = grad_program(load_spec(ROOT / "specs" / f"{stem}.kspec"))
     return out
 

@@ -294,14 +294,14 @@ def kv_group_read(g: nx.DiGraph, n, head_label: str):
     if len(computed) != 1 or not computed[0][1].startswith("@"):
         return None
     axis, x = computed[0]
-    found = _group_of(g, *ins[int(x[1:])], {a: a for a in o.axes}, head_label)
+    found = group_of(g, *ins[int(x[1:])], {a: a for a in o.axes}, head_label)
     if found is None:
         return None
     group, nodes = found
     return src, group, op(g, src).shape[axis], {n} | nodes
 
 
-def _group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
+def group_of(g: nx.DiGraph, u, ul, to_attn: dict, head_label: str):
     """u (read under ul, whose labels to_attn maps to the attention's) computes `h / G` with h the
     attention's head label: (G as a param name, an int, a size symbol or the quotient "H/KH" of two
     size symbols, the nodes computing it)."""
@@ -352,7 +352,7 @@ def paged_kv_read(g: nx.DiGraph, n, read_labels: tuple[str, ...], key: str, batc
         x = o.subscripts[computed[0]]
         if not x.startswith("@") or not batch:
             return None
-        found = _group_of(g, *ins[int(x[1:])], to_attn, batch[-1])
+        found = group_of(g, *ins[int(x[1:])], to_attn, batch[-1])
         if found is None:
             return None
         group, gnodes = found

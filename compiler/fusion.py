@@ -16,8 +16,8 @@ import networkx as nx
 
 from kspec.core import dtype_bytes  # noqa: F401
 
-from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, output_scale, paged_kv_read,
-                        score_path)
+from .attention import (LiftedMods, NotLiftable, group_of, is_top_left_causal, kv_group_read, lift_mods, output_scale,
+                        paged_kv_read, score_path)
 from .canon import GemmInfo, block_scaled_gemm_info, gathered_a, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_addition, legal_group, same_point  # noqa: F401
@@ -104,7 +104,8 @@ def _not_fused(res: FusionResult, g: nx.DiGraph, sm, why: str) -> None:
 class AttentionBwdInfo:
     """An attention backward as `kspec grad` derives it (what FlashAttention-4's backward computes):
     P = exp(scale * Q K^T (masked) - LSE), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
-    dS = scale * P * (dP - D) (masked), dQ = dS K, dK = dS^T Q."""
+    dS = scale * P * (dP - D) (masked), dQ = dS K, dK = dS^T Q.  GQA (K and V read at head h / G):
+    dK and dV are the sums over each group's query heads of those per-query-head parts."""
     q: object                          # the input nodes
     k: object
     v: object
@@ -124,6 +125,8 @@ class AttentionBwdInfo:
     p: object                          # the exp node
     bottom_right: bool = False         # causal as `key <= query + (len_k - len_q)` (FlashAttention-4's alignment)
     orders: tuple = ()                 # labels of Q, K, V, O, dO, LSE, dQ, dK, dV in storage order
+    kv_group: object = None            # GQA: K/V read at head h // kv_group (an int, a param or size name)
+    kv_head: object = None             # GQA: the K/V head count (extent of K's head axis)
 
 
 def _strip(g, n, kinds=("broadcast",)):
@@ -248,14 +251,21 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     (q, lq), (k, lk) = operands(g, s)
     only_q, only_k = [x for x in lq if x not in lk], [x for x in lk if x not in lq]
     if len(only_q) != 1 or len(only_k) != 1:
-        return "Q and K must be inputs [b, h, seq, head] (no GQA, no gather)"
+        return "Q and K must be inputs [b, h, seq, head], K read at head h or h / G (GQA)"
     query, key = only_q[0], only_k[0]
     if so.axes.index(query) > so.axes.index(key):          # s[.., i, j]: the query axis first
         (q, lq), (k, lk), query, key = (k, lk), (q, lq), key, query
     batch = [x for x in lq if x in lk and x != head]
+    k_read, kv = k, _kv_read(g, k, batch)
+    if isinstance(kv, str):
+        return kv
+    k, group, heads = kv
     if op(g, q).kind != "input" or op(g, k).kind != "input" or head not in lq or head not in lk or \
             lq[-1] != head or lk[-1] != head or len(batch) + 2 != len(lq) or len(lq) != len(lk):
-        return "Q and K must be inputs [b, h, seq, head] (no GQA, no gather), the head dim innermost"
+        return "Q and K must be inputs [b, h, seq, head], the head dim innermost, K read at head h or h / G (GQA)"
+    if group is not None and (tuple(lq) != (*batch, query, head) or tuple(lk) != (*batch, key, head) or
+                              op(g, q).packed or op(g, k).packed):
+        return "GQA needs [b, h, seq, head] tensors (not another order, not packed sequences)"
     q_len = ("cu", op(g, q).packed) if op(g, q).packed else ("size", dict(zip(so.axes, so.shape))[query])
     k_len = ("cu", op(g, k).packed) if op(g, k).packed else ("size", dict(zip(so.axes, so.shape))[key])
     kinds = [_mask_kind(g, c, query, key, q_len, k_len) for c in conds]
@@ -287,7 +297,7 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     do = next((w for w, _ in operands(g, dv_c) if op(g, w).kind == "input"), None)
     if do is None:
         return "dV's other operand is not an input dO"
-    dv = _single_output(g, dv_c)
+    dv = _single_output(g, dv_c) if group is None else _head_group_sum(g, dv_c, batch[-1], group, heads)
     muls = [x for x in users if op(g, x).kind == "elementwise" and op(g, x).fn == "mul"]
     if len(muls) != 1 or len(users) != 1 + len(casts) or len(casts) > 1:
         return "the probabilities have other uses than dV and the softmax backward"
@@ -302,8 +312,15 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     dp_ops = [w for w, _ in operands(g, dp)]
     v = next((w for w in dp_ops if w != do), None)
     if dpo.kind != "contraction" or dpo.reduced != (head,) or do not in dp_ops or v is None or \
-            op(g, v).kind != "input":
+            op(g, v).kind not in ("input", "gather"):
         return "dP is not dO V^T"
+    if op(g, v).kind == "gather":
+        kv = _kv_read(g, v, batch)
+        if isinstance(kv, str) or kv[1:] != (group, heads):
+            return kv if isinstance(kv, str) else "K and V are read with different head groupings"
+        v = kv[0]
+    elif group is not None:
+        return "K and V are read with different head groupings"
     ds_ops = [w for w, _ in operands(g, dsum)]
     o_in = next((w for w in ds_ops if w != do), None)
     if dso.kind != "contraction" or dso.reduced != (head,) or do not in ds_ops or o_in is None or \
@@ -333,23 +350,85 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     dq = dk = None
     for x in ds_users:
         other = next((w for w, _ in operands(g, x) if w != n), None)
-        if other == k and op(g, x).reduced == (key,):
+        if other == k_read and op(g, x).reduced == (key,):
             dq = _single_output(g, x)
         elif other == q and op(g, x).reduced == (query,):
-            dk = _single_output(g, x)
+            dk = _single_output(g, x) if group is None else _head_group_sum(g, x, batch[-1], group, heads)
     if None in (dq, dk, dv):
-        return "dQ, dK and dV must each be stored (as computed or cast) to an output"
+        return ("dQ, dK and dV must each be stored (as computed or cast) to an output" if group is None else
+                f"dQ must be stored (as computed or cast) to an output, dK and dV as the sums over each group's "
+                f"query heads, sum({batch[-1]}) where({batch[-1]} / G == kh, part, 0), K/V head kh")
     for w in (q, k, v, o_in, do):
         if op(g, w).dtype not in ("f16", "bf16") or op(g, w).dtype != op(g, q).dtype:
             return "Q, K, V, O and dO must be one of f16/bf16"
-    # storage orders (labels): the inputs as read, the outputs as stored
-    orders = (lq, lk, _read_labels(g, dp, v), _read_labels(g, dsum, o_in), _read_labels(g, dp, do),
-              _read_labels(g, next(iter(g.successors(lse))), lse),
-              *(_read_labels(g, next(iter(g.successors(x))), x) for x in (dq, dk, dv)))
+    # storage orders (labels): the inputs as read, the outputs as stored (GQA: canonical, checked above)
+    if group is not None and _read_labels(g, next(iter(g.successors(lse))), lse) != (*batch, query):
+        return "GQA needs the log-sum-exp stored [b, h, seq]"
+    orders = () if group is not None else (
+        lq, lk, _read_labels(g, dp, v), _read_labels(g, dsum, o_in), _read_labels(g, dp, do),
+        _read_labels(g, next(iter(g.successors(lse))), lse),
+        *(_read_labels(g, next(iter(g.successors(x))), x) for x in (dq, dk, dv)))
     if None in orders or any(o[-1] != head for i, o in enumerate(orders) if i != 5):
         return "Q, K, V, O, dO, dQ, dK and dV must be stored with the head dim innermost"
     return AttentionBwdInfo(q, k, v, o_in, do, lse, dq, dk, dv, tuple(batch), query, key, head, causal, scale, s, p,
-                            bottom_right, tuple(tuple(o) for o in orders))
+                            bottom_right, tuple(tuple(o) for o in orders), group,
+                            heads if group is not None else None)
+
+
+def _kv_read(g, n, batch):
+    """K (or V) as an attention backward reads it: (the input node, the GQA group, the K/V head
+    count) for K read at head `h / G` (compiler.attention.kv_group_read), (n, None, None) for any other
+    node; the reason (a str) for a gather that is not such a read."""
+    if op(g, n).kind != "gather":
+        return n, None, None
+    found = kv_group_read(g, n, batch[-1]) if batch else None
+    if found is None:
+        return "K and V must be inputs [b, h, seq, head], read at head h or h / G (GQA), not through another gather"
+    src, group, heads, _nodes = found
+    return src, group, heads
+
+
+def _head_group_sum(g, part, head: str, group, heads):
+    """The node an output stores when dK (dV) of a GQA backward is `part` (one query head's share,
+    [b, h, j, e]) summed over the query heads of each K/V head's group, as `kspec grad` writes it:
+    `sum(h) where(h / G == kh, part[b, h, j, e], 0)` stored as computed or cast to an output
+    [b, kh, j, e] with kh over the K/V heads; None when it is not that."""
+    cs = list(g.successors(part))
+    if len(cs) != 1 or op(g, cs[0]).kind != "broadcast":
+        return None
+    bc = cs[0]
+    ((_, pl),) = operands(g, bc)
+    if head not in op(g, part).axes:
+        return None
+    hl = pl[op(g, part).axes.index(head)]              # the part's head axis, as the sum names it
+    cs = list(g.successors(bc))
+    if len(cs) != 1 or op(g, cs[0]).kind != "elementwise" or op(g, cs[0]).fn != "where":
+        return None
+    (c, _), (x, _), (z, _) = operands(g, cs[0])
+    red = list(g.successors(cs[0]))
+    if x != bc or not _is_const(g, z, 0.0) or len(red) != 1:
+        return None
+    (red,) = red
+    ro = op(g, red)
+    if ro.kind != "reduction" or ro.fn != "sum" or ro.reduced != (hl,):
+        return None
+    c = _strip(g, c)
+    if op(g, c).kind != "elementwise" or op(g, c).fn != "eq":
+        return None
+    sides = [_strip(g, w) for w, _ in operands(g, c)]
+    idx = [w for w in sides if op(g, w).kind == "index"]
+    fds = [w for w in sides if op(g, w).kind == "elementwise" and op(g, w).fn == "floordiv"]
+    if len(idx) != 1 or len(fds) != 1:
+        return None
+    kl = op(g, idx[0]).fn                               # the K/V head label of the sum
+    found = group_of(g, fds[0], op(g, fds[0]).axes, {a: a for a in op(g, fds[0]).axes}, hl)
+    if found is None or found[0] != group or kl not in ro.axes or ro.shape[ro.axes.index(kl)] != heads:
+        return None
+    stored = _single_output(g, red)
+    if stored is None:
+        return None
+    ((_, ol),) = [(u, l) for s in g.successors(stored) if op(g, s).kind == "output" for u, l in operands(g, s)]
+    return stored if tuple(ol) == tuple(kl if l == hl else l for l in pl) else None
 
 
 def fuse_attention_backward(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:

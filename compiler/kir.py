@@ -395,7 +395,9 @@ class AttentionBwdStructure:
     backward): P = exp(scale * Q K^T (causally masked) - LSE), dV = P^T dO, dP = dO V^T,
     D = rowsum(dO * O), dS = scale * P * (dP - D), dQ = dS K, dK = dS^T Q.  Tensors are [b, h, seq,
     head] in any order with the head dim innermost (`layouts`), or packed (varlen: the buffers'
-    `packed` offsets, [b, seq, h, head]); LSE is f32 [b, h, i] (packed: [b, i, h])."""
+    `packed` offsets, [b, seq, h, head]); LSE is f32 [b, h, i] (packed: [b, i, h]).  GQA: K and V
+    (and dK, dV) have kv_head heads, read at head h // kv_group; dK and dV sum each group's query
+    heads' parts."""
     q_buffer: str
     k_buffer: str
     v_buffer: str
@@ -419,6 +421,13 @@ class AttentionBwdStructure:
     # storage order of Q, K, V, O, dO, LSE, dQ, dK, dV as roles B, H, S (T for K, V, dK, dV), E,
     # outermost first; () when every tensor is canonical ([B, H, seq, E], LSE [B, H, S])
     layouts: tuple[tuple[str, ...], ...] = ()
+    # GQA: the group (an int, a size symbol or the name of an i32 param, as AttentionStructure's
+    # kv_group) and the K/V head count; None, None without GQA
+    kv_group: Extent | None = None
+    kv_head: Extent | None = None
+
+
+_BWD_OPTIONAL = ("kv_group", "kv_head", "bottom_right", "layouts")     # AttentionBwdStructure's, by default unset
 
 
 @dataclass(frozen=True)
@@ -787,7 +796,9 @@ def format_ir(ir: KernelIR) -> str:
                      f"dO={a.do_buffer} LSE={a.lse_buffer} ({a.dtype}) -> dQ={a.dq_buffer} dK={a.dk_buffer} "
                      f"dV={a.dv_buffer} ({'/'.join(a.out_dtypes)}); "
                      f"{('causal (bottom-right), ' if a.bottom_right else 'causal, ') if a.causal else ''}scale "
-                     f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims))
+                     f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims)
+                     + (f"; kv heads: {a.head} // {a.kv_group} of {format_extent(a.kv_head)}"
+                        if a.kv_group is not None else ""))
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
@@ -870,7 +881,10 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
     if ir.attention_bwd is not None:     # (only when present: other kernels keep the digests they had)
-        doc["attention_bwd"] = plain(ir.attention_bwd)
+        # (GQA's, the bottom-right mask's and the layouts' fields only when set: plain backwards keep
+        # the digests they had)
+        doc["attention_bwd"] = {k: v for k, v in plain(ir.attention_bwd).items()
+                                if v not in (None, False, (), []) or k not in _BWD_OPTIONAL}
     if ir.epilogue is not None:
         doc["epilogue"] = {
             "stores": [{"name": s.name, "value": _epi_to_json(s.value), "dtype": s.dtype, "layout": s.layout}

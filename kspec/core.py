@@ -341,14 +341,26 @@ ABI_VERSION_PROTO = "int kspec_abi_version(void)"
 # (FlashAttention-4's attention backward, backends/cute/attention_bwd.py), and that workspace's
 # layout: the f32 dQ accumulator [B, H, S_r * E_r], then D = rowsum(dO * O) and LSE * log2(e), each
 # [B, H, S_r] f32 (S_r: S rounded up to tile_m, E_r: the rounded head dim), each 256-byte aligned.
+# GQA (H = G * HK query heads over HK K/V heads): the main kernel accumulates dK and dV in f32 into
+# dk_accum and dv_accum [B, HK, T_r * E_r] after those (which it expects zeroed), and two more
+# postprocess kernels convert them to dK and dV.
 ATTENTION_BWD_STEPS = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
+ATTENTION_BWD_GQA_STEPS = (*ATTENTION_BWD_STEPS, "bwd_postprocess_dk", "bwd_postprocess_dv")
+# every sequence of variant roles launched in order as one call (kspec.runtime.module.Module.step_variants)
+STEP_SEQUENCES = (ATTENTION_BWD_STEPS, ATTENTION_BWD_GQA_STEPS)
+STEP_ROLES = tuple(dict.fromkeys(r for seq in STEP_SEQUENCES for r in seq))
+# the workspace buffers a step's kernel expects zeroed when it starts (FA4 allocates them with torch.zeros;
+# the preprocess zeroes dq_accum itself)
+STEP_ZEROED = {"bwd_main": ("dk_accum", "dv_accum")}
 
 
-def attention_bwd_workspace(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int,
-                            packed: bool = False) -> "dict[str, tuple]":
-    """name -> (byte offset, shape) of dq_accum, dpsum and lse_log2 ([B, H, n]; packed queries:
-    [H, n], S the packed row count, each sequence padded as FlashAttention-4 pads it); "total":
-    (bytes, ())."""
+def attention_bwd_workspace(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int, HK: int = 0, T: int = 0,
+                            kv_tile: int = 0, kv_pair: int = 1, packed: bool = False) -> "dict[str, tuple]":
+    """name -> (byte offset, shape [B, heads, n]) of dq_accum, dpsum and lse_log2, and with HK (GQA)
+    dk_accum and dv_accum [B, HK, T_r * E_r] (T_r: T rounded up to kv_tile, to an even number of
+    tiles where kv_pair is 2: a 2-CTA cluster's); "total": (bytes, ()).  packed: the queries are
+    packed (varlen), S their row count: the row buffers are [H, n], n the rows padded per sequence as
+    FlashAttention-4 pads them (S + B tiles, rounded up to a tile)."""
     def up(n: int, m: int) -> int:
         return -(-n // m) * m
     sr = (S + (B + 1) * tile_m - 1) // tile_m * tile_m if packed else up(S, tile_m)
@@ -356,8 +368,25 @@ def attention_bwd_workspace(B: int, H: int, S: int, tile_m: int, head_dim_rounde
     n = H if packed else B * H
     acc = up(n * sr * head_dim_rounded * 4, 256)
     rows = up(n * sr * 4, 256)
-    return {"dq_accum": (0, (*lead, sr * head_dim_rounded)), "dpsum": (acc, (*lead, sr)),
-            "lse_log2": (acc + rows, (*lead, sr)), "total": (acc + 2 * rows, ())}
+    out = {"dq_accum": (0, (*lead, sr * head_dim_rounded)), "dpsum": (acc, (*lead, sr)),
+           "lse_log2": (acc + rows, (*lead, sr)), "total": (acc + 2 * rows, ())}
+    if HK:
+        tr = up(up(T, kv_tile) // kv_tile, kv_pair) * kv_tile
+        kv, base = up(B * HK * tr * head_dim_rounded * 4, 256), acc + 2 * rows
+        out.update(dk_accum=(base, (B, HK, tr * head_dim_rounded)), dv_accum=(base + kv, (B, HK, tr * head_dim_rounded)),
+                   total=(base + 2 * kv, ()))
+    return out
+
+
+def attention_bwd_layout(config: "dict[str, str]", dims: "dict[str, int]") -> "dict[str, tuple]":
+    """attention_bwd_workspace of one call of an attention backward binary: the rounding its variants'
+    config records (ws_tile_m, ws_head_dim; GQA: ws_kv_tile, ws_kv_pair; packed queries), the call's
+    dims by role."""
+    kv = () if "ws_kv_tile" not in config else (dims["HK"], dims["T"], int(config["ws_kv_tile"]),
+                                                 int(config["ws_kv_pair"]))
+    return attention_bwd_workspace(dims["B"], dims["H"], dims["S"], int(config["ws_tile_m"]),
+                                   int(config["ws_head_dim"]), *kv,
+                                   packed="q" in config.get("packed", "none").split(","))
 
 
 def abi_header() -> str:

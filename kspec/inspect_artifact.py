@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kspec.artifact import read_manifest
-from kspec.core import ATTENTION_BWD_STEPS
+from kspec.core import STEP_ROLES, STEP_SEQUENCES
 from kspec.backends.inspect import dump_sass, format_summary, sass_summary
 from kspec.backends.toolchain import find_toolchain
 from kspec.spec_lang.errors import KspecError
@@ -62,9 +62,22 @@ def _serves(v) -> str:
                 "S >= 1)")
     if role == "combine":
         return "split-KV combine (after the split kernel)"
-    if role in ATTENTION_BWD_STEPS:
-        return f"attention backward, {role[4:]} kernel (every call: preprocess, main, postprocess)"
+    if role in STEP_ROLES:
+        return f"attention backward, {_STEP_KERNELS[role]} kernel (every call: {_steps(v)})"
     return f"for {_select(v.select)}"
+
+
+# the kernels of the step sequences (kspec.core.STEP_SEQUENCES) by role, as `kspec inspect` names them
+_STEP_KERNELS = {"bwd_preprocess": "preprocess", "bwd_main": "main", "bwd_postprocess": "postprocess",
+                 "bwd_postprocess_dk": "dK postprocess", "bwd_postprocess_dv": "dV postprocess"}
+
+
+def _steps(v) -> str:
+    """The kernels of the attention backward whose step v is, in order: "preprocess, main and
+    postprocess", or with GQA's dK/dV accumulators (ws_kv_tile in its config) the five."""
+    seq = STEP_SEQUENCES[1] if v.config.get("ws_kv_tile") else STEP_SEQUENCES[0]
+    names = [_STEP_KERNELS[r] for r in seq]
+    return ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _select(boxes) -> str:
@@ -111,7 +124,7 @@ def launch_choice(path: str | Path, sizes: dict[str, int], sm_count: int | None 
                     continue
                 if len(vs) > 2:
                     lines.append(where + f"variants {', '.join(map(str, vs))} in order (the attention backward's "
-                                 f"preprocess, main and postprocess kernels; {ws} bytes of workspace)")
+                                 f"{_steps(b.variants[vs[0]])} kernels; {ws} bytes of workspace)")
                 elif len(vs) == 2:
                     lines.append(where + f"variants {vs[0]} then {vs[1]} (split-KV kernel, then the combine; "
                                  f"{ws} bytes of workspace)")

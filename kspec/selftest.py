@@ -89,12 +89,12 @@ FA4_SMEM_RISK = ("FlashAttention-4 on sm_100a (and its sm_90a backward at head d
 
 def fa4_smem_open(plans, arch: str) -> bool:
     """Whether FA4_SMEM_RISK is open for these plans on `arch`: an FA4 forward on sm_100a, or an FA4
-    attention backward (its variants are the steps kspec.core.ATTENTION_BWD_STEPS) on either arch."""
-    from kspec.core import ATTENTION_BWD_STEPS
+    attention backward (its variants are the steps kspec.core.STEP_ROLES) on either arch."""
+    from kspec.core import STEP_ROLES
     for p in plans:
         if arch == "sm100a" and p.kind == "attention":
             return True
-        if any(v.config.get("role") in ATTENTION_BWD_STEPS for b in p.binaries.values() for v in b.variants):
+        if any(v.config.get("role") in STEP_ROLES for b in p.binaries.values() for v in b.variants):
             return True
     return False
 

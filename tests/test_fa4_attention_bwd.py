@@ -3,7 +3,9 @@
 by the CuTe backend on both archs (and what FA4 cannot take is refused with the reason); the offline
 build (tensor-core SASS in the main kernel, parameter offsets from the cubins); the runtime's plan
 running preprocess, main and postprocess in order with one correctly sized workspace under the fake
-driver; bad sizes refused before launch; a warm compile importing neither FA4 nor the DSL."""
+driver; bad sizes refused before launch; a warm compile importing neither FA4 nor the DSL.  GQA
+(attention_gqa: K and V read at head h / 4): five kernels (the dK and dV postprocesses too), the
+dK/dV accumulators in the workspace zeroed before the main kernel."""
 from __future__ import annotations
 
 import subprocess
@@ -14,13 +16,23 @@ import pytest
 from conftest import SPECS, checkout_env, cubin_sass, needs_fa4, test_cache_root
 
 from kspec.compile import plan_spec
-from kspec.core import ATTENTION_BWD_STEPS, KspecError, attention_bwd_workspace
+from kspec.core import ATTENTION_BWD_GQA_STEPS, ATTENTION_BWD_STEPS, KspecError, attention_bwd_workspace
 from kspec.spec_lang import load_spec
 from kspec.spec_lang.grad import grad_program
 
 ARCHS = ("sm90a", "sm100a")
 STEMS = ("attention", "attention_causal")
+GQA = "attention_gqa"                  # K and V read at head h / 4: five kernels
 MAIN = {"sm90a": "FlashAttentionBackwardSm90", "sm100a": "FlashAttentionBackwardSm100"}
+
+
+def _steps(stem: str) -> tuple[str, ...]:
+    return ATTENTION_BWD_GQA_STEPS if stem == GQA else ATTENTION_BWD_STEPS
+
+
+def _classes(stem: str, arch: str) -> list[str]:
+    post = "FlashAttentionBackwardPostprocess"
+    return ["FlashAttentionBackwardPreprocess", MAIN[arch], post] + [post] * (len(_steps(stem)) - 3)
 
 
 def _grad_text(stem: str, edit=None) -> str:
@@ -93,9 +105,80 @@ def test_top_left_causal_over_packed_sequences_is_refused():
         _plan("attention_varlen", edit=lambda t: t.replace("j <= i + (T - S)", "j <= i"))
 
 
-def test_gqa_backward_is_refused_with_the_reason():
-    sched = _plan("attention_gqa", strict=False)
-    assert any("attention backward" in n and "no GQA" in n for n in sched.fusion.notes), sched.fusion.notes
+
+@needs_fa4
+def test_gqa_backward_plans_as_one_fa4_attention_bwd_kernel_of_five_on_both_archs():
+    """K and V read at head h / 4, dK and dV the sums over each group's query heads (what `kspec grad`
+    derives): one attention_bwd plan, FA4's GQA backward (five kernels) on both archs, under strict."""
+    sched = _plan("attention_gqa")
+    (p,) = sched.plans
+    assert p.kind == "attention_bwd" and set(p.writes) == {"dQ", "dK", "dV"}
+    a = p.ir.attention_bwd
+    assert (a.kv_group, a.kv_head, a.k_buffer, a.dk_buffer) == (4, "KH", "K", "dK")
+    for arch in ARCHS:
+        c = p.choices[arch]
+        cfg = dict(c.config)
+        assert c.backend == "cute" and not c.fallback and cfg["gqa_group"] == "4"
+        assert cfg["kernel"].endswith(f"FlashAttentionBackwardPreprocess, {MAIN[arch]}, FlashAttentionBackwardPostprocess "
+                                      "(dQ), FlashAttentionBackwardPostprocess (dK), FlashAttentionBackwardPostprocess (dV)")
+        assert "dk_accum f32, dv_accum f32" in cfg["workspace"]
+
+
+def _gqa_heads(h: str, kh: str):
+    def edit(t):
+        return t.replace("[B, H, S, 128]", f"[B, {h}, S, 128]").replace("[B, KH, T, 128]", f"[B, {kh}, T, 128]")
+    return edit
+
+
+def _param_group(t: str) -> str:
+    """attention_gqa with the group an i32 param G: known only per call."""
+    return t.replace("h / 4", "h / G").replace("kernel attention_gqa {", "kernel attention_gqa {\n  param G : i32")
+
+
+@needs_fa4
+@pytest.mark.parametrize("edit, group, name, naming", [
+    (_param_group, "G", "G (or the query and K/V head counts)", ({"G": 4}, {"H": 32, "KH": 8})),
+    (lambda t: t.replace("h / 4", "h / (H / KH)"), "H/KH", "H and KH", ({"H": 32, "KH": 8},)),
+])
+def test_gqa_backward_over_a_per_call_group_plans_where_the_sizes_name_it(edit, group, name, naming):
+    """`h / G` with G an i32 param, or `h / (H / KH)`: like the forward, FA4's GQA backward is built for
+    the group `--sizes` names (G itself, or H and KH); without them it plans unfused, saying so (and
+    strict refuses it)."""
+    from kspec.backends import registry
+    prog = load_spec(_grad_text(GQA, edit), is_text=True, file="g.kspec")
+    (sched,) = plan_spec(prog, ARCHS, f"{GQA}_bwd", strict=False)
+    assert any("attention backward" in n and f"name {name} with --sizes" in n for n in sched.fusion.notes), \
+        sched.fusion.notes
+    with pytest.raises(KspecError, match="attention backward"):
+        plan_spec(prog, ARCHS, f"{GQA}_bwd", strict=True)
+    cute = registry.get("cute")
+    for sizes in naming:
+        (sched,) = plan_spec(prog, ARCHS, f"{GQA}_bwd", strict=True, sizes=sizes)
+        (p,) = sched.plans
+        assert p.kind == "attention_bwd" and (p.ir.attention_bwd.kv_group, p.ir.attention_bwd.kv_head) == (group, "KH")
+        assert all(dict(c.config)["gqa_group"].startswith("per call") for c in p.choices.values())
+        text = ",".join(f"{k}={v}" for k, v in sizes.items())
+        lp = cute.lower(p.ir, "sm90a", (*cute.default_config(p.ir, "sm90a"), ("sizes", text)))
+        assert (lp.desc.group, lp.desc.groups, dict(lp.config)["gqa_group"]) == (0, (4,), "per call, built for 4")
+        # the param checked against the group by the glue; H / KH checked as H = 4 x HK anyway
+        assert lp.desc.dims == ("B", "H", "S", "T", "HK")
+        assert lp.names.get(lp.desc.group_param) == (None if group == "H/KH" else "G")
+
+
+@pytest.mark.parametrize("edit, why", [
+    # a group kspec does not build per call: an i8 param (the forward's rule: a literal, a size symbol, an i32 param)
+    (lambda t: _param_group(t).replace("param G : i32", "param G : i8"), "a size symbol or an i32 param"),
+    # 6 query heads over 2 K/V heads at h / 4: a valid spec, but not 4 query heads per K/V head
+    (_gqa_heads("6", "2"), "H = 6 query heads over KH = 2 K/V heads at h / 4"),
+    # K and V in different groupings
+    (lambda t: t.replace("V : f16[B, KH, T, 128]", "V : f16[B, KV, T, 128]").replace("V[b, h / 4", "V[b, h / 2"),
+     "different head groupings"),
+])
+def test_what_fa4_cannot_take_of_a_gqa_backward_is_printed_and_refused_by_strict(edit, why):
+    sched = _plan("attention_gqa", strict=False, edit=edit)
+    assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes
+    with pytest.raises(KspecError, match="attention backward"):
+        _plan("attention_gqa", edit=edit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,12 +193,13 @@ def bwd_artifacts(tmp_path_factory):
     cache = CompileCache(test_cache_root())
     done = {}
 
-    def get(stem):
-        if stem not in done:
-            spec = out / f"{stem}_grad.kspec"
-            spec.write_text(_grad_text(stem))
-            done[stem] = compile_spec(spec, ARCHS, out / "art", cache=cache, kernel=f"{stem}_bwd")
-        return done[stem]
+    def get(stem, edit=None, sizes=None, name=None):
+        name = name or stem
+        if name not in done:
+            spec = out / f"{name}_grad.kspec"
+            spec.write_text(_grad_text(stem, edit))
+            done[name] = compile_spec(spec, ARCHS, out / "art", cache=cache, kernel=f"{stem}_bwd", sizes=sizes)
+        return done[name]
     return get
 
 
@@ -126,18 +210,25 @@ def _bwd_plan(mod, stem):
 
 @needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", STEMS + ("attention_varlen",))
-def test_backward_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(bwd_artifacts, stem):
+@pytest.mark.parametrize("stem", [*STEMS, GQA, "attention_varlen"])
+def test_backward_builds_its_fa4_kernels_per_arch_with_tensor_core_sass(bwd_artifacts, stem):
+    """Three kernels (GQA: five, the dK and dV postprocesses after the dQ one), each with the cubin's
+    own parameter offsets; tensor cores and TMA in the main kernel only."""
     import kspec
     from kspec.runtime.cubin import read_cubin
     art = bwd_artifacts(stem)
     plan = _bwd_plan(kspec.load(art), stem)
     for arch, mma in zip(ARCHS, (" HGMMA", " UTCHMMA")):
         b = plan.binaries[arch]
-        assert [v.config["role"] for v in b.variants] == list(ATTENTION_BWD_STEPS)
-        assert [v.config["fa4_class"] for v in b.variants] == [
-            "FlashAttentionBackwardPreprocess", MAIN[arch], "FlashAttentionBackwardPostprocess"]
+        assert [v.config["role"] for v in b.variants] == list(_steps(stem))
+        assert [v.config["fa4_class"] for v in b.variants] == _classes(stem, arch)
         assert all(not v.select for v in b.variants)              # never chosen by size
+        # GQA: the dK/dV accumulators' key rounding (FA4's tile_n; paired tiles with sm_100a's 2-CTA)
+        assert ("ws_kv_tile" in b.variants[0].config) == (stem == GQA)
+        if stem == GQA:
+            cfg = b.variants[1].config
+            assert cfg["ws_kv_pair"] == ("2" if cfg.get("2cta") == "true" else "1")
+            assert [v.config["tile"].split("x")[0] for v in b.variants[3:]] == [cfg["ws_kv_tile"]] * 2
         for v in b.variants:
             # the manifest's parameter offsets are the cubin's own (EIATTR_KPARAM_INFO)
             k = read_cubin(art / v.cubin).kernel(v.symbol)
@@ -148,17 +239,17 @@ def test_backward_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(bwd_ar
         if sass[0] is None:
             pytest.skip("no cuobjdump")
         assert mma in sass[1] and "UTMALDG" in sass[1]            # the main kernel: tensor cores, TMA loads
-        assert mma not in sass[0] and mma not in sass[2]
+        assert not any(mma in x for k, x in enumerate(sass) if k != 1)
 
 
-def _fake_call(mod, stem, sizes, cc, sms, arch):
+def _fake_call(mod, stem, sizes, cc, sms, arch, params=None):
     from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
     with FakeDriver(cc, sm_count=sms) as fake:
-        call = fake_call(mod, f"{stem}_bwd", sizes, fake)
+        call = fake_call(mod, f"{stem}_bwd", sizes, fake, params=params)
         # (FA4's kernels declare 1 KiB of static shared memory beside the full dynamic opt-in, which the
         # fake's limit check counts against every FA4 kernel alike: see test_fa4_attention's _split_call)
         problems = [p for p in check_call(call, arch, mod) if "static shared memory exceed" not in p]
-    return call, problems
+    return call, problems, fake
 
 
 @needs_fa4
@@ -173,7 +264,7 @@ def test_one_call_launches_preprocess_main_postprocess_with_one_workspace(bwd_ar
     assert mod.step_variants(plan, arch) == [0, 1, 2]
     for B, H, S in ((2, 3, 300), (1, 1, 1), (3, 2, 1000)):
         sizes = {"B": B, "H": H, "S": S, "T": S}
-        call, problems = _fake_call(mod, stem, sizes, cc, sms, arch)
+        call, problems, fake = _fake_call(mod, stem, sizes, cc, sms, arch)
         assert problems == [], problems
         assert call.plan_ids == [plan.id] * 3
         assert [r.symbol for r in call.launches] == [v.symbol for v in b.variants]
@@ -186,6 +277,7 @@ def test_one_call_launches_preprocess_main_postprocess_with_one_workspace(bwd_ar
         assert len(ws) == 1 and 0 not in ws
         (ws,) = ws
         assert all(rec.prepare.sm_count == sms for rec in call.launches)
+        assert not any(ws <= f[0] < ws + want for f in fake.fills)       # nothing in it cleared
         pre, main, post = call.plan_args
         assert [a.name for a in pre] == ["O", "dO", "<dpsum>", _lse(mod, stem), "<lse_log2>", "<dq_accum>"]
         assert [a.name for a in post] == ["<dq_accum>", "dQ"]
@@ -213,7 +305,7 @@ def test_packed_backward_passes_the_offsets_and_sizes_the_padded_workspace(bwd_a
     assert [v.config["packed"] for v in b.variants] == ["q,k"] * 3
     tile_m, dr = int(b.variants[0].config["ws_tile_m"]), int(b.variants[0].config["ws_head_dim"])
     for B, H in ((3, 2), (1, 1), (5, 4)):
-        call, problems = _fake_call(mod, stem, {"B": B, "H": H}, cc, sms, arch)
+        call, problems, _fake = _fake_call(mod, stem, {"B": B, "H": H}, cc, sms, arch)
         assert problems == [], problems
         rows = sum(100 + 17 * x for x in range(B))        # fake_call's sequence lengths
         n = (rows + (B + 1) * tile_m - 1) // tile_m * tile_m
@@ -227,6 +319,71 @@ def test_packed_backward_passes_the_offsets_and_sizes_the_padded_workspace(bwd_a
         (ws,) = {r.prepare.workspace for r in call.launches}
         assert pre[5].ptr == ws and pre[5].shape == (H, n * dr) and pre[2].ptr == ws + lay["dpsum"][0]
         assert pre[0].shape == (rows, H, 128) and pre[3].shape == (rows, H)
+
+
+def _gqa_artifact(bwd_artifacts, group: str):
+    """attention_gqa's backward built with its group a literal (h / 4), or an i32 param G built for
+    the group --sizes G=4 names."""
+    if group == "literal":
+        return bwd_artifacts(GQA), None
+    return bwd_artifacts(GQA, _param_group, {"G": 4}, "attention_gqa_param"), {"G": 4}
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("group", ["literal", "param"])
+@pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
+def test_one_gqa_call_launches_five_kernels_zeroing_the_dk_dv_accumulators_before_the_main_one(bwd_artifacts, arch,
+                                                                                                cc, sms, group):
+    """A GQA backward call: preprocess, main, then the dQ, dK and dV postprocesses, in order, on one
+    workspace holding FA4's dq_accum, dpsum, lse_log2, dk_accum and dv_accum (kspec.core's layout);
+    the main kernel accumulates dK and dV into dk_accum and dv_accum [B, KH, T_r * E_r] (zeroed just
+    before it, as FA4's torch.zeros allocates them), the postprocesses convert them into dK and dV.
+    A per-call group (`param G`, built for G = 4): the same, its kernels in the box G = 4."""
+    import kspec
+    from kspec.core import attention_bwd_layout
+    art, params = _gqa_artifact(bwd_artifacts, group)
+    mod = kspec.load(art)
+    plan = _bwd_plan(mod, GQA)
+    b = plan.binaries[arch]
+    assert mod.step_variants(plan, arch) == [0, 1, 2, 3, 4]
+    assert all(v.select == (() if group == "literal" else ({"G": (4, 4)},)) for v in b.variants)
+    # (T = 300: an odd number of key tiles, which sm_100a's 2-CTA backward pads to an even one)
+    for B, KH, S, T in ((2, 3, 300, 300), (1, 1, 1, 1), (3, 2, 1000, 700)):
+        sizes = {"B": B, "H": 4 * KH, "S": S, "T": T, "KH": KH}
+        call, problems, fake = _fake_call(mod, GQA, sizes, cc, sms, arch, params)
+        assert problems == [], problems
+        assert call.plan_ids == [plan.id] * 5
+        assert [r.symbol for r in call.launches] == [v.symbol for v in b.variants]
+        cfg = b.variants[1].config
+        roles = {"B": B, "H": 4 * KH, "S": S, "T": T, "HK": KH}
+        assert [r for r, _x in plan.dims] == list(roles)
+        lay = attention_bwd_layout(cfg, roles)
+        want = lay["total"][0]
+        assert mod.launches(plan, arch, call.binding.dims(plan), 0, sms) == ([0, 1, 2, 3, 4], want)
+        (ws,) = {r.prepare.workspace for r in call.launches}
+        pre, main, post, post_dk, post_dv = call.plan_args
+        assert [a.name for a in pre] == ["O", "dO", "<dpsum>", _lse(mod, GQA), "<lse_log2>", "<dq_accum>"]
+        assert [a.name for a in main] == ["Q", "K", "V", "dO", "<lse_log2>", "<dpsum>", "<dq_accum>", "<dk_accum>",
+                                          "<dv_accum>"]
+        assert [a.name for a in post] == ["<dq_accum>", "dQ"]
+        assert [[a.name for a in x] for x in (post_dk, post_dv)] == [["<dk_accum>", "dK"], ["<dv_accum>", "dV"]]
+        # K and V (and dK, dV) have KH heads; the accumulators [B, KH, T_r * E_r] lie after the rows
+        assert main[1].shape == (B, KH, T, 128) and post_dv[1].shape == (B, KH, T, 128)
+        tile, pair, dr = int(cfg["ws_kv_tile"]), int(cfg["ws_kv_pair"]), int(cfg["ws_head_dim"])
+        tiles = -(-T // tile)
+        tr = -(-tiles // pair) * pair * tile                      # T rounded to tiles, to pairs of them
+        assert main[7].ptr == ws + lay["dk_accum"][0] and main[7].shape == (B, KH, tr * dr)
+        assert main[8].ptr == ws + lay["dv_accum"][0] == ws + lay["dk_accum"][0] + -(-B * KH * tr * dr * 4 // 256) * 256
+        assert lay["dk_accum"][0] >= lay["lse_log2"][0] + 4 * B * 4 * KH * -(-S // int(cfg["ws_tile_m"])) * \
+            int(cfg["ws_tile_m"])
+        assert want == lay["dv_accum"][0] + -(-B * KH * tr * dr * 4 // 256) * 256
+        # the accumulators (and nothing else of the workspace) zeroed once, after the preprocess and
+        # before the main kernel
+        zeroed = [(f, at) for f, at in zip(fake.fills, fake.fills_at) if ws <= f[0] < ws + want]
+        assert zeroed == [((ws + lay["dk_accum"][0], 0, 4, (want - lay["dk_accum"][0]) // 4), 1)], zeroed
+        # the dK and dV postprocesses run over the K/V heads
+        assert all(r.grid[1:] == (KH, B) for r in call.launches[3:]), [r.grid for r in call.launches]
 
 
 def _lse(mod, stem):
@@ -257,6 +414,52 @@ def test_bad_sizes_are_refused_before_launch(bwd_artifacts):
 
 @needs_fa4
 @pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gqa_sizes_fa4_cannot_take_are_refused_before_launch(bwd_artifacts, arch):
+    """Every one of the five kernels' glue refuses a call whose query heads are not 4 per K/V head (the
+    spec's h / 4 reads K/V head 0 or 1 of 3 at H = 8, KH = 3: valid, but not FA4's GQA)."""
+    import kspec
+    from kspec.runtime.errors import KspecRuntimeError
+    from kspec.runtime.glue import HostGlue
+    art = bwd_artifacts(GQA)
+    mod = kspec.load(art)
+    plan = _bwd_plan(mod, GQA)
+    ptrs = [0x7F0000000000 + i * 0x10000000 for i in range(len(plan.args))]
+    ws = 0x7E0000000000
+    for v in plan.binaries[arch].variants:
+        glue = HostGlue(art / v.host, "attention_gqa_bwd", plan.args)
+        assert glue.prepare([2, 8, 300, 500, 2], ptrs, [0.1], ws, 0, 132).grid[0] >= 1      # B H S T HK
+        with pytest.raises(KspecRuntimeError, match="exactly 4 query heads per K/V head"):
+            glue.prepare([2, 8, 300, 500, 3], ptrs, [0.1], ws, 0, 132)
+        with pytest.raises(KspecRuntimeError, match="without its workspace"):
+            glue.prepare([2, 8, 300, 500, 2], ptrs, [0.1], 0, 0, 132)
+        # the workspace every kernel asks for is kspec.core's layout
+        lay = attention_bwd_workspace(2, 8, 300, int(v.config["ws_tile_m"]), int(v.config["ws_head_dim"]), 2, 500,
+                                      int(v.config["ws_kv_tile"]), int(v.config["ws_kv_pair"]))
+        assert glue.workspace_size([2, 8, 300, 500, 2], 0, 132) == lay["total"][0]
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_a_call_in_another_group_than_the_per_call_groups_built_is_refused_by_name(bwd_artifacts):
+    """The backward of `h / G` built for G = 4 (--sizes G=4): a call with 2 query heads per K/V head
+    finds no kernels for its group (the runtime says which it holds and how to build the other); one
+    whose param G is not the group H / KH gets the glue's refusal, before anything launches."""
+    import kspec
+    from kspec.runtime.errors import KspecRuntimeError
+    art, _params = _gqa_artifact(bwd_artifacts, "param")
+    mod = kspec.load(art)
+    sizes = {"B": 1, "H": 4, "S": 64, "T": 64, "KH": 2}
+    with pytest.raises(KspecRuntimeError, match=r"kernels for the GQA group 4 .* this call has 4 query heads on 2 K/V "
+                                                r"heads \(group 2\)") as e:
+        _fake_call(mod, GQA, sizes, (9, 0), 132, "sm90a", {"G": 2})
+    assert "--sizes H=4,KH=2" in e.value.hint
+    with pytest.raises(KspecRuntimeError, match="GQA group param = 2, but the kernel was built for 4"):
+        _fake_call(mod, GQA, {**sizes, "H": 8}, (10, 0), 148, "sm100a", {"G": 2})
+
+
+@needs_fa4
+@pytest.mark.cute
 def test_warm_backward_compile_imports_neither_fa4_nor_the_dsl(bwd_artifacts, tmp_path):
     bwd_artifacts("attention_causal")            # the cache is warm
     spec = tmp_path / "g.kspec"
@@ -281,6 +484,42 @@ def test_inspect_says_a_call_launches_the_three_kernels_in_order(bwd_artifacts, 
     want = attention_bwd_workspace(2, 8, 4096, 128, 64)["total"][0]          # head dim 64: tile_m 128 on both
     assert len(lines) == 2 and all(f"variants 0, 1, 2 in order (the attention backward's preprocess, main and "
                                    f"postprocess kernels; {want} bytes of workspace)" in x for x in lines), lines
+
+
+@needs_fa4
+@pytest.mark.cute
+def test_inspect_says_a_gqa_call_launches_the_five_kernels_in_order(bwd_artifacts, capsys):
+    import kspec
+    from kspec.cli import main
+    art = bwd_artifacts(GQA)
+    assert main(["inspect", str(art), "--sizes", "B=2,H=32,S=4096,T=4096,KH=8"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "attention_gqa_bwd_0" in x]
+    plan = _bwd_plan(kspec.load(art), GQA)
+    want = [attention_bwd_workspace(2, 32, 4096, *(int(plan.binaries[a].variants[0].config[k]) for k in (
+        "ws_tile_m", "ws_head_dim")), 8, 4096, *(int(plan.binaries[a].variants[0].config[k]) for k in (
+            "ws_kv_tile", "ws_kv_pair")))["total"][0] for a in ARCHS]
+    assert len(lines) == 2 and all(
+        f"variants 0, 1, 2, 3, 4 in order (the attention backward's preprocess, main, postprocess, dK postprocess "
+        f"and dV postprocess kernels; {w} bytes of workspace)" in x for x, w in zip(lines, want)), lines
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch", ARCHS)
+def test_selftest_fake_checks_each_of_the_five_gqa_launches(bwd_artifacts, capsys, arch):
+    """`kspec selftest --fake` of the GQA backward: five launches per call, each checked against its
+    kernel's ABI and tensors (the dK/dV accumulators included).  On sm_90a its main kernel at head
+    dim 128 declares the full dynamic shared memory beside FA4's 1 KiB static section: open, as for
+    the plain backward at head dim 128 (selftest.FA4_SMEM_RISK; a GPU settles it)."""
+    from kspec.cli import main
+    art = bwd_artifacts(GQA)
+    rc = main(["selftest", str(art), "--fake", arch, "--no-bench"])
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if "attention_gqa_bwd " in x]
+    assert rc == 0 and lines, out
+    for x in lines:
+        assert ("PASS" in x and "5 launch(es) recorded, ABI ok" in x) or (
+            arch == "sm90a" and "OPEN" in x and "1024 static shared memory exceed" in x), out
 
 
 @needs_fa4

@@ -124,7 +124,10 @@ def test_attention_backward_plans_unfused_and_says_why(stem, monkeypatch):
         _bwd(stem)
 
 
-def test_gqa_backward_sums_query_heads_after_per_head_gemms():
+def test_gqa_backward_sums_query_heads_after_per_head_gemms(monkeypatch):
+    """Without FlashAttention-4 (with it: one attention_bwd plan, FA4's GQA backward)."""
+    from kspec.backends.cute import compat
+    monkeypatch.setattr(compat, "fa4_available", lambda: "flash-attn-4 is not installed (pip install ...)")
     sched = _bwd("attention_gqa", strict=False)
     gemm_writes = [w for p in sched.plans if p.kind == "gemm" for w in p.writes]
     assert any(w.startswith("dK_part") for w in gemm_writes) and any(w.startswith("dV_part") for w in gemm_writes)
@@ -239,7 +242,12 @@ def test_bench_model_part_runs(capsys):
     grad_bench = importlib.import_module("grad")
     assert grad_bench.main(["--rows", "512", "--cols", "256"]) == 0
     out = capsys.readouterr().out
-    assert "cross_entropy                  1         0" in out and "(attention backward unfused)" in out
+    from conftest import FA4_MISSING
+    (gqa,) = [x for x in out.splitlines() if x.strip().startswith("attention_gqa ")]
+    assert "cross_entropy                  1         0" in out
+    # with FlashAttention-4 the GQA backward is one plan (FA4's own five kernels), else unfused
+    assert ("(attention backward unfused)" in gqa) == bool(FA4_MISSING), out
+    assert FA4_MISSING or gqa.split()[1:3] == ["1", "0"], out
 
 
 @pytest.mark.parametrize("stem", ["gemm_bias_gelu_residual", "layernorm", "rmsnorm", "add_rmsnorm", "cross_entropy",
@@ -290,10 +298,13 @@ def _bwd_graph(stem: str):
     return g
 
 
-@pytest.mark.parametrize("stem, causal, d", [("attention_causal", True, 64), ("attention", False, 128)])
+@pytest.mark.parametrize("stem, causal, d", [("attention_causal", True, 64), ("attention", False, 128),
+                                            ("attention_gqa", False, 128)])
 def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implements_it(stem, causal, d):
     """The whole backward (S, P, dP, D, dS, dQ, dK, dV) is one group of kind attention_bwd when the
-    oracle says a backend implements it; its IR names FlashAttention-4's operands."""
+    oracle says a backend implements it; its IR names FlashAttention-4's operands.  GQA: K and V read
+    at head h / 4, dK and dV the sums over each group's query heads, one group too (the group and
+    the K/V head count in the IR)."""
     from kspec.compiler import FusionContext, fuse
     g = _bwd_graph(stem)
     oracle = _AcceptBackward()
@@ -305,6 +316,7 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
     assert (a.q_buffer, a.k_buffer, a.v_buffer, a.o_buffer, a.do_buffer) == ("Q", "K", "V", "O", "dO")
     assert a.lse_buffer.endswith("lse") and (a.dq_buffer, a.dk_buffer, a.dv_buffer) == ("dQ", "dK", "dV")
     assert a.causal is causal and a.scale == "scale" and a.head_dim == d and a.dtype in ("f16", "bf16")
+    assert (a.kv_group, a.kv_head) == ((4, "KH") if stem == "attention_gqa" else (None, None))
     assert {b for _, b, _ in ir.stores} == {"dQ", "dK", "dV"}
     # the IR's JSON (its digest, `kspec lower --json`) and its printout carry the backward's structure
     from kspec.compiler import format_ir, ir_from_json, ir_to_json
@@ -316,8 +328,7 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
 
 @pytest.mark.parametrize("stem, why", [
     ("attention_varlen_padded", "the mask is not causal"),
-    ("attention_alibi", "a score modification"),
-    ("attention_gqa", "no GQA")])
+    ("attention_alibi", "a score modification")])
 def test_attention_backward_unfused_reason_names_what_is_missing(stem, why):
     sched = _bwd(stem, strict=False)
     assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes

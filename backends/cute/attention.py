@@ -385,7 +385,7 @@ def _nodes(e):
 def _per_call_group(ir, a) -> bool:
     """The group is known only at call time but FA4 can be built per value: a size symbol or an i32
     param `G` in `h / G` with a K/V head axis, or MQA over a head count that is a size symbol."""
-    if a.kv_shared:
+    if getattr(a, "kv_shared", ()):
         return isinstance(dict(a.dims).get("H"), str)
     g = a.kv_group
     if not isinstance(g, str) or a.kv_head is None:
@@ -397,10 +397,14 @@ def _per_call_group(ir, a) -> bool:
 def groups_named(ir, sizes: dict[str, int]) -> tuple[int, ...]:
     """The per-call GQA group an attention gets at these sizes (`kspec compile --sizes`): G itself, or
     H / KH (MQA: H); () when the sizes do not fix it."""
-    a = fold_heads(ir, ir.attention) or ir.attention
+    return groups_of(fold_heads(ir, ir.attention) or ir.attention, sizes)
+
+
+def groups_of(a, sizes: dict[str, int]) -> tuple[int, ...]:
+    """groups_named of an attention's (or attention backward's: no MQA) structure `a`."""
     h = dict(a.dims).get("H")
     hv = h if isinstance(h, int) else sizes.get(h) if isinstance(h, str) else None
-    if a.kv_shared:
+    if getattr(a, "kv_shared", ()):
         return (hv,) if hv else ()
     if isinstance(a.kv_group, str) and a.kv_group in sizes:
         return (sizes[a.kv_group],)
@@ -1178,6 +1182,15 @@ def _checks(desc: AttnDesc) -> list[str]:
         "    if (T == 0 && B != 0 && H != 0 && S != 0)",
         "        KS_FAIL(\"T = 0: attention over no keys (FlashAttention-4 needs at least one key; the output would be 0)\");",
     ]
+    checks += group_checks(desc)
+    checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
+    return checks
+
+
+def group_checks(desc) -> list[str]:
+    """C lines of kspec_prepare refusing a call whose per-call GQA group, the dim G or the i32 param
+    desc.group_param, is not the one desc (an AttnDesc or attention_bwd.BwdDesc) was built for."""
+    checks = []
     if "G" in desc.dims:
         checks += [f"    if (G != {desc.group}) KS_FAIL(\"GQA group %lld, but the kernel was built for {desc.group}\", "
                    "(long long)G);"]
@@ -1186,7 +1199,6 @@ def _checks(desc: AttnDesc) -> list[str]:
         checks += [f"    if ((int64_t)scalars[{k}] != {desc.group}) KS_FAIL(\"GQA group param = %lld, but the kernel "
                    f"was built for {desc.group} query heads per K/V head (H = %lld, K/V heads %lld)\", "
                    f"(long long)scalars[{k}], (long long)H, (long long)HK);"]
-    checks += ["    if (B == 0 || H == 0 || S == 0) KS_EMPTY();"]
     return checks
 
 
@@ -1261,7 +1273,7 @@ def _import_entry(path: Path):
 
 
 def _read(d: Path, fmt: int = BUILD_FORMAT) -> dict | None:
-    """A whole cache entry's metadata (of every variant: attention_bwd.py's three kernels too), or
+    """A whole cache entry's metadata (of every variant: attention_bwd.py's three or five kernels too), or
     None (missing; damaged or stale: removed, rebuilt)."""
     meta = cache_entry.read(d, fmt)
     if meta is None:
@@ -1312,21 +1324,22 @@ def _dir(root: Path, desc: AttnDesc, lengths) -> tuple[str, Path]:
     return key, root / "cute-attention" / key[:2] / key
 
 
-def _per_group(desc: AttnDesc) -> list[AttnDesc]:
+def _per_group(desc: AttnDesc, what: str = "attention kernel") -> list[AttnDesc]:
     """desc once per GQA group it is built for (a per-call group: each `groups` value)."""
     if desc.group:
         return [desc]
     if not desc.groups:
-        raise KspecError(f"attention kernel {desc.name} on {desc.arch}: its GQA group (query heads per K/V head) "
+        raise KspecError(f"{what} {desc.name} on {desc.arch}: its GQA group (query heads per K/V head) "
                          "is known only at call time, and FlashAttention-4 compiles it into the kernel",
                          hint="name the groups to build with `kspec compile --sizes`: the group symbol itself "
                               "(G=4), or the query and K/V head counts (H=32,KH=8)")
     return [replace(desc, group=g, groups=()) for g in desc.groups]
 
 
-def _grouped(desc: AttnDesc, builds: list[AttnBuild]) -> AttnBuild:
+def _grouped(desc: AttnDesc, builds: list[AttnBuild], config=None) -> AttnBuild:
     """One AttnBuild from the per-group builds of a per-call group: every variant's boxes also hold
-    G (= H / HK at call time) to its group, so the runtime picks the group's kernels."""
+    G (= H / HK at call time) to its group, so the runtime picks the group's kernels.  desc: an
+    AttnDesc, or another descriptor with group, groups and its `config` items (attention_bwd.BwdDesc)."""
     if desc.group:
         return builds[0]
     variants = []
@@ -1337,7 +1350,7 @@ def _grouped(desc: AttnDesc, builds: list[AttnBuild]) -> AttnBuild:
                                     + (() if any(k == "gqa_group" for k, _x in v.config) else (("gqa_group", str(g)),))))
     key = hashlib.sha256(" ".join(b.key for b in builds).encode()).hexdigest()
     return replace(builds[0], key=key, variants=tuple(variants), seconds=sum(b.seconds for b in builds),
-                   cached=all(b.cached for b in builds), config=config_items(desc))
+                   cached=all(b.cached for b in builds), config=config_items(desc) if config is None else config)
 
 
 def lookup(desc: AttnDesc, cache_root: Path | None) -> AttnBuild | None:

@@ -1,59 +1,72 @@
-"""The attention backward in the CuTe DSL backend: this module owns it.  The backward of a plain or
-causal attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
-FlashAttention-4 4.0.0b36's own backward: three kernels, run in order by one kspec call, sharing a
-per-call workspace, exactly as `flash_attn.cute.interface._flash_attn_bwd` drives them:
+"""The attention backward in the CuTe DSL backend: this module owns it.  The backward of a plain,
+causal or GQA attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
+FlashAttention-4 4.0.0b36's own backward: three kernels (GQA: five), run in order by one kspec call,
+sharing a per-call workspace, exactly as `flash_attn.cute.interface._flash_attn_bwd` drives them:
 
     1. FlashAttentionBackwardPreprocess   D = rowsum(dO * O) (`dpsum`), LSE * log2(e) (`lse_log2`),
                                           the f32 dQ accumulator (`dq_accum`) zeroed
-    2. FlashAttentionBackwardSm90 / Sm100 dK and dV, and dQ accumulated in f32 into dq_accum
+    2. FlashAttentionBackwardSm90 / Sm100 dK and dV, and dQ accumulated in f32 into dq_accum (GQA:
+                                          dK and dV accumulated in f32 into dk_accum and dv_accum
+                                          over each K/V head's G query heads)
     3. FlashAttentionBackwardPostprocess  dq_accum * softmax_scale converted to dQ
+    4. FlashAttentionBackwardPostprocess  GQA: dk_accum * softmax_scale converted to dK
+    5. FlashAttentionBackwardPostprocess  GQA: dv_accum converted to dV
 
     covered(ir, arch) / unsupported(...)  which backwards FA4 takes (and why not)
     lower(ir, arch) -> BwdDesc            what the kernel is (no DSL import)
     entry_source(desc) -> str             the traced module: one @cute.jit entry per kernel
-    build(desc, cache_root) / lookup(...) the three kernels on desc.arch (cached; an attention.AttnBuild
-                                          whose variants have the roles STEPS, never chosen by size)
+    build(desc, cache_root) / lookup(...) the kernels on desc.arch (cached; an attention.AttnBuild whose
+                                          variants have the roles desc.steps, never chosen by size)
 
 **FA4's choices, not copies of them.**  kspec runs `_flash_attn_bwd` itself (torch FakeTensors, no
-device, under compat.fa4_target) with `cute.compile` intercepted (capture): the three kernel objects
-it constructs are the ones kspec compiles, through its own entry (kspec's strided views of
+device, under compat.fa4_target) with `cute.compile` intercepted (capture): the kernel objects it
+constructs are the ones kspec compiles, through its own entry (kspec's strided views of
 [B, H, S, E] tensors, no TVM-FFI; build.compile_export), so the tiles, stages, swaps, 2-CTA and
-accumulator orders are FA4's for the arch, head dim and mask.  The workspace layout is read from the
-tensors FA4 allocates in that same call: dq_accum f32 [B, H, S_r * E_r], dpsum and lse_log2 f32
-[B, H, S_r], with S_r the query length rounded up to FA4's tile_m and E_r the head dim rounded up
-as FA4 rounds it; each 256-byte aligned, in that order (workspace_bytes; the C in every kernel's
-glue).  The choice does not depend on the sizes (FA4's compile key varies with them only for TVM-FFI
-stride specialisations kspec does not use); capture checks this at two sizes.
+accumulator orders are FA4's for the arch, head dim, mask and GQA group.  The workspace layout is
+read from the tensors FA4 allocates in that same call: dq_accum f32 [B, H, S_r * E_r], dpsum and
+lse_log2 f32 [B, H, S_r], with S_r the query length rounded up to FA4's tile_m and E_r the head dim
+rounded up as FA4 rounds it; with GQA then dk_accum and dv_accum f32 [B, HK, T_r * E_r], T_r the key
+length rounded up to the main kernel's tile_n, to an even number of tiles for a 2-CTA cluster; each
+256-byte aligned, in that order (kspec.core.attention_bwd_workspace; the C in every kernel's glue;
+the rounding in every variant's config, ws_*).  The choice does not depend on the sizes (FA4's
+compile key varies with them only for TVM-FFI stride specialisations kspec does not use); capture
+checks this at three sizes, one of them an odd number of key tiles.
 
-**The runtime** (kspec.runtime.module.Module.launches) launches a binary whose variants carry the
-roles STEPS as one call: the three in order, one workspace of the size the first one's glue asks,
-not cleared (the preprocess zeroes dq_accum; FA4 allocates all three uninitialised too).
+**GQA** (K and V read at head `h / G`; compiler.fusion.match_attention_backward matches dK and dV
+stored as `sum(h) where(h / G == kh, part, 0)` over the per-query-head parts): FA4 is run with K and V
+of HK = H / G heads, which makes it construct the main kernel with qhead_per_kvhead = G and the dK
+and dV postprocesses; the ABI's dims hold HK, and the glue refuses H != G * HK.  A group known only
+per call (G an i32 param or a size symbol, or `h / (H / KH)`) is built, as the forward's is
+(attention.py), for the group `kspec compile --sizes` names: each group's five kernels in a select
+box G = that group (the runtime's step_variants picks the call's), a param G or a dim G checked
+against it by the glue; without the sizes it plans unfused, saying so.
 
 **Masks and layouts.**  Causal is FA4's own mask, aligned bottom-right: the spec's `j <= i + (T - S)`
 for any lengths, or `j <= i` when the query and key lengths are one (checked at launch).  Q, K, V,
 O, dO, dQ, dK, dV may be stored in any order of [b, h, seq, head] with the head dim innermost
-(kspec passes strided views: BwdDesc.layout / _view).  **Packed (varlen) sequences**: Q, O, dO,
-dQ and the LSE packed by one offsets tensor, K, V, dK, dV by one (or dense): FA4's cu_seqlens_q /
-cu_seqlens_k, its [rows, H, E] layout, the packed LSE [rows, H] passed as FA4's [H, rows] view, S
-and T the row counts; the workspace is then FA4's varlen one ([H, n], n = rows + B tiles rounded up
-to a tile: FA4 pads each sequence to whole tiles).  Batches of more than 256
-sequences run without FA4's host-built batch lookup (as the forward does).
+(kspec passes strided views: BwdDesc.layout / _view; GQA: [b, h, seq, head] only).  **Packed
+(varlen) sequences**: Q, O, dO, dQ and the LSE packed by one offsets tensor, K, V, dK, dV by one (or
+dense): FA4's cu_seqlens_q / cu_seqlens_k, its [rows, H, E] layout, the packed LSE [rows, H] passed
+as FA4's [H, rows] view, S and T the row counts; the workspace is then FA4's varlen one ([H, n],
+n = rows + B tiles rounded up to a tile: FA4 pads each sequence to whole tiles).  Batches of more
+than 256 sequences run without FA4's host-built batch lookup (as the forward does).
+
+**The runtime** (kspec.runtime.module.Module.launches) launches a binary whose variants carry the
+roles of one of kspec.core.STEP_SEQUENCES as one call: the kernels in order, one workspace of the
+size the first one's glue asks, not cleared (the preprocess zeroes dq_accum; FA4 allocates it and
+the row buffers uninitialised too), but for what kspec.core.STEP_ZEROED names: GQA's dk_accum and
+dv_accum, zeroed (one memset) right before the main kernel, as FA4 allocates them with torch.zeros.
 
 **Not covered** (planned unfused, with the reason `kspec graph` prints): score modifications (ALiBi,
 soft-capping: FA4 needs a score_mod_bwd), head dims other than 64 and 128, a top-left causal mask
-over lengths that may differ, dtypes other than f16/bf16, and GQA.  GQA is what remains to be done, in three steps:
-(1) compiler/fusion.py match_attention_backward: accept K and V read at head `h / G` (the gather the
-forward's GQA matching recognises) and dK, dV stored as `sum(h) where(h / G == kh, dK_part, 0)` over
-the per-query-head dK_part/dV_part contractions, and give AttentionBwdStructure the group and the
-K/V head extent (HK); (2) here: capture with K/V of HK = H / G heads (FA4 then constructs the main
-kernel with qhead_per_kvhead = G writing f32 dk_accum and dv_accum [B, HK, T_r * E_r], and two more
-FlashAttentionBackwardPostprocess objects, dK scaled by softmax_scale and dV by 1; T_r is T rounded
-up to tile_n, one tile more where a 2-CTA cluster needs an even count), i.e. five kernels; (3) the runtime: those five roles in
-kspec.core.ATTENTION_BWD_STEPS' place and the dK/dV accumulators zeroed before the main kernel
-(FA4 allocates them with torch.zeros; the preprocess zeroes only dq_accum).
+(`j <= i`) over query and key lengths that may differ, dtypes other than f16/bf16, GQA over packed
+sequences or tensors in another order than [b, h, seq, head], a GQA group FA4 cannot compile in (not a literal, a size
+symbol or an i32 param; a literal group of 1, H != G x KH at literal head counts), a per-call group
+--sizes does not name, K and V in different groupings, and MQA (K/V without a head axis).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -63,16 +76,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kspec.backends.desc import Const, Load
-from kspec.core import (ARCHS, ATTENTION_BWD_STEPS, KspecError, KspecInternalError, attention_bwd_workspace,
-                        packed_rows_symbol)
+from kspec.core import (ARCHS, ATTENTION_BWD_GQA_STEPS, ATTENTION_BWD_STEPS, KspecError, KspecInternalError,
+                        attention_bwd_workspace, packed_rows_symbol)
 
 HEAD_DIMS = (64, 128)
 DTYPES = ("f16", "bf16")
-ROLES = ("B", "H", "S", "T")                       # ABI dims, in order
-STEPS = ATTENTION_BWD_STEPS                        # the variants' roles, in launch order
+ROLES = ("B", "H", "S", "T")                       # ABI dims, in order (GQA: then HK, the K/V heads)
+STEPS = ATTENTION_BWD_STEPS                        # the variants' roles, in launch order (GQA: GQA_STEPS)
+GQA_STEPS = ATTENTION_BWD_GQA_STEPS
 ALIGN = 256                                        # workspace sub-buffer alignment (attention_bwd_workspace's)
 BUILD_FORMAT = 1
-CAPTURE_POINTS = ((2, 512, 4), (1, 200, 2))        # (B, S, H) at which FA4's choice is captured
+# (B, S, H) at which FA4's choice is captured (GQA: H K/V heads, G times as many query heads); S = 300
+# is an odd number of key tiles of 128 and 64 (a 2-CTA backward rounds its dK/dV accumulators to even)
+CAPTURE_POINTS = ((2, 512, 4), (1, 200, 2), (1, 300, 2))
 
 
 def covered(ir, arch: str) -> str | None:
@@ -102,12 +118,33 @@ def covered(ir, arch: str) -> str | None:
                     f"{', '.join(names)} must all be dense or all packed by the same offsets")
         if cu is not None and ir.buffer(cu).dtype != "i32":
             return f"FlashAttention-4 takes cumulative sequence offsets as i32, not {ir.buffer(cu).dtype}"
-    return None
+    if a.kv_group is not None and (cu_q or cu_k or a.layouts):
+        return "GQA over packed sequences or tensors in another order than [b, h, seq, head] (not built yet)"
+    return _gqa_unsupported(ir, a)
 
 
 def _packing(ir, a) -> tuple[str | None, str | None]:
     """The offsets packing the queries (Q, O, dO, LSE, dQ) and the keys (K, V, dK, dV), or None."""
     return ir.buffer(a.q_buffer).packed, ir.buffer(a.k_buffer).packed
+
+
+def _gqa_unsupported(ir, a) -> str | None:
+    """Why FA4's GQA backward as kspec drives it cannot take this group (None: it can, or no GQA)."""
+    from . import attention
+    g = a.kv_group
+    if g is None:
+        return None
+    if isinstance(g, str):
+        return None if attention._per_call_group(ir, a) else (
+            f"the GQA group {g} must be an integer literal, a size symbol or an i32 param dividing the head index "
+            "(FlashAttention-4 compiles it into the kernel)")
+    if g < 2:
+        return f"GQA group {g}: K/V read at head h / {g} (FlashAttention-4's GQA backward takes a group of 2 or more)"
+    h, hk = dict(a.dims)["H"], a.kv_head
+    if isinstance(h, int) and isinstance(hk, int) and h != g * hk:
+        return (f"H = {h} query heads over KH = {hk} K/V heads at h / {g}: FlashAttention-4's GQA backward needs "
+                f"H = {g} x KH (every K/V head shared by exactly {g} query heads)")
+    return None
 
 
 def unsupported(ir, arch: str) -> str | None:
@@ -141,10 +178,22 @@ class BwdDesc:
     dims: tuple[str, ...]
     scalars: tuple[str, ...]
     sm_count: int
-    bottom_right: bool = False         # the causal mask aligned bottom-right (FA4's own alignment)
+    group: int = 1             # GQA: query heads per K/V head (dims then hold HK); 0: known per call ..
+    groups: tuple[int, ...] = ()         # .. built for these (`kspec compile --sizes`)
+    group_param: str | None = None       # the i32 param the spec divides the head by (checked against it)
+    bottom_right: bool = False           # the causal mask aligned bottom-right (FA4's own alignment)
     layouts: tuple[tuple[str, ...], ...] = ()     # storage orders (AttentionBwdStructure.layouts)
-    cu_q: str | None = None            # FA4's cu_seqlens_q / cu_seqlens_k (i32 [B + 1]): packed rows
+    cu_q: str | None = None              # FA4's cu_seqlens_q / cu_seqlens_k (i32 [B + 1]): packed rows
     cu_k: str | None = None
+
+    @property
+    def gqa(self) -> bool:
+        return self.group != 1
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The kernels' roles in launch order: three, five with GQA (its dK, dV postprocesses)."""
+        return GQA_STEPS if self.gqa else STEPS
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -156,10 +205,14 @@ class BwdDesc:
 
     def layout(self, k: int) -> tuple[str, ...]:
         """Tensor k's (Q, K, V, O, dO, LSE, dQ, dK, dV) storage order as roles, outermost first; a
-        packed one without B (its sequence role is then the packed row count)."""
-        seq = "T" if k in (1, 2, 7, 8) else "S"
+        packed one without B (its sequence role is then the packed row count); GQA's K, V, dK, dV
+        with HK heads."""
+        kv = k in (1, 2, 7, 8)
+        seq = "T" if kv else "S"
         order = self.layouts[k] if self.layouts else (("B", "H", "S") if k == 5 else ("B", "H", seq, "E"))
-        return tuple(r for r in order if r != "B") if (self.cu_k if seq == "T" else self.cu_q) else order
+        if kv and self.gqa:
+            order = tuple("HK" if r == "H" else r for r in order)
+        return tuple(r for r in order if r != "B") if (self.cu_k if kv else self.cu_q) else order
 
 
 def lower(ir, arch: str, sm_count: int | None = None):
@@ -173,6 +226,16 @@ def lower(ir, arch: str, sm_count: int | None = None):
     a = ir.attention_bwd
     names = Names()
     ext = dict(a.dims)
+    roles, group_param = ROLES, None
+    if a.kv_group is not None:
+        ext["HK"], roles = a.kv_head, (*ROLES, "HK")
+    if isinstance(a.kv_group, str):
+        # known per call: a param (checked against the kernel's group at launch), a size symbol (a dim,
+        # checked too), or "H/KH" (the glue's H == G * HK check says it all)
+        if any(b.name == a.kv_group and b.role == "param" for b in ir.buffers):
+            group_param = a.kv_group
+        elif "/" not in a.kv_group:
+            ext["G"], roles = a.kv_group, (*roles, "G")
     scalars: dict[str, object] = {}
     if a.scale is not None:
         scale: Load | Const = Load(names(a.scale), "scalar", "f32")
@@ -182,48 +245,63 @@ def lower(ir, arch: str, sm_count: int | None = None):
                                a.dq_buffer, a.dk_buffer, a.dv_buffer)]
     if isinstance(scale, Load):
         scalars[scale.name] = a.scale
+    if group_param is not None:
+        scalars[names(group_param)] = group_param
     cu_q, cu_k = _packing(ir, a)
     if cu_q is not None:                 # packed: FA4's S and T are the row counts of the packed arrays
         ext["S"] = packed_rows_symbol(cu_q)
     if cu_k is not None:
         ext["T"] = packed_rows_symbol(cu_k)
     desc = BwdDesc(f"k_{ir.id.rsplit('_', 1)[-1]}", arch, a.dtype, int(a.head_dim), bool(a.causal), *bufs,
-                   scale=scale, dims=ROLES, scalars=tuple(scalars),
-                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]), bottom_right=bool(a.bottom_right),
+                   scale=scale, dims=roles, scalars=tuple(scalars),
+                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]),
+                   group=a.kv_group if isinstance(a.kv_group, int) else 0 if a.kv_group else 1,
+                   group_param=names(group_param) if group_param else None, bottom_right=bool(a.bottom_right),
                    layouts=tuple(a.layouts), cu_q=names(cu_q) if cu_q else None,
                    cu_k=names(cu_k) if cu_k else None)
-    return desc, names.back(), tuple((r, ext[r]) for r in ROLES), scalars
+    return desc, names.back(), tuple((r, ext[r]) for r in roles), scalars
+
+
+def fa4_classes(desc: BwdDesc) -> list[str]:
+    """The FA4 class of each of desc's kernels, in launch order (desc.steps)."""
+    main = "FlashAttentionBackwardSm90" if desc.arch == "sm90a" else "FlashAttentionBackwardSm100"
+    return ["FlashAttentionBackwardPreprocess", main] + ["FlashAttentionBackwardPostprocess"] * (len(desc.steps) - 2)
 
 
 def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, str], ...]:
     from . import compat
-    main = "FlashAttentionBackwardSm90" if desc.arch == "sm90a" else "FlashAttentionBackwardSm100"
-    return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} backward: " +
-             (kernels or f"FlashAttentionBackwardPreprocess, {main}, FlashAttentionBackwardPostprocess")),
+    from .attention import _group_item
+    pre, main, post, *_ = fa4_classes(desc)
+    gqa = desc.gqa
+    names = f"{pre}, {main}, {post}" + (f" (dQ), {post} (dK), {post} (dV)" if gqa else "")
+    ws = "dq_accum f32, dpsum f32, lse_log2 f32" + (", dk_accum f32, dv_accum f32 (per call; dk_accum and dv_accum "
+                                                   "zeroed before the main kernel)" if gqa else " (per call)")
+    return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} backward: " + (kernels or names)),
             ("head_dim", str(desc.head_dim)),
             ("mask", ("causal (bottom-right)" if desc.bottom_right else "causal") if desc.causal else "none"),
+            *((("gqa_group", _group_item(desc)),) if gqa else ()),
             *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_q), ("cu_seqlens_k", desc.cu_k)) if c)),)
-              if desc.cu_q or desc.cu_k else ()),
-            ("workspace", "dq_accum f32, dpsum f32, lse_log2 f32 (per call)"),
+              if desc.cu_q or desc.cu_k else ()), ("workspace", ws),
             ("source", "FlashAttention-4 heuristics"))
 
 
 # ---------------------------------------------------------------------------------------------
-# the three kernels' tensors and entry
+# the kernels' tensors and entry
 # ---------------------------------------------------------------------------------------------
 
 def _view(desc: BwdDesc, k: int) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
-    """FA4's view of tensor k (Q, K, V, O, dO, dQ, dK, dV: (b, seq, h), or (rows, h) when packed, then
-    the static head dim; the LSE: (b, h, S), or (h, rows) when packed): the modes' extents (roles)
-    and strides (products of the storage extents after each), from its storage order.  A mode
-    whose stride is a static 1 (the head dim; the canonical LSE's S) gets none."""
+    """FA4's view of tensor k (Q, K, V, O, dO, dQ, dK, dV: (b, seq, heads), or (rows, heads) when
+    packed, then the static head dim; the LSE: (b, h, S), or (h, rows) when packed): the modes'
+    extents (roles) and strides (products of the storage extents after each), from its storage
+    order.  A mode whose stride is a static 1 (the head dim; the canonical LSE's S) gets none."""
     order = desc.layout(k)
-    seq = "T" if k in (1, 2, 7, 8) else "S"
-    packed = desc.cu_k if seq == "T" else desc.cu_q
+    kv = k in (1, 2, 7, 8)
+    seq, heads = ("T", "HK" if desc.gqa else "H") if kv else ("S", "H")
+    packed = desc.cu_k if kv else desc.cu_q
     if k == 5:
         modes = ("H", "S") if packed else ("B", "H", "S")
     else:
-        modes = (seq, "H") if packed else ("B", seq, "H")
+        modes = (seq, heads) if packed else ("B", seq, heads)
     extent = {r: (str(desc.head_dim) if r == "E" else r) for r in order}
 
     def stride(r: str) -> tuple[str, ...]:
@@ -237,46 +315,64 @@ def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     """(entry name, dtype, dynamic shape (C expressions), stride factors, data C expression) of one
     kernel's tensors, in the entry's order.  FA4's Q/K/V/O/dO/dQ/dK/dV views end with the static head
     dim (_view); the workspace buffers are row-major [B, H, n] ([H, n] for packed queries), and the
-    offsets of packed sequences [B + 1]."""
+    offsets of packed sequences [B + 1].  GQA: K, V, dK, dV and the dK/dV accumulators have HK heads;
+    the main kernel writes the accumulators."""
     idx = {n: f"ptrs[{i}]" for i, n in enumerate(("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"))}
     for n, c in (("cu_q", desc.cu_q), ("cu_k", desc.cu_k)):
         if c:
             idx[n] = f"ptrs[{len(idx)}]"
     dt = desc.dtype
+    kv = "HK" if desc.gqa else "H"
     k_of = {"q": 0, "k": 1, "v": 2, "o": 3, "do": 4, "lse": 5, "dq": 6, "dk": 7, "dv": 8}
 
     def seq(name, which):
         return (name, dt, *_view(desc, k_of[which]), idx[which])
 
-    def rows(n):
-        return (("H", n), ((n,),)) if desc.cu_q else (("B", "H", n), (("H", n), (n,)))
+    def rows(n, heads="H"):
+        return ((heads, n), ((n,),)) if desc.cu_q else (("B", heads, n), ((heads, n), (n,)))
     lse = ("mLSE", "f32", *_view(desc, 5), idx["lse"])
     dpsum = ("mdPsum", "f32", *rows("ks_sr"), "ks_dpsum")
     lse2 = ("mLSElog2", "f32", *rows("ks_sr"), "ks_lse_log2")
     acc = ("mdQaccum", "f32", *rows("ks_qd"), "ks_dq_accum")
+    dk, dv = seq("mdK", "dk"), seq("mdV", "dv")
+    dk_acc = ("mdKaccum", "f32", *rows("ks_kd", kv), "ks_dk_accum")
+    dv_acc = ("mdVaccum", "f32", *rows("ks_kd", kv), "ks_dv_accum")
     cq = [("mCQ", "i32", ("(B + 1)",), (), idx["cu_q"])] if desc.cu_q else []
     ck = [("mCK", "i32", ("(B + 1)",), (), idx["cu_k"])] if desc.cu_k else []
-    if step == "bwd_preprocess":
-        return [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc, *cq]
-    if step == "bwd_main":
-        return [seq("mQ", "q"), seq("mK", "k"), seq("mV", "v"), seq("mdO", "do"), lse2, dpsum, acc,
-                seq("mdK", "dk"), seq("mdV", "dv"), *cq, *ck]
-    if step == "bwd_postprocess":
-        return [acc, seq("mdQ", "dq"), *cq]
-    raise KspecInternalError(f"no attention backward step {step!r}")
+    out = {"bwd_preprocess": [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc, *cq],
+           "bwd_main": [seq("mQ", "q"), seq("mK", "k"), seq("mV", "v"), seq("mdO", "do"), lse2,
+                        dpsum, acc, *((dk_acc, dv_acc) if desc.gqa else (dk, dv)), *cq, *ck],
+           "bwd_postprocess": [acc, seq("mdQ", "dq"), *cq],
+           "bwd_postprocess_dk": [dk_acc, dk], "bwd_postprocess_dv": [dv_acc, dv]}
+    if step not in desc.steps:
+        raise KspecInternalError(f"no attention backward step {step!r}")
+    return out[step]
 
 
-_VALUES = {"bwd_preprocess": (), "bwd_main": ("softmax_scale",), "bwd_postprocess": ("softmax_scale",)}
+# each kernel's non-tensor arguments (dV's postprocess scales by 1, a constant in the entry)
+_VALUES = {"bwd_preprocess": (), "bwd_main": ("softmax_scale",), "bwd_postprocess": ("softmax_scale",),
+           "bwd_postprocess_dk": ("softmax_scale",), "bwd_postprocess_dv": ()}
+# the entry's names of the FA4 kernel objects kspec sets, per step
+_OBJECTS = {"bwd_preprocess": "PRE", "bwd_main": "MAIN", "bwd_postprocess": "POST", "bwd_postprocess_dk": "POST_DK",
+            "bwd_postprocess_dv": "POST_DV"}
 
 
 def entry_source(desc: BwdDesc) -> str:
-    """The traced module: kspec_<step> for each of STEPS, calling the FA4 object kspec set in PRE,
-    MAIN, POST with FA4's own argument order (the optional ones None, as _flash_attn_bwd passes them
-    for a non-deterministic backward; cu_seqlens_q / cu_seqlens_k for packed sequences)."""
+    """The traced module: kspec_<step> for each of desc.steps, calling the FA4 object kspec set in PRE,
+    MAIN, POST (GQA: and POST_DK, POST_DV) with FA4's own argument order (the optional ones None, as
+    _flash_attn_bwd passes them for a non-deterministic backward; cu_seqlens_q / cu_seqlens_k for
+    packed sequences)."""
     def params(step):
         return ", ".join([f"{t[0]}: cute.Tensor" for t in tensors(desc, step)] +
                          [f"{v}: cutlass.Float32" for v in _VALUES[step]] + ["stream: cuda.CUstream"])
     cq, ck = ("mCQ" if desc.cu_q else "None"), ("mCK" if desc.cu_k else "None")
+    main = [t[0] for t in tensors(desc, "bwd_main") if t[0] not in ("mCQ", "mCK")]
+    posts = []
+    for step, scale in (("bwd_postprocess_dk", "softmax_scale"), ("bwd_postprocess_dv", "cutlass.Float32(1.0)")):
+        if step in desc.steps:
+            acc, out = (t[0] for t in tensors(desc, step))
+            posts += ["", "", "@cute.jit", f"def kspec_{step}({params(step)}):",
+                      f"    {_OBJECTS[step]}({acc}, {out}, {scale}, None, None, None, None, stream=stream)"]
     return "\n".join([
         f'"""Generated by kspec (CuTe DSL backend, FlashAttention-4): attention backward {desc.name} for '
         f'{desc.arch}."""',
@@ -285,7 +381,7 @@ def entry_source(desc: BwdDesc) -> str:
         "import cutlass.cute as cute",
         "from flash_attn.cute.utils import AuxData",
         "",
-        "PRE = MAIN = POST = None   # FA4's kernel objects (set by kspec)",
+        f"{' = '.join(_OBJECTS[st] for st in desc.steps)} = None   # FA4's kernel objects (set by kspec)",
         "",
         "",
         "@cute.jit",
@@ -298,13 +394,14 @@ def entry_source(desc: BwdDesc) -> str:
         "",
         "@cute.jit",
         f"def kspec_bwd_main({params('bwd_main')}):",
-        f"    MAIN(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, {cq}, {ck}, None, None,",
+        f"    MAIN({', '.join(main)}, softmax_scale, {cq}, {ck}, None, None,",
         "         None, None, None, None, None, AuxData(None, None), None, None, stream=stream)",
         "",
         "",
         "@cute.jit",
         f"def kspec_bwd_postprocess({params('bwd_postprocess')}):",
         f"    POST(mdQaccum, mdQ, softmax_scale, {cq}, None, None, None, stream=stream)",
+        *posts,
         "",
     ])
 
@@ -343,51 +440,76 @@ def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def workspace_bytes(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int, packed: bool = False) -> int:
-    """The workspace of one call (kspec.core.attention_bwd_workspace: what the glue's C computes)."""
-    return attention_bwd_workspace(B, H, S, tile_m, head_dim_rounded, packed)["total"][0]
+def workspace_bytes(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int, *kv: int, packed: bool = False) -> int:
+    """The workspace of one call (kspec.core.attention_bwd_workspace: what the glue's C computes; kv:
+    GQA's HK, T, kv_tile, kv_pair; packed: packed queries, S their row count)."""
+    return attention_bwd_workspace(B, H, S, tile_m, head_dim_rounded, *kv, packed=packed)["total"][0]
 
 
-def _layout_c(tile_m: int, dr: int, packed: bool) -> list[str]:
-    """C lines computing the sub-buffer sizes of workspace_layout from B, H, S (S the packed row
-    count when the queries are packed: FA4 pads each sequence, total + (B + 1) tiles, rounded)."""
-    rows = (f"    const int64_t ks_sr = (S + (B + 1) * {tile_m} - 1) / {tile_m} * {tile_m};" if packed else
-            f"    const int64_t ks_sr = (S + {tile_m} - 1) / {tile_m} * {tile_m};")
-    n = "(uint64_t)H" if packed else "(uint64_t)B * H"
-    return [
-        rows,
+def _layout_c(desc: BwdDesc, cap: Captured) -> list[str]:
+    """C lines computing the sub-buffer sizes of the workspace (kspec.core.attention_bwd_workspace) from
+    B, H, S (GQA: and HK, T); S the packed row count when the queries are packed (FA4 pads each
+    sequence: S + B tiles, rounded up to a tile, rows per head)."""
+    tile_m, dr = cap.tile_m, cap.head_dim_rounded
+    n = "(uint64_t)H" if desc.cu_q else "(uint64_t)B * H"
+    out = [
+        (f"    const int64_t ks_sr = (S + (B + 1) * {tile_m} - 1) / {tile_m} * {tile_m};" if desc.cu_q else
+         f"    const int64_t ks_sr = (S + {tile_m} - 1) / {tile_m} * {tile_m};"),
         f"    const int64_t ks_qd = ks_sr * {dr};",
         f"    const uint64_t ks_off1 = ({n} * ks_qd * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
         f"    const uint64_t ks_rows = ({n} * ks_sr * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
     ]
+    if desc.gqa:
+        n, pair = cap.kv_tile, cap.kv_pair
+        out += [
+            f"    const int64_t ks_kr = ((T + {n} - 1) / {n} + {pair - 1}) / {pair} * {pair} * {n};",
+            f"    const int64_t ks_kd = ks_kr * {dr};",
+            "    const uint64_t ks_off3 = ks_off1 + 2 * ks_rows;",
+            f"    const uint64_t ks_kv = ((uint64_t)B * HK * ks_kd * 4 + {ALIGN - 1}) / {ALIGN} * {ALIGN};",
+        ]
+    return out
 
 
-def _decl() -> list[str]:
-    return [f"    const int64_t {r} = dims[{k}]; (void){r};" for k, r in enumerate(ROLES)]
+def _decl(desc: BwdDesc) -> list[str]:
+    return [f"    const int64_t {r} = dims[{k}]; (void){r};" for k, r in enumerate(desc.dims)]
 
 
-def workspace_lines(tile_m: int, dr: int, packed: bool = False) -> list[str]:
-    """The body of kspec_workspace_size (the same in the three kernels' glue)."""
-    return _decl() + [
+def _sizes(desc: BwdDesc, sep: str) -> str:
+    return sep.join(f"{r} {{op}} 0" for r in desc.dims)
+
+
+def workspace_lines(desc: BwdDesc, cap: Captured) -> list[str]:
+    """The body of kspec_workspace_size (the same in every kernel's glue)."""
+    return _decl(desc) + [
         "    (void)device; (void)sm_count; (void)err; (void)err_cap;",
         "    *bytes = 0;",
-        "    if (B <= 0 || H <= 0 || S <= 0 || T <= 0) return 0;",
-        *_layout_c(tile_m, dr, packed),
-        "    *bytes = ks_off1 + 2 * ks_rows;",
+        f"    if ({_sizes(desc, ' || ').format(op='<=')}) return 0;",
+        *_layout_c(desc, cap),
+        "    *bytes = " + ("ks_off3 + 2 * ks_kv;" if desc.gqa else "ks_off1 + 2 * ks_rows;"),
         "    return 0;",
     ]
 
 
-def checks(desc: BwdDesc, tile_m: int, dr: int) -> list[str]:
+def checks(desc: BwdDesc, cap: Captured) -> list[str]:
     """C lines of kspec_prepare: the sizes validated, the workspace's sub-buffers placed.  S and T are
     the packed row counts when the queries / keys are packed (the runtime checks the offsets)."""
-    out = _decl() + [
-        "    if (B < 0 || H < 0 || S < 0 || T < 0)",
-        "        KS_FAIL(\"bad attention sizes (B=%lld H=%lld S=%lld T=%lld)\", (long long)B, (long long)H, "
-        "(long long)S, (long long)T);",
-        "    if (B > INT32_MAX || H > INT32_MAX || S > INT32_MAX || T > INT32_MAX)",
+    from . import attention
+    names = " ".join(f"{r}=%lld" for r in desc.dims)
+    values = ", ".join(f"(long long){r}" for r in desc.dims)
+    out = _decl(desc) + [
+        f"    if ({_sizes(desc, ' || ').format(op='<')})",
+        f"        KS_FAIL(\"bad attention sizes ({names})\", {values});",
+        "    if (" + " || ".join(f"{r} > INT32_MAX" for r in desc.dims) + ")",
         "        KS_FAIL(\"attention sizes must fit in 32 bits\");",
         "    if (B == 0 || H == 0) KS_EMPTY();",
+    ]
+    if desc.gqa:
+        g = desc.group
+        out += [f"    if (H != HK * {g})",
+                f"        KS_FAIL(\"%lld query heads with %lld K/V heads: this kernel needs exactly {g} query heads per "
+                f"K/V head (H = {g} x K/V heads)\", (long long)H, (long long)HK);"]
+    out += attention.group_checks(desc)
+    out += [
         "    if (S == 0 || T == 0)",
         "        KS_FAIL(\"S = %lld queries, T = %lld keys: FlashAttention-4's backward needs at least one of each\", "
         "(long long)S, (long long)T);",
@@ -395,15 +517,24 @@ def checks(desc: BwdDesc, tile_m: int, dr: int) -> list[str]:
     if desc.causal and not desc.bottom_right:
         out += ["    if (S != T) KS_FAIL(\"causal attention backward with S = %lld queries and T = %lld keys: they must "
                 "be equal\", (long long)S, (long long)T);"]
-    return out + [
-        *_layout_c(tile_m, dr, bool(desc.cu_q)),
+    out += [
+        *_layout_c(desc, cap),
         "    if (ks_qd > INT32_MAX) KS_FAIL(\"S = %lld queries: the dQ accumulator rows exceed 32-bit extents\", "
         "(long long)S);",
+    ]
+    if desc.gqa:
+        out += ["    if (ks_kd > INT32_MAX) KS_FAIL(\"T = %lld keys: the dK/dV accumulator rows exceed 32-bit extents\", "
+                "(long long)T);"]
+    out += [
         "    if (workspace == NULL) KS_FAIL(\"FlashAttention-4's backward called without its workspace\");",
         "    void *ks_dq_accum = workspace;",
         "    void *ks_dpsum = (void *)((char *)workspace + ks_off1);",
         "    void *ks_lse_log2 = (void *)((char *)workspace + ks_off1 + ks_rows);",
     ]
+    if desc.gqa:
+        out += ["    void *ks_dk_accum = (void *)((char *)workspace + ks_off3);",
+                "    void *ks_dv_accum = (void *)((char *)workspace + ks_off3 + ks_kv);"]
+    return out
 
 
 def _glue_tensors(desc: BwdDesc, step: str) -> list:
@@ -412,7 +543,7 @@ def _glue_tensors(desc: BwdDesc, step: str) -> list:
             for name, _dt, shape, strides, data in tensors(desc, step)]
 
 
-def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m: int, dr: int) -> str:
+def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, cap: Captured) -> str:
     from . import compat
     from .build import capture_glue
     values, args = [], []
@@ -422,9 +553,9 @@ def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m
         else:
             values.append(f"    float softmax_scale = (float){float(desc.scale.value)!r};")
         args.append("&softmax_scale")
-    return capture_glue(_glue_tensors(desc, step), checks(desc, tile_m, dr), values, args, ciface, entry, offs,
+    return capture_glue(_glue_tensors(desc, step), checks(desc, cap), values, args, ciface, entry, offs,
                         sizes, compat.SMEM_OPTIN[desc.arch], what=f"FlashAttention-4 backward ({step})",
-                        workspace=workspace_lines(tile_m, dr, bool(desc.cu_q)))
+                        workspace=workspace_lines(desc, cap))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,10 +564,25 @@ def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m
 
 @dataclass(frozen=True)
 class Captured:
-    objects: tuple                  # the preprocess, main and postprocess kernel objects
+    objects: tuple                  # the kernel objects, one per step (desc.steps)
     signature: str
     tile_m: int                     # the workspace's row rounding
     head_dim_rounded: int
+    kv_tile: int = 0                # GQA: the dK/dV accumulators' key rounding (FA4's tile_n) ..
+    kv_pair: int = 1                # .. to an even number of tiles where 2 (a 2-CTA cluster's)
+
+    def config(self) -> list[list[str]]:
+        """The workspace rounding as every variant's config records it (kspec.core.attention_bwd_layout)."""
+        return [["ws_tile_m", str(self.tile_m)], ["ws_head_dim", str(self.head_dim_rounded)],
+                *([["ws_kv_tile", str(self.kv_tile)], ["ws_kv_pair", str(self.kv_pair)]] if self.kv_tile else [])]
+
+
+class _Uncached(dict):
+    """A compile cache that never hits: FA4 constructs every kernel of a call, even two alike (GQA's
+    dK and dV postprocesses at equal head dims)."""
+
+    def __contains__(self, key) -> bool:
+        return False
 
 
 def _describe(obj) -> str:
@@ -445,9 +591,10 @@ def _describe(obj) -> str:
 
 
 def capture(desc: BwdDesc) -> Captured:
-    """FA4's three backward kernel objects for desc, from `_flash_attn_bwd` run on torch FakeTensors
-    with `cute.compile` recorded (nothing is compiled or launched there); FA4's compile caches are
-    swapped for empty ones meanwhile, so every kernel is constructed.  Runs under compat.fa4_target."""
+    """FA4's backward kernel objects for desc (three; GQA: five), from `_flash_attn_bwd` run on torch
+    FakeTensors with `cute.compile` recorded (nothing is compiled or launched there); FA4's compile
+    caches are swapped for ones that never hit meanwhile, so every kernel is constructed.  GQA: K and
+    V of H / G heads.  Runs under compat.fa4_target."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -457,7 +604,7 @@ def capture(desc: BwdDesc) -> Captured:
     interface = compat.fa4_interface()
     fns = (interface._bwd_preprocess, interface._flash_attn_bwd, interface._bwd_postprocess_convert)
     tdt = {"f16": torch.float16, "bf16": torch.bfloat16}[desc.dtype]
-    seen, calls = [], []
+    seen, calls, kv_seen = [], [], []
 
     def record(*args, **kwargs):
         calls.append(args)
@@ -469,13 +616,13 @@ def capture(desc: BwdDesc) -> Captured:
         cute.compile = record
         torch._C._set_warn_deprecated_on_mutable_data_ptr = lambda t: None
         for f in fns:
-            f.compile_cache = {}
+            f.compile_cache = _Uncached()
+        HK, H = H, H * desc.group
         try:
             with FakeTensorMode():
                 # packed: S rows in all, B sequences (FA4's varlen layout [rows, H, E], LSE [H, rows])
-                rows = (S,) if desc.cu_q else (B, S)
-                q = torch.empty(*rows, H, desc.head_dim, dtype=tdt, device="cuda")
-                kv = torch.empty(*((S,) if desc.cu_k else (B, S)), H, desc.head_dim, dtype=tdt, device="cuda")
+                q = torch.empty(*((S,) if desc.cu_q else (B, S)), H, desc.head_dim, dtype=tdt, device="cuda")
+                kv = torch.empty(*((S,) if desc.cu_k else (B, S)), HK, desc.head_dim, dtype=tdt, device="cuda")
                 lse = torch.empty(H, S, dtype=torch.float32, device="cuda") if desc.cu_q else \
                     torch.empty(B, H, S, dtype=torch.float32, device="cuda")
                 cu = {f"cu_seqlens_{x}": torch.empty(B + 1, dtype=torch.int32, device="cuda")
@@ -488,14 +635,12 @@ def capture(desc: BwdDesc) -> Captured:
             torch._C._set_warn_deprecated_on_mutable_data_ptr = warn
             for f, c in zip(fns, caches):
                 f.compile_cache = c
-        names = [type(a[0]).__name__ for a in calls]
-        want = ["FlashAttentionBackwardPreprocess",
-                "FlashAttentionBackwardSm90" if desc.arch == "sm90a" else "FlashAttentionBackwardSm100",
-                "FlashAttentionBackwardPostprocess"]
+        names, want = [type(a[0]).__name__ for a in calls], fa4_classes(desc)
         if names != want:
             raise KspecInternalError(f"FlashAttention-4's backward built {names} for {desc.name} on {desc.arch}, "
                                      f"kspec expects {want}")
-        pre, main, post = (a[0] for a in calls)
+        objects = tuple(a[0] for a in calls)
+        pre, main, post = objects[:3]
         # the workspace as FA4 allocated it: lse_log2 [B, H, S_r], dq_accum [B, H, S_r * E_r] ([H, ..]
         # with packed queries, S_r then the padded row count)
         lse2, acc = calls[1][5], calls[1][7]
@@ -505,11 +650,33 @@ def capture(desc: BwdDesc) -> Captured:
         if sr != want or qd % sr or main.tile_m != tile_m or post.tile_m != tile_m:
             raise KspecInternalError(f"FlashAttention-4's backward workspace for S={S} is not rounded to its tile "
                                      f"({sr} rows, tile_m {tile_m})")
-        seen.append(Captured((pre, main, post), " ".join(_describe(o) for o in (pre, main, post)), tile_m, qd // sr))
+        cap = Captured(objects, " ".join(_describe(o) for o in objects), tile_m, qd // sr)
+        seen.append(cap)
+        # GQA: the dK/dV accumulators as FA4 allocated them, (B, HK, T) with T = S
+        kv_seen.append((calls[1][8:10], B, HK, S) if desc.gqa else None)
     if len({c.signature for c in seen}) != 1 or len({c.head_dim_rounded for c in seen}) != 1:
         raise KspecInternalError(f"FlashAttention-4's backward for {desc.name} on {desc.arch} depends on the sizes; "
                                  "kspec builds one")
-    return seen[0]
+    return seen[0] if desc.group == 1 else _kv_rounding(desc, seen[0], kv_seen)
+
+
+def _kv_rounding(desc: BwdDesc, cap: Captured, seen) -> Captured:
+    """cap with the rounding of GQA's dK/dV accumulators as FA4 allocated them at the capture points
+    `seen` ((dk_accum, dv_accum), B, HK, T): [B, HK, T_r * E_r], T_r a whole number of the main
+    kernel's tile_n, one tile more where a 2-CTA cluster needs an even count; checked at every point
+    against kspec.core.attention_bwd_workspace."""
+    n = int(cap.objects[1].tile_n)
+    odd = [int(accs[0].shape[2]) // cap.head_dim_rounded - _up(T, n) for accs, _B, _HK, T in seen if _up(T, n) // n % 2]
+    cap = dataclasses.replace(cap, kv_tile=n, kv_pair=2 if any(odd) else 1)
+    for accs, B, HK, T in seen:
+        want = attention_bwd_workspace(B, HK * desc.group, T, cap.tile_m, cap.head_dim_rounded, HK, T, n, cap.kv_pair)
+        shapes = [tuple(int(x) for x in t.shape) for t in accs]
+        if not odd or shapes != [want["dk_accum"][1], want["dv_accum"][1]] or \
+                any(int(p.tile_m) != n for p in cap.objects[3:]):
+            raise KspecInternalError(f"FlashAttention-4's GQA backward accumulates dK and dV in {shapes} for B={B}, "
+                                     f"HK={HK}, T={T}; kspec expects {[want['dk_accum'][1], want['dv_accum'][1]]} "
+                                     f"(tile_n {n}, postprocess tiles {[p.tile_m for p in cap.objects[3:]]})")
+    return cap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,9 +697,24 @@ def _dir(root: Path, desc: BwdDesc) -> tuple[str, Path]:
     return key, root / "cute-attention-bwd" / key[:2] / key
 
 
+_WHAT = "attention backward kernel"
+
+
+def _grouped(desc: BwdDesc, builds):
+    """One AttnBuild of a per-call GQA group's per-group builds (attention._grouped): each group's
+    kernels in a box G = that group, so the runtime launches the call's group's sequence."""
+    from . import attention
+    one_box = [dataclasses.replace(b, variants=tuple(dataclasses.replace(v, select=({},)) for v in b.variants))
+               for b in builds]
+    return attention._grouped(desc, one_box, config_items(desc))
+
+
 def lookup(desc: BwdDesc, cache_root: Path | None):
     """The cached build (an attention.AttnBuild), or None; never imports the DSL or FA4."""
     from . import attention
+    if not desc.group:
+        builds = [lookup(one, cache_root) for one in attention._per_group(desc, _WHAT)]
+        return None if any(b is None for b in builds) else _grouped(desc, builds)
     if cache_root is None:
         return None
     key, d = _dir(Path(cache_root), desc)
@@ -541,12 +723,14 @@ def lookup(desc: BwdDesc, cache_root: Path | None):
 
 
 def build(desc: BwdDesc, cache_root: Path | None):
-    """The three kernels of desc on desc.arch (cached by content): an attention.AttnBuild whose
-    variants are the STEPS in order."""
+    """The kernels of desc on desc.arch (cached by content): an attention.AttnBuild whose variants
+    are desc.steps in order."""
     from . import attention, compat
     why = compat.fa4_available()
     if why:
         raise KspecError(f"attention backward kernel {desc.name} on {desc.arch}: {why}")
+    if not desc.group:
+        return _grouped(desc, [build(one, cache_root) for one in attention._per_group(desc, _WHAT)])
     root = Path(cache_root if cache_root is not None else tempfile.mkdtemp(prefix="kspec-attn-bwd-"))
     t0 = time.monotonic()
     key, d = _dir(root, desc)
@@ -569,9 +753,10 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
         with compat.fa4_target(desc.arch, desc.sm_count):
             mod = attention._import_entry(work / "entry.py")
             cap = capture(desc)
-            mod.PRE, mod.MAIN, mod.POST = cap.objects
+            for step, fa in zip(desc.steps, cap.objects):
+                setattr(mod, _OBJECTS[step], fa)
             try:
-                for k, (step, fa) in enumerate(zip(STEPS, cap.objects)):
+                for k, (step, fa) in enumerate(zip(desc.steps, cap.objects)):
                     vd = work / f"v{k}"
                     vd.mkdir()
                     ptxas = getattr(fa, "ptxas_options", "")
@@ -587,13 +772,12 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                     gts = _glue_tensors(desc, step)
                     ciface = check_header((vd / "kernel.h").read_text(), gts,
                                           [f"float {v}" for v in _VALUES[step]], trailing=[])
-                    (vd / "glue.c").write_text(_glue(desc, step, ciface, entry, offs, sizes, cap.tile_m,
-                                                     cap.head_dim_rounded))
+                    (vd / "glue.c").write_text(_glue(desc, step, ciface, entry, offs, sizes, cap))
                     link_host(vd / "kernel.o", vd / "glue.c", vd / "kernel.so", vd / "link.log")
                     (vd / "kernel.o").unlink(missing_ok=True)
                     cfg = [["variant", str(k)], ["role", step], ["fa4_class", type(fa).__name__],
                            ["tile", f"{fa.tile_m}x{getattr(fa, 'tile_n', getattr(fa, 'tile_hdim', getattr(fa, 'head_dim_padded', '?')))}"],
-                           ["ws_tile_m", str(cap.tile_m)], ["ws_head_dim", str(cap.head_dim_rounded)],
+                           *cap.config(),
                            ["packed", ",".join(x for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c) or "none"],
                            *([["2cta", str(bool(fa.use_2cta_instrs)).lower()]]
                              if hasattr(fa, "use_2cta_instrs") else []),
@@ -603,7 +787,8 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                                      "config": cfg, "sha256": {f: _sha(vd / f) for f in ("kernel.cubin",
                                                                                          "kernel.so")}})
             finally:
-                mod.PRE = mod.MAIN = mod.POST = None
+                for step in desc.steps:
+                    setattr(mod, _OBJECTS[step], None)
         meta = {"format": BUILD_FORMAT, "key": key, "arch": desc.arch, "variants": variants}
         shutil.rmtree(work / "__pycache__", ignore_errors=True)
         cache_entry.seal(work, meta)

@@ -131,15 +131,21 @@ class CuteBackend:
 
     def size_problem(self, ir: KernelIR, arch: str, sizes: dict[str, int]) -> str | None:
         """Why this kernel cannot be built for these `--sizes` (None: it can): a FlashAttention-4
-        attention whose GQA group is known only per call needs the sizes to name it (FA4 compiles the
-        group in), so without them it is planned unfused, as `kspec compile` would build it."""
-        if ir.kind != "attention":
+        attention (or attention backward) whose GQA group is known only per call needs the sizes to
+        name it (FA4 compiles the group in), so without them it is planned unfused, as `kspec compile`
+        would build it."""
+        if ir.kind not in ("attention", "attention_bwd"):
             return None
         from . import attention
-        a = attention.fold_heads(ir, ir.attention) or ir.attention
-        if attention._group(a) is not None or attention.groups_named(ir, sizes):
+        if ir.kind == "attention_bwd":
+            a = ir.attention_bwd
+            known = not isinstance(a.kv_group, str) or attention.groups_of(a, sizes)
+        else:
+            a = attention.fold_heads(ir, ir.attention) or ir.attention
+            known = attention._group(a) is not None or attention.groups_named(ir, sizes)
+        if known:
             return None
-        name = ("the head count " + dict(a.dims).get("H", "H") if a.kv_shared else
+        name = ("the head count " + dict(a.dims).get("H", "H") if getattr(a, "kv_shared", ()) else
                 "H and KH" if isinstance(a.kv_group, str) and "/" in a.kv_group else
                 f"{a.kv_group} (or the query and K/V head counts)")
         return (f"the GQA group (query heads per K/V head) is known only per call and FlashAttention-4 compiles it "
@@ -188,8 +194,14 @@ class CuteBackend:
     def lower(self, ir: KernelIR, arch: str, config=None) -> LoweredPlan:
         """config: one of `candidates(ir, arch)` (a tuning winner); default: the heuristic's."""
         if ir.kind == "attention_bwd":
-            from . import attention_bwd
+            from . import attention, attention_bwd
             desc, names, dims, scalars = attention_bwd.lower(ir, arch)
+            sizes = dict(config or ()).get("sizes")            # `kspec compile --sizes`: a per-call group's value
+            if not desc.group and sizes:
+                from kspec.core import parse_sizes
+                groups = attention.groups_of(ir.attention_bwd, parse_sizes(sizes))
+                if groups:
+                    desc = attention.for_groups(desc, groups)
             return LoweredPlan(ir, arch, self.name, desc, names, dims, scalars, attention_bwd.config_items(desc))
         if ir.kind == "attention":
             from . import attention
@@ -249,7 +261,7 @@ class CuteBackend:
     def build_binaries(self, items, cache_root, jobs=None, progress=None) -> dict:
         """Build (cache lookups first, misses in parallel processes) every (label, LoweredPlan) of
         this backend; label -> backends.cute.build.CuteBuild (cubin, host .so, symbol, offsets) or
-        attention.AttnBuild (every size variant of a FlashAttention-4 kernel; the three kernels of its
+        attention.AttnBuild (every size variant of a FlashAttention-4 kernel; the three or five kernels of its
         attention backward)."""
         from pathlib import Path
 

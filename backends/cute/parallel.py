@@ -51,7 +51,7 @@ def _fa4_module(desc):
 
 def _worker(desc, arch: str, root: str, cfg: CuteConfig | None):
     """One build: a GEMM (GemmDesc) or a FlashAttention-4 attention kernel (attention.AttnDesc, or
-    the three kernels of an attention backward, attention_bwd.BwdDesc)."""
+    the three or five kernels of an attention backward, attention_bwd.BwdDesc)."""
     if isinstance(desc, GemmDesc):
         return cbuild.build(desc, arch, Path(root), cfg)
     return _fa4_module(desc).build(desc, Path(root))

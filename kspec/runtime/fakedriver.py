@@ -43,7 +43,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kspec.core import ATTENTION_BWD_STEPS, KspecInternalError, attention_bwd_workspace, extent_value
+from kspec.core import STEP_ROLES, KspecInternalError, attention_bwd_layout, extent_value
 from kspec.runtime import dtypes
 from kspec.runtime.errors import KspecRuntimeError
 
@@ -314,6 +314,7 @@ class FakeDriver:
         self.rejected_tensor_maps: list[tuple[TensorMapRecord, list[str]]] = []
         self.launches: list[LaunchRecord] = []
         self.fills: list[tuple[int, int, int, int]] = []
+        self.fills_at: list[int] = []          # per fill: how many launches were recorded before it
         self.reads: list[tuple[int, int, int]] = []   # device-to-host copies: (ptr, bytes, stream)
         self.memory: dict[int, _Allocation] = {}
         self._smem: dict[int, int] = {}
@@ -493,6 +494,7 @@ class FakeDriver:
     def fill(self, ptr: int, pattern: int, width: int, count: int, stream: int, what: str) -> None:
         self._check_range(int(ptr), width * count, what)
         self.fills.append((int(ptr), int(pattern), int(width), int(count)))
+        self.fills_at.append(len(self.launches))
         ctypes.memmove(int(ptr), int(pattern).to_bytes(width, "little") * int(count), width * int(count))
 
     def upload(self, ptr: int, data: bytes) -> None:
@@ -852,25 +854,25 @@ def _launch_variant(plan, what: str):
 
 def _launch_role(plan, what: str) -> str | None:
     """"split" or "combine" when the launch is one of a split-KV pair, a step of an attention
-    backward (_BWD_ROLES) when it is one of those (the variant's config role)."""
+    backward (kspec.core.STEP_ROLES) when it is one of those (the variant's config role)."""
     v = _launch_variant(plan, what)
     role = v.config.get("role") if v is not None else None
-    return role if role in ("split", "combine", *ATTENTION_BWD_STEPS) else None
+    return role if role in ("split", "combine", *STEP_ROLES) else None
 
 
 def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, binding, plan) -> list[ArgTensor]:
     """What a launch of FlashAttention-4's attention backward reads and writes, in its kernel's order
     (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV) and
-    the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r] (f32, 256-byte aligned,
-    S_r and E_r from the variant's config; kspec.core.attention_bwd_workspace)."""
+    the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r], and with GQA dk_accum
+    and dv_accum [B, HK, T_r * E_r] in place of dK and dV (f32, 256-byte aligned, the rounding from
+    the variant's config; kspec.core.attention_bwd_layout)."""
     cfg = _launch_variant(plan, rec.what).config
     roles = dict(zip((r for r, _v in plan.dims), binding.dims(plan)))
     ws = rec.prepare.workspace if rec.prepare is not None else 0
     if not ws:
         raise KspecInternalError(f"{rec.what}: an attention backward launch without a workspace")
     packed = cfg.get("packed", "none").split(",")
-    lay = attention_bwd_workspace(roles["B"], roles["H"], roles["S"], int(cfg["ws_tile_m"]), int(cfg["ws_head_dim"]),
-                                  "q" in packed)
+    lay = attention_bwd_layout(cfg, roles)
 
     def buf(name):
         off, shape = lay[name]
@@ -880,9 +882,10 @@ def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, b
     q, k, v, o, do, lse, dq, dk, dv, *cus = tensors
     cq = cus[:1] if "q" in packed else []
     ck = cus[len(cq):] if "k" in packed else []
+    dk_acc, dv_acc = (buf("dk_accum"), buf("dv_accum")) if "dk_accum" in lay else (dk, dv)
     return {"bwd_preprocess": [o, do, dpsum, lse, lse2, acc, *cq],
-            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk, dv, *cq, *ck],
-            "bwd_postprocess": [acc, dq, *cq]}[role]
+            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk_acc, dv_acc, *cq, *ck],
+            "bwd_postprocess": [acc, dq, *cq], "bwd_postprocess_dk": [dk_acc, dk], "bwd_postprocess_dv": [dv_acc, dv]}[role]
 
 
 @dataclass(frozen=True)

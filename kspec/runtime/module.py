@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from kspec.artifact import KernelEntry, Manifest, Plan, TensorSpec, layout_strides, read_manifest
-from kspec.core import ARCH_TABLE, ATTENTION_BWD_STEPS, arch_of_cc, extent_value, split_offset_dim, split_quotient_dim
+from kspec.core import (ARCH_TABLE, STEP_ROLES, STEP_SEQUENCES, STEP_ZEROED, arch_of_cc, attention_bwd_layout, extent_value,
+                        split_offset_dim, split_quotient_dim)
 from kspec.runtime import driver as _driver
 from kspec.runtime import dtypes
 from kspec.runtime.emptycheck import check_no_empty_reduction
@@ -52,9 +53,10 @@ from kspec.runtime.tensors import TensorView, as_view, is_torch_tensor
 
 _SCRATCH_ALIGN = 256
 _PAIR_ROLES = ("split", "combine")     # variants launched together (split-KV), never chosen by size
-# variants launched in this order as one call, sharing one workspace, never chosen by size: the three
-# kernels of FlashAttention-4's attention backward (backends/cute/attention_bwd.py)
-_STEP_ROLES = ATTENTION_BWD_STEPS
+# variants launched in order as one call, sharing one workspace, never chosen by size: the kernels of
+# FlashAttention-4's attention backward (backends/cute/attention_bwd.py), three, or five with GQA
+# (kspec.core.STEP_SEQUENCES)
+_STEP_ROLES = STEP_ROLES
 
 
 def load(path: str | Path, verify: bool = True, check_indices: bool = True) -> "Module":
@@ -529,18 +531,43 @@ class Module:
                                     "kernel for it", hint="rebuild the artifact with `kspec compile`")
         return split, combine
 
-    def step_variants(self, plan: Plan, arch: str) -> list[int] | None:
+    def step_variants(self, plan: Plan, arch: str, dims: list[int] | None = None) -> list[int] | None:
         """The variant numbers of a binary made of several kernels launched in order as one call (an
-        attention backward: FlashAttention-4's preprocess, main and postprocess kernels), or None."""
+        attention backward: FlashAttention-4's preprocess, main and postprocess kernels; GQA: and the
+        dK, dV postprocesses), in the order of its sequence in kspec.core.STEP_SEQUENCES, or None.
+        A binary built for several GQA groups (a per-call group) holds one sequence per group, each in
+        its box G: dims picks the call's."""
         b = plan.binaries[arch]
-        at = {v.config.get("role"): i for i, v in enumerate(b.variants) if v.config.get("role") in _STEP_ROLES}
-        if not at:
+        steps = [(i, v) for i, v in enumerate(b.variants) if v.config.get("role") in _STEP_ROLES]
+        if not steps:
             return None
-        if len(at) != len(_STEP_ROLES) or len(at) != len(b.variants):
+        if dims is not None and any("G" in box for _i, v in steps for box in v.select):
+            values = _select_values(plan, dims)
+            steps = [(i, v) for i, v in steps if all(_box_group_ok(box, values) for box in v.select)]
+            if not steps:
+                _missing_group(plan, arch, b, values)
+        at = {v.config.get("role"): i for i, v in steps}
+        seq = next((seq for seq in STEP_SEQUENCES if set(seq) == set(at)), None)
+        if seq is None or len(at) != len(steps) or not all(v.config.get("role") in _STEP_ROLES for v in b.variants):
             raise KspecRuntimeError(f"plan '{plan.id}' ({arch}): the artifact has the kernels "
-                                    f"{sorted(at)} of a sequence of {', '.join(_STEP_ROLES)}",
+                                    f"{sorted(at)}, not a sequence of "
+                                    f"{' or '.join(', '.join(seq) for seq in STEP_SEQUENCES)}",
                                     hint="rebuild the artifact with `kspec compile`")
-        return [at[r] for r in _STEP_ROLES]
+        return [at[r] for r in seq]
+
+    def _step_zeroing(self, plan: Plan, arch: str, dims: list[int], steps: list[int]) -> dict[int, tuple[int, int]]:
+        """variant -> (byte offset in the workspace, bytes) to zero before that step of a sequence runs:
+        the workspace buffers kspec.core.STEP_ZEROED names for its role (GQA's dK/dV accumulators before
+        the attention backward's main kernel), where the binary's layout has them."""
+        out = {}
+        for v in (v for v in steps if v >= 0):
+            cfg = plan.binaries[arch].variants[v].config
+            names = STEP_ZEROED.get(cfg.get("role"), ())
+            lay = attention_bwd_layout(cfg, dict(zip((r for r, _x in plan.dims), dims))) if names else {}
+            spans = [(lay[n][0], lay[n][0] + 4 * math.prod(lay[n][1])) for n in names if n in lay]
+            if spans:
+                out[v] = (min(a for a, _b in spans), max(b for _a, b in spans) - min(a for a, _b in spans))
+        return out
 
     def launches(self, plan: Plan, arch: str, dims: list[int], device: int, sm_count: int | None
                  ) -> tuple[list[int], int]:
@@ -548,7 +575,7 @@ class Module:
         a sequence (step_variants) with the workspace every one's glue asks for; the split-KV kernel and
         its combine when the split kernel's glue asks for a workspace at these sizes; else the single
         variant `variant` picks (its own workspace)."""
-        steps = self.step_variants(plan, arch)
+        steps = self.step_variants(plan, arch, dims)
         if steps is not None:
             sizes = [self.glue(plan, arch, v).workspace_size(dims, device, sm_count or 0) for v in steps]
             if len(set(sizes)) != 1:
@@ -664,13 +691,14 @@ class Module:
                         if shape not in lp.shapes_ok:
                             _check_launch_shape(pr, plan, arch, dims)
                             lp.shapes_ok.add(shape)
-                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1, lp.fills[i]))
-                for plan, glue, ws, v, pr, pair, fills in prepared:
+                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1, lp.fills[i], lp.zeroes[i].get(v)))
+                for plan, glue, ws, v, pr, pair, fills, zero in prepared:
                     # a split-KV pair's workspace holds partials the split kernel writes in full and the
                     # combine reads, an attention backward's the buffers its preprocess writes (and the
-                    # dQ accumulator it zeroes): not cleared (FA4 allocates them uninitialised too)
+                    # dQ accumulator it zeroes): not cleared (FA4 allocates them uninitialised too), but
+                    # for the ranges a step expects zeroed (GQA's dK/dV accumulators: `zero`)
                     self._run_plan(drv, b, plan, arch, glue, ctx, ptrs, scratch + ws_offset if ws else 0,
-                                   0 if pair else ws, device, sms, v, pr, fills)
+                                   0 if pair else ws, device, sms, v, pr, fills, zero)
             finally:
                 if scratch:
                     drv.free_async(scratch, stream)
@@ -695,6 +723,7 @@ class Module:
         dims = [b.dims(p) for p in k.plans]
         empty = all(math.prod(b.extents(t)) == 0 for t in k.outputs)      # then nothing launches
         chosen = [] if empty else [self.launches(p, arch, d, device, sms) for p, d in zip(k.plans, dims)]
+        zeroes = [self._step_zeroing(p, arch, d, vs) for p, d, (vs, _ws) in zip(k.plans, dims, chosen)]
         # one scratch block: every intermediate, then one workspace reused by the plans in turn
         offsets, total = {}, 0
         for t in k.intermediates:
@@ -704,7 +733,7 @@ class Module:
         total += max((ws for _vs, ws in chosen), default=0)
         outputs = [(t.name, b.extents(t), b.strides[t.name], t.dtype) for t in k.outputs if t.name not in b.passed]
         fills = [_plan_fills(b, plan) for plan in k.plans]
-        lp = _LaunchPlan(dims, chosen, offsets, ws_offset, total, outputs, fills, empty)
+        lp = _LaunchPlan(dims, chosen, offsets, ws_offset, total, outputs, fills, zeroes, empty)
         if fixed is not None:
             if len(fixed.launch) >= 8:
                 fixed.launch.clear()
@@ -750,9 +779,10 @@ class Module:
 
     def _run_plan(self, drv, b: Binding, plan: Plan, arch: str, glue: HostGlue, ctx, ptrs: dict[str, int],
                   workspace: int, ws_bytes: int, device: int, sms: int, variant: int = -1,
-                  prepared: "Prepared | None" = None, fills=None) -> None:
+                  prepared: "Prepared | None" = None, fills=None, zero: tuple[int, int] | None = None) -> None:
         """Launch one prepared plan.  fills: the plan's initial fills as `_LaunchPlan` holds them
-        ((tensor, pattern, width, count)); None to work them out here."""
+        ((tensor, pattern, width, count)); None to work them out here.  zero: (offset, bytes) of the
+        workspace to zero first (a step of a sequence, `_step_zeroing`)."""
         what = f"plan '{plan.id}' ({arch})"
         if fills is None:
             fills = _plan_fills(b, plan)
@@ -761,6 +791,8 @@ class Module:
         if ws_bytes:
             # the ABI's prepare has no stream to clear a workspace on; semaphores expect zeros
             drv.fill(workspace, 0, 1, ws_bytes, b.stream, f"the workspace of {what}")
+        if zero is not None:
+            drv.fill(workspace + zero[0], 0, 4, zero[1] // 4, b.stream, f"the accumulators in the workspace of {what}")
         if prepared is None:
             prepared = glue.prepare(b.dims(plan), [ptrs[a] for a in plan.args], b.scalars(plan),
                                     workspace, device, sms)
@@ -912,6 +944,7 @@ class _LaunchPlan:
     total: int
     outputs: list[tuple[str, tuple[int, ...], tuple[int, ...], str]]      # name, shape, strides, dtype
     fills: list[list[tuple[str, int, int, int]]]     # per plan: (tensor, pattern, width, count)
+    zeroes: list[dict[int, tuple[int, int]]]   # per plan: variant -> (workspace offset, bytes) zeroed before it
     empty: bool = False                      # every output is empty: the call launches nothing
     shapes_ok: set = field(default_factory=set)
 
