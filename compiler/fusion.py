@@ -18,6 +18,7 @@ from kspec.core import dtype_bytes  # noqa: F401
 
 from .attention import (LiftedMods, NotLiftable, is_top_left_causal, kv_group_read, lift_mods, output_scale, paged_kv_read,
                         score_path)
+from .attention_grad import bwd_scores, match_grad
 from .canon import GemmInfo, block_scaled_gemm_info, gathered_a, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_addition, legal_group, same_point  # noqa: F401
@@ -122,6 +123,7 @@ class AttentionBwdInfo:
     scale: object                      # the param node (or None: no scale)
     qk: object                         # the recomputed score contraction
     p: object                          # the exp node
+    mods: object = None                # a score modification (compiler.attention_grad.BwdScores, its grad set)
 
 
 def _strip(g, n, kinds=("broadcast",)):
@@ -168,7 +170,12 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     (a, _), (m, _) = operands(g, u)
     causal = False
     ao = op(g, a)
-    if ao.kind == "elementwise" and ao.fn == "where":
+    mods = _modified_scores(g, a)
+    if isinstance(mods, str):
+        return mods
+    if mods is not None:
+        c, s, causal = None, mods.qk, mods.mask is not None
+    elif ao.kind == "elementwise" and ao.fn == "where":
         (c, _), (s, _), (ninf, _) = operands(g, a)
         if not _is_const(g, ninf, float("-inf")):
             return "the scores are masked by something other than where(.., -inf)"
@@ -176,8 +183,8 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     else:
         c, s = None, a
     so = op(g, s)
-    scale = None
-    if so.kind == "elementwise" and so.fn == "mul":
+    scale = mods.scale if mods is not None else None
+    if mods is None and so.kind == "elementwise" and so.fn == "mul":
         (x, _), (y, _) = operands(g, s)
         if op(g, x).kind == "contraction":
             x, y = y, x
@@ -195,7 +202,7 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     if op(g, q).kind != "input" or op(g, k).kind != "input" or \
             tuple(lq) != (*batch, query, head) or tuple(lk) != (*batch, key, head):
         return "Q and K must be inputs [b, h, seq, head] (no GQA, no gather)"
-    if causal and not _causal_cond(g, c, query, key):
+    if causal and not (_causal_cond(g, c, query, key) if mods is None else is_top_left_causal(mods.mask, query, key)):
         return "the mask is not causal (key <= query)"
     # lse: an input, or where(lse == -inf, 0, lse)
     mo = op(g, _strip(g, m))
@@ -244,7 +251,13 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         return "D is not the row sum of dO * O (O an input)"
     # mask (causal), scale, cast -> dS; dQ = dS K, dK = dS^T Q
     n = mul
-    while True:
+    if mods is not None:
+        found = match_grad(g, mul, mods, op(g, scale).name if scale is not None else None,
+                           lambda x: op(g, x).name or str(x))
+        if isinstance(found, str):
+            return found
+        n, mods = found
+    while mods is None:
         cs = list(g.successors(n))
         if len(cs) != 1:
             break
@@ -275,7 +288,29 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     for w in (q, k, v, o_in, do):
         if op(g, w).dtype not in ("f16", "bf16") or op(g, w).dtype != op(g, q).dtype:
             return "Q, K, V, O and dO must be one of f16/bf16"
-    return AttentionBwdInfo(q, k, v, o_in, do, lse, dq, dk, dv, tuple(batch), query, key, head, causal, scale, s, p)
+    return AttentionBwdInfo(q, k, v, o_in, do, lse, dq, dk, dv, tuple(batch), query, key, head, causal, scale, s, p,
+                            mods)
+
+
+def _modified_scores(g: nx.DiGraph, a):
+    """None when the recomputed softmax operand `a` is the plain or causal one (`[where(.., s, -inf)]`
+    over `[param *] QK^T`), else its score modification lifted (compiler.attention_grad.BwdScores)
+    or why it cannot be (a str)."""
+    x = a
+    if op(g, x).kind == "elementwise" and op(g, x).fn == "where":
+        x = operands(g, x)[1][0]
+    if op(g, x).kind == "elementwise" and op(g, x).fn == "mul" and \
+            any(op(g, w).kind == "contraction" for w, _ in operands(g, x)):
+        return None
+    if op(g, x).kind == "contraction":
+        return None
+    found = bwd_scores(g, a, lambda n: op(g, n).name or str(n))
+    if isinstance(found, str):
+        return found
+    if found.score_mod is None:
+        return ("the scores are masked by something other than the causal mask (FlashAttention-4's backward "
+                "here takes a causal mask only)")
+    return found
 
 
 def fuse_attention_backward(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:

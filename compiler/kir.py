@@ -89,6 +89,12 @@ class Score:
 
 
 @dataclass(frozen=True)
+class ScoreGrad:
+    """In an attention backward's score_mod_grad: the gradient of the loss with respect to the
+    modified score at (b.., h, i, j), P * (dP - D) (f32; FlashAttention-4's score_mod_bwd `grad`)."""
+
+
+@dataclass(frozen=True)
 class Index:
     """The integer value of one of the attention's labels (a batch label, the query or the key)."""
     label: str
@@ -108,7 +114,7 @@ class AuxLoad:
     dtype: str
 
 
-EpiExpr = Union[Accum, Load, Const, Op, Score, Index, Size, AuxLoad]
+EpiExpr = Union[Accum, Load, Const, Op, Score, ScoreGrad, Index, Size, AuxLoad]
 ModExpr = EpiExpr
 
 
@@ -179,6 +185,8 @@ def format_epi(e: EpiExpr) -> str:
         return repr(e.value)
     if isinstance(e, Score):
         return "score"
+    if isinstance(e, ScoreGrad):
+        return "dscore"
     if isinstance(e, Index):
         return f"idx({e.label})"
     if isinstance(e, Size):
@@ -414,6 +422,13 @@ class AttentionBwdStructure:
     scale: str | None                              # a param name, or None (scale 1)
     head_dim: Extent | None
     dims: tuple[tuple[str, Extent], ...]           # ("B", ..), ("H", ..), ("S", ..), ("T", ..), ("E", ..)
+    # A score modification (AttentionStructure.score_mod: the softmax reads score_mod(scaled score))
+    # and its derivative (compiler/attention_grad.py): dS = scale * score_mod_grad, an expression over
+    # ScoreGrad (P * (dP - D)), Score and the mod's own leaves; FlashAttention-4's score_mod and
+    # score_mod_bwd.  aux: the buffers they read (AuxLoad), inputs of the kernel that get no gradient.
+    score_mod: EpiExpr | None = None
+    score_mod_grad: EpiExpr | None = None
+    aux: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -716,11 +731,32 @@ def verify(ir: KernelIR) -> KernelIR:
                 bad(f"key lengths {a.kv_len} are not an integer vector over the batch")
             if key_length_bound(a.mask, a.key, a.batch) != a.kv_len:
                 bad(f"the mask does not bound the keys by {a.kv_len}[{a.batch[0]}]")
+    if ir.attention_bwd is not None:
+        _verify_attention_bwd_mods(ir.attention_bwd, bufs, bad)
     if (ir.kind in ("rowwise", "colsum")) != (ir.row is not None):
         bad("the row structure does not match the kind")
     if ir.anchor is not None and ir.anchor not in seen:
         bad(f"anchor {ir.anchor} is not an op")
     return ir
+
+
+def _verify_attention_bwd_mods(a: AttentionBwdStructure, bufs: dict, bad) -> None:
+    """An attention backward's score modification: both expressions or neither; ScoreGrad only in the
+    gradient; indices of the attention, loads of declared scalars and aux buffers."""
+    if (a.score_mod is None) != (a.score_mod_grad is None):
+        bad("attention backward: a score_mod without its gradient (or the other way round)")
+    labels = {*a.batch, a.query, a.key}
+    for what, e in (("score_mod", a.score_mod), ("score_mod_grad", a.score_mod_grad)):
+        for x in (epi_nodes(e) if e is not None else ()):
+            if isinstance(x, Accum) or (isinstance(x, Load) and (x.kind != "scalar" or x.name not in bufs)):
+                bad(f"attention backward {what}: {format_epi(x)} has no meaning per score element")
+            if isinstance(x, ScoreGrad) and what == "score_mod":
+                bad("attention backward score_mod reads the score's gradient")
+            if isinstance(x, Index) and x.label not in labels:
+                bad(f"attention backward {what}: index {x.label} is not one of {sorted(labels)}")
+            if isinstance(x, AuxLoad) and (x.buffer not in a.aux or x.buffer not in bufs
+                                           or len(x.index) != len(bufs[x.buffer].shape)):
+                bad(f"attention backward {what}: {format_epi(x)} is not a load of a declared aux buffer")
 
 
 # ---- printing ------------------------------------------------------------------------------------
@@ -782,6 +818,9 @@ def format_ir(ir: KernelIR) -> str:
                      f"dO={a.do_buffer} LSE={a.lse_buffer} ({a.dtype}) -> dQ={a.dq_buffer} dK={a.dk_buffer} "
                      f"dV={a.dv_buffer} ({'/'.join(a.out_dtypes)}); {'causal, ' if a.causal else ''}scale "
                      f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims))
+        if a.score_mod is not None:
+            lines.append(f"    score_mod: {format_epi(a.score_mod)}; its gradient: {format_epi(a.score_mod_grad)}"
+                         + (f"; aux {', '.join(a.aux)}" if a.aux else ""))
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
@@ -802,6 +841,8 @@ def _epi_to_json(e: EpiExpr):
         return {"Accum": [e.index] if e.index else []}
     if isinstance(e, Score):
         return {"Score": []}
+    if isinstance(e, ScoreGrad):
+        return {"ScoreGrad": []}
     if isinstance(e, Index):
         return {"Index": [e.label]}
     if isinstance(e, Size):
@@ -822,6 +863,8 @@ def _epi_from_json(d) -> EpiExpr:
         return Accum(*v)
     if tag == "Score":
         return Score()
+    if tag == "ScoreGrad":
+        return ScoreGrad()
     if tag == "Index":
         return Index(v[0])
     if tag == "Size":
@@ -864,7 +907,7 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
     if ir.attention_bwd is not None:     # (only when present: other kernels keep the digests they had)
-        doc["attention_bwd"] = plain(ir.attention_bwd)
+        doc["attention_bwd"] = _attention_bwd_to_json(ir.attention_bwd, plain)
     if ir.epilogue is not None:
         doc["epilogue"] = {
             "stores": [{"name": s.name, "value": _epi_to_json(s.value), "dtype": s.dtype, "layout": s.layout}
@@ -902,6 +945,24 @@ def _attention_to_json(a: AttentionStructure, plain, value) -> dict:
     return d
 
 
+def _attention_bwd_to_json(a: AttentionBwdStructure, plain) -> dict:
+    """The fields; the score modification's only when there is one (a plain or causal backward keeps
+    the digest it had)."""
+    d = plain(a)
+    if a.score_mod is None and a.score_mod_grad is None and not a.aux:
+        for k in ("score_mod", "score_mod_grad", "aux"):
+            del d[k]
+        return d
+    for k in ("score_mod", "score_mod_grad"):
+        d[k] = _epi_to_json(getattr(a, k)) if getattr(a, k) is not None else None
+    return d
+
+
+def _attention_bwd_from_json(d: dict) -> AttentionBwdStructure:
+    mods = {k: (_epi_from_json(d[k]) if d.get(k) is not None else None) for k in ("score_mod", "score_mod_grad")}
+    return AttentionBwdStructure(**{k: _tup(v) for k, v in d.items() if k not in mods}, **mods)
+
+
 def ir_from_json(d: dict) -> KernelIR:
     def span(s):
         return Span(*s) if s else None
@@ -933,4 +994,4 @@ def ir_from_json(d: dict) -> KernelIR:
         gemm=make(GemmStructure, d["gemm"]) if d.get("gemm") else None, epilogue=epi, attention=att,
         hints=tuple((a, make(ArchHint, h)) for a, h in d["hints"]),
         row=make(RowStructure, d["row"]) if d.get("row") else None, anchor=d.get("anchor"), span=span(d.get("span")),
-        attention_bwd=make(AttentionBwdStructure, d["attention_bwd"]) if d.get("attention_bwd") else None)
+        attention_bwd=_attention_bwd_from_json(d["attention_bwd"]) if d.get("attention_bwd") else None)

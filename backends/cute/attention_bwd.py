@@ -58,6 +58,7 @@ from kspec.core import ARCHS, ATTENTION_BWD_STEPS, KspecError, KspecInternalErro
 
 HEAD_DIMS = (64, 128)
 DTYPES = ("f16", "bf16")
+AUX_DTYPES = ("f32", "f16", "bf16", "i32", "i8")   # tensors a score modification may read (as the forward's)
 ROLES = ("B", "H", "S", "T")                       # ABI dims, in order
 STEPS = ATTENTION_BWD_STEPS                        # the variants' roles, in launch order
 ALIGN = 256                                        # workspace sub-buffer alignment (attention_bwd_workspace's)
@@ -84,7 +85,39 @@ def covered(ir, arch: str) -> str | None:
                 "mask bottom-right, the spec's `j <= i` top-left)")
     if len(a.batch) != 2:
         return "FlashAttention-4's backward takes [b, h, seq, head] tensors (one batch and one head axis)"
+    return _mods_unsupported(ir, a)
+
+
+def _mods_unsupported(ir, a) -> str | None:
+    """Why FA4's backward cannot take this backward's score modification as generated score_mod and
+    score_mod_bwd functions (None: it can, or there is none)."""
+    from kspec.compiler.kir import Size, epi_nodes
+
+    from . import attnmods
+    if a.score_mod is None:
+        return None
+    for e in (a.score_mod, a.score_mod_grad):
+        why = attnmods.unsupported(e)
+        if why:
+            return why
+        sizes = {x.name for x in epi_nodes(e) if isinstance(x, Size)}
+        dims = {v for _r, v in a.dims if isinstance(v, str)}
+        if sizes - dims:
+            return f"the score modification reads the size {sorted(sizes - dims)[0]}, not one of the attention's"
+    for name in a.aux:
+        b = ir.buffer(name)
+        if b.dtype not in AUX_DTYPES:
+            return f"aux tensor {name} of dtype {b.dtype}"
+        if b.packed is not None or b.layout != "row" or any(not isinstance(x, int) and _role(a, x) is None
+                                                             for x in b.shape):
+            return (f"aux tensor {name} must be row-major with extents that are literals or the attention's own "
+                    "B, H, S, T")
     return None
+
+
+def _role(a, extent) -> str | None:
+    """The ABI dim role (B, H, S, T) whose extent `extent` is, or None."""
+    return next((r for r in ROLES if dict(a.dims)[r] == extent), None)
 
 
 def unsupported(ir, arch: str) -> str | None:
@@ -118,13 +151,22 @@ class BwdDesc:
     dims: tuple[str, ...]
     scalars: tuple[str, ...]
     sm_count: int
+    # a score modification: FA4's score_mod and score_mod_bwd (attnmods.analyse_bwd), the aux tensors
+    # they read (attention.AuxArg, after dV in the ABI) and their aux_scalars (("scalar", ABI scalar)
+    # | ("dim", role))
+    mods: object = None
+    aux: tuple = ()
+    mod_scalars: tuple[tuple[str, str], ...] = ()
 
     @property
     def args(self) -> tuple[str, ...]:
-        return (self.q, self.k, self.v, self.o, self.do, self.lse, self.dq, self.dk, self.dv)
+        return (self.q, self.k, self.v, self.o, self.do, self.lse, self.dq, self.dk, self.dv,
+                *(x.name for x in self.aux))
 
     def alignment(self) -> tuple[tuple[str, int], ...]:
-        return tuple((n, 4 if n == self.lse else 16) for n in self.args)
+        from kspec.core import dtype_bytes
+        aux = {x.name: dtype_bytes(x.dtype) for x in self.aux}
+        return tuple((n, aux[n] if n in aux else 4 if n == self.lse else 16) for n in self.args)
 
 
 def lower(ir, arch: str, sm_count: int | None = None):
@@ -147,10 +189,32 @@ def lower(ir, arch: str, sm_count: int | None = None):
                                a.dq_buffer, a.dk_buffer, a.dv_buffer)]
     if isinstance(scale, Load):
         scalars[scale.name] = a.scale
+    mods = _lower_mods(ir, a, names, scalars)
     desc = BwdDesc(f"k_{ir.id.rsplit('_', 1)[-1]}", arch, a.dtype, int(a.head_dim), bool(a.causal), *bufs,
                    scale=scale, dims=ROLES, scalars=tuple(scalars),
-                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]))
+                   sm_count=int(sm_count or compat.OFFLINE_SM_COUNT[arch]), **mods)
     return desc, names.back(), tuple((r, ext[r]) for r in ROLES), scalars
+
+
+def _lower_mods(ir, a, names, scalars: dict) -> dict:
+    """BwdDesc's mods, aux and mod_scalars for a backward with a score modification ({} without);
+    the params the mods read join `scalars` (C name -> param)."""
+    from .attention import AuxArg
+    from . import attnmods
+    if a.score_mod is None:
+        return {}
+    ext = dict(a.dims)
+    mods = attnmods.analyse_bwd(a, {"S": ext["S"], "T": ext["T"]})
+    aux = tuple(AuxArg(names(n), ir.buffer(n).dtype, tuple(str(x) if isinstance(x, int) else _role(a, x)
+                                                            for x in ir.buffer(n).shape)) for n in mods.aux)
+    mod_scalars = []
+    for kind, ref in mods.scalars:
+        if kind == "param":
+            scalars[names(ref)] = ref
+            mod_scalars.append(("scalar", names(ref)))
+        else:
+            mod_scalars.append(("dim", _role(a, ref)))
+    return {"mods": mods, "aux": aux, "mod_scalars": tuple(mod_scalars)}
 
 
 def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, str], ...]:
@@ -159,6 +223,7 @@ def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, 
     return (("kernel", f"FlashAttention-4 {compat.FA4_VERSION} backward: " +
              (kernels or f"FlashAttentionBackwardPreprocess, {main}, FlashAttentionBackwardPostprocess")),
             ("head_dim", str(desc.head_dim)), ("mask", "causal" if desc.causal else "none"),
+            *((("score_mod", "generated, with its generated derivative (score_mod_bwd)"),) if desc.mods else ()),
             ("workspace", "dq_accum f32, dpsum f32, lse_log2 f32 (per call)"),
             ("source", "FlashAttention-4 heuristics"))
 
@@ -192,8 +257,10 @@ def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     if step == "bwd_preprocess":
         return [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc]
     if step == "bwd_main":
+        aux = [(f"mA{k}", x.dtype, tuple(x.shape), tuple(tuple(x.shape[j + 1:]) for j in range(len(x.shape) - 1)),
+                f"ptrs[{9 + k}]") for k, x in enumerate(desc.aux)]
         return [seq("mQ", "q"), seq("mK", "k", "T"), seq("mV", "v", "T"), seq("mdO", "do"), lse2, dpsum, acc,
-                seq("mdK", "dk", "T"), seq("mdV", "dv", "T")]
+                seq("mdK", "dk", "T"), seq("mdV", "dv", "T"), *aux]
     if step == "bwd_postprocess":
         return [acc, seq("mdQ", "dq")]
     raise KspecInternalError(f"no attention backward step {step!r}")
@@ -202,13 +269,24 @@ def tensors(desc: BwdDesc, step: str) -> list[tuple]:
 _VALUES = {"bwd_preprocess": (), "bwd_main": ("softmax_scale",), "bwd_postprocess": ("softmax_scale",)}
 
 
+def _values(desc: BwdDesc, step: str) -> list[tuple[str, str]]:
+    """A kernel's non-tensor parameters: (name, DSL type); the main kernel's mod scalars c<k> last."""
+    out = [(v, "Float32") for v in _VALUES[step]]
+    if step == "bwd_main":
+        out += [(f"c{k}", "Float32" if kind == "scalar" else "Int32") for k, (kind, _r) in enumerate(desc.mod_scalars)]
+    return out
+
+
 def entry_source(desc: BwdDesc) -> str:
     """The traced module: kspec_<step> for each of STEPS, calling the FA4 object kspec set in PRE,
     MAIN, POST with FA4's own argument order (the optional ones None, as _flash_attn_bwd passes them
     for a dense, non-varlen, non-deterministic backward)."""
     def params(step):
         return ", ".join([f"{t[0]}: cute.Tensor" for t in tensors(desc, step)] +
-                         [f"{v}: cutlass.Float32" for v in _VALUES[step]] + ["stream: cuda.CUstream"])
+                         [f"{v}: cutlass.{t}" for v, t in _values(desc, step)] + ["stream: cuda.CUstream"])
+    aux_t = "[" + ", ".join(f"mA{k}" for k in range(len(desc.aux))) + "]" if desc.aux else "None"
+    aux_s = "(" + "".join(f"c{k}, " for k in range(len(desc.mod_scalars))) + ")" if desc.mod_scalars else "None"
+    mods = [desc.mods.score_mod, desc.mods.score_mod_bwd] if desc.mods else []
     return "\n".join([
         f'"""Generated by kspec (CuTe DSL backend, FlashAttention-4): attention backward {desc.name} for '
         f'{desc.arch}."""',
@@ -216,9 +294,11 @@ def entry_source(desc: BwdDesc) -> str:
         "import cutlass",
         "import cutlass.cute as cute",
         "from flash_attn.cute.utils import AuxData",
+        *(["", "from kspec.backends.cute import dslops as F"] if mods else []),
         "",
         "PRE = MAIN = POST = None   # FA4's kernel objects (set by kspec)",
         "",
+        *mods,
         "",
         "@cute.jit",
         f"def kspec_bwd_preprocess({params('bwd_preprocess')}):",
@@ -231,7 +311,7 @@ def entry_source(desc: BwdDesc) -> str:
         "@cute.jit",
         f"def kspec_bwd_main({params('bwd_main')}):",
         "    MAIN(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, softmax_scale, None, None, None, None,",
-        "         None, None, None, None, None, AuxData(None, None), None, None, stream=stream)",
+        f"         None, None, None, None, None, AuxData({aux_t}, {aux_s}), None, None, stream=stream)",
         "",
         "",
         "@cute.jit",
@@ -254,14 +334,15 @@ def _fake_args(desc: BwdDesc, step: str) -> list:
     for name, dt, shape, strides, _data in tensors(desc, step):
         el = dtype_bytes(dt)
         div = 16 // el                      # FA4's assumed 16-byte alignment of every tensor but the LSE
-        if name == "mLSE":
+        aux = name.startswith("mA")         # a score modification's tensor: element-aligned, no head dim
+        if name == "mLSE" or aux:
             div = 1
-        shp = [syms.setdefault(r, cute.sym_int32()) for r in shape]
-        if dt != "f32":
+        shp = [int(r) if r.isdigit() else syms.setdefault(r, cute.sym_int32()) for r in shape]
+        if dt != "f32" and not aux:
             shp.append(desc.head_dim)
         stride = tuple(cute.sym_int64(divisibility=div) for _ in strides) + (1,)
         out.append(make_fake_tensor(dsl_type(dt), tuple(shp), stride=stride, assumed_align=div * el))
-    return out + [cutlass.Float32(1.0) for _ in _VALUES[step]]
+    return out + [getattr(cutlass, t)(1.0 if t == "Float32" else 1) for _v, t in _values(desc, step)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +427,11 @@ def _glue(desc: BwdDesc, step: str, ciface: str, entry: str, offs, sizes, tile_m
         else:
             values.append(f"    float softmax_scale = (float){float(desc.scale.value)!r};")
         args.append("&softmax_scale")
+    if step == "bwd_main":
+        for k, (kind, ref) in enumerate(desc.mod_scalars):
+            values.append(f"    float c{k} = (float)scalars[{desc.scalars.index(ref)}];" if kind == "scalar" else
+                          f"    int32_t c{k} = (int32_t)({ref});")
+            args.append(f"&c{k}")
     return capture_glue(_glue_tensors(desc, step), checks(desc, tile_m, dr), values, args, ciface, entry, offs,
                         sizes, compat.SMEM_OPTIN[desc.arch], what=f"FlashAttention-4 backward ({step})",
                         workspace=workspace_lines(tile_m, dr))
@@ -368,10 +454,12 @@ def _describe(obj) -> str:
                                             if v is None or isinstance(v, (bool, int, float, str, tuple))))
 
 
-def capture(desc: BwdDesc) -> Captured:
+def capture(desc: BwdDesc, mod=None) -> Captured:
     """FA4's three backward kernel objects for desc, from `_flash_attn_bwd` run on torch FakeTensors
     with `cute.compile` recorded (nothing is compiled or launched there); FA4's compile caches are
-    swapped for empty ones meanwhile, so every kernel is constructed.  Runs under compat.fa4_target."""
+    swapped for empty ones meanwhile, so every kernel is constructed.  Runs under compat.fa4_target.
+    mod: the imported entry module, whose generated kspec_score_mod / kspec_score_mod_bwd FA4 is
+    given (with aux tensors standing for desc.aux) when desc has a score modification."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -398,7 +486,8 @@ def capture(desc: BwdDesc) -> Captured:
             with FakeTensorMode():
                 q = torch.empty(B, S, H, desc.head_dim, dtype=tdt, device="cuda")
                 lse = torch.empty(B, H, S, dtype=torch.float32, device="cuda")
-                interface._flash_attn_bwd(q, q, q, q, q, lse, softmax_scale=0.125, causal=desc.causal)
+                interface._flash_attn_bwd(q, q, q, q, q, lse, softmax_scale=0.125, causal=desc.causal,
+                                          **_mod_kwargs(desc, mod))
         finally:
             cute.compile = real
             torch._C._set_warn_deprecated_on_mutable_data_ptr = warn
@@ -424,6 +513,19 @@ def capture(desc: BwdDesc) -> Captured:
         raise KspecInternalError(f"FlashAttention-4's backward for {desc.name} on {desc.arch} depends on the sizes; "
                                  "kspec builds one")
     return seen[0]
+
+
+def _mod_kwargs(desc: BwdDesc, mod) -> dict:
+    """`_flash_attn_bwd`'s score_mod, score_mod_bwd and aux_tensors for desc (FakeTensors of the aux
+    tensors' rank, as the forward's capture passes them: FA4 keys its kernels by their dtype and
+    static strides, none of which kspec's entry uses)."""
+    import torch
+    if desc.mods is None:
+        return {}
+    if mod is None:
+        raise KspecInternalError(f"attention backward {desc.name}: its score modification needs the entry module")
+    aux = [torch.empty(*(2 for _ in x.shape), dtype=torch.float32, device="cuda") for x in desc.aux]
+    return {"score_mod": mod.kspec_score_mod, "score_mod_bwd": mod.kspec_score_mod_bwd, "aux_tensors": aux or None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,7 +584,7 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
         variants = []
         with compat.fa4_target(desc.arch, desc.sm_count):
             mod = attention._import_entry(work / "entry.py")
-            cap = capture(desc)
+            cap = capture(desc, mod)
             mod.PRE, mod.MAIN, mod.POST = cap.objects
             try:
                 for k, (step, fa) in enumerate(zip(STEPS, cap.objects)):
@@ -500,7 +602,8 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                                                  "tracing; kspec builds it once for every SKU")
                     gts = _glue_tensors(desc, step)
                     ciface = check_header((vd / "kernel.h").read_text(), gts,
-                                          [f"float {v}" for v in _VALUES[step]], trailing=[])
+                                          [f"{'float' if t == 'Float32' else 'int32_t'} {v}"
+                                           for v, t in _values(desc, step)], trailing=[])
                     (vd / "glue.c").write_text(_glue(desc, step, ciface, entry, offs, sizes, cap.tile_m,
                                                      cap.head_dim_rounded))
                     link_host(vd / "kernel.o", vd / "glue.c", vd / "kernel.so", vd / "link.log")

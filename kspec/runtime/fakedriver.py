@@ -860,7 +860,8 @@ def _launch_role(plan, what: str) -> str | None:
 
 def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, binding, plan) -> list[ArgTensor]:
     """What a launch of FlashAttention-4's attention backward reads and writes, in its kernel's order
-    (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV) and
+    (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV, and
+    the aux tensors a score modification reads, which the main kernel takes last) and
     the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r] (f32, 256-byte aligned,
     S_r and E_r from the variant's config; kspec.core.attention_bwd_workspace)."""
     cfg = _launch_variant(plan, rec.what).config
@@ -874,9 +875,9 @@ def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, b
         off, (B, H, n) = lay[name]
         return ArgTensor(f"<{name}>", ws + off, (B, H, n), (H * n, n, 1), "f32")
     acc, dpsum, lse2 = buf("dq_accum"), buf("dpsum"), buf("lse_log2")
-    q, k, v, o, do, lse, dq, dk, dv = tensors
+    q, k, v, o, do, lse, dq, dk, dv, *aux = tensors         # aux: a score modification's tensors
     return {"bwd_preprocess": [o, do, dpsum, lse, lse2, acc],
-            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk, dv],
+            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk, dv, *aux],
             "bwd_postprocess": [acc, dq]}[role]
 
 
