@@ -104,8 +104,9 @@ def _not_fused(res: FusionResult, g: nx.DiGraph, sm, why: str) -> None:
 @dataclass(frozen=True)
 class AttentionBwdInfo:
     """An attention backward as `kspec grad` derives it (what FlashAttention-4's backward computes):
-    P = exp(scale * Q K^T (masked) - LSE), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
-    dS = scale * P * (dP - D) (masked), dQ = dS K, dK = dS^T Q."""
+    P = exp(mod(scale * Q K^T) (masked) - LSE), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
+    dS = scale * mod'(..) * P * (dP - D) (masked), dQ = dS K, dK = dS^T Q; mod (a score
+    modification, compiler/attention_grad.py) the identity when `mods` is None."""
     q: object                          # the input nodes
     k: object
     v: object
@@ -165,7 +166,9 @@ def _single_output(g, n):
 
 def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     """The attention backward around the recomputed probabilities p = exp(s - lse): its info, or why
-    it is not the plain/causal backward FlashAttention-4 computes (a str)."""
+    it is not the backward FlashAttention-4 computes (a str).  Scores modified between QK^T and the
+    softmax (soft-capping, ALiBi) are lifted and their dS chain checked against the mod's derivative
+    (_modified_scores, compiler.attention_grad.match_grad); the rest is matched structurally."""
     ((u, _),) = operands(g, p)
     (a, _), (m, _) = operands(g, u)
     causal = False

@@ -399,9 +399,10 @@ class AttentionStructure:
 
 @dataclass(frozen=True)
 class AttentionBwdStructure:
-    """The backward of a plain or causal attention (what `kspec grad` derives; FlashAttention-4's
-    backward): P = exp(scale * Q K^T (causally masked) - LSE), dV = P^T dO, dP = dO V^T,
-    D = rowsum(dO * O), dS = scale * P * (dP - D), dQ = dS K, dK = dS^T Q.  Every tensor is
+    """The backward of a plain, causal or score-modified attention (what `kspec grad` derives;
+    FlashAttention-4's backward): P = exp(mod(scale * Q K^T) (causally masked) - LSE), dV = P^T dO,
+    dP = dO V^T, D = rowsum(dO * O), dS = scale * mod'(scale * Q K^T) * P * (dP - D) (masked),
+    dQ = dS K, dK = dS^T Q (mod the identity without a score_mod).  Every tensor is
     [batch.., seq, head] in canonical order ([b, h, s, e]); LSE is f32 [b, h, i]."""
     q_buffer: str
     k_buffer: str
@@ -691,18 +692,12 @@ def verify(ir: KernelIR) -> KernelIR:
             if isinstance(x, (Score, Accum)) or (isinstance(x, Index) and x.label not in a.batch):
                 bad(f"attention o_scale: {format_epi(x)} is not a value of the batch labels {list(a.batch)}")
         for what, e in (("score_mod", a.score_mod), ("mask", a.mask), ("o_scale", a.o_scale)):
+            _verify_mods(f"attention {what}", e, labels, a.aux, bufs, bad)
             for x in (epi_nodes(e) if e is not None else ()):
-                if isinstance(x, Accum) or (isinstance(x, Load) and x.kind != "scalar"):
-                    bad(f"attention {what}: {format_epi(x)} has no meaning per score element")
                 if isinstance(x, Score) and what == "mask":
                     bad("attention mask reads the score (a score-dependent mask is a score_mod)")
-                if isinstance(x, Index) and x.label not in labels:
-                    bad(f"attention {what}: index {x.label} is not one of {sorted(labels)}")
-                if isinstance(x, AuxLoad) and (x.buffer not in a.aux or x.buffer not in bufs
-                                               or len(x.index) != len(bufs[x.buffer].shape)):
-                    bad(f"attention {what}: {format_epi(x)} is not a load of a declared aux buffer")
-                if isinstance(x, Load) and x.name not in bufs:
-                    bad(f"attention {what}: unknown scalar {x.name}")
+                if isinstance(x, ScoreGrad):
+                    bad(f"attention {what} reads a score's gradient (an attention backward's score_mod_grad does)")
         if a.lse is not None and (a.lse not in bufs or bufs[a.lse].role not in ("output", "intermediate")):
             bad(f"attention lse buffer {a.lse} is not an output")
         if a.orders:
@@ -746,17 +741,25 @@ def _verify_attention_bwd_mods(a: AttentionBwdStructure, bufs: dict, bad) -> Non
     if (a.score_mod is None) != (a.score_mod_grad is None):
         bad("attention backward: a score_mod without its gradient (or the other way round)")
     labels = {*a.batch, a.query, a.key}
-    for what, e in (("score_mod", a.score_mod), ("score_mod_grad", a.score_mod_grad)):
-        for x in (epi_nodes(e) if e is not None else ()):
-            if isinstance(x, Accum) or (isinstance(x, Load) and (x.kind != "scalar" or x.name not in bufs)):
-                bad(f"attention backward {what}: {format_epi(x)} has no meaning per score element")
-            if isinstance(x, ScoreGrad) and what == "score_mod":
-                bad("attention backward score_mod reads the score's gradient")
-            if isinstance(x, Index) and x.label not in labels:
-                bad(f"attention backward {what}: index {x.label} is not one of {sorted(labels)}")
-            if isinstance(x, AuxLoad) and (x.buffer not in a.aux or x.buffer not in bufs
-                                           or len(x.index) != len(bufs[x.buffer].shape)):
-                bad(f"attention backward {what}: {format_epi(x)} is not a load of a declared aux buffer")
+    _verify_mods("attention backward score_mod_grad", a.score_mod_grad, labels, a.aux, bufs, bad)
+    _verify_mods("attention backward score_mod", a.score_mod, labels, a.aux, bufs, bad)
+    if a.score_mod is not None and any(isinstance(x, ScoreGrad) for x in epi_nodes(a.score_mod)):
+        bad("attention backward score_mod reads the score's gradient")
+
+
+def _verify_mods(what: str, e: EpiExpr | None, labels: set, aux: tuple, bufs: dict, bad) -> None:
+    """What every attention mod expression must be: a value per score element over the attention's
+    labels, its loads declared scalars and aux buffers (read with all their subscripts)."""
+    for x in (epi_nodes(e) if e is not None else ()):
+        if isinstance(x, Accum) or (isinstance(x, Load) and x.kind != "scalar"):
+            bad(f"{what}: {format_epi(x)} has no meaning per score element")
+        if isinstance(x, Index) and x.label not in labels:
+            bad(f"{what}: index {x.label} is not one of {sorted(labels)}")
+        if isinstance(x, AuxLoad) and (x.buffer not in aux or x.buffer not in bufs
+                                       or len(x.index) != len(bufs[x.buffer].shape)):
+            bad(f"{what}: {format_epi(x)} is not a load of a declared aux buffer")
+        if isinstance(x, Load) and x.name not in bufs:
+            bad(f"{what}: unknown scalar {x.name}")
 
 
 # ---- printing ------------------------------------------------------------------------------------

@@ -11,16 +11,15 @@ import sys
 
 import pytest
 
-from conftest import SPECS, checkout_env, cubin_sass, needs_fa4, test_cache_root
+from conftest import SPECS, check_fa4_bwd_binaries, checkout_env, grad_artifacts, needs_fa4, one_fa4_bwd_plan
 
 from kspec.compile import plan_spec
-from kspec.core import ATTENTION_BWD_STEPS, KspecError, attention_bwd_workspace
+from kspec.core import KspecError, attention_bwd_workspace
 from kspec.spec_lang import load_spec
 from kspec.spec_lang.grad import grad_program
 
 ARCHS = ("sm90a", "sm100a")
 STEMS = ("attention", "attention_causal")
-MAIN = {"sm90a": "FlashAttentionBackwardSm90", "sm100a": "FlashAttentionBackwardSm100"}
 
 
 def _grad_text(stem: str, edit=None) -> str:
@@ -37,13 +36,7 @@ def _plan(stem: str, strict: bool = True, edit=None):
 @needs_fa4
 @pytest.mark.parametrize("stem", STEMS)
 def test_backward_plans_as_one_fa4_attention_bwd_kernel_on_both_archs(stem):
-    sched = _plan(stem)                                 # --strict: no loop fallback, no unfused note
-    (p,) = sched.plans
-    assert p.kind == "attention_bwd" and set(p.writes) == {"dQ", "dK", "dV"}
-    for arch in ARCHS:
-        c = p.choices[arch]
-        assert c.backend == "cute" and not c.fallback
-        assert MAIN[arch] in dict(c.config)["kernel"]
+    one_fa4_bwd_plan(_plan(stem))                       # --strict: no loop fallback, no unfused note
 
 
 @pytest.mark.parametrize("edit, why", [
@@ -78,19 +71,7 @@ def test_gqa_backward_is_refused_with_the_reason():
 
 @pytest.fixture(scope="module")
 def bwd_artifacts(tmp_path_factory):
-    from kspec.backends.build import CompileCache
-    from kspec.compile import compile_spec
-    out = tmp_path_factory.mktemp("fa4bwd")
-    cache = CompileCache(test_cache_root())
-    done = {}
-
-    def get(stem):
-        if stem not in done:
-            spec = out / f"{stem}_grad.kspec"
-            spec.write_text(_grad_text(stem))
-            done[stem] = compile_spec(spec, ARCHS, out / "art", cache=cache, kernel=f"{stem}_bwd")
-        return done[stem]
-    return get
+    return grad_artifacts(tmp_path_factory.mktemp("fa4bwd"), _grad_text, lambda stem: f"{stem}_bwd")
 
 
 def _bwd_plan(mod, stem):
@@ -103,26 +84,8 @@ def _bwd_plan(mod, stem):
 @pytest.mark.parametrize("stem", STEMS)
 def test_backward_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(bwd_artifacts, stem):
     import kspec
-    from kspec.runtime.cubin import read_cubin
     art = bwd_artifacts(stem)
-    plan = _bwd_plan(kspec.load(art), stem)
-    for arch, mma in zip(ARCHS, (" HGMMA", " UTCHMMA")):
-        b = plan.binaries[arch]
-        assert [v.config["role"] for v in b.variants] == list(ATTENTION_BWD_STEPS)
-        assert [v.config["fa4_class"] for v in b.variants] == [
-            "FlashAttentionBackwardPreprocess", MAIN[arch], "FlashAttentionBackwardPostprocess"]
-        assert all(not v.select for v in b.variants)              # never chosen by size
-        for v in b.variants:
-            # the manifest's parameter offsets are the cubin's own (EIATTR_KPARAM_INFO)
-            k = read_cubin(art / v.cubin).kernel(v.symbol)
-            base = k.params[0].offset
-            assert tuple(p.offset - base for p in k.params) == tuple(
-                int(x) for x in v.config["param_offsets"].split(","))
-        sass = [cubin_sass(art / v.cubin) for v in b.variants]
-        if sass[0] is None:
-            pytest.skip("no cuobjdump")
-        assert mma in sass[1] and "UTMALDG" in sass[1]            # the main kernel: tensor cores, TMA loads
-        assert mma not in sass[0] and mma not in sass[2]
+    check_fa4_bwd_binaries(art, _bwd_plan(kspec.load(art), stem))
 
 
 def _fake_call(mod, stem, sizes, cc, sms, arch):

@@ -17,18 +17,18 @@ import types
 import numpy as np
 import pytest
 
-from conftest import SPECS, cubin_sass, needs_fa4, test_cache_root
+from conftest import FA4_BWD_MAIN as MAIN
+from conftest import SPECS, check_fa4_bwd_binaries, grad_artifacts, needs_fa4, one_fa4_bwd_plan
 
 from kspec.compile import plan_spec
 from kspec.compiler import format_ir, ir_from_json, ir_to_json, verify
 from kspec.compiler.attention_grad import derivative, differs, evaluate, expected_grad, leaves_of
 from kspec.compiler.kir import AuxLoad, Const, Index, Load, Op, Score, ScoreGrad
-from kspec.core import ATTENTION_BWD_STEPS, KspecError
+from kspec.core import KspecError
 from kspec.spec_lang import load_spec
 from kspec.spec_lang.grad import grad_program
 
 ARCHS = ("sm90a", "sm100a")
-MAIN = {"sm90a": "FlashAttentionBackwardSm90", "sm100a": "FlashAttentionBackwardSm100"}
 SOFTCAP_128 = {"256": "128", "0.0625": "0.08838834764831845"}
 
 
@@ -158,13 +158,8 @@ def test_the_check_refuses_a_wrong_derivative_and_other_leaves():
 @needs_fa4
 @pytest.mark.parametrize("stem", ["softcap", "alibi"])
 def test_backward_plans_as_one_fa4_attention_bwd_plan_with_the_mod_on_both_archs(stem):
-    sched = _plan(stem)                                 # --strict: no loop fallback, no unfused note
-    (p,) = sched.plans
-    assert p.kind == "attention_bwd" and set(p.writes) == {"dQ", "dK", "dV"}
-    for arch in ARCHS:
-        c = p.choices[arch]
-        assert c.backend == "cute" and not c.fallback
-        assert MAIN[arch] in dict(c.config)["kernel"] and "score_mod_bwd" in dict(c.config)["score_mod"]
+    p = one_fa4_bwd_plan(_plan(stem))                   # --strict: no loop fallback, no unfused note
+    assert all("score_mod_bwd" in dict(p.choices[arch].config)["score_mod"] for arch in ARCHS)
     ir = verify(p.ir)
     a = ir.attention_bwd
     if stem == "softcap":
@@ -250,19 +245,8 @@ def test_capture_hands_fa4_the_generated_score_mod_and_its_derivative(arch, tmp_
 
 @pytest.fixture(scope="module")
 def mod_artifacts(tmp_path_factory):
-    from kspec.backends.build import CompileCache
-    from kspec.compile import compile_spec
-    out = tmp_path_factory.mktemp("fa4bwdmods")
-    cache = CompileCache(test_cache_root())
-    done = {}
-
-    def get(stem):
-        if stem not in done:
-            spec = out / f"{stem}_grad.kspec"
-            spec.write_text(_grad_text(stem, WRT[stem]))
-            done[stem] = compile_spec(spec, ARCHS, out / stem, cache=cache, kernel=f"attention_{stem}_bwd")
-        return done[stem]
-    return get
+    return grad_artifacts(tmp_path_factory.mktemp("fa4bwdmods"), lambda stem: _grad_text(stem, WRT[stem]),
+                          lambda stem: f"attention_{stem}_bwd")
 
 
 @needs_fa4
@@ -270,25 +254,10 @@ def mod_artifacts(tmp_path_factory):
 @pytest.mark.parametrize("stem", ["softcap", "alibi"])
 def test_backward_with_a_mod_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(mod_artifacts, stem):
     import kspec
-    from kspec.runtime.cubin import read_cubin
     art = mod_artifacts(stem)
     (plan,) = kspec.load(art)[f"attention_{stem}_bwd"].entry.plans
     assert plan.args[-1] == ("slope" if stem == "alibi" else "dV")
-    for arch, mma in zip(ARCHS, (" HGMMA", " UTCHMMA")):
-        b = plan.binaries[arch]
-        assert [v.config["role"] for v in b.variants] == list(ATTENTION_BWD_STEPS)
-        assert [v.config["fa4_class"] for v in b.variants] == [
-            "FlashAttentionBackwardPreprocess", MAIN[arch], "FlashAttentionBackwardPostprocess"]
-        for v in b.variants:
-            k = read_cubin(art / v.cubin).kernel(v.symbol)
-            base = k.params[0].offset
-            assert tuple(p.offset - base for p in k.params) == tuple(
-                int(x) for x in v.config["param_offsets"].split(","))
-        sass = [cubin_sass(art / v.cubin) for v in b.variants]
-        if sass[0] is None:
-            pytest.skip("no cuobjdump")
-        assert mma in sass[1] and "UTMALDG" in sass[1]
-        assert mma not in sass[0] and mma not in sass[2]
+    check_fa4_bwd_binaries(art, plan)
 
 
 @needs_fa4

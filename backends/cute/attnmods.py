@@ -3,6 +3,7 @@
 one (block skipping), else generated `score_mod` / `mask_mod` functions.
 
     analyse(a, roles) -> Mods
+    analyse_bwd(a, roles) -> Mods        an attention backward's: score_mod and its derivative, score_mod_bwd
 
 **Native masks.**  A mask that is an `and` of at most one upper and one lower bound on `j - i`, each
 linear in the sequence lengths S and T (`j <= i + (T - S)`, `j <= i`, `j > i - 128`, ...), is
