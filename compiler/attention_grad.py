@@ -19,9 +19,13 @@ pushed back from the adjoint ScoreGrad(), and the result turned back into an exp
 **The check** that the backward spec really computes that derivative: the graph's dS chain (every
 node from P * (dP - D) to the value dQ and dK contract, the recomputed mod chain read as Score())
 is lifted as an expression too, and it must read exactly the leaves of the expected dS (no
-forward value, no other input) and agree with it in float64 at random points (scores, gradients,
-params and aux values random, indices and sizes random integers, so masks take both branches).
-A tampered gradient fails it; anything not recognised is refused with the reason.
+forward value, no other input), choose (where) only by conditions the expected dS chooses by
+(structurally: no branch of its own that random points might miss), and agree with it in float64
+at random points (scores, gradients, params and aux values random, indices and sizes random
+integers, so masks take both branches; a share of the scores set to each constant the score is
+compared with, gelu's `x == 0`, relu's `x > 0`).  A tampered gradient fails it; anything not
+recognised is refused with the reason.  What it cannot see: a branch of the expected dS itself
+taken only on a set random points miss (`f(score) == c` for another f than the score itself).
 """
 from __future__ import annotations
 
@@ -231,13 +235,34 @@ def leaves_of(e: EpiExpr) -> set:
     return out
 
 
-def _values(leaves, n: int, rng):
+def conditions(e: EpiExpr) -> set:
+    """The boolean sub-expressions of e: the conditions its where(..)s choose by, and their parts."""
+    return {x for x in epi_nodes(e) if isinstance(x, Op) and x.fn in _BOOL_FNS}
+
+
+def _score_boundaries(e: EpiExpr) -> set[float]:
+    """The constants the score is compared with (`score > 0`, gelu's derivative at `x == 0`): values
+    random points would (almost) never hit."""
+    out = set()
+    for x in conditions(e):
+        if x.fn in ("lt", "le", "gt", "ge", "eq", "ne"):
+            a, b = x.args
+            for u, c in ((a, b), (b, a)):
+                if isinstance(u, Score) and isinstance(c, Const) and math.isfinite(c.value):
+                    out.add(float(c.value))
+    return out
+
+
+def _values(leaves, n: int, rng, boundaries=()):
     import numpy as np
     env = {}
     for x in sorted(leaves, key=repr):
         if isinstance(x, Score):
-            # ordinary scores, and large ones (a softcap's tanh saturates)
+            # ordinary scores, large ones (a softcap's tanh saturates), and the constants the score
+            # is compared with
             env[x] = np.where(rng.random(n) < 0.8, rng.uniform(-8, 8, n), rng.uniform(-300, 300, n))
+            for k, c in enumerate(sorted(boundaries)):
+                env[x][k::4 * (len(boundaries) + 1)] = c
         elif isinstance(x, ScoreGrad):
             env[x] = rng.uniform(-2, 2, n)
         elif isinstance(x, Index):
@@ -296,18 +321,23 @@ def evaluate(e: EpiExpr, env: dict):
 
 
 def differs(graph_expr: EpiExpr, expected: EpiExpr, points: int = 512, seed: int = 0) -> str | None:
-    """Why the graph's dS is not the expected one (None: it reads exactly the same leaves and agrees
-    with it in float64 at `points` random points, both non-finite alike)."""
+    """Why the graph's dS is not the expected one (None: it is).  It must read exactly the same leaves,
+    choose only by conditions the expected one chooses by (so every branch it has is one the points
+    below exercise), and agree with it in float64 at `points` random points (both non-finite alike),
+    a share of them with the score at each constant a condition compares it with."""
     import numpy as np
+    from .kir import format_epi
+    new = conditions(graph_expr) - conditions(expected)
+    if new:
+        return f"it chooses by {format_epi(min(new, key=format_epi))}, which the score_mod's derivative does not"
     have, want = leaves_of(graph_expr), leaves_of(expected)
     if have != want:
-        from .kir import format_epi
         extra = sorted(format_epi(x) for x in have - want)
         missing = sorted(format_epi(x) for x in want - have)
         return ("it reads " + ", ".join(extra) if extra else "it does not read " + ", ".join(missing)) + \
             " (the score_mod's derivative reads " + (", ".join(sorted(format_epi(x) for x in want)) or "nothing") + ")"
     rng = np.random.default_rng(seed)
-    env = _values(want, points, rng)
+    env = _values(want, points, rng, _score_boundaries(expected))
     try:
         x = np.broadcast_to(np.asarray(evaluate(graph_expr, env), np.float64), (points,))
         y = np.broadcast_to(np.asarray(evaluate(expected, env), np.float64), (points,))

@@ -23,7 +23,7 @@ from conftest import SPECS, check_fa4_bwd_binaries, grad_artifacts, needs_fa4, o
 from kspec.compile import plan_spec
 from kspec.compiler import format_ir, ir_from_json, ir_to_json, verify
 from kspec.compiler.attention_grad import derivative, differs, evaluate, expected_grad, leaves_of
-from kspec.compiler.kir import AuxLoad, Const, Index, Load, Op, Score, ScoreGrad
+from kspec.compiler.kir import AuxLoad, Const, Index, Load, Op, Score, ScoreGrad, epi_nodes
 from kspec.core import KspecError
 from kspec.spec_lang import load_spec
 from kspec.spec_lang.grad import grad_program
@@ -149,6 +149,23 @@ def test_the_check_refuses_a_wrong_derivative_and_other_leaves():
     assert "does not read scale" in differs(want.args[0], want)
     extra = Op("mul", (want, AuxLoad("p_lse", (Index("b"), Index("h"), Index("i")), "f32")))
     assert "reads p_lse" in differs(extra, want)
+    # a branch of its own, wrong only where random scores never go
+    rare = Op("where", (Op("gt", (S, Const(1e6))), Const(0.0), want))
+    assert "chooses by gt(score, 1000000.0)" in differs(rare, want)
+
+
+def test_the_check_visits_the_branches_of_the_derivative_random_points_miss():
+    """gelu's derivative chooses by `x == 0` (Φ(0) = 0.5): a wrong value there is refused too."""
+    d = derivative(Op("gelu", (S,)))
+    cond = next(x for x in epi_nodes(d) if isinstance(x, Op) and x.fn == "eq")
+    assert cond == Op("eq", (S, Const(0.0)))
+
+    def at_zero(e, value):
+        if isinstance(e, Op) and e.fn == "where" and e.args[0] == cond:
+            return Op("where", (cond, value, e.args[2]))
+        return Op(e.fn, tuple(at_zero(a, value) for a in e.args)) if isinstance(e, Op) else e
+    assert differs(at_zero(d, Const(0.5)), d) is None
+    assert "differs" in differs(at_zero(d, Const(0.25)), d)
 
 
 # ---------------------------------------------------------------------------------------------
