@@ -2,7 +2,7 @@
 generated score_mod / score_mod_bwd functions (compiler/attention_grad.py, backends/cute/attnmods.py
 analyse_bwd, backends/cute/attention_bwd.py): the derivative kspec derives (by kspec grad's rules)
 against torch autograd of the mod written here, in float64 and through the generated source the
-kernel traces; `kspec grad`'s softcap (head dim 128) and ALiBi (--wrt Q,K,V) backwards plan under
+kernel traces; `kspec grad`'s softcap (head dim 128), ALiBi and bias (--wrt Q,K,V) backwards plan under
 --strict as one cute attention_bwd plan on both archs; a gradient chain edited to a wrong derivative,
 a dslope wanted, and head dim 256 are refused with the reason; FA4 is handed the generated functions;
 real offline builds (tensor-core SASS in the main kernel) and the launch ABI (aux tensor and scalar
@@ -45,7 +45,10 @@ def _grad_text(stem: str, wrt=None) -> str:
     return grad_program(load_spec(text, is_text=True), wrt=wrt)
 
 
-WRT = {"softcap": None, "alibi": ["Q", "K", "V"]}
+WRT = {"softcap": None, "alibi": ["Q", "K", "V"], "bias": ["Q", "K", "V"]}
+STEMS = tuple(WRT)
+# the aux tensor each backward's main kernel reads (its name, its shape at B, H, S = T)
+AUX = {"softcap": None, "alibi": ("slope", lambda B, H, S: (H,)), "bias": ("bias", lambda B, H, S: (B, H, S, S))}
 
 
 def _plan(stem: str, text: str | None = None, strict: bool = True):
@@ -173,7 +176,7 @@ def test_the_check_visits_the_branches_of_the_derivative_random_points_miss():
 # ---------------------------------------------------------------------------------------------
 
 @needs_fa4
-@pytest.mark.parametrize("stem", ["softcap", "alibi"])
+@pytest.mark.parametrize("stem", STEMS)
 def test_backward_plans_as_one_fa4_attention_bwd_plan_with_the_mod_on_both_archs(stem):
     p = one_fa4_bwd_plan(_plan(stem))                   # --strict: no loop fallback, no unfused note
     assert all("score_mod_bwd" in dict(p.choices[arch].config)["score_mod"] for arch in ARCHS)
@@ -181,8 +184,12 @@ def test_backward_plans_as_one_fa4_attention_bwd_plan_with_the_mod_on_both_archs
     a = ir.attention_bwd
     if stem == "softcap":
         assert a.score_mod == MODS["softcap"][0] and a.aux == () and not a.causal
-    else:
+    elif stem == "alibi":
         assert a.score_mod == MODS["alibi"][0] and a.aux == ("slope",) and a.causal
+    else:
+        idx = tuple(Index(x) for x in "bhij")
+        assert a.score_mod == Op("add", (S, AuxLoad("bias", idx, "bf16"))) and a.aux == ("bias",) and not a.causal
+    if stem != "softcap":
         assert a.score_mod_grad == ScoreGrad()
     assert a.score_mod_grad == derivative(a.score_mod)
     assert "score_mod: " in format_ir(ir)
@@ -268,18 +275,18 @@ def mod_artifacts(tmp_path_factory):
 
 @needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", ["softcap", "alibi"])
+@pytest.mark.parametrize("stem", STEMS)
 def test_backward_with_a_mod_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(mod_artifacts, stem):
     import kspec
     art = mod_artifacts(stem)
     (plan,) = kspec.load(art)[f"attention_{stem}_bwd"].entry.plans
-    assert plan.args[-1] == ("slope" if stem == "alibi" else "dV")
+    assert plan.args[-1] == (AUX[stem][0] if AUX[stem] else "dV")
     check_fa4_bwd_binaries(art, plan)
 
 
 @needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", ["softcap", "alibi"])
+@pytest.mark.parametrize("stem", STEMS)
 @pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
 def test_the_main_kernel_is_launched_with_the_mods_aux_tensor_and_scalar(mod_artifacts, stem, arch, cc, sms):
     import kspec
@@ -297,13 +304,14 @@ def test_the_main_kernel_is_launched_with_the_mods_aux_tensor_and_scalar(mod_art
     pre, main, post = call.plan_args
     names = [a.name for a in main]
     assert names[7:9] == ["dK", "dV"]
-    if stem == "alibi":
-        assert names[9:] == ["slope"] and main[9].shape == (H,)
-        assert "slope" not in [a.name for a in pre + post]
+    if AUX[stem]:
+        aux, shape = AUX[stem]
+        assert names[9:] == [aux] and main[9].shape == shape(B, H, S)
+        assert aux not in [a.name for a in pre + post]
     else:
         assert len(names) == 9
     # the values reach the main kernel's parameters: the softcap's cap (the mods' aux_scalars[0]) and
-    # ALiBi's slope pointer (aux_tensors[0]) in the main kernel's only
+    # ALiBi's slope (the bias's) pointer (aux_tensors[0]) in the main kernel's only
     pre_r, main_r, post_r = call.launches
     if stem == "softcap":
         cap = struct.pack("<f", 37.25)
