@@ -351,11 +351,27 @@ def differs(graph_expr: EpiExpr, expected: EpiExpr, points: int = 512, seed: int
     return None
 
 
-def match_grad(g: nx.DiGraph, mul, scores: BwdScores, scale_name: str | None,
+def mask_of(g: nx.DiGraph, conds, scores: BwdScores, name_of: Callable[[object], str]) -> EpiExpr | None:
+    """The where(c, .., -inf) conditions masking the modified scores (outermost first), and-ed, as an
+    expression over the scores' labels (None: no mask)."""
+    labels = tuple(op(g, scores.qk).axes)
+    out = None
+    for c in reversed(conds):
+        e, _aux, _nodes = _lift(g, c, {a: a for a in op(g, c).axes}, None, labels, name_of)
+        out = e if out is None else Op("and", (e, out))
+    return out
+
+
+def match_grad(g: nx.DiGraph, mul, scores: BwdScores, conds, scale_name: str | None,
                name_of: Callable[[object], str]):
-    """The dS node of a score-modified attention backward and its scores with the derivative filled
-    in, or the reason the graph's dS is not the score_mod's derivative (a str)."""
+    """The dS node of a score-modified attention backward and its scores with the derivative (and
+    the mask, from the where(c, .., -inf) conditions `conds`) filled in, or the reason the graph's dS
+    is not the score_mod's derivative (a str)."""
     from .kir import format_epi
+    try:
+        scores = replace(scores, mask=mask_of(g, conds, scores, name_of))
+    except NotLiftable as e:
+        return f"the mask: {e}"
     derived = derivative(scores.score_mod) if scores.score_mod is not None else None
     found = grad_chain(g, mul, scores, name_of)
     if isinstance(found, str):

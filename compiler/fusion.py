@@ -124,6 +124,8 @@ class AttentionBwdInfo:
     scale: object                      # the param node (or None: no scale)
     qk: object                         # the recomputed score contraction
     p: object                          # the exp node
+    bottom_right: bool = False         # causal as `key <= query + (len_k - len_q)` (FlashAttention-4's alignment)
+    orders: tuple = ()                 # labels of Q, K, V, O, dO, LSE, dQ, dK, dV in storage order
     mods: object = None                # a score modification (compiler.attention_grad.BwdScores, its grad set)
 
 
@@ -151,6 +153,62 @@ def _causal_cond(g, c, query: str, key: str) -> bool:
     return (a.fn, b.fn) == ((key, query) if o.fn == "le" else (query, key))
 
 
+def _seq_length(g, n):
+    """What n is the length of: ("size", symbol) for a size symbol, ("cu", offsets) for a packed
+    sequence's own length `cu[b + 1] - cu[b]` (how the checker writes a packed axis's size); None."""
+    n = _strip(g, n)
+    o = op(g, n)
+    if o.kind == "size":
+        return ("size", o.fn)
+    if o.kind != "elementwise" or o.fn != "sub":
+        return None
+    (hi, _), (lo, _) = operands(g, n)
+    hi, lo = _strip(g, hi), _strip(g, lo)
+    if op(g, hi).kind != "gather" or op(g, lo).kind != "gather":
+        return None
+    hs, ls = operands(g, hi), operands(g, lo)
+    if len(hs) != 2 or len(ls) != 1 or hs[0][0] != ls[0][0] or op(g, hs[0][0]).kind != "input":
+        return None
+    (b, _), (one, _) = operands(g, hs[1][0]) if op(g, hs[1][0]).fn == "add" else ((None, None), (None, None))
+    if b is None or op(g, _strip(g, b)).kind != "index" or not _is_const(g, one, 1) or \
+            tuple(ls[0][1]) != (op(g, _strip(g, b)).fn,):
+        return None
+    return ("cu", op(g, hs[0][0]).name)
+
+
+def _mask_kind(g, c, query: str, key: str, q_len, k_len) -> str | None:
+    """What mask condition c is: "causal" (`key <= query`), "bottom_right" (`key <= query + (k_len - q_len)`,
+    FlashAttention-4's causal alignment when the lengths differ), "key_length" (`key < k_len`, the keys
+    that exist in a packed sequence); None for anything else.  q_len / k_len as _seq_length gives them."""
+    if _causal_cond(g, c, query, key):
+        return "causal"
+    c = _strip(g, c)
+    o = op(g, c)
+    if o.kind != "elementwise" or o.fn not in ("le", "lt"):
+        return None
+    (x, _), (y, _) = operands(g, c)
+    if op(g, _strip(g, x)).kind != "index" or op(g, _strip(g, x)).fn != key:
+        return None
+    if o.fn == "lt":
+        return "key_length" if k_len[0] == "cu" and _seq_length(g, y) == k_len else None
+    y = _strip(g, y)
+    if op(g, y).kind != "elementwise" or op(g, y).fn != "add":
+        return None
+    (i, _), (d, _) = operands(g, y)
+    if op(g, _strip(g, i)).kind != "index":
+        i, d = d, i
+    d = _strip(g, d)
+    if op(g, _strip(g, i)).kind != "index" or op(g, _strip(g, i)).fn != query or op(g, d).fn != "sub":
+        return None
+    (lk, _), (lq, _) = operands(g, d)
+    return "bottom_right" if _seq_length(g, lk) == k_len and _seq_length(g, lq) == q_len else None
+
+
+def _read_labels(g, consumer, producer) -> tuple | None:
+    """The labels under which consumer reads producer (its storage order)."""
+    return next((tuple(lab) for u, lab in operands(g, consumer) if u == producer), None)
+
+
 def _input(g, n):
     n = _strip(g, n)
     return n if op(g, n).kind == "input" else None
@@ -171,20 +229,19 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     (_modified_scores, compiler.attention_grad.match_grad); the rest is matched structurally."""
     ((u, _),) = operands(g, p)
     (a, _), (m, _) = operands(g, u)
-    causal = False
-    ao = op(g, a)
-    mods = _modified_scores(g, a)
+    conds = []                          # where(c, .., -inf) masks on the scores, outermost first
+    while op(g, a).kind == "elementwise" and op(g, a).fn == "where":
+        (c, _), (x, _), (ninf, _) = operands(g, a)
+        if not _is_const(g, ninf, float("-inf")):
+            return "the scores are masked by something other than where(.., -inf)"
+        conds.append(c)
+        a = x
+    s = a
+    mods = _modified_scores(g, s)
     if isinstance(mods, str):
         return mods
     if mods is not None:
-        c, s, causal = None, mods.qk, mods.mask is not None
-    elif ao.kind == "elementwise" and ao.fn == "where":
-        (c, _), (s, _), (ninf, _) = operands(g, a)
-        if not _is_const(g, ninf, float("-inf")):
-            return "the scores are masked by something other than where(.., -inf)"
-        causal = True
-    else:
-        c, s = None, a
+        s = mods.qk
     so = op(g, s)
     scale = mods.scale if mods is not None else None
     if mods is None and so.kind == "elementwise" and so.fn == "mul":
@@ -197,16 +254,28 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         so = op(g, s)
     if so.kind != "contraction" or len(so.reduced) != 1 or len(so.axes) != 4:
         return "a score modification between QK^T and the softmax (FlashAttention-4's backward here takes none)"
-    *batch, query, key = so.axes
     head = so.reduced[0]
     (q, lq), (k, lk) = operands(g, s)
-    if key in lq:
-        (q, lq), (k, lk) = (k, lk), (q, lq)
-    if op(g, q).kind != "input" or op(g, k).kind != "input" or \
-            tuple(lq) != (*batch, query, head) or tuple(lk) != (*batch, key, head):
+    only_q, only_k = [x for x in lq if x not in lk], [x for x in lk if x not in lq]
+    if len(only_q) != 1 or len(only_k) != 1:
         return "Q and K must be inputs [b, h, seq, head] (no GQA, no gather)"
-    if causal and not (_causal_cond(g, c, query, key) if mods is None else is_top_left_causal(mods.mask, query, key)):
-        return "the mask is not causal (key <= query)"
+    query, key = only_q[0], only_k[0]
+    if so.axes.index(query) > so.axes.index(key):          # s[.., i, j]: the query axis first
+        (q, lq), (k, lk), query, key = (k, lk), (q, lq), key, query
+    batch = [x for x in lq if x in lk and x != head]
+    if op(g, q).kind != "input" or op(g, k).kind != "input" or head not in lq or head not in lk or \
+            lq[-1] != head or lk[-1] != head or len(batch) + 2 != len(lq) or len(lq) != len(lk):
+        return "Q and K must be inputs [b, h, seq, head] (no GQA, no gather), the head dim innermost"
+    q_len = ("cu", op(g, q).packed) if op(g, q).packed else ("size", dict(zip(so.axes, so.shape))[query])
+    k_len = ("cu", op(g, k).packed) if op(g, k).packed else ("size", dict(zip(so.axes, so.shape))[key])
+    kinds = [_mask_kind(g, c, query, key, q_len, k_len) for c in conds]
+    if None in kinds or len(set(kinds)) != len(kinds) or {"causal", "bottom_right"} <= set(kinds):
+        return ("the mask is not causal (key <= query, or key <= query + (T - S) aligned bottom-right as "
+                "FlashAttention-4's), together with the key bound of packed sequences")
+    causal = "causal" in kinds or "bottom_right" in kinds
+    bottom_right = "bottom_right" in kinds
+    if mods is not None and (q_len[0] == "cu" or k_len[0] == "cu"):
+        return "a score modification over packed (varlen) sequences (not matched yet)"
     # lse: an input, or where(lse == -inf, 0, lse)
     mo = op(g, _strip(g, m))
     lse = _input(g, m)
@@ -255,7 +324,7 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     # mask (causal), scale, cast -> dS; dQ = dS K, dK = dS^T Q
     n = mul
     if mods is not None:
-        found = match_grad(g, mul, mods, op(g, scale).name if scale is not None else None,
+        found = match_grad(g, mul, mods, conds, op(g, scale).name if scale is not None else None,
                            lambda x: op(g, x).name or str(x))
         if isinstance(found, str):
             return found
@@ -267,8 +336,8 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         co = op(g, cs[0])
         if co.kind == "elementwise" and co.fn == "where":
             (c3, _), (x, _), (z, _) = operands(g, cs[0])
-            if x != n or not _is_const(g, z, 0.0) or not causal or not _causal_cond(g, c3, query, key):
-                return "dS is masked by something other than the causal mask"
+            if x != n or not _is_const(g, z, 0.0) or _mask_kind(g, c3, query, key, q_len, k_len) not in kinds:
+                return "dS is masked by something other than the scores' mask"
         elif co.kind == "elementwise" and co.fn == "mul":
             others = [w for w, _ in operands(g, cs[0]) if w != n]
             if others != [scale]:
@@ -291,28 +360,30 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     for w in (q, k, v, o_in, do):
         if op(g, w).dtype not in ("f16", "bf16") or op(g, w).dtype != op(g, q).dtype:
             return "Q, K, V, O and dO must be one of f16/bf16"
+    # storage orders (labels): the inputs as read, the outputs as stored
+    orders = (lq, lk, _read_labels(g, dp, v), _read_labels(g, dsum, o_in), _read_labels(g, dp, do),
+              _read_labels(g, next(iter(g.successors(lse))), lse),
+              *(_read_labels(g, next(iter(g.successors(x))), x) for x in (dq, dk, dv)))
+    if None in orders or any(o[-1] != head for i, o in enumerate(orders) if i != 5):
+        return "Q, K, V, O, dO, dQ, dK and dV must be stored with the head dim innermost"
     return AttentionBwdInfo(q, k, v, o_in, do, lse, dq, dk, dv, tuple(batch), query, key, head, causal, scale, s, p,
-                            mods)
+                            bottom_right, tuple(tuple(o) for o in orders), mods)
 
 
 def _modified_scores(g: nx.DiGraph, a):
-    """None when the recomputed softmax operand `a` is the plain or causal one (`[where(.., s, -inf)]`
-    over `[param *] QK^T`), else its score modification lifted (compiler.attention_grad.BwdScores)
-    or why it cannot be (a str)."""
-    x = a
-    if op(g, x).kind == "elementwise" and op(g, x).fn == "where":
-        x = operands(g, x)[1][0]
-    if op(g, x).kind == "elementwise" and op(g, x).fn == "mul" and \
-            any(op(g, w).kind == "contraction" for w, _ in operands(g, x)):
-        return None
-    if op(g, x).kind == "contraction":
+    """None when the recomputed softmax operand `a` (its where(.., -inf) masks taken off) is the plain
+    one (`[param *] QK^T`), else its score modification lifted (compiler.attention_grad.BwdScores) or
+    why it cannot be (a str)."""
+    if op(g, a).kind == "contraction" or (op(g, a).kind == "elementwise" and op(g, a).fn == "mul" and
+                                          any(op(g, w).kind == "contraction" for w, _ in operands(g, a))):
         return None
     found = bwd_scores(g, a, lambda n: op(g, n).name or str(n))
     if isinstance(found, str):
         return found
-    if found.score_mod is None:
-        return ("the scores are masked by something other than the causal mask (FlashAttention-4's backward "
-                "here takes a causal mask only)")
+    if found.mask is not None or found.score_mod is None:
+        return ("the scores are masked inside the score modification (FlashAttention-4 masks the modified "
+                "scores)" if found.mask is not None else "between QK^T and the softmax, no score modification "
+                "FlashAttention-4's backward takes")
     return found
 
 

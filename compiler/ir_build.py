@@ -328,7 +328,17 @@ def _attention_bwd(g, group, buffer_of, stores) -> AttentionBwdStructure:
         query=info.query, key=info.key, head=info.head, causal=bool(info.causal),
         scale=op(g, info.scale).name if info.scale is not None else None, head_dim=e,
         dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)), ("E", e)),
-        **mods)
+        bottom_right=bool(info.bottom_right), layouts=_bwd_layouts(info), **mods)
+
+
+def _bwd_layouts(info) -> tuple[tuple[str, ...], ...]:
+    """The storage orders of a matched attention backward's tensors as roles; () when canonical."""
+    b = info.batch
+    role = {**({b[0]: "B"} if len(b) > 1 else {}), b[-1]: "H", info.query: "S", info.key: "T", info.head: "E"}
+    out = tuple(tuple(role[x] for x in order) for order in info.orders)
+    canon = tuple(("B", "H", s, "E")[:4] for s in ("S", "T", "T", "S", "S")) + (("B", "H", "S"),) + \
+        tuple(("B", "H", s, "E") for s in ("S", "T", "T"))
+    return () if out == canon else out
 
 
 def _attention_bwd_mods(g, info, buffer_of) -> dict:

@@ -402,8 +402,9 @@ class AttentionBwdStructure:
     """The backward of a plain, causal or score-modified attention (what `kspec grad` derives;
     FlashAttention-4's backward): P = exp(mod(scale * Q K^T) (causally masked) - LSE), dV = P^T dO,
     dP = dO V^T, D = rowsum(dO * O), dS = scale * mod'(scale * Q K^T) * P * (dP - D) (masked),
-    dQ = dS K, dK = dS^T Q (mod the identity without a score_mod).  Every tensor is
-    [batch.., seq, head] in canonical order ([b, h, s, e]); LSE is f32 [b, h, i]."""
+    dQ = dS K, dK = dS^T Q (mod the identity without a score_mod).  Tensors are [b, h, seq, head]
+    in any order with the head dim innermost (`layouts`), or packed (varlen: the buffers' `packed`
+    offsets, [b, seq, h, head]); LSE is f32 [b, h, i] (packed: [b, i, h])."""
     q_buffer: str
     k_buffer: str
     v_buffer: str
@@ -423,6 +424,10 @@ class AttentionBwdStructure:
     scale: str | None                              # a param name, or None (scale 1)
     head_dim: Extent | None
     dims: tuple[tuple[str, Extent], ...]           # ("B", ..), ("H", ..), ("S", ..), ("T", ..), ("E", ..)
+    bottom_right: bool = False                     # causal as key <= query + (T - S) (FlashAttention-4's)
+    # storage order of Q, K, V, O, dO, LSE, dQ, dK, dV as roles B, H, S (T for K, V, dK, dV), E,
+    # outermost first; () when every tensor is canonical ([B, H, seq, E], LSE [B, H, S])
+    layouts: tuple[tuple[str, ...], ...] = ()
     # A score modification (AttentionStructure.score_mod: the softmax reads score_mod(scaled score))
     # and its derivative (compiler/attention_grad.py): dS = scale * score_mod_grad, an expression over
     # ScoreGrad (P * (dP - D)), Score and the mod's own leaves; FlashAttention-4's score_mod and
@@ -819,7 +824,8 @@ def format_ir(ir: KernelIR) -> str:
         a = ir.attention_bwd
         lines.append(f"  attention backward: Q={a.q_buffer} K={a.k_buffer} V={a.v_buffer} O={a.o_buffer} "
                      f"dO={a.do_buffer} LSE={a.lse_buffer} ({a.dtype}) -> dQ={a.dq_buffer} dK={a.dk_buffer} "
-                     f"dV={a.dv_buffer} ({'/'.join(a.out_dtypes)}); {'causal, ' if a.causal else ''}scale "
+                     f"dV={a.dv_buffer} ({'/'.join(a.out_dtypes)}); "
+                     f"{('causal (bottom-right), ' if a.bottom_right else 'causal, ') if a.causal else ''}scale "
                      f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims))
         if a.score_mod is not None:
             lines.append(f"    score_mod: {format_epi(a.score_mod)}; its gradient: {format_epi(a.score_mod_grad)}"

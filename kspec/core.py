@@ -344,15 +344,20 @@ ABI_VERSION_PROTO = "int kspec_abi_version(void)"
 ATTENTION_BWD_STEPS = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
 
 
-def attention_bwd_workspace(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int) -> "dict[str, tuple]":
-    """name -> (byte offset, shape [B, H, n]) of dq_accum, dpsum and lse_log2; "total": (bytes, ())."""
+def attention_bwd_workspace(B: int, H: int, S: int, tile_m: int, head_dim_rounded: int,
+                            packed: bool = False) -> "dict[str, tuple]":
+    """name -> (byte offset, shape) of dq_accum, dpsum and lse_log2 ([B, H, n]; packed queries:
+    [H, n], S the packed row count, each sequence padded as FlashAttention-4 pads it); "total":
+    (bytes, ())."""
     def up(n: int, m: int) -> int:
         return -(-n // m) * m
-    sr = up(S, tile_m)
-    acc = up(B * H * sr * head_dim_rounded * 4, 256)
-    rows = up(B * H * sr * 4, 256)
-    return {"dq_accum": (0, (B, H, sr * head_dim_rounded)), "dpsum": (acc, (B, H, sr)),
-            "lse_log2": (acc + rows, (B, H, sr)), "total": (acc + 2 * rows, ())}
+    sr = (S + (B + 1) * tile_m - 1) // tile_m * tile_m if packed else up(S, tile_m)
+    lead = (H,) if packed else (B, H)
+    n = H if packed else B * H
+    acc = up(n * sr * head_dim_rounded * 4, 256)
+    rows = up(n * sr * 4, 256)
+    return {"dq_accum": (0, (*lead, sr * head_dim_rounded)), "dpsum": (acc, (*lead, sr)),
+            "lse_log2": (acc + rows, (*lead, sr)), "total": (acc + 2 * rows, ())}
 
 
 def abi_header() -> str:

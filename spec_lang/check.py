@@ -1325,7 +1325,9 @@ def count_ops(e: TExpr) -> dict[str, int]:
 #   present rows are stored;
 # - a logsumexp over a packed axis leaves absent positions out the same way (they are -inf);
 # - a sum over a packed axis must multiply by a softmax over that axis (attention's P·V), whose
-#   absent entries are 0; other reductions over a packed axis are refused (mask them explicitly).
+#   absent entries are 0, or by a packed input read over it (attention's backward dK = dSᵀ·Q):
+#   absent rows of an input are 0; other reductions over a packed axis are refused (mask them
+#   explicitly).
 #
 # The numpy reference (backends/reference) reads and writes the packed arrays; see there for what
 # a call checks (offsets non-decreasing, within the rows, the first one 0, the last one the row count).
@@ -1411,6 +1413,26 @@ def _seq_length(cu: str, b: str) -> TExpr:
     return TBinary("i32", (b,), None, "-", nxt, TGather("i32", (b,), None, cu, (b,)))
 
 
+def varlen_lengths_as_sizes(kernel, value: TExpr) -> TExpr:
+    """value with every sequence length varlen_apply wrote out (`cu[b + 1] - cu[b]`, _seq_length)
+    written back as the size symbol of the axis cu packs (`T`): what a spec says inside an
+    expression, and what checking it again turns back into the same length (kspec grad prints its
+    result as spec text)."""
+    symbol = {}
+    for t in kernel.tensors:
+        if t.packed is not None and t.rank >= 2:
+            symbol.setdefault(t.packed, t.shape[1])
+
+    def back(e: TExpr) -> TExpr:
+        if isinstance(e, TBinary) and e.op == "-" and isinstance(e.lhs, TGather) and isinstance(e.rhs, TGather) \
+                and e.lhs.tensor == e.rhs.tensor and e.lhs.tensor in symbol and len(e.rhs.subscripts) == 1 \
+                and isinstance(e.rhs.subscripts[0], str) and e == _seq_length(e.lhs.tensor, e.rhs.subscripts[0]):
+            return TSize("i32", (), None, symbol[e.lhs.tensor])
+        return e
+
+    return _rebuild_texpr(value, back) if symbol else value
+
+
 def _rebuild_texpr(e: TExpr, f) -> TExpr:
     """e with f applied bottom-up; free indices grow by what the new children bring."""
     changes = {}
@@ -1450,7 +1472,7 @@ def varlen_apply(kc, env, value: TExpr, span) -> TExpr:
                            free=_uniq(e.free + tuple(x for x in masked.free if x not in e.indices)))
         if isinstance(e, TReduce):
             for ix in e.indices:
-                if ix in packed.labels and not (e.op == "sum" and _zero_when_absent(kc, e.operand, ix)):
+                if ix in packed.labels and not (e.op == "sum" and _zero_when_absent(kc, packed, e.operand, ix)):
                     kc.error(f"'{e.op}({ix})' reduces over '{ix}', which runs over packed sequences, where "
                              "positions past a sequence's length do not exist", e.span or span,
                              f"multiply by a softmax over '{ix}' (attention's P·V), or mask it yourself: "
@@ -1464,21 +1486,41 @@ def varlen_apply(kc, env, value: TExpr, span) -> TExpr:
 def _absent_as_neg_inf(packed, operand: TExpr, axis: str) -> TExpr:
     """`where(axis < len(b), operand, -inf)`: the operand with the positions past each sequence's
     length left out of a softmax or logsumexp over the packed axis."""
-    cu, b = packed.labels[axis]
-    cond = TBinary(BOOL, _uniq((axis, b)), None, "<", TIndex("i32", (axis,), None, axis), _seq_length(cu, b))
+    cond = _within(packed, axis)
     return TCall(operand.dtype, _uniq(operand.free + cond.free), operand.span, "where",
                  (cond, operand, TConst("f32", (), None, -math.inf, True)))
 
 
-def _zero_when_absent(kc, e: TExpr, label: str) -> bool:
-    """e is a product one factor of which is a softmax over `label` (0 at absent positions)."""
+def _within(packed, axis: str) -> TExpr:
+    """`axis < len(b)`: the positions of packed axis `axis` that exist in sequence b."""
+    cu, b = packed.labels[axis]
+    return TBinary(BOOL, _uniq((axis, b)), None, "<", TIndex("i32", (axis,), None, axis), _seq_length(cu, b))
+
+
+def _zero_when_absent(kc, packed, e: TExpr, label: str) -> bool:
+    """e is a product one factor of which is 0 at absent positions of `label`: a softmax over it, or
+    a packed input read over it (a sequence's rows past its length do not exist: 0, what the
+    reference reads there, and what no kernel reads)."""
     if isinstance(e, TBinary) and e.op == "*":
-        return _zero_when_absent(kc, e.lhs, label) or _zero_when_absent(kc, e.rhs, label)
+        return _zero_when_absent(kc, packed, e.lhs, label) or _zero_when_absent(kc, packed, e.rhs, label)
+    if isinstance(e, TCast):
+        return _zero_when_absent(kc, packed, e.operand, label)
+    if isinstance(e, TCall) and e.fn == "where":
+        # where(label < its length, x, 0) (the mask the hint below suggests), or where(c, x, 0) with x 0 there
+        cond, x, y = e.args
+        if not (isinstance(y, TConst) and y.value == 0):
+            return False
+        return cond == _within(packed, label) or _zero_when_absent(kc, packed, x, label)
     if isinstance(e, TSoftmax):
         return e.axis == label
     if isinstance(e, TAccess):
         pos = kc.softmax_axis.get(e.tensor)
-        return pos is not None and e.indices[pos] == label
+        if pos is not None and e.indices[pos] == label:
+            return True
+        t = kc.tensors.get(e.tensor)
+        axes = kc.packed_axes.get(e.tensor) or ()
+        return t is not None and t.role == "in" and any(
+            a is not None and e.indices[pos] == label for pos, a in enumerate(axes))
     return False
 
 

@@ -52,9 +52,13 @@ The transform:
    whose other factor is 16-bit is converted to it (P in dV = Pᵀ dO), as FlashAttention and the
    training frameworks round them; each dX is stored in X's dtype (casts differentiate in f32).
 
-Scalar params get no gradient.  Packed (varlen) tensors are not differentiated yet.  A read at a
-rotation of a whole axis (`(e + c) % n`, e over all n values: RoPE's rotate-half) is a bijection:
-its adjoint reads the gradient at the inverse rotation instead of a scatter-add (_invert_rotations).
+Scalar params get no gradient.  Packed (varlen) tensors are differentiated like dense ones: the
+size symbol of a packed axis is printed back as itself (each sequence's own length), a saved
+log-sum-exp over packed queries is stored packed like them (batch and sequence first), and a
+backward sum over a packed axis is masked to the present positions unless a packed input read over
+it is a factor (_mask_absent).  A read at a rotation of a whole axis (`(e + c) % n`, e over all n
+values: RoPE's rotate-half) is a bijection: its adjoint reads the gradient at the inverse rotation
+instead of a scatter-add (_invert_rotations).
 """
 from __future__ import annotations
 
@@ -208,7 +212,7 @@ class _Grad:
     def _wrt(self, wrt):
         k = self.k
         floats = [t.name for t in k.inputs if t.dtype in FLOAT_DTYPES and t.dtype not in NO_GRADIENT_STORAGE]
-        for t in k.tensors:
+        for t in ():
             if t.packed is not None:
                 raise KspecError(f"kspec grad does not differentiate packed (varlen) tensors yet: '{t.name}' is "
                                  f"packed({t.packed})", t.span,
@@ -495,8 +499,25 @@ class _Grad:
         for f in summed:
             mapping[f] = f if f not in taken else self.fresh(f)
             taken.add(mapping[f])
+        t = self._mask_absent(t, summed, extents)
         t = rename(t, mapping, self.fresh)
         return ast.Reduce("sum", tuple(mapping[f] for f in summed), t) if summed else t
+
+    def _mask_absent(self, t, summed, extents):
+        """t, summed over `summed`, made 0 past each sequence's length for every summed index that runs
+        over a packed (varlen) sequence axis, `where(t < T, .., 0.0)` (T inside an expression is the
+        sequence's own length; spec_lang/check.py), unless a factor of t already is: a packed input
+        read over it (absent rows of an input are 0: attention's dK = sum(i) dS * Q needs no mask)."""
+        packed = [x for x in self.k.tensors if x.packed is not None]
+        seqs = {x.shape[1] for x in packed}
+        # the backward's packed inputs: the forward's, its packed outputs and their gradients dOUT
+        ins = {x.name for x in packed if x.role in ("in", "out")} | \
+              {self.dname(x.name) for x in packed if x.role == "out" and x.name in self.dnames}
+        for f in summed:
+            sym = extents.get(f)
+            if sym in seqs and not _packed_factor(t, f, ins):
+                t = where(ast.Binary("<", ast.Name(f), ast.Name(sym)), t, None)
+        return t
 
     def canon_of(self, x: str, pattern) -> tuple[str, ...]:
         if x not in self.canon:
@@ -574,7 +595,8 @@ class _Grad:
                 part = self.fresh("d" + x + "_part")
                 self.generated.add(part)
                 self.infos[part] = TensorInfo(part, "temp", "f32", (), "row")
-                self.bwd.append(ast.Stmt(part, tuple(keep), None, ast.Reduce("sum", tuple(others), t)))
+                self.bwd.append(ast.Stmt(part, tuple(keep), None,
+                                         ast.Reduce("sum", tuple(others), self._mask_absent(t, others, st.extents))))
                 t = access(part, keep)
                 F = tuple(keep)
             # `subscript == v` with v dX's own index: a placeholder for v until the statement's
@@ -627,7 +649,7 @@ class _Grad:
             needed |= _ast_names(s.value)
         saved: list[str] = []
         recompute: set[str] = set()
-        lse_of: dict[str, str] = {}
+        lse_of: dict[str, tuple[str, tuple[str, ...]]] = {}     # softmax -> its log-sum-exp, indices
         work = [n for n in needed if n in self.defn]
         while work:
             name = work.pop()
@@ -642,8 +664,8 @@ class _Grad:
                 continue
             recompute.add(name)
             if isinstance(v, TSoftmax):
-                lse = self._lse(st)
-                lse_of[name] = lse
+                lse_of[name] = self._lse(st)
+                lse = lse_of[name][0]
                 if self.infos[lse].role != "out":
                     saved.append(lse)
                 work.extend(n for n in _names_in(v.operand) if n in self.defn)
@@ -681,7 +703,7 @@ class _Grad:
                 continue
             if s.target in lse_of:
                 v = s.value
-                lse = access(lse_of[s.target], tuple(i for i in s.indices if i != v.axis))
+                lse = access(*lse_of[s.target])
                 safe = ast.Call("where", (ast.Binary("==", lse, num(float("-inf"))), num(0.0), lse))
                 rec.append(ast.Stmt(s.target, s.indices, s.dtype,
                                     ast.Call("exp", (sub(f32(v.operand), safe),))))
@@ -694,20 +716,46 @@ class _Grad:
                                                            if recompute else "") + "\n")
         return fwd, bwd, header
 
-    def _lse(self, st: NStmt) -> str:
-        """The name of a logsumexp of softmax st's operand: an existing statement's, or a new one."""
+    def _lse(self, st: NStmt) -> tuple[str, tuple[str, ...]]:
+        """A logsumexp of softmax st's operand, an existing statement's or a new one: its name and the
+        order of its indices.  Over packed queries it is stored packed like them, batch and sequence
+        first (`p_lse : f32[B, S, H] packed(cu_q)`, what FlashAttention-4's varlen LSE is a view of)."""
         v = st.value
         want = TReduce("f32", tuple(i for i in v.operand.free if i != v.axis), None, "logsumexp", (v.axis,),
                        v.operand)
+        kept = tuple(i for i in st.indices if i != v.axis)
         for s in self.stmts + self.fwd_extra:
-            if isinstance(s.value, TReduce) and s.value == want and \
-                    s.indices == tuple(i for i in st.indices if i != v.axis):
-                return s.target
+            if isinstance(s.value, TReduce) and s.value == want and sorted(s.indices) == sorted(kept):
+                return s.target, s.indices
         name = self.fresh(st.target + "_lse")
-        idx = tuple(i for i in st.indices if i != v.axis)
-        self.infos[name] = TensorInfo(name, "temp", "f32", tuple(st.extents[i] for i in idx), "row", None, st.span)
+        idx, cu = _packed_first(kept, st.extents, self.k)
+        self.infos[name] = TensorInfo(name, "temp", "f32", tuple(st.extents[i] for i in idx), "row", None, st.span,
+                                      cu)
         self.fwd_extra.append(NStmt(name, idx, "f32", want, {i: st.extents[i] for i in st.indices}, st.span))
-        return name
+        return name, idx
+
+
+def _packed_first(idx: tuple[str, ...], extents: dict, k: CheckedKernel) -> tuple[tuple[str, ...], str | None]:
+    """idx, and None; or, when one index runs over a sequence axis of a packed tensor of k (and one
+    over its batch axis), idx with those two first and the offsets they are packed by."""
+    for t in k.tensors:
+        if t.packed is None:
+            continue
+        batch, seq = t.shape[0], t.shape[1]
+        b = next((i for i in idx if extents[i] == batch), None)
+        s = next((i for i in idx if extents[i] == seq), None)
+        if b is not None and s is not None:
+            return (b, s) + tuple(i for i in idx if i not in (b, s)), t.packed
+    return idx, None
+
+
+def _packed_factor(t, f: str, packed_inputs: set[str]) -> bool:
+    """A factor of the product t is a read of one of packed_inputs with f as its sequence index."""
+    if isinstance(t, ast.Binary) and t.op == "*":
+        return _packed_factor(t.lhs, f, packed_inputs) or _packed_factor(t.rhs, f, packed_inputs)
+    if isinstance(t, ast.Cast):
+        return _packed_factor(t.operand, f, packed_inputs)
+    return isinstance(t, ast.Access) and t.tensor in packed_inputs and t.indices[1:2] == (f,)
 
 
 def _subscript_indices(sx) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .check import (BOOL, CheckedKernel, TAccess, TBinary, TCall, TCast, TConst, TExpr, TGather, TIndex, TReduce,
-                    TSoftmax, TUnary, TensorInfo, texpr_children)
+                    TSoftmax, TUnary, TensorInfo, texpr_children, varlen_lengths_as_sizes)
 from .errors import KspecError
 
 
@@ -42,7 +42,7 @@ class Normaliser:
         out: list[NStmt] = []
         for st in self.k.stmts:
             ext = dict(st.extents)
-            value = self._lift(st.value, True, ext, out, st.target, st.span)
+            value = self._lift(varlen_lengths_as_sizes(self.k, st.value), True, ext, out, st.target, st.span)
             self._push(NStmt(st.target, st.indices, st.dtype, value, _own_extents(ext, st.indices, value), st.span),
                        out)
         return out

@@ -60,6 +60,29 @@ def test_causal_backward_over_keys_that_may_differ_from_queries_is_refused():
     assert any("bottom-right" in n for n in sched.fusion.notes), sched.fusion.notes
 
 
+@needs_fa4
+@pytest.mark.parametrize("stem, varlen", [("attention_varlen", "cu_seqlens_q, cu_seqlens_k"),
+                                          ("attention_decode", None)])
+def test_bottom_right_causal_and_packed_backwards_plan_as_one_fa4_kernel(stem, varlen):
+    """`j <= i + (T - S)` is FA4's own causal alignment (any S, T); over packed (varlen) sequences
+    with its per-sequence lengths, with [b, seq, h, e] tensors, the packed LSE a [h, rows] view."""
+    p = one_fa4_bwd_plan(_plan(stem))                   # --strict
+    for arch in ARCHS:
+        cfg = dict(p.choices[arch].config)
+        assert cfg["mask"] == "causal (bottom-right)" and cfg.get("varlen") == varlen
+    a = p.ir.attention_bwd
+    assert a.bottom_right and a.causal
+    if varlen:
+        assert a.layouts[0] == ("B", "S", "H", "E") and a.layouts[5] == ("B", "S", "H")
+
+
+def test_top_left_causal_over_packed_sequences_is_refused():
+    # j <= i over sequences whose query and key counts differ is not FA4's (bottom-right) causal mask
+    # (unfused, nothing builds packed tensors: --strict names the reason first)
+    with pytest.raises(KspecError, match="attention backward.*bottom-right"):
+        _plan("attention_varlen", edit=lambda t: t.replace("j <= i + (T - S)", "j <= i"))
+
+
 def test_gqa_backward_is_refused_with_the_reason():
     sched = _plan("attention_gqa", strict=False)
     assert any("attention backward" in n and "no GQA" in n for n in sched.fusion.notes), sched.fusion.notes
@@ -81,7 +104,7 @@ def _bwd_plan(mod, stem):
 
 @needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", STEMS)
+@pytest.mark.parametrize("stem", STEMS + ("attention_varlen",))
 def test_backward_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(bwd_artifacts, stem):
     import kspec
     art = bwd_artifacts(stem)
@@ -133,6 +156,37 @@ def test_one_call_launches_preprocess_main_postprocess_with_one_workspace(bwd_ar
         assert lay["lse_log2"][0] + 4 * B * H * -(-S // tile_m) * tile_m <= want
         # the preprocess and postprocess run one CTA per (query tile, head, sequence)
         assert call.launches[0].grid == (-(-S // tile_m), H, B)
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
+def test_packed_backward_passes_the_offsets_and_sizes_the_padded_workspace(bwd_artifacts, arch, cc, sms):
+    """Over packed sequences each kernel gets FA4's varlen views ([rows, H, E], the LSE [H, rows] of
+    the packed [rows, H] array) and the offsets; the workspace is FA4's varlen one ([H, n], n the
+    rows padded per sequence: rows + B tiles, rounded up to a tile)."""
+    import kspec
+    stem = "attention_varlen"
+    mod = kspec.load(bwd_artifacts(stem))
+    plan = _bwd_plan(mod, stem)
+    b = plan.binaries[arch]
+    assert [v.config["packed"] for v in b.variants] == ["q,k"] * 3
+    tile_m, dr = int(b.variants[0].config["ws_tile_m"]), int(b.variants[0].config["ws_head_dim"])
+    for B, H in ((3, 2), (1, 1), (5, 4)):
+        call, problems = _fake_call(mod, stem, {"B": B, "H": H}, cc, sms, arch)
+        assert problems == [], problems
+        rows = sum(100 + 17 * x for x in range(B))        # fake_call's sequence lengths
+        n = (rows + (B + 1) * tile_m - 1) // tile_m * tile_m
+        lay = attention_bwd_workspace(B, H, rows, tile_m, dr, packed=True)
+        assert lay["dq_accum"][1] == (H, n * dr) and lay["dpsum"][1] == (H, n)
+        assert mod.launches(plan, arch, call.binding.dims(plan), 0, sms) == ([0, 1, 2], lay["total"][0])
+        pre, main, post = call.plan_args
+        assert [a.name for a in pre] == ["O", "dO", "<dpsum>", "p_lse", "<lse_log2>", "<dq_accum>", "cu_q"]
+        assert [a.name for a in main][-4:] == ["dK", "dV", "cu_q", "cu_k"]
+        assert [a.name for a in post] == ["<dq_accum>", "dQ", "cu_q"]
+        (ws,) = {r.prepare.workspace for r in call.launches}
+        assert pre[5].ptr == ws and pre[5].shape == (H, n * dr) and pre[2].ptr == ws + lay["dpsum"][0]
+        assert pre[0].shape == (rows, H, 128) and pre[3].shape == (rows, H)
 
 
 def _lse(mod, stem):
@@ -192,14 +246,15 @@ def test_inspect_says_a_call_launches_the_three_kernels_in_order(bwd_artifacts, 
 @needs_fa4
 @pytest.mark.cute
 @pytest.mark.parametrize("arch", ARCHS)
-def test_selftest_fake_checks_each_of_the_three_launches(bwd_artifacts, capsys, arch):
+@pytest.mark.parametrize("stem", ["attention_causal", "attention_varlen"])
+def test_selftest_fake_checks_each_of_the_three_launches(bwd_artifacts, capsys, arch, stem):
     """`kspec selftest --fake` (what a CPU machine checks before a GPU run) matches the three launches
     of one attention backward call to the plan and checks each against its own kernel's ABI and the
     tensors it reads and writes (the workspace's buffers included); it once zipped one launch per
     plan and reported Q, K, V, dQ, dK, dV missing from the preprocess kernel's parameters."""
     from kspec.cli import main
-    art = bwd_artifacts("attention_causal")
+    art = bwd_artifacts(stem)
     rc = main(["selftest", str(art), "--fake", arch, "--no-bench"])
     out = capsys.readouterr().out
-    lines = [x for x in out.splitlines() if "attention_causal_bwd" in x]
+    lines = [x for x in out.splitlines() if f"{stem}_bwd" in x and "bad-index" not in x]
     assert rc == 0 and lines and all("PASS" in x and "3 launch(es) recorded, ABI ok" in x for x in lines), out

@@ -111,6 +111,35 @@ def _attn_padded(p, t):
     return {"O": _sdpa(t["Q"], t["K"], t["V"], p["scale"], mask)[0]}
 
 
+def _attn_varlen(p, t):
+    """Per sequence b (rows cu[b] .. cu[b + 1] - 1 of the packed [total, H, E] tensors): causal
+    attention aligned bottom-right, j <= i + (T_b - S_b)."""
+    cq, ck = t["cu_q"].tolist(), t["cu_k"].tolist()
+    out = []
+    for b in range(len(cq) - 1):
+        q, k, v = (x[lo:hi].permute(1, 0, 2)[None] for x, lo, hi in
+                   ((t["Q"], cq[b], cq[b + 1]), (t["K"], ck[b], ck[b + 1]), (t["V"], ck[b], ck[b + 1])))
+        S, T = q.shape[2], k.shape[2]
+        out.append(_sdpa(q, k, v, p["scale"], _causal(S, T, T - S))[0][0].permute(1, 0, 2))
+    return {"O": torch.cat(out)}
+
+
+def _moe_grouped(p, t):
+    """Expert e's rows off[e] .. off[e + 1] - 1 of X go through W[e] (+ bias, silu), weighted by rw."""
+    off = t["off"].tolist()
+    ys = [t["rw"][lo:hi, None] * F.silu(t["X"][lo:hi] @ t["W"][e].T + t["bias"][e])
+          for e, (lo, hi) in enumerate(zip(off, off[1:]))]
+    return {"Y": torch.cat(ys)}
+
+
+def _moe_gather(p, t):
+    """Expert e's rows r gather token X[idx[r]], times W[e], weighted by rw[r]."""
+    off = t["off"].tolist()
+    ys = [t["rw"][lo:hi, None] * (t["X"][t["idx"][lo:hi]] @ t["W"][e].T)
+          for e, (lo, hi) in enumerate(zip(off, off[1:]))]
+    return {"Y": torch.cat(ys)}
+
+
 def _cross_entropy(p, t):
     lg = t["logits"]
     return {"loss": torch.logsumexp(lg, -1) - lg.gather(1, t["label"][:, None].long())[:, 0]}
@@ -177,6 +206,9 @@ CASES = {
     "attention_lse": (dict(B=1, H=2, S=6), {"scale": 0.088}, {}, _attn_lse),
     "attention_sliding_window": (dict(B=1, H=2, S=7), {"scale": 0.102, "W": 3}, {}, _attn_window),
     "attention_softcap": (dict(B=1, H=1, S=4, T=5), {"scale": 0.0625, "cap": 1.5}, {}, _attn_softcap),
+    # packed: sequence lengths 3, 0, 5 (queries) and 4, 2, 5 (keys); a sequence with no query row
+    "attention_varlen": (dict(B=3, H=2), {"scale": 0.088},
+                         {"cu_q": np.array([0, 3, 3, 8]), "cu_k": np.array([0, 4, 6, 11])}, _attn_varlen),
     "attention_varlen_padded": (dict(B=2, H=1, S=5, T=6), {"scale": 0.088},
                                 {"Lq": np.array([5, 3]), "Lk": np.array([6, 2])}, _attn_padded),
     "batched_gemm": (dict(L=2, M=3, K=5, N=4), {}, {}, lambda p, t: {"C": t["A"] @ t["B"]}),
@@ -188,6 +220,9 @@ CASES = {
     "fp8_gemm_blockwise": (dict(M=2, K=256, N=128), {}, {}, _fp8_blockwise),
     "gemm_int8_dequant": (dict(M=4, K=6, N=5), {}, {"A": np.arange(24).reshape(4, 6) % 11 - 5,
                                                     "B": np.arange(30).reshape(5, 6) % 7 - 3}, _int8_dequant),
+    "moe_gather_gemm": (dict(E=3, N=5, D=6, F=4), {}, {"off": np.array([0, 2, 2, 6]),
+                                                      "idx": np.array([4, 0, 1, 1, 3, 0])}, _moe_gather),
+    "moe_grouped_gemm": (dict(E=3, D=6, F=4), {}, {"off": np.array([0, 3, 3, 7])}, _moe_grouped),
     "mxfp8_gemm": (dict(M=3, K=64, N=4), {}, {}, _mxfp8),
     "nvfp4_gemm": (dict(M=3, K=64, N=4), {"alpha": 0.75}, {}, _nvfp4),
     "fp8_gemm_scaled": (dict(M=4, K=8, N=5), {"scale_a": 1.0, "scale_b": 1.0}, {},
@@ -213,9 +248,6 @@ CASES = {
 # shipped specs kspec grad refuses, with the reason it gives
 REFUSED = {
     "gemm_int8": "no floating-point input",
-    "moe_grouped_gemm": "packed (varlen)",
-    "moe_gather_gemm": "packed (varlen)",
-    "attention_varlen": "packed (varlen)",
     "attention_paged": "used only as a value",
 }
 # tolerance (max |error| / max |gradient|) by the spec's least precise dtype
@@ -241,7 +273,10 @@ def _arrays(kernel, sizes, ints, rng):
         if t.name in ints:
             out[t.name] = np.asarray(ints[t.name], dtype=np.int32)
             continue
-        shape = tuple(_extent(d, sizes) for d in t.shape)
+        if t.packed is not None:           # [total rows, ...]: the sequences back to back
+            shape = (int(ints[t.packed][-1]),) + tuple(_extent(d, sizes) for d in t.shape[2:])
+        else:
+            shape = tuple(_extent(d, sizes) for d in t.shape)
         # an E8M0 scale is a power of two (and gets no gradient: NO_GRADIENT_STORAGE)
         x = 2.0 ** rng.integers(-3, 4, shape) if t.dtype in NO_GRADIENT_STORAGE else rng.standard_normal(shape)
         if t.layout == "col":

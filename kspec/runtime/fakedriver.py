@@ -869,16 +869,22 @@ def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, b
     ws = rec.prepare.workspace if rec.prepare is not None else 0
     if not ws:
         raise KspecInternalError(f"{rec.what}: an attention backward launch without a workspace")
-    lay = attention_bwd_workspace(roles["B"], roles["H"], roles["S"], int(cfg["ws_tile_m"]), int(cfg["ws_head_dim"]))
+    packed = cfg.get("packed", "none").split(",")
+    lay = attention_bwd_workspace(roles["B"], roles["H"], roles["S"], int(cfg["ws_tile_m"]), int(cfg["ws_head_dim"]),
+                                  "q" in packed)
 
     def buf(name):
-        off, (B, H, n) = lay[name]
-        return ArgTensor(f"<{name}>", ws + off, (B, H, n), (H * n, n, 1), "f32")
+        off, shape = lay[name]
+        strides = tuple(math.prod(shape[a + 1:]) for a in range(len(shape)))
+        return ArgTensor(f"<{name}>", ws + off, shape, strides, "f32")
     acc, dpsum, lse2 = buf("dq_accum"), buf("dpsum"), buf("lse_log2")
-    q, k, v, o, do, lse, dq, dk, dv, *aux = tensors         # aux: a score modification's tensors
-    return {"bwd_preprocess": [o, do, dpsum, lse, lse2, acc],
-            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk, dv, *aux],
-            "bwd_postprocess": [acc, dq]}[role]
+    q, k, v, o, do, lse, dq, dk, dv, *rest = tensors
+    cq = rest[:1] if "q" in packed else []
+    ck = rest[len(cq):len(cq) + 1] if "k" in packed else []
+    aux = rest[len(cq) + len(ck):]                          # a score modification's tensors, last
+    return {"bwd_preprocess": [o, do, dpsum, lse, lse2, acc, *cq],
+            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk, dv, *cq, *ck, *aux],
+            "bwd_postprocess": [acc, dq, *cq]}[role]
 
 
 @dataclass(frozen=True)
