@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from conftest import SPECS, check_fa4_bwd_binaries, checkout_env, grad_artifacts, needs_fa4, one_fa4_bwd_plan
+from conftest import (FAKE_ARCHS, SPECS, check_fa4_bwd_binaries, checkout_env, fa4_fake_call, grad_artifacts, needs_fa4,
+                      one_fa4_bwd_plan)
 
 from kspec.compile import plan_spec
 from kspec.core import KspecError, attention_bwd_workspace
@@ -112,19 +113,13 @@ def test_backward_builds_three_fa4_kernels_per_arch_with_tensor_core_sass(bwd_ar
 
 
 def _fake_call(mod, stem, sizes, cc, sms, arch):
-    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
-    with FakeDriver(cc, sm_count=sms) as fake:
-        call = fake_call(mod, f"{stem}_bwd", sizes, fake)
-        # (FA4's kernels declare 1 KiB of static shared memory beside the full dynamic opt-in, which the
-        # fake's limit check counts against every FA4 kernel alike: see test_fa4_attention's _split_call)
-        problems = [p for p in check_call(call, arch, mod) if "static shared memory exceed" not in p]
-    return call, problems
+    return fa4_fake_call(mod, f"{stem}_bwd", sizes, cc, sms, arch)
 
 
 @needs_fa4
 @pytest.mark.cute
 @pytest.mark.parametrize("stem", STEMS)
-@pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
+@pytest.mark.parametrize("arch, cc, sms", FAKE_ARCHS)
 def test_one_call_launches_preprocess_main_postprocess_with_one_workspace(bwd_artifacts, stem, arch, cc, sms):
     import kspec
     mod = kspec.load(bwd_artifacts(stem))
@@ -160,7 +155,7 @@ def test_one_call_launches_preprocess_main_postprocess_with_one_workspace(bwd_ar
 
 @needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
+@pytest.mark.parametrize("arch, cc, sms", FAKE_ARCHS)
 def test_packed_backward_passes_the_offsets_and_sizes_the_padded_workspace(bwd_artifacts, arch, cc, sms):
     """Over packed sequences each kernel gets FA4's varlen views ([rows, H, E], the LSE [H, rows] of
     the packed [rows, H] array) and the offsets; the workspace is FA4's varlen one ([H, n], n the

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import FA4_BWD_MAIN as MAIN
-from conftest import SPECS, check_fa4_bwd_binaries, grad_artifacts, needs_fa4, one_fa4_bwd_plan
+from conftest import (FAKE_ARCHS, SPECS, check_fa4_bwd_binaries, fa4_fake_call, grad_artifacts, needs_fa4,
+                      one_fa4_bwd_plan)
 
 from kspec.compile import plan_spec
 from kspec.compiler import format_ir, ir_from_json, ir_to_json, verify
@@ -287,18 +288,15 @@ def test_backward_with_a_mod_builds_three_fa4_kernels_per_arch_with_tensor_core_
 @needs_fa4
 @pytest.mark.cute
 @pytest.mark.parametrize("stem", STEMS)
-@pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
+@pytest.mark.parametrize("arch, cc, sms", FAKE_ARCHS)
 def test_the_main_kernel_is_launched_with_the_mods_aux_tensor_and_scalar(mod_artifacts, stem, arch, cc, sms):
     import kspec
-    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
     mod = kspec.load(mod_artifacts(stem))
     (plan,) = mod[f"attention_{stem}_bwd"].entry.plans
     b = plan.binaries[arch]
     B, H, S = 2, 3, 300
-    with FakeDriver(cc, sm_count=sms) as fake:
-        call = fake_call(mod, f"attention_{stem}_bwd", {"B": B, "H": H, "S": S, "T": S}, fake,
-                         params={"scale": 0.0771, **({"cap": 37.25} if stem == "softcap" else {})})
-        problems = [p for p in check_call(call, arch, mod) if "static shared memory exceed" not in p]
+    call, problems = fa4_fake_call(mod, f"attention_{stem}_bwd", {"B": B, "H": H, "S": S, "T": S}, cc, sms, arch,
+                                   params={"scale": 0.0771, **({"cap": 37.25} if stem == "softcap" else {})})
     assert problems == [], problems
     assert [r.symbol for r in call.launches] == [v.symbol for v in b.variants]
     pre, main, post = call.plan_args
