@@ -198,6 +198,23 @@ def test_backward_plans_as_one_fa4_attention_bwd_plan_with_the_mod_on_both_archs
     assert back == ir
 
 
+@needs_fa4
+def test_softcap_under_a_bottom_right_causal_mask_plans_with_the_mask_in_its_expected_gradient():
+    """`where(j <= i + (T - S), c, -inf)`: FA4's own causal alignment; the gradient chain's where is
+    the mask's, so the check's expected dS carries it (and a chain masked by `j <= i` instead fails)."""
+    fwd = _softcap_text().replace("softmax(j) c[b, h, i, j]", "softmax(j) where(j <= i + (T - S), c[b, h, i, j], -inf)")
+    text = grad_program(load_spec(fwd, is_text=True))
+    p = one_fa4_bwd_plan(_plan("softcap", text))
+    a = p.ir.attention_bwd
+    assert a.causal and a.bottom_right and a.score_mod == MODS["softcap"][0]
+    assert all(dict(p.choices[arch].config)["mask"] == "causal (bottom-right)" for arch in ARCHS)
+    old = "where(j <= i + (T - S), p[b, h, i, j]"
+    assert old in text
+    sched = _plan("softcap", text.replace(old, "where(j <= i, p[b, h, i, j]"), strict=False)
+    assert any(NOT_DERIVATIVE in n and "chooses by le(idx(j), idx(i))" in n for n in sched.fusion.notes), \
+        sched.fusion.notes
+
+
 def test_plain_backward_ir_keeps_its_digest_fields():
     prog = load_spec(grad_program(load_spec(SPECS / "attention_causal.kspec")), is_text=True)
     (sched,) = plan_spec(prog, ARCHS, "attention_causal_bwd", strict=False)
