@@ -860,8 +860,8 @@ def _launch_role(plan, what: str) -> str | None:
 
 def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, binding, plan) -> list[ArgTensor]:
     """What a launch of FlashAttention-4's attention backward reads and writes, in its kernel's order
-    (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV, and
-    the aux tensors a score modification reads, which the main kernel takes last) and
+    (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV, the
+    offsets of packed sequences, then the aux tensors a score modification reads, the main kernel's) and
     the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r] (f32, 256-byte aligned,
     S_r and E_r from the variant's config; kspec.core.attention_bwd_workspace)."""
     cfg = _launch_variant(plan, rec.what).config
