@@ -35,9 +35,10 @@ def folder_bytes(p: Path) -> int:
 def bench_specs() -> dict[str, str]:
     """Spec texts that bench/attention_decode.py and bench/grad.py compile for themselves, by the
     artifact name their `--prebuilt DIR` loads; and the plain attention's backward (head dim 128),
-    whose sm_90a main kernel is FA4_SMEM_RISK's case, for gpu_check.sh's selftest to settle, and the
-    GQA attention's (FA4's five-kernel GQA backward, its dK/dV accumulators zeroed by the runtime),
-    for the selftest to check against the reference on a GPU."""
+    whose sm_90a main kernel is FA4_SMEM_RISK's case, for gpu_check.sh's selftest to settle; the
+    GQA attention's (FA4's five-kernel GQA backward, its dK/dV accumulators zeroed by the runtime);
+    and the score-modified backwards FA4 builds with generated score_mod/score_mod_bwd (soft-capping
+    at head dim 128, ALiBi with --wrt Q,K,V): values only a GPU run checks, against the reference."""
     sys.path.insert(0, str(ROOT / "bench"))
     import attention_decode
     import grad
@@ -46,6 +47,10 @@ def bench_specs() -> dict[str, str]:
     out = {"attention_decode_dense": attention_decode.DENSE, "attention_decode_paged": attention_decode.PAGED}
     for stem in (*grad.GPU_PATTERNS, "attention", "attention_gqa"):
         out[f"{stem}_grad"] = grad_program(load_spec(ROOT / "specs" / f"{stem}.kspec"))
+    softcap = (ROOT / "specs" / "attention_softcap.kspec").read_text()
+    softcap = softcap.replace("256", "128").replace("0.0625", "0.08838834764831845")
+    out["attention_softcap128_grad"] = grad_program(load_spec(softcap, is_text=True))
+    out["attention_alibi_grad"] = grad_program(load_spec(ROOT / "specs" / "attention_alibi.kspec"), wrt=["Q", "K", "V"])
     return out
 
 

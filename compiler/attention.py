@@ -74,6 +74,11 @@ def score_path(g: nx.DiGraph, sm) -> ScorePath | str:
     """The contraction a softmax's operand is computed from through elementwise ops, and the scale
     right after it; the reason as a str when there is not exactly one such contraction."""
     ((prev, _),) = operands(g, sm)
+    return score_path_of(g, prev)
+
+
+def score_path_of(g: nx.DiGraph, prev) -> ScorePath | str:
+    """score_path of the value `prev` (a softmax's operand, or an attention backward's recomputed one)."""
     cone: set = set()
     contractions: set = set()
     stack = [prev]
@@ -174,10 +179,11 @@ def output_scale(g: nx.DiGraph, pv, batch: tuple[str, ...], name_of: Callable[[o
 
 
 def _lift(g: nx.DiGraph, root, to_attn: dict, score, labels: tuple[str, ...],
-          name_of: Callable[[object], str]) -> tuple[EpiExpr, list, set]:
+          name_of: Callable[[object], str], leaves: dict | None = None) -> tuple[EpiExpr, list, set]:
     """The value of `root` (its axes named by the attention's labels through `to_attn`) as an
     expression per element: (expression, inputs read as AuxLoad, graph nodes computed).  `score` is
-    the node whose value is Score()."""
+    the node whose value is Score(); `leaves` maps other nodes to the expressions they stand for
+    (read at the attention's own labels)."""
     sp = ScorePath(None, (), score, frozenset())
     nodes: set = set()
     aux: list = []
@@ -193,10 +199,14 @@ def _lift(g: nx.DiGraph, root, to_attn: dict, score, labels: tuple[str, ...],
         if key in memo:
             return memo[key]
         o = op(g, n)
-        if n == sp.score:
+        if leaves and n in leaves:
+            if any(m.get(a) != a for a in o.axes) or set(o.axes) != set(labels):
+                raise NotLiftable(f"{o.label()} is read with its indices permuted")
+            e: EpiExpr = leaves[n]
+        elif n == sp.score:
             if any(m.get(a) != a for a in o.axes) or set(o.axes) != set(labels):
                 raise NotLiftable("the score is read with its indices permuted")
-            e: EpiExpr = Score()
+            e = Score()
         elif o.kind == "param":
             e = Load(name_of(n), "scalar", o.dtype)
         elif o.kind == "const":

@@ -18,6 +18,7 @@ from kspec.core import dtype_bytes  # noqa: F401
 
 from .attention import (LiftedMods, NotLiftable, group_of, is_top_left_causal, kv_group_read, lift_mods, output_scale,
                         paged_kv_read, score_path)
+from .attention_grad import bwd_scores, match_grad
 from .canon import GemmInfo, block_scaled_gemm_info, gathered_a, gemm_info, is_input_view, is_recomputed, is_scalar_value, value_weight
 from .graph import op, operands
 from .groups import FusionResult, Group, _node_order, legal_addition, legal_group, same_point  # noqa: F401
@@ -103,9 +104,11 @@ def _not_fused(res: FusionResult, g: nx.DiGraph, sm, why: str) -> None:
 @dataclass(frozen=True)
 class AttentionBwdInfo:
     """An attention backward as `kspec grad` derives it (what FlashAttention-4's backward computes):
-    P = exp(scale * Q K^T (masked) - LSE), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
-    dS = scale * P * (dP - D) (masked), dQ = dS K, dK = dS^T Q.  GQA (K and V read at head h / G):
-    dK and dV are the sums over each group's query heads of those per-query-head parts."""
+    P = exp(mod(scale * Q K^T) (masked) - LSE), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O),
+    dS = scale * mod'(..) * P * (dP - D) (masked), dQ = dS K, dK = dS^T Q; mod (a score
+    modification, compiler/attention_grad.py) the identity when `mods` is None.  GQA (K and V read
+    at head h / G): dK and dV are the sums over each group's query heads of those per-query-head
+    parts."""
     q: object                          # the input nodes
     k: object
     v: object
@@ -127,6 +130,7 @@ class AttentionBwdInfo:
     orders: tuple = ()                 # labels of Q, K, V, O, dO, LSE, dQ, dK, dV in storage order
     kv_group: object = None            # GQA: K/V read at head h // kv_group (an int, a param or size name)
     kv_head: object = None             # GQA: the K/V head count (extent of K's head axis)
+    mods: object = None                # a score modification (compiler.attention_grad.BwdScores, its grad set)
 
 
 def _strip(g, n, kinds=("broadcast",)):
@@ -224,7 +228,9 @@ def _single_output(g, n):
 
 def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
     """The attention backward around the recomputed probabilities p = exp(s - lse): its info, or why
-    it is not the plain/causal backward FlashAttention-4 computes (a str)."""
+    it is not the backward FlashAttention-4 computes (a str).  Scores modified between QK^T and the
+    softmax (soft-capping, ALiBi) are lifted and their dS chain checked against the mod's derivative
+    (_modified_scores, compiler.attention_grad.match_grad); the rest is matched structurally."""
     ((u, _),) = operands(g, p)
     (a, _), (m, _) = operands(g, u)
     conds = []                          # where(c, .., -inf) masks on the scores, outermost first
@@ -235,9 +241,14 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         conds.append(c)
         a = x
     s = a
+    mods = _modified_scores(g, s)
+    if isinstance(mods, str):
+        return mods
+    if mods is not None:
+        s = mods.qk
     so = op(g, s)
-    scale = None
-    if so.kind == "elementwise" and so.fn == "mul":
+    scale = mods.scale if mods is not None else None
+    if mods is None and so.kind == "elementwise" and so.fn == "mul":
         (x, _), (y, _) = operands(g, s)
         if op(g, x).kind == "contraction":
             x, y = y, x
@@ -274,6 +285,8 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
                 "FlashAttention-4's), together with the key bound of packed sequences")
     causal = "causal" in kinds or "bottom_right" in kinds
     bottom_right = "bottom_right" in kinds
+    if mods is not None and (q_len[0] == "cu" or k_len[0] == "cu"):
+        return "a score modification over packed (varlen) sequences (not matched yet)"
     # lse: an input, or where(lse == -inf, 0, lse)
     mo = op(g, _strip(g, m))
     lse = _input(g, m)
@@ -328,7 +341,13 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         return "D is not the row sum of dO * O (O an input)"
     # mask (causal), scale, cast -> dS; dQ = dS K, dK = dS^T Q
     n = mul
-    while True:
+    if mods is not None:
+        found = match_grad(g, mul, mods, conds, op(g, scale).name if scale is not None else None,
+                           lambda x: op(g, x).name or str(x))
+        if isinstance(found, str):
+            return found
+        n, mods = found
+    while mods is None:
         cs = list(g.successors(n))
         if len(cs) != 1:
             break
@@ -372,7 +391,7 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         return "Q, K, V, O, dO, dQ, dK and dV must be stored with the head dim innermost"
     return AttentionBwdInfo(q, k, v, o_in, do, lse, dq, dk, dv, tuple(batch), query, key, head, causal, scale, s, p,
                             bottom_right, tuple(tuple(o) for o in orders), group,
-                            heads if group is not None else None)
+                            heads if group is not None else None, mods)
 
 
 def _kv_read(g, n, batch):
@@ -429,6 +448,23 @@ def _head_group_sum(g, part, head: str, group, heads):
         return None
     ((_, ol),) = [(u, l) for s in g.successors(stored) if op(g, s).kind == "output" for u, l in operands(g, s)]
     return stored if tuple(ol) == tuple(kl if l == hl else l for l in pl) else None
+
+
+def _modified_scores(g: nx.DiGraph, a):
+    """None when the recomputed softmax operand `a` (its where(.., -inf) masks taken off) is the plain
+    one (`[param *] QK^T`), else its score modification lifted (compiler.attention_grad.BwdScores) or
+    why it cannot be (a str)."""
+    if op(g, a).kind == "contraction" or (op(g, a).kind == "elementwise" and op(g, a).fn == "mul" and
+                                          any(op(g, w).kind == "contraction" for w, _ in operands(g, a))):
+        return None
+    found = bwd_scores(g, a, lambda n: op(g, n).name or str(n))
+    if isinstance(found, str):
+        return found
+    if found.mask is not None or found.score_mod is None:
+        return ("the scores are masked inside the score modification (FlashAttention-4 masks the modified "
+                "scores)" if found.mask is not None else "between QK^T and the softmax, no score modification "
+                "FlashAttention-4's backward takes")
+    return found
 
 
 def fuse_attention_backward(g: nx.DiGraph, res: FusionResult, ctx: FusionContext = FusionContext()) -> None:

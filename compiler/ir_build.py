@@ -319,6 +319,7 @@ def _attention_bwd(g, group, buffer_of, stores) -> AttentionBwdStructure:
     batch = [_extent(g, qk, l) for l in info.batch]
     bdim, hdim = ([1, 1] + batch)[-2:]
     e = _label_extent(g, qk, info.q, info.head)
+    mods = _attention_bwd_mods(g, info, buffer_of)
     return AttentionBwdStructure(
         q_buffer=buffer_of(info.q), k_buffer=buffer_of(info.k), v_buffer=buffer_of(info.v), o_buffer=buffer_of(info.o),
         do_buffer=buffer_of(info.do), lse_buffer=buffer_of(info.lse), dq_buffer=stored[info.dq],
@@ -328,7 +329,7 @@ def _attention_bwd(g, group, buffer_of, stores) -> AttentionBwdStructure:
         scale=op(g, info.scale).name if info.scale is not None else None, head_dim=e,
         dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)), ("E", e)),
         bottom_right=bool(info.bottom_right), layouts=_bwd_layouts(info), kv_group=info.kv_group,
-        kv_head=info.kv_head)
+        kv_head=info.kv_head, **mods)
 
 
 def _bwd_layouts(info) -> tuple[tuple[str, ...], ...]:
@@ -339,6 +340,20 @@ def _bwd_layouts(info) -> tuple[tuple[str, ...], ...]:
     canon = tuple(("B", "H", s, "E")[:4] for s in ("S", "T", "T", "S", "S")) + (("B", "H", "S"),) + \
         tuple(("B", "H", s, "E") for s in ("S", "T", "T"))
     return () if out == canon else out
+
+
+def _attention_bwd_mods(g, info, buffer_of) -> dict:
+    """An attention backward's score modification, its derivative and the buffers they read (named by
+    buffer_of), as AttentionBwdStructure fields; {} when there is none."""
+    if info.mods is None:
+        return {}
+    from .attention_grad import bwd_scores, derivative
+    found = bwd_scores(g, info.mods.root, buffer_of)
+    if isinstance(found, str) or found.score_mod is None or found.qk != info.qk:
+        raise KspecInternalError(f"kernel {g.graph.get('kernel', '?')}: the attention backward's score "
+                                 "modification changed between fusion and the kernel IR")
+    return {"score_mod": found.score_mod, "score_mod_grad": derivative(found.score_mod),
+            "aux": tuple(dict.fromkeys(buffer_of(n) for n in found.aux))}
 
 
 def candidate_ir(g: nx.DiGraph, group, spec_kernel: str, hints=()) -> KernelIR:

@@ -89,6 +89,12 @@ class Score:
 
 
 @dataclass(frozen=True)
+class ScoreGrad:
+    """In an attention backward's score_mod_grad: the gradient of the loss with respect to the
+    modified score at (b.., h, i, j), P * (dP - D) (f32; FlashAttention-4's score_mod_bwd `grad`)."""
+
+
+@dataclass(frozen=True)
 class Index:
     """The integer value of one of the attention's labels (a batch label, the query or the key)."""
     label: str
@@ -108,7 +114,7 @@ class AuxLoad:
     dtype: str
 
 
-EpiExpr = Union[Accum, Load, Const, Op, Score, Index, Size, AuxLoad]
+EpiExpr = Union[Accum, Load, Const, Op, Score, ScoreGrad, Index, Size, AuxLoad]
 ModExpr = EpiExpr
 
 
@@ -179,6 +185,8 @@ def format_epi(e: EpiExpr) -> str:
         return repr(e.value)
     if isinstance(e, Score):
         return "score"
+    if isinstance(e, ScoreGrad):
+        return "dscore"
     if isinstance(e, Index):
         return f"idx({e.label})"
     if isinstance(e, Size):
@@ -391,13 +399,14 @@ class AttentionStructure:
 
 @dataclass(frozen=True)
 class AttentionBwdStructure:
-    """The backward of a plain or causal attention (what `kspec grad` derives; FlashAttention-4's
-    backward): P = exp(scale * Q K^T (causally masked) - LSE), dV = P^T dO, dP = dO V^T,
-    D = rowsum(dO * O), dS = scale * P * (dP - D), dQ = dS K, dK = dS^T Q.  Tensors are [b, h, seq,
-    head] in any order with the head dim innermost (`layouts`), or packed (varlen: the buffers'
-    `packed` offsets, [b, seq, h, head]); LSE is f32 [b, h, i] (packed: [b, i, h]).  GQA: K and V
-    (and dK, dV) have kv_head heads, read at head h // kv_group; dK and dV sum each group's query
-    heads' parts."""
+    """The backward of a plain, causal or score-modified attention (what `kspec grad` derives;
+    FlashAttention-4's backward): P = exp(mod(scale * Q K^T) (causally masked) - LSE), dV = P^T dO,
+    dP = dO V^T, D = rowsum(dO * O), dS = scale * mod'(scale * Q K^T) * P * (dP - D) (masked),
+    dQ = dS K, dK = dS^T Q (mod the identity without a score_mod).  Tensors are [b, h, seq, head]
+    in any order with the head dim innermost (`layouts`), or packed (varlen: the buffers' `packed`
+    offsets, [b, seq, h, head]); LSE is f32 [b, h, i] (packed: [b, i, h]).  GQA: K and V (and dK,
+    dV) have kv_head heads, read at head h // kv_group; dK and dV sum each group's query heads'
+    parts."""
     q_buffer: str
     k_buffer: str
     v_buffer: str
@@ -425,9 +434,17 @@ class AttentionBwdStructure:
     # kv_group) and the K/V head count; None, None without GQA
     kv_group: Extent | None = None
     kv_head: Extent | None = None
+    # A score modification (AttentionStructure.score_mod: the softmax reads score_mod(scaled score))
+    # and its derivative (compiler/attention_grad.py): dS = scale * score_mod_grad, an expression over
+    # ScoreGrad (P * (dP - D)), Score and the mod's own leaves; FlashAttention-4's score_mod and
+    # score_mod_bwd.  aux: the buffers they read (AuxLoad), inputs of the kernel that get no gradient.
+    score_mod: EpiExpr | None = None
+    score_mod_grad: EpiExpr | None = None
+    aux: tuple[str, ...] = ()
 
 
-_BWD_OPTIONAL = ("kv_group", "kv_head", "bottom_right", "layouts")     # AttentionBwdStructure's, by default unset
+# AttentionBwdStructure's fields written to its JSON only when set (other backwards keep their digests)
+_BWD_OPTIONAL = ("kv_group", "kv_head", "bottom_right", "layouts", "score_mod", "score_mod_grad", "aux")
 
 
 @dataclass(frozen=True)
@@ -690,18 +707,12 @@ def verify(ir: KernelIR) -> KernelIR:
             if isinstance(x, (Score, Accum)) or (isinstance(x, Index) and x.label not in a.batch):
                 bad(f"attention o_scale: {format_epi(x)} is not a value of the batch labels {list(a.batch)}")
         for what, e in (("score_mod", a.score_mod), ("mask", a.mask), ("o_scale", a.o_scale)):
+            _verify_mods(f"attention {what}", e, labels, a.aux, bufs, bad)
             for x in (epi_nodes(e) if e is not None else ()):
-                if isinstance(x, Accum) or (isinstance(x, Load) and x.kind != "scalar"):
-                    bad(f"attention {what}: {format_epi(x)} has no meaning per score element")
                 if isinstance(x, Score) and what == "mask":
                     bad("attention mask reads the score (a score-dependent mask is a score_mod)")
-                if isinstance(x, Index) and x.label not in labels:
-                    bad(f"attention {what}: index {x.label} is not one of {sorted(labels)}")
-                if isinstance(x, AuxLoad) and (x.buffer not in a.aux or x.buffer not in bufs
-                                               or len(x.index) != len(bufs[x.buffer].shape)):
-                    bad(f"attention {what}: {format_epi(x)} is not a load of a declared aux buffer")
-                if isinstance(x, Load) and x.name not in bufs:
-                    bad(f"attention {what}: unknown scalar {x.name}")
+                if isinstance(x, ScoreGrad):
+                    bad(f"attention {what} reads a score's gradient (an attention backward's score_mod_grad does)")
         if a.lse is not None and (a.lse not in bufs or bufs[a.lse].role not in ("output", "intermediate")):
             bad(f"attention lse buffer {a.lse} is not an output")
         if a.orders:
@@ -730,11 +741,40 @@ def verify(ir: KernelIR) -> KernelIR:
                 bad(f"key lengths {a.kv_len} are not an integer vector over the batch")
             if key_length_bound(a.mask, a.key, a.batch) != a.kv_len:
                 bad(f"the mask does not bound the keys by {a.kv_len}[{a.batch[0]}]")
+    if ir.attention_bwd is not None:
+        _verify_attention_bwd_mods(ir.attention_bwd, bufs, bad)
     if (ir.kind in ("rowwise", "colsum")) != (ir.row is not None):
         bad("the row structure does not match the kind")
     if ir.anchor is not None and ir.anchor not in seen:
         bad(f"anchor {ir.anchor} is not an op")
     return ir
+
+
+def _verify_attention_bwd_mods(a: AttentionBwdStructure, bufs: dict, bad) -> None:
+    """An attention backward's score modification: both expressions or neither; ScoreGrad only in the
+    gradient; indices of the attention, loads of declared scalars and aux buffers."""
+    if (a.score_mod is None) != (a.score_mod_grad is None):
+        bad("attention backward: a score_mod without its gradient (or the other way round)")
+    labels = {*a.batch, a.query, a.key}
+    _verify_mods("attention backward score_mod_grad", a.score_mod_grad, labels, a.aux, bufs, bad)
+    _verify_mods("attention backward score_mod", a.score_mod, labels, a.aux, bufs, bad)
+    if a.score_mod is not None and any(isinstance(x, ScoreGrad) for x in epi_nodes(a.score_mod)):
+        bad("attention backward score_mod reads the score's gradient")
+
+
+def _verify_mods(what: str, e: EpiExpr | None, labels: set, aux: tuple, bufs: dict, bad) -> None:
+    """What every attention mod expression must be: a value per score element over the attention's
+    labels, its loads declared scalars and aux buffers (read with all their subscripts)."""
+    for x in (epi_nodes(e) if e is not None else ()):
+        if isinstance(x, Accum) or (isinstance(x, Load) and x.kind != "scalar"):
+            bad(f"{what}: {format_epi(x)} has no meaning per score element")
+        if isinstance(x, Index) and x.label not in labels:
+            bad(f"{what}: index {x.label} is not one of {sorted(labels)}")
+        if isinstance(x, AuxLoad) and (x.buffer not in aux or x.buffer not in bufs
+                                       or len(x.index) != len(bufs[x.buffer].shape)):
+            bad(f"{what}: {format_epi(x)} is not a load of a declared aux buffer")
+        if isinstance(x, Load) and x.name not in bufs:
+            bad(f"{what}: unknown scalar {x.name}")
 
 
 # ---- printing ------------------------------------------------------------------------------------
@@ -799,6 +839,9 @@ def format_ir(ir: KernelIR) -> str:
                      f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims)
                      + (f"; kv heads: {a.head} // {a.kv_group} of {format_extent(a.kv_head)}"
                         if a.kv_group is not None else ""))
+        if a.score_mod is not None:
+            lines.append(f"    score_mod: {format_epi(a.score_mod)}; its gradient: {format_epi(a.score_mod_grad)}"
+                         + (f"; aux {', '.join(a.aux)}" if a.aux else ""))
     if ir.row is not None:
         r = ir.row
         lines.append(f"  rows: one per [{', '.join(r.outer)}], reduced along {r.axis}; "
@@ -819,6 +862,8 @@ def _epi_to_json(e: EpiExpr):
         return {"Accum": [e.index] if e.index else []}
     if isinstance(e, Score):
         return {"Score": []}
+    if isinstance(e, ScoreGrad):
+        return {"ScoreGrad": []}
     if isinstance(e, Index):
         return {"Index": [e.label]}
     if isinstance(e, Size):
@@ -839,6 +884,8 @@ def _epi_from_json(d) -> EpiExpr:
         return Accum(*v)
     if tag == "Score":
         return Score()
+    if tag == "ScoreGrad":
+        return ScoreGrad()
     if tag == "Index":
         return Index(v[0])
     if tag == "Size":
@@ -881,10 +928,7 @@ def ir_to_json(ir: KernelIR, spans: bool = True) -> dict:
            "epilogue": None, "hints": [[a, plain(h)] for a, h in ir.hints],
            "row": plain(ir.row) if ir.row else None, "anchor": ir.anchor, "span": span(ir.span)}
     if ir.attention_bwd is not None:     # (only when present: other kernels keep the digests they had)
-        # (GQA's, the bottom-right mask's and the layouts' fields only when set: plain backwards keep
-        # the digests they had)
-        doc["attention_bwd"] = {k: v for k, v in plain(ir.attention_bwd).items()
-                                if v not in (None, False, (), []) or k not in _BWD_OPTIONAL}
+        doc["attention_bwd"] = _attention_bwd_to_json(ir.attention_bwd, plain)
     if ir.epilogue is not None:
         doc["epilogue"] = {
             "stores": [{"name": s.name, "value": _epi_to_json(s.value), "dtype": s.dtype, "layout": s.layout}
@@ -922,6 +966,21 @@ def _attention_to_json(a: AttentionStructure, plain, value) -> dict:
     return d
 
 
+def _attention_bwd_to_json(a: AttentionBwdStructure, plain) -> dict:
+    """The fields; those of _BWD_OPTIONAL (GQA's, the bottom-right mask's, the layouts', the score
+    modification's) only when set: a plain or causal backward keeps the digest it had."""
+    d = {k: v for k, v in plain(a).items() if v not in (None, False, (), []) or k not in _BWD_OPTIONAL}
+    for k in ("score_mod", "score_mod_grad"):
+        if k in d:
+            d[k] = _epi_to_json(getattr(a, k))
+    return d
+
+
+def _attention_bwd_from_json(d: dict) -> AttentionBwdStructure:
+    mods = {k: (_epi_from_json(d[k]) if d.get(k) is not None else None) for k in ("score_mod", "score_mod_grad")}
+    return AttentionBwdStructure(**{k: _tup(v) for k, v in d.items() if k not in mods}, **mods)
+
+
 def ir_from_json(d: dict) -> KernelIR:
     def span(s):
         return Span(*s) if s else None
@@ -953,4 +1012,4 @@ def ir_from_json(d: dict) -> KernelIR:
         gemm=make(GemmStructure, d["gemm"]) if d.get("gemm") else None, epilogue=epi, attention=att,
         hints=tuple((a, make(ArchHint, h)) for a, h in d["hints"]),
         row=make(RowStructure, d["row"]) if d.get("row") else None, anchor=d.get("anchor"), span=span(d.get("span")),
-        attention_bwd=make(AttentionBwdStructure, d["attention_bwd"]) if d.get("attention_bwd") else None)
+        attention_bwd=_attention_bwd_from_json(d["attention_bwd"]) if d.get("attention_bwd") else None)

@@ -328,7 +328,7 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
 
 @pytest.mark.parametrize("stem, why", [
     ("attention_varlen_padded", "the mask is not causal"),
-    ("attention_alibi", "a score modification")])
+    ("attention_alibi", "a gradient of a tensor the score modification reads is not among them")])
 def test_attention_backward_unfused_reason_names_what_is_missing(stem, why):
     sched = _bwd(stem, strict=False)
     assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes

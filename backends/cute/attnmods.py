@@ -3,6 +3,7 @@
 one (block skipping), else generated `score_mod` / `mask_mod` functions.
 
     analyse(a, roles) -> Mods
+    analyse_bwd(a, roles) -> Mods        an attention backward's: score_mod and its derivative, score_mod_bwd
 
 **Native masks.**  A mask that is an `and` of at most one upper and one lower bound on `j - i`, each
 linear in the sequence lengths S and T (`j <= i + (T - S)`, `j <= i`, `j > i - 128`, ...), is
@@ -29,7 +30,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from kspec.compiler.kir import AuxLoad, Const, Index, Load, Op, Score, Size
+from kspec.compiler.kir import AuxLoad, Const, Index, Load, Op, Score, ScoreGrad, Size
 from kspec.core import INT_DTYPES, KspecInternalError
 
 _COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
@@ -59,10 +60,11 @@ class Mods:
     aux: tuple[str, ...] = ()                      # aux tensors (IR buffer names), aux_tensors order
     scalars: tuple[tuple[str, str], ...] = ()      # aux_scalars: ("param", name) | ("size", symbol)
     notes: tuple[str, ...] = field(default=(), compare=False)
+    score_mod_bwd: str | None = None               # an attention backward's: generated source (kspec_score_mod_bwd)
 
     @property
     def source(self) -> str:
-        return "".join(s for s in (self.score_mod, self.mask_mod) if s)
+        return "".join(s for s in (self.score_mod, self.mask_mod, self.score_mod_bwd) if s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +216,8 @@ class _Gen:
             return self.memo[e]
         if isinstance(e, Score):
             out = ("score", "f32")
+        elif isinstance(e, ScoreGrad):
+            out = ("grad", "f32")
         elif isinstance(e, Index):
             var = {"b": "b_idx", "h": "h_idx", "i": "q_idx", "j": "kv_idx"}.get(self.labels.get(e.label, ""))
             if var is None:
@@ -335,9 +339,8 @@ def _finish(name: str, src: str) -> str:
     return src + f"{name}.__vec_size__ = 1\n{name}.__cute_hash__ = {digest!r}\n"
 
 
-def analyse(a, roles: dict[str, str]) -> Mods:
-    """The FA4 form of an AttentionStructure's causal flag, score_mod and mask.  roles: dims role
-    ("S", "T") -> size symbol."""
+def _names(a, roles: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(label -> b | h | i | j, size symbol -> "S" | "T") of an attention structure."""
     labels = {a.query: "i", a.key: "j"}
     if a.batch:
         labels[a.batch[-1]] = "h"
@@ -347,6 +350,34 @@ def analyse(a, roles: dict[str, str]) -> Mods:
     for role in ("T", "S"):            # S wins when S and T are one symbol (self-attention)
         if isinstance(roles.get(role), str):
             sizes[roles[role]] = role
+    return labels, sizes
+
+
+_SCORE_MOD_PARAMS = "score, b_idx, h_idx, q_idx=None, kv_idx=None, seqlen_info=None, aux_tensors=(), aux_scalars=()"
+
+
+def analyse_bwd(a, roles: dict[str, str]) -> Mods:
+    """The FA4 form of an attention backward's (kir.AttentionBwdStructure) score modification: the
+    forward's kspec_score_mod and its derivative as kspec_score_mod_bwd, FA4's contract
+        kspec_score_mod_bwd(grad, score, b_idx, h_idx, q_idx=, kv_idx=, seqlen_info=, aux_tensors=[, aux_scalars=])
+    returning grad * d score_mod / d score (a.score_mod_grad with ScoreGrad() = grad); the mask is
+    FA4's causal flag.  The aux scalars are numbered across both functions."""
+    labels, sizes = _names(a, roles)
+    aux = {name: k for k, name in enumerate(a.aux)}
+    scalars: list = []
+    srcs = []
+    for name, expr, params in (("kspec_score_mod", a.score_mod, _SCORE_MOD_PARAMS),
+                               ("kspec_score_mod_bwd", a.score_mod_grad, "grad, " + _SCORE_MOD_PARAMS)):
+        g = _Gen(labels, sizes, aux, scalars)
+        srcs.append(_function(name, params, g, g._float(expr)))
+    return Mods(bool(a.causal), None, _finish("kspec_score_mod", srcs[0]), None, tuple(a.aux), tuple(scalars),
+                score_mod_bwd=_finish("kspec_score_mod_bwd", srcs[1]))
+
+
+def analyse(a, roles: dict[str, str]) -> Mods:
+    """The FA4 form of an AttentionStructure's causal flag, score_mod and mask.  roles: dims role
+    ("S", "T") -> size symbol."""
+    labels, sizes = _names(a, roles)
     aux = {name: k for k, name in enumerate(a.aux)}
     scalars: list = []
     same = isinstance(roles.get("S"), str) and roles.get("S") == roles.get("T")
@@ -373,8 +404,7 @@ def analyse(a, roles: dict[str, str]) -> Mods:
     if a.score_mod is not None:
         g = _Gen(labels, sizes, aux, scalars)
         ref = g._float(a.score_mod)
-        score_src = _function("kspec_score_mod", "score, b_idx, h_idx, q_idx=None, kv_idx=None, seqlen_info=None, "
-                              "aux_tensors=(), aux_scalars=()", g, ref)
+        score_src = _function("kspec_score_mod", _SCORE_MOD_PARAMS, g, ref)
     # the scalars are numbered across both mods: finish after both are generated
     return Mods(causal, window, score_src and _finish("kspec_score_mod", score_src),
                 mask_src and _finish("kspec_mask_mod", mask_src), tuple(a.aux), tuple(scalars))
@@ -399,17 +429,35 @@ def rename_window_params(window: Window | None, rename) -> Window | None:
     return Window(form(window.left), form(window.right))
 
 
+def _numpy_namespace(mods: Mods) -> dict:
+    """The generated mods' functions, defined over numpy (dslops.numpy_ops)."""
+    from .dslops import numpy_ops
+    ns = {"F": numpy_ops()}
+    if mods.source:
+        exec(compile(mods.source, "<kspec_attention_mods>", "exec"), ns)   # noqa: S102  (generated by kspec)
+    return ns
+
+
+def run_numpy_bwd(mods: Mods, *, grad, score, b, h, i, j, S, T, aux=(), scalars=()):
+    """Evaluate a backward's generated kspec_score_mod_bwd with numpy (tests): grad * d score_mod /
+    d score over broadcast index arrays; the same source the kernel traces."""
+    import types
+
+    import numpy as np
+    ns = _numpy_namespace(mods)
+    info = types.SimpleNamespace(seqlen_q=S, seqlen_k=T)
+    b, h, i, j = (np.asarray(x, np.int64) for x in (b, h, i, j))
+    return ns["kspec_score_mod_bwd"](np.asarray(grad, np.float32), np.asarray(score, np.float32), b, h, q_idx=i,
+                                     kv_idx=j, seqlen_info=info, aux_tensors=aux, aux_scalars=scalars)
+
+
 def run_numpy(mods: Mods, *, score, b, h, i, j, S, T, aux=(), scalars=(), params=None):
     """Evaluate the generated mods with numpy (tests): (modified score, keep mask) over broadcast
     index arrays; the same source the kernel traces.  params: values of the window's params."""
     import types
 
     import numpy as np
-
-    from .dslops import numpy_ops
-    ns = {"F": numpy_ops()}
-    if mods.source:
-        exec(compile(mods.source, "<kspec_attention_mods>", "exec"), ns)   # noqa: S102  (generated by kspec)
+    ns = _numpy_namespace(mods)
     info = types.SimpleNamespace(seqlen_q=S, seqlen_k=T)
     b, h, i, j = (np.asarray(x, np.int64) for x in (b, h, i, j))
     s = np.asarray(score, np.float32)
