@@ -149,39 +149,45 @@ def build_emitted(em, cache) -> tuple[Path, Path, float]:
 
 
 def grad_artifacts(out: Path, grad_text, kernel_of, archs=("sm90a", "sm100a")):
-    """get(stem): the artifact of `kspec grad`'s backward of stem (grad_text(stem): the spec text;
-    kernel_of(stem): its backward kernel), compiled once for archs through the test cache."""
+    """get(stem, edit=None, sizes=None, name=None): the artifact of `kspec grad`'s backward of stem
+    (grad_text(stem) or grad_text(stem, edit): the spec text; kernel_of(stem): its backward kernel),
+    compiled once per name (default: stem) for archs, at `kspec compile --sizes` sizes, through the
+    test cache."""
     from kspec.backends.build import CompileCache
     from kspec.compile import compile_spec
     cache = CompileCache(test_cache_root())
     done = {}
 
-    def get(stem):
-        if stem not in done:
-            spec = out / f"{stem}_grad.kspec"
-            spec.write_text(grad_text(stem))
-            done[stem] = compile_spec(spec, archs, out / stem, cache=cache, kernel=kernel_of(stem))
-        return done[stem]
+    def get(stem, edit=None, sizes=None, name=None):
+        name = name or stem
+        if name not in done:
+            spec = out / f"{name}_grad.kspec"
+            spec.write_text(grad_text(stem) if edit is None else grad_text(stem, edit))
+            done[name] = compile_spec(spec, archs, out / name, cache=cache, kernel=kernel_of(stem), sizes=sizes)
+        return done[name]
     return get
 
 
 FA4_BWD_MAIN = {"sm90a": "FlashAttentionBackwardSm90", "sm100a": "FlashAttentionBackwardSm100"}
 
 
-def check_fa4_bwd_binaries(art: Path, plan, archs=("sm90a", "sm100a")) -> None:
-    """An attention backward plan's binaries are FA4's three kernels in launch order on each arch,
+def check_fa4_bwd_binaries(art: Path, plan, archs=("sm90a", "sm100a"), steps=None) -> None:
+    """An attention backward plan's binaries are FA4's kernels in launch order on each arch (steps:
+    kspec.core.ATTENTION_BWD_STEPS, or the GQA sequence: preprocess, main, then the postprocesses),
     never chosen by size, the manifest's parameter offsets the cubins' own, tensor cores and TMA loads
     in the main kernel only (skips where there is no cuobjdump)."""
     import pytest
 
     from kspec.core import ATTENTION_BWD_STEPS
     from kspec.runtime.cubin import read_cubin
+    steps = steps or ATTENTION_BWD_STEPS
+    post = "FlashAttentionBackwardPostprocess"
     for arch in archs:
         mma = {"sm90a": " HGMMA", "sm100a": " UTCHMMA"}[arch]
         b = plan.binaries[arch]
-        assert [v.config["role"] for v in b.variants] == list(ATTENTION_BWD_STEPS)
+        assert [v.config["role"] for v in b.variants] == list(steps)
         assert [v.config["fa4_class"] for v in b.variants] == [
-            "FlashAttentionBackwardPreprocess", FA4_BWD_MAIN[arch], "FlashAttentionBackwardPostprocess"]
+            "FlashAttentionBackwardPreprocess", FA4_BWD_MAIN[arch]] + [post] * (len(steps) - 2)
         assert all(not v.select for v in b.variants)              # never chosen by size
         for v in b.variants:
             # the manifest's parameter offsets are the cubin's own (EIATTR_KPARAM_INFO)
@@ -193,7 +199,7 @@ def check_fa4_bwd_binaries(art: Path, plan, archs=("sm90a", "sm100a")) -> None:
         if sass[0] is None:
             pytest.skip("no cuobjdump")
         assert mma in sass[1] and "UTMALDG" in sass[1]            # the main kernel: tensor cores, TMA loads
-        assert mma not in sass[0] and mma not in sass[2]
+        assert not any(mma in x for k, x in enumerate(sass) if k != 1)
 
 
 def one_fa4_bwd_plan(sched, archs=("sm90a", "sm100a")):
@@ -212,12 +218,12 @@ FAKE_ARCHS = [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)]     # (arch, com
 
 
 def fa4_fake_call(mod, kernel: str, sizes: dict, cc, sms: int, arch: str, params=None):
-    """One call of `kernel` under the fake driver: (the FakeCall, the launch ABI problems found).  FA4's
-    kernels declare 1 KiB of static shared memory beside the full dynamic opt-in, which the fake's
-    limit check counts against every FA4 kernel alike (see test_fa4_attention's _split_call): not a
-    problem here."""
+    """One call of `kernel` under the fake driver: (the FakeCall, the launch ABI problems found, the
+    FakeDriver, for its fills).  FA4's kernels declare 1 KiB of static shared memory beside the full
+    dynamic opt-in, which the fake's limit check counts against every FA4 kernel alike (see
+    test_fa4_attention's _split_call): not a problem here."""
     from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
     with FakeDriver(cc, sm_count=sms) as fake:
         call = fake_call(mod, kernel, sizes, fake, params=params)
         problems = [p for p in check_call(call, arch, mod) if "static shared memory exceed" not in p]
-    return call, problems
+    return call, problems, fake

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from conftest import SPECS, checkout_env, cubin_sass, needs_fa4, test_cache_root
+from conftest import (FA4_BWD_MAIN, SPECS, check_fa4_bwd_binaries, checkout_env, fa4_fake_call, grad_artifacts,
+                      needs_fa4, one_fa4_bwd_plan, test_cache_root)
 
 from kspec.compile import plan_spec
 from kspec.core import ATTENTION_BWD_GQA_STEPS, ATTENTION_BWD_STEPS, KspecError, attention_bwd_workspace
@@ -23,16 +24,11 @@ from kspec.spec_lang.grad import grad_program
 ARCHS = ("sm90a", "sm100a")
 STEMS = ("attention", "attention_causal")
 GQA = "attention_gqa"                  # K and V read at head h / 4: five kernels
-MAIN = {"sm90a": "FlashAttentionBackwardSm90", "sm100a": "FlashAttentionBackwardSm100"}
+MAIN = FA4_BWD_MAIN
 
 
 def _steps(stem: str) -> tuple[str, ...]:
     return ATTENTION_BWD_GQA_STEPS if stem == GQA else ATTENTION_BWD_STEPS
-
-
-def _classes(stem: str, arch: str) -> list[str]:
-    post = "FlashAttentionBackwardPostprocess"
-    return ["FlashAttentionBackwardPreprocess", MAIN[arch], post] + [post] * (len(_steps(stem)) - 3)
 
 
 def _grad_text(stem: str, edit=None) -> str:
@@ -49,13 +45,7 @@ def _plan(stem: str, strict: bool = True, edit=None):
 @needs_fa4
 @pytest.mark.parametrize("stem", STEMS)
 def test_backward_plans_as_one_fa4_attention_bwd_kernel_on_both_archs(stem):
-    sched = _plan(stem)                                 # --strict: no loop fallback, no unfused note
-    (p,) = sched.plans
-    assert p.kind == "attention_bwd" and set(p.writes) == {"dQ", "dK", "dV"}
-    for arch in ARCHS:
-        c = p.choices[arch]
-        assert c.backend == "cute" and not c.fallback
-        assert MAIN[arch] in dict(c.config)["kernel"]
+    one_fa4_bwd_plan(_plan(stem), ARCHS)                # --strict: no loop fallback, no unfused note
 
 
 @pytest.mark.parametrize("edit, why", [
@@ -187,20 +177,7 @@ def test_what_fa4_cannot_take_of_a_gqa_backward_is_printed_and_refused_by_strict
 
 @pytest.fixture(scope="module")
 def bwd_artifacts(tmp_path_factory):
-    from kspec.backends.build import CompileCache
-    from kspec.compile import compile_spec
-    out = tmp_path_factory.mktemp("fa4bwd")
-    cache = CompileCache(test_cache_root())
-    done = {}
-
-    def get(stem, edit=None, sizes=None, name=None):
-        name = name or stem
-        if name not in done:
-            spec = out / f"{name}_grad.kspec"
-            spec.write_text(_grad_text(stem, edit))
-            done[name] = compile_spec(spec, ARCHS, out / "art", cache=cache, kernel=f"{stem}_bwd", sizes=sizes)
-        return done[name]
-    return get
+    return grad_artifacts(tmp_path_factory.mktemp("fa4bwd"), _grad_text, lambda stem: f"{stem}_bwd")
 
 
 def _bwd_plan(mod, stem):
@@ -215,41 +192,21 @@ def test_backward_builds_its_fa4_kernels_per_arch_with_tensor_core_sass(bwd_arti
     """Three kernels (GQA: five, the dK and dV postprocesses after the dQ one), each with the cubin's
     own parameter offsets; tensor cores and TMA in the main kernel only."""
     import kspec
-    from kspec.runtime.cubin import read_cubin
     art = bwd_artifacts(stem)
     plan = _bwd_plan(kspec.load(art), stem)
-    for arch, mma in zip(ARCHS, (" HGMMA", " UTCHMMA")):
+    check_fa4_bwd_binaries(art, plan, ARCHS, _steps(stem))
+    for arch in ARCHS:
         b = plan.binaries[arch]
-        assert [v.config["role"] for v in b.variants] == list(_steps(stem))
-        assert [v.config["fa4_class"] for v in b.variants] == _classes(stem, arch)
-        assert all(not v.select for v in b.variants)              # never chosen by size
         # GQA: the dK/dV accumulators' key rounding (FA4's tile_n; paired tiles with sm_100a's 2-CTA)
         assert ("ws_kv_tile" in b.variants[0].config) == (stem == GQA)
         if stem == GQA:
             cfg = b.variants[1].config
             assert cfg["ws_kv_pair"] == ("2" if cfg.get("2cta") == "true" else "1")
             assert [v.config["tile"].split("x")[0] for v in b.variants[3:]] == [cfg["ws_kv_tile"]] * 2
-        for v in b.variants:
-            # the manifest's parameter offsets are the cubin's own (EIATTR_KPARAM_INFO)
-            k = read_cubin(art / v.cubin).kernel(v.symbol)
-            base = k.params[0].offset
-            assert tuple(p.offset - base for p in k.params) == tuple(
-                int(x) for x in v.config["param_offsets"].split(","))
-        sass = [cubin_sass(art / v.cubin) for v in b.variants]
-        if sass[0] is None:
-            pytest.skip("no cuobjdump")
-        assert mma in sass[1] and "UTMALDG" in sass[1]            # the main kernel: tensor cores, TMA loads
-        assert not any(mma in x for k, x in enumerate(sass) if k != 1)
 
 
 def _fake_call(mod, stem, sizes, cc, sms, arch, params=None):
-    from kspec.runtime.fakedriver import FakeDriver, check_call, fake_call
-    with FakeDriver(cc, sm_count=sms) as fake:
-        call = fake_call(mod, f"{stem}_bwd", sizes, fake, params=params)
-        # (FA4's kernels declare 1 KiB of static shared memory beside the full dynamic opt-in, which the
-        # fake's limit check counts against every FA4 kernel alike: see test_fa4_attention's _split_call)
-        problems = [p for p in check_call(call, arch, mod) if "static shared memory exceed" not in p]
-    return call, problems, fake
+    return fa4_fake_call(mod, f"{stem}_bwd", sizes, cc, sms, arch, params)
 
 
 @needs_fa4

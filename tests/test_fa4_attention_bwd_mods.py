@@ -312,7 +312,7 @@ def test_the_main_kernel_is_launched_with_the_mods_aux_tensor_and_scalar(mod_art
     (plan,) = mod[f"attention_{stem}_bwd"].entry.plans
     b = plan.binaries[arch]
     B, H, S = 2, 3, 300
-    call, problems = fa4_fake_call(mod, f"attention_{stem}_bwd", {"B": B, "H": H, "S": S, "T": S}, cc, sms, arch,
+    call, problems, _fake = fa4_fake_call(mod, f"attention_{stem}_bwd", {"B": B, "H": H, "S": S, "T": S}, cc, sms, arch,
                                    params={"scale": 0.0771, **({"cap": 37.25} if stem == "softcap" else {})})
     assert problems == [], problems
     assert [r.symbol for r in call.launches] == [v.symbol for v in b.variants]
