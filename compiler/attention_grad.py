@@ -282,7 +282,7 @@ def evaluate(e: EpiExpr, env: dict):
     semantics without their f32 rounding; a cast to f16/bf16 rounds, integer `/` and `%` floor."""
     import numpy as np
 
-    from kspec.backends.reference.numerics import FUNCTIONS, floordiv, mod, to_storage
+    from kspec.numerics import FUNCTIONS, floordiv, mod, to_storage
     if isinstance(e, Const):
         return np.asarray(e.value, np.int64 if isinstance(e.value, int) else np.float64)
     if not isinstance(e, Op):

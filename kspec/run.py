@@ -73,7 +73,7 @@ def random_inputs(kernel, sizes: dict[str, int], seed: int = 0) -> dict:
     """Random arrays for every input of a kernel, at the given symbol sizes (default 64)."""
     import numpy as np
 
-    from kspec.backends.reference.numerics import is_int, to_storage
+    from kspec.numerics import is_int, to_storage
     from kspec.core import split_offset_dim, split_quotient_dim
     from kspec.spec_lang.check import index_bounds
     rng = np.random.default_rng(seed)

@@ -68,7 +68,7 @@ def emulate(ep, sizes: dict, rng, workdir, scalars=(0.0,), given: dict | None = 
     without g++ or CUDA headers."""
     from rowwise_harness import cuda_include
 
-    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.numerics import storage_dtype
     if shutil.which("g++") is None or cuda_include() is None:
         pytest.skip("no g++ or CUDA headers")
     names, ir = ep.lowered.names, ep.lowered.ir

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kspec.backends.reference.numerics import storage_dtype
+from kspec.numerics import storage_dtype
 from kspec.compile import emit_spec
 
 HERE = Path(__file__).parent

@@ -80,7 +80,7 @@ def _layernorm_bwd64(x, gamma, mu, var, dy, eps):
 def _run_layernorm_bwd(M: int, N: int, budget: int | None = None, sms: int | None = None,
                        batch: tuple[int, int] | None = None):
     """batch: (B, S) with B * S == M: LAYERNORM_3D's backward on [B, S, N] tensors."""
-    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.numerics import storage_dtype
     from rowwise_harness import EmuKernel, available
     if available():
         pytest.skip(f"cannot emulate row kernels here: {available()}")

@@ -274,7 +274,7 @@ def check_plan(sched) -> None:
 
 
 def _arrays(kernel, rng: np.random.Generator) -> dict:
-    from kspec.backends.reference.numerics import to_storage
+    from kspec.numerics import to_storage
     sizes = {s: int(rng.integers(2, 5)) for s in LABELS.values()}
     out = {}
     for t in kernel.inputs:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kspec.backends.reference import reference
-from kspec.backends.reference.numerics import storage_dtype
+from kspec.numerics import storage_dtype
 from kspec.compile import emit_spec
 from kspec.core import KspecRuntimeError
 

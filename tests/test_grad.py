@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kspec
-from kspec.backends.reference.numerics import to_storage
+from kspec.numerics import to_storage
 from kspec.spec_lang import KspecError, load_spec, parse, print_program
 from kspec.core import split_quotient_dim
 from kspec.spec_lang.grad import NO_GRADIENT_STORAGE, grad_program

@@ -170,7 +170,7 @@ def test_norm_backward_row_kernel_runs_on_the_cpu_emulator(stem):
     import numpy as np
 
     import kspec
-    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.numerics import storage_dtype
     from kspec.spec_lang import parse, print_program
     from rowwise_harness import EmuKernel, available
     if available():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kspec
-from kspec.backends.reference.numerics import storage_dtype
+from kspec.numerics import storage_dtype
 from kspec.compile import emit_spec, plan_spec
 from kspec.compiler import build_graph, op
 from kspec.core import NoBackendError

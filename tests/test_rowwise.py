@@ -678,7 +678,7 @@ MORE_GROUPS = {
 def test_more_row_groups_match_the_reference(name, odd):
     """Chains of softmaxes, a 4-D softmax with a scale, min/max with both as outputs, row dot
     products, constants inside the reduced expression, a stored elementwise prologue."""
-    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.numerics import storage_dtype
     src = MORE_GROUPS[name]
     prog = _load(src)
     k = prog.kernels[0]
@@ -749,7 +749,7 @@ def test_logsumexp_is_one_row_kernel_of_two_passes():
 def test_logsumexp_row_kernel_matches_float64(odd):
     """A row of -inf (fully masked) gives -inf; -inf entries drop out; a large entry does not
     overflow (the max shift); y = exp(x - L) reads L in the same kernel."""
-    from kspec.backends.reference.numerics import storage_dtype
+    from kspec.numerics import storage_dtype
     kern = _emu()(LOGSUMEXP_ROWS, is_text=True)
     n = 203 if odd else 208
     x = (np.random.default_rng(3).standard_normal((6, n)) * 4).astype(np.float32)

@@ -21,7 +21,7 @@ from kspec.spec_lang import CheckedKernel, CheckedProgram, KspecError, load_spec
 
 from . import varlen
 from .varlen import KspecReferenceError
-from .numerics import FUNCTIONS, divide, floordiv, is_int, mod, round_tf32, storage_dtype, to_compute, to_storage
+from kspec.numerics import FUNCTIONS, divide, floordiv, is_int, mod, round_tf32, storage_dtype, to_compute, to_storage
 
 # Nodes without operands, computed wherever they are read (compiler.graph.GENERATED_KINDS).
 _GENERATED = ("const", "index", "size")

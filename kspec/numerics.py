@@ -1,4 +1,6 @@
-"""numpy storage types and rounding for kspec dtypes (f16/bf16/fp8 through ml_dtypes)."""
+"""numpy storage types, rounding and elementwise functions of kspec dtypes (f16/bf16/fp8/fp4 through
+ml_dtypes): the numerics the reference executor computes with, shared with the compiler (its float64
+check of a score modification's derivative, compiler/attention_grad.py) and the CuTe backend."""
 from __future__ import annotations
 
 import math
