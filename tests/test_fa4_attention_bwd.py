@@ -95,6 +95,63 @@ def test_top_left_causal_over_packed_sequences_is_refused():
         _plan("attention_varlen", edit=lambda t: t.replace("j <= i + (T - S)", "j <= i"))
 
 
+PADDED = "attention_varlen_padded"     # Lq, Lk: i32[B] used query / key counts over dense tensors
+_PADDED_MASK = "where(i < Lq[b] and j < Lk[b] and j <= i + (Lk[b] - Lq[b]), s[b, h, i, j], -inf)"
+
+
+def _padded_mask(mask: str):
+    def edit(t):
+        assert _PADDED_MASK in t
+        return t.replace(_PADDED_MASK, mask)
+    return edit
+
+
+@needs_fa4
+@pytest.mark.parametrize("mask, used, causal", [
+    (_PADDED_MASK, ("Lq", "Lk"), True),
+    ("where(j < Lk[b] and j <= i + (Lk[b] - S), s[b, h, i, j], -inf)", (None, "Lk"), True),     # seqused_k only
+    ("where(i < Lq[b] and j <= i + (T - Lq[b]), s[b, h, i, j], -inf)", ("Lq", None), True),     # seqused_q only
+    ("where(j < Lk[b] and i < Lq[b], s[b, h, i, j], -inf)", ("Lq", "Lk"), False),
+])
+def test_padded_backward_plans_as_one_fa4_kernel_through_seqused(mask, used, causal):
+    """`i < Lq[b]` and `j < Lk[b]` (i32 [B] inputs read at the batch) are FA4's seqused_q / seqused_k,
+    the bottom-right causal mask over those lengths FA4's own (it aligns within each sequence's used
+    lengths); one attention_bwd plan on both archs under --strict, dQ, dK and dV zeroed first."""
+    p = one_fa4_bwd_plan(_plan(PADDED, edit=_padded_mask(mask)), ARCHS)
+    a = p.ir.attention_bwd
+    assert (a.seqused_q, a.seqused_k) == used and a.causal == a.bottom_right == causal
+    want = ", ".join(f"seqused_{x}" for x, n in zip("qk", used) if n) + " (dQ, dK, dV zeroed before the call)"
+    for arch in ARCHS:
+        cfg = dict(p.choices[arch].config)
+        assert cfg["seqused"] == want and cfg["mask"] == ("causal (bottom-right)" if causal else "none")
+
+
+@pytest.mark.parametrize("stem, edit, why", [
+    (PADDED, _padded_mask("where(i <= Lq[b] and j < Lk[b], s[b, h, i, j], -inf)"), "the mask is not causal"),
+    (PADDED, _padded_mask("where(i < Lq[b] and j < Lk[b] and j <= i + (T - S), s[b, h, i, j], -inf)"),
+     "the mask is not causal"),
+    (PADDED, _padded_mask("where(i < Lq[b] and j < Lk[b] and j <= i, s[b, h, i, j], -inf)"), "aligned top-left"),
+    (PADDED, _padded_mask("where(i < Lq[b] and j < Lk[b] + 1, s[b, h, i, j], -inf)"), "the mask is not causal"),
+    ("attention_gqa", lambda t: t.replace("in  V : f16[B, KH, T, 128]", "in  V : f16[B, KH, T, 128]\n  in  Lk : i32[B]").replace(
+        "softmax(j) s[b, h, i, j]", "softmax(j) where(j < Lk[b], s[b, h, i, j], -inf)"), "not built yet"),
+    ("attention_softcap", lambda t: t.replace("in  V : f16[B, H, T, 256]", "in  V : f16[B, H, T, 256]\n  in  Lk : i32[B]").replace(
+        "softmax(j) c[b, h, i, j]", "softmax(j) where(j < Lk[b], c[b, h, i, j], -inf)"), "not built yet"),
+])
+def test_what_fa4_cannot_take_of_a_padded_backward_is_printed_and_refused_by_strict(stem, edit, why):
+    sched = _plan(stem, strict=False, edit=edit)
+    assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes
+    with pytest.raises(KspecError, match="attention backward"):
+        _plan(stem, edit=edit)
+
+
+def test_used_lengths_over_packed_sequences_are_refused():
+    # (unfused, nothing builds packed tensors: --strict names the reason first)
+    def edit(t):
+        return t.replace("in  cu_k : i32[B + 1]", "in  cu_k : i32[B + 1]\n  in  Lk : i32[B]").replace(
+            "where(j <= i + (T - S),", "where(j < Lk[b],")
+    with pytest.raises(KspecError, match="attention backward.*seqused.*packed sequences.*not built yet"):
+        _plan("attention_varlen", edit=edit)
+
 
 @needs_fa4
 def test_gqa_backward_plans_as_one_fa4_attention_bwd_kernel_of_five_on_both_archs():
