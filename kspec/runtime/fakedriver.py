@@ -680,10 +680,12 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
     mapped = {tm.address for tm in used}
     words = {int.from_bytes(rec.params[i:i + 8], "little") for i in range(0, len(rec.params) - 7, 8)}
     for a in args:
-        # a ragged TMA view of a packed tensor (QuACK's create_ragged_tensor_for_tma with ptr_shift,
-        # which FlashAttention-4 uses for varlen O) starts RAGGED_ROWS rows before the data
-        shifted = a.ptr - RAGGED_ROWS * a.strides[0] * dtypes.itemsize(a.dtype) if a.strides else None
-        if a.ptr not in words and a.ptr not in mapped and shifted not in words and shifted not in mapped:
+        # a ragged TMA view (QuACK's create_ragged_tensor_for_tma with ptr_shift, which FlashAttention-4
+        # uses for varlen O, and for dK, dV of its sm_90a backward over used key counts) starts
+        # RAGGED_ROWS rows of its sequence mode before the data: the packed rows, or a dense tensor's
+        # sequence axis (one of its modes)
+        shifted = {a.ptr - RAGGED_ROWS * st * dtypes.itemsize(a.dtype) for st in a.strides}
+        if a.ptr not in words and a.ptr not in mapped and not shifted & (words | mapped):
             out.append(f"{what}: the pointer of '{a.name}' (0x{a.ptr:x}) is neither in the parameter blob nor "
                        "behind a TMA descriptor")
     for index, offset in placed.items():
