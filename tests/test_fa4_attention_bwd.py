@@ -5,7 +5,9 @@ build (tensor-core SASS in the main kernel, parameter offsets from the cubins); 
 running preprocess, main and postprocess in order with one correctly sized workspace under the fake
 driver; bad sizes refused before launch; a warm compile importing neither FA4 nor the DSL.  GQA
 (attention_gqa: K and V read at head h / 4): five kernels (the dK and dV postprocesses too), the
-dK/dV accumulators in the workspace zeroed before the main kernel."""
+dK/dV accumulators in the workspace zeroed before the main kernel.  Padded sequences
+(attention_varlen_padded: `i < Lq[b] and j < Lk[b]`): FA4's seqused_q / seqused_k passed to each kernel,
+dQ, dK, dV zeroed once before the preprocess."""
 from __future__ import annotations
 
 import subprocess

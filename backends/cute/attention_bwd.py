@@ -1,5 +1,5 @@
 """The attention backward in the CuTe DSL backend: this module owns it.  The backward of a plain,
-causal, GQA or score-modified attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
+causal, packed or padded varlen, GQA or score-modified attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
 FlashAttention-4 4.0.0b36's own backward: three kernels (GQA: five), run in order by one kspec call,
 sharing a per-call workspace, exactly as `flash_attn.cute.interface._flash_attn_bwd` drives them:
 
@@ -49,7 +49,15 @@ O, dO, dQ, dK, dV may be stored in any order of [b, h, seq, head] with the head 
 dense): FA4's cu_seqlens_q / cu_seqlens_k, its [rows, H, E] layout, the packed LSE [rows, H] passed
 as FA4's [H, rows] view, S and T the row counts; the workspace is then FA4's varlen one ([H, n],
 n = rows + B tiles rounded up to a tile: FA4 pads each sequence to whole tiles).  Batches of more
-than 256 sequences run without FA4's host-built batch lookup (as the forward does).
+than 256 sequences run without FA4's host-built batch lookup (as the forward does).  **Padded
+sequences** (dense tensors, sequence b using its first Lq[b] query and Lk[b] key slots: the mask's
+`i < Lq[b]` and `j < Lk[b]`, Lq and Lk i32 [B] inputs, either alone, with or without the
+bottom-right causal `j <= i + (Lk[b] - Lq[b])` over those lengths): FA4's seqused_q / seqused_k,
+the ABI's args after any offsets (and before any aux tensors), passed to the preprocess, the main
+kernel and the dQ postprocess in FA4's own slots; the workspace is the dense one.  FA4 writes no
+dQ row past Lq[b] and no dK / dV row past Lk[b] (its postprocess converts only the used rows of
+dq_accum, which its preprocess zeroes whole), where the spec's gradient is 0: the plan's init
+(BwdDesc.init, EmittedKernel.init) has the runtime zero dQ, dK and dV before the preprocess.
 
 **Score modifications** (soft-capping, ALiBi, a bias: AttentionBwdStructure.score_mod, matched with
 its derivative score_mod_grad by compiler/attention_grad.py) are FA4's score_mod and score_mod_bwd,
@@ -61,12 +69,15 @@ passes them.  FA4 computes no gradient for those tensors: a backward that also w
 dslope) is refused by the matching (`kspec grad --wrt Q,K,V` leaves it out).
 
 **The runtime** (kspec.runtime.module.Module.launches) launches a binary whose variants carry the
-roles of one of kspec.core.STEP_SEQUENCES as one call: the kernels in order, one workspace of the
-size the first one's glue asks, not cleared (the preprocess zeroes dq_accum; FA4 allocates it and
-the row buffers uninitialised too), but for what kspec.core.STEP_ZEROED names: GQA's dk_accum and
-dv_accum, zeroed (one memset) right before the main kernel, as FA4 allocates them with torch.zeros.
+roles of one of kspec.core.STEP_SEQUENCES as one call: the plan's init fills (padded sequences:
+dQ, dK, dV) once, then the kernels in order, one workspace of the size the first one's glue asks,
+not cleared (the preprocess zeroes dq_accum; FA4 allocates it and the row buffers uninitialised
+too), but for what kspec.core.STEP_ZEROED names: GQA's dk_accum and dv_accum, zeroed (one memset)
+right before the main kernel, as FA4 allocates them with torch.zeros.
 
-**Not covered** (planned unfused, with the reason `kspec graph` prints): masks other than these, a
+**Not covered** (planned unfused, with the reason `kspec graph` prints): masks other than these
+(a top-left causal `j <= i` over used lengths among them), used lengths with packed sequences, GQA
+or a score modification, a
 score modification the matching does not recognise as the derivative of the recomputed mod (or
 whose gradient is also wanted for a tensor it reads), a score modification over packed sequences or
 with GQA, mods reading sizes or aux tensors with extents other than the attention's B, H, S, T,
@@ -416,8 +427,8 @@ def _view(desc: BwdDesc, k: int) -> tuple[tuple[str, ...], tuple[tuple[str, ...]
 def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     """(entry name, dtype, dynamic shape (C expressions), stride factors, data C expression) of one
     kernel's tensors, in the entry's order.  FA4's Q/K/V/O/dO/dQ/dK/dV views end with the static head
-    dim (_view); the workspace buffers are row-major [B, H, n] ([H, n] for packed queries), and the
-    offsets of packed sequences [B + 1].  GQA: K, V, dK, dV and the dK/dV accumulators have HK heads;
+    dim (_view); the workspace buffers are row-major [B, H, n] ([H, n] for packed queries), the
+    offsets of packed sequences [B + 1], the used lengths of padded ones [B].  GQA: K, V, dK, dV and the dK/dV accumulators have HK heads;
     the main kernel writes the accumulators."""
     idx = {n: f"ptrs[{i}]" for i, n in enumerate(("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"))}
     for n, c in (("cu_q", desc.cu_q), ("cu_k", desc.cu_k), ("sq", desc.seqused_q), ("sk", desc.seqused_k)):
@@ -475,7 +486,7 @@ def entry_source(desc: BwdDesc) -> str:
     """The traced module: kspec_<step> for each of desc.steps, calling the FA4 object kspec set in PRE,
     MAIN, POST (GQA: and POST_DK, POST_DV) with FA4's own argument order (the optional ones None, as
     _flash_attn_bwd passes them for a non-deterministic backward; cu_seqlens_q / cu_seqlens_k for
-    packed sequences)."""
+    packed sequences, seqused_q / seqused_k for padded ones)."""
     def params(step):
         return ", ".join([f"{t[0]}: cute.Tensor" for t in tensors(desc, step)] +
                          [f"{v}: cutlass.{t}" for v, t in _values(desc, step)] + ["stream: cuda.CUstream"])
