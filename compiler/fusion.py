@@ -131,6 +131,8 @@ class AttentionBwdInfo:
     kv_group: object = None            # GQA: K/V read at head h // kv_group (an int, a param or size name)
     kv_head: object = None             # GQA: the K/V head count (extent of K's head axis)
     mods: object = None                # a score modification (compiler.attention_grad.BwdScores, its grad set)
+    seqused_q: str | None = None       # padded sequences: the i32 [B] inputs bounding the query (i < Lq[b]) ..
+    seqused_k: str | None = None       # .. and the key (j < Lk[b]) (FlashAttention-4's seqused_q / seqused_k)
 
 
 def _strip(g, n, kinds=("broadcast",)):
@@ -157,13 +159,19 @@ def _causal_cond(g, c, query: str, key: str) -> bool:
     return (a.fn, b.fn) == ((key, query) if o.fn == "le" else (query, key))
 
 
-def _seq_length(g, n):
+def _seq_length(g, n, read=None, batch: str | None = None):
     """What n is the length of: ("size", symbol) for a size symbol, ("cu", offsets) for a packed
-    sequence's own length `cu[b + 1] - cu[b]` (how the checker writes a packed axis's size); None."""
-    n = _strip(g, n)
+    sequence's own length `cu[b + 1] - cu[b]` (how the checker writes a packed axis's size), ("used",
+    L) for `L[b]`, an i32 input vector read at the batch label `batch` (the labels n is read under:
+    `read`; padded sequences' used lengths, FlashAttention-4's seqused); None."""
+    while op(g, n).kind == "broadcast" and len(operands(g, n)) == 1:
+        ((n, read),) = operands(g, n)
     o = op(g, n)
     if o.kind == "size":
         return ("size", o.fn)
+    if o.kind == "input" and o.dtype == "i32" and len(o.shape) == 1 and batch is not None and \
+            read is not None and tuple(read) == (batch,):
+        return ("used", o.name)
     if o.kind != "elementwise" or o.fn != "sub":
         return None
     (hi, _), (lo, _) = operands(g, n)
@@ -180,21 +188,54 @@ def _seq_length(g, n):
     return ("cu", op(g, hs[0][0]).name)
 
 
-def _mask_kind(g, c, query: str, key: str, q_len, k_len) -> str | None:
+def _conjuncts(g, c) -> list:
+    """The conditions of a conjunction `a and b and ..` (c itself when it is none)."""
+    c = _strip(g, c)
+    o = op(g, c)
+    if o.kind == "elementwise" and o.fn == "and":
+        return [x for w, _ in operands(g, c) for x in _conjuncts(g, w)]
+    return [c]
+
+
+def _used_lengths(g, conds, query: str, key: str, batch: str | None) -> tuple:
+    """The used lengths (_seq_length's ("used", L)) the conditions bound the query and the key by
+    (`query < Lq[b]`, `key < Lk[b]`), each None where none does."""
+    found = {query: None, key: None}
+    for c in conds:
+        o = op(g, c)
+        if o.kind == "elementwise" and o.fn == "lt":
+            (x, _), (y, ry) = operands(g, c)
+            x = _strip(g, x)
+            if op(g, x).kind == "index" and op(g, x).fn in found:
+                n = _seq_length(g, y, ry, batch)
+                if n is not None and n[0] == "used":
+                    found[op(g, x).fn] = found[op(g, x).fn] or n
+    return found[query], found[key]
+
+
+def _mask_kind(g, c, query: str, key: str, q_len, k_len, batch: str | None = None) -> str | None:
     """What mask condition c is: "causal" (`key <= query`), "bottom_right" (`key <= query + (k_len - q_len)`,
     FlashAttention-4's causal alignment when the lengths differ), "key_length" (`key < k_len`, the keys
-    that exist in a packed sequence); None for anything else.  q_len / k_len as _seq_length gives them."""
+    that exist in a packed sequence), "query_used" / "key_used" (`query < Lq[b]`, `key < Lk[b]`: the
+    used lengths of padded sequences, FlashAttention-4's seqused_q / seqused_k); None for anything
+    else.  q_len / k_len as _seq_length gives them (the used lengths where the mask bounds by them)."""
     if _causal_cond(g, c, query, key):
         return "causal"
     c = _strip(g, c)
     o = op(g, c)
     if o.kind != "elementwise" or o.fn not in ("le", "lt"):
         return None
-    (x, _), (y, _) = operands(g, c)
-    if op(g, _strip(g, x)).kind != "index" or op(g, _strip(g, x)).fn != key:
+    (x, _), (y, ry) = operands(g, c)
+    xi = op(g, _strip(g, x))
+    if xi.kind != "index" or xi.fn not in (query, key) or (o.fn == "le" and xi.fn != key):
         return None
     if o.fn == "lt":
-        return "key_length" if k_len[0] == "cu" and _seq_length(g, y) == k_len else None
+        n = _seq_length(g, y, ry, batch)
+        if xi.fn == query:
+            return "query_used" if q_len[0] == "used" and n == q_len else None
+        if k_len[0] == "used":
+            return "key_used" if n == k_len else None
+        return "key_length" if k_len[0] == "cu" and n == k_len else None
     y = _strip(g, y)
     if op(g, y).kind != "elementwise" or op(g, y).fn != "add":
         return None
@@ -204,8 +245,9 @@ def _mask_kind(g, c, query: str, key: str, q_len, k_len) -> str | None:
     d = _strip(g, d)
     if op(g, _strip(g, i)).kind != "index" or op(g, _strip(g, i)).fn != query or op(g, d).fn != "sub":
         return None
-    (lk, _), (lq, _) = operands(g, d)
-    return "bottom_right" if _seq_length(g, lk) == k_len and _seq_length(g, lq) == q_len else None
+    (lk, rk), (lq, rq) = operands(g, d)
+    return "bottom_right" if _seq_length(g, lk, rk, batch) == k_len and _seq_length(g, lq, rq, batch) == q_len \
+        else None
 
 
 def _read_labels(g, consumer, producer) -> tuple | None:
@@ -279,14 +321,25 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         return "GQA needs [b, h, seq, head] tensors (not another order, not packed sequences)"
     q_len = ("cu", op(g, q).packed) if op(g, q).packed else ("size", dict(zip(so.axes, so.shape))[query])
     k_len = ("cu", op(g, k).packed) if op(g, k).packed else ("size", dict(zip(so.axes, so.shape))[key])
-    kinds = [_mask_kind(g, c, query, key, q_len, k_len) for c in conds]
+    parts = [x for c in conds for x in _conjuncts(g, c)]          # `where(a and b, ..)` as its conditions
+    bl = batch[0] if len(batch) == 2 else None                    # the batch label (used lengths are read at it)
+    used_q, used_k = _used_lengths(g, parts, query, key, bl)
+    if (used_q or used_k) and (op(g, q).packed or op(g, k).packed or group is not None or mods is not None):
+        return ("used lengths of padded sequences (FlashAttention-4's seqused) with packed sequences, GQA or a "
+                "score modification (not built yet)")
+    q_len, k_len = used_q or q_len, used_k or k_len
+    kinds = [_mask_kind(g, c, query, key, q_len, k_len, bl) for c in parts]
     if None in kinds or len(set(kinds)) != len(kinds) or {"causal", "bottom_right"} <= set(kinds):
         return ("the mask is not causal (key <= query, or key <= query + (T - S) aligned bottom-right as "
-                "FlashAttention-4's), together with the key bound of packed sequences")
+                "FlashAttention-4's), together with the key bound of packed sequences or the used lengths of "
+                "padded ones (query < Lq[b], key < Lk[b])")
     causal = "causal" in kinds or "bottom_right" in kinds
     bottom_right = "bottom_right" in kinds
     if mods is not None and (q_len[0] == "cu" or k_len[0] == "cu"):
         return "a score modification over packed (varlen) sequences (not matched yet)"
+    if (used_q or used_k) and "causal" in kinds:
+        return ("a causal mask `key <= query` aligned top-left over used lengths (FlashAttention-4 aligns it "
+                "bottom-right within each sequence: write `key <= query + (Lk[b] - Lq[b])`)")
     # lse: an input, or where(lse == -inf, 0, lse)
     mo = op(g, _strip(g, m))
     lse = _input(g, m)
@@ -354,7 +407,8 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         co = op(g, cs[0])
         if co.kind == "elementwise" and co.fn == "where":
             (c3, _), (x, _), (z, _) = operands(g, cs[0])
-            if x != n or not _is_const(g, z, 0.0) or _mask_kind(g, c3, query, key, q_len, k_len) not in kinds:
+            if x != n or not _is_const(g, z, 0.0) or any(_mask_kind(g, c4, query, key, q_len, k_len, bl) not in kinds
+                                                         for c4 in _conjuncts(g, c3)):
                 return "dS is masked by something other than the scores' mask"
         elif co.kind == "elementwise" and co.fn == "mul":
             others = [w for w, _ in operands(g, cs[0]) if w != n]
@@ -391,7 +445,7 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         return "Q, K, V, O, dO, dQ, dK and dV must be stored with the head dim innermost"
     return AttentionBwdInfo(q, k, v, o_in, do, lse, dq, dk, dv, tuple(batch), query, key, head, causal, scale, s, p,
                             bottom_right, tuple(tuple(o) for o in orders), group,
-                            heads if group is not None else None, mods)
+                            heads if group is not None else None, mods, used_q and used_q[1], used_k and used_k[1])
 
 
 def _kv_read(g, n, batch):

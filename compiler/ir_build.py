@@ -329,7 +329,7 @@ def _attention_bwd(g, group, buffer_of, stores) -> AttentionBwdStructure:
         scale=op(g, info.scale).name if info.scale is not None else None, head_dim=e,
         dims=(("B", bdim), ("H", hdim), ("S", _extent(g, qk, info.query)), ("T", _extent(g, qk, info.key)), ("E", e)),
         bottom_right=bool(info.bottom_right), layouts=_bwd_layouts(info), kv_group=info.kv_group,
-        kv_head=info.kv_head, **mods)
+        kv_head=info.kv_head, seqused_q=info.seqused_q, seqused_k=info.seqused_k, **mods)
 
 
 def _bwd_layouts(info) -> tuple[tuple[str, ...], ...]:

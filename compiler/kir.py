@@ -441,10 +441,15 @@ class AttentionBwdStructure:
     score_mod: EpiExpr | None = None
     score_mod_grad: EpiExpr | None = None
     aux: tuple[str, ...] = ()
+    # padded sequences: the i32 [B] buffers of the used query and key counts the mask bounds by
+    # (`i < Lq[b]`, `j < Lk[b]`; FlashAttention-4's seqused_q / seqused_k), None where it does not
+    seqused_q: str | None = None
+    seqused_k: str | None = None
 
 
 # AttentionBwdStructure's fields written to its JSON only when set (other backwards keep their digests)
-_BWD_OPTIONAL = ("kv_group", "kv_head", "bottom_right", "layouts", "score_mod", "score_mod_grad", "aux")
+_BWD_OPTIONAL = ("kv_group", "kv_head", "bottom_right", "layouts", "score_mod", "score_mod_grad", "aux", "seqused_q",
+                 "seqused_k")
 
 
 @dataclass(frozen=True)
@@ -743,6 +748,9 @@ def verify(ir: KernelIR) -> KernelIR:
                 bad(f"the mask does not bound the keys by {a.kv_len}[{a.batch[0]}]")
     if ir.attention_bwd is not None:
         _verify_attention_bwd_mods(ir.attention_bwd, bufs, bad)
+        for name in (ir.attention_bwd.seqused_q, ir.attention_bwd.seqused_k):
+            if name is not None and (name not in bufs or bufs[name].dtype != "i32" or len(bufs[name].shape) != 1):
+                bad(f"used lengths {name} are not an i32 vector over the batch")
     if (ir.kind in ("rowwise", "colsum")) != (ir.row is not None):
         bad("the row structure does not match the kind")
     if ir.anchor is not None and ir.anchor not in seen:
@@ -839,6 +847,9 @@ def format_ir(ir: KernelIR) -> str:
                      f"{a.scale or 1}; " + ", ".join(f"{k}={format_extent(v)}" for k, v in a.dims)
                      + (f"; kv heads: {a.head} // {a.kv_group} of {format_extent(a.kv_head)}"
                         if a.kv_group is not None else ""))
+        if a.seqused_q or a.seqused_k:
+            lines.append("    used lengths: " + ", ".join(f"{x} < {n}[{a.batch[0]}]" for x, n in
+                                                        ((a.query, a.seqused_q), (a.key, a.seqused_k)) if n))
         if a.score_mod is not None:
             lines.append(f"    score_mod: {format_epi(a.score_mod)}; its gradient: {format_epi(a.score_mod_grad)}"
                          + (f"; aux {', '.join(a.aux)}" if a.aux else ""))

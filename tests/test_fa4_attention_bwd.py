@@ -5,7 +5,9 @@ build (tensor-core SASS in the main kernel, parameter offsets from the cubins); 
 running preprocess, main and postprocess in order with one correctly sized workspace under the fake
 driver; bad sizes refused before launch; a warm compile importing neither FA4 nor the DSL.  GQA
 (attention_gqa: K and V read at head h / 4): five kernels (the dK and dV postprocesses too), the
-dK/dV accumulators in the workspace zeroed before the main kernel."""
+dK/dV accumulators in the workspace zeroed before the main kernel.  Padded sequences
+(attention_varlen_padded: `i < Lq[b] and j < Lk[b]`): FA4's seqused_q / seqused_k passed to each kernel,
+dQ, dK, dV zeroed once before the preprocess."""
 from __future__ import annotations
 
 import subprocess
@@ -94,6 +96,63 @@ def test_top_left_causal_over_packed_sequences_is_refused():
     with pytest.raises(KspecError, match="attention backward.*bottom-right"):
         _plan("attention_varlen", edit=lambda t: t.replace("j <= i + (T - S)", "j <= i"))
 
+
+PADDED = "attention_varlen_padded"     # Lq, Lk: i32[B] used query / key counts over dense tensors
+_PADDED_MASK = "where(i < Lq[b] and j < Lk[b] and j <= i + (Lk[b] - Lq[b]), s[b, h, i, j], -inf)"
+
+
+def _padded_mask(mask: str):
+    def edit(t):
+        assert _PADDED_MASK in t
+        return t.replace(_PADDED_MASK, mask)
+    return edit
+
+
+@needs_fa4
+@pytest.mark.parametrize("mask, used, causal", [
+    (_PADDED_MASK, ("Lq", "Lk"), True),
+    ("where(j < Lk[b] and j <= i + (Lk[b] - S), s[b, h, i, j], -inf)", (None, "Lk"), True),     # seqused_k only
+    ("where(i < Lq[b] and j <= i + (T - Lq[b]), s[b, h, i, j], -inf)", ("Lq", None), True),     # seqused_q only
+    ("where(j < Lk[b] and i < Lq[b], s[b, h, i, j], -inf)", ("Lq", "Lk"), False),
+])
+def test_padded_backward_plans_as_one_fa4_kernel_through_seqused(mask, used, causal):
+    """`i < Lq[b]` and `j < Lk[b]` (i32 [B] inputs read at the batch) are FA4's seqused_q / seqused_k,
+    the bottom-right causal mask over those lengths FA4's own (it aligns within each sequence's used
+    lengths); one attention_bwd plan on both archs under --strict, dQ, dK and dV zeroed first."""
+    p = one_fa4_bwd_plan(_plan(PADDED, edit=_padded_mask(mask)), ARCHS)
+    a = p.ir.attention_bwd
+    assert (a.seqused_q, a.seqused_k) == used and a.causal == a.bottom_right == causal
+    want = ", ".join(f"seqused_{x}" for x, n in zip("qk", used) if n) + " (dQ, dK, dV zeroed before the call)"
+    for arch in ARCHS:
+        cfg = dict(p.choices[arch].config)
+        assert cfg["seqused"] == want and cfg["mask"] == ("causal (bottom-right)" if causal else "none")
+
+
+@pytest.mark.parametrize("stem, edit, why", [
+    (PADDED, _padded_mask("where(i <= Lq[b] and j < Lk[b], s[b, h, i, j], -inf)"), "the mask is not causal"),
+    (PADDED, _padded_mask("where(i < Lq[b] and j < Lk[b] and j <= i + (T - S), s[b, h, i, j], -inf)"),
+     "the mask is not causal"),
+    (PADDED, _padded_mask("where(i < Lq[b] and j < Lk[b] and j <= i, s[b, h, i, j], -inf)"), "aligned top-left"),
+    (PADDED, _padded_mask("where(i < Lq[b] and j < Lk[b] + 1, s[b, h, i, j], -inf)"), "the mask is not causal"),
+    ("attention_gqa", lambda t: t.replace("in  V : f16[B, KH, T, 128]", "in  V : f16[B, KH, T, 128]\n  in  Lk : i32[B]").replace(
+        "softmax(j) s[b, h, i, j]", "softmax(j) where(j < Lk[b], s[b, h, i, j], -inf)"), "not built yet"),
+    ("attention_softcap", lambda t: t.replace("in  V : f16[B, H, T, 256]", "in  V : f16[B, H, T, 256]\n  in  Lk : i32[B]").replace(
+        "softmax(j) c[b, h, i, j]", "softmax(j) where(j < Lk[b], c[b, h, i, j], -inf)"), "not built yet"),
+])
+def test_what_fa4_cannot_take_of_a_padded_backward_is_printed_and_refused_by_strict(stem, edit, why):
+    sched = _plan(stem, strict=False, edit=edit)
+    assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes
+    with pytest.raises(KspecError, match="attention backward"):
+        _plan(stem, edit=edit)
+
+
+def test_used_lengths_over_packed_sequences_are_refused():
+    # (unfused, nothing builds packed tensors: --strict names the reason first)
+    def edit(t):
+        return t.replace("in  cu_k : i32[B + 1]", "in  cu_k : i32[B + 1]\n  in  Lk : i32[B]").replace(
+            "where(j <= i + (T - S),", "where(j < Lk[b],")
+    with pytest.raises(KspecError, match="attention backward.*seqused.*packed sequences.*not built yet"):
+        _plan("attention_varlen", edit=edit)
 
 
 @needs_fa4
@@ -187,7 +246,7 @@ def _bwd_plan(mod, stem):
 
 @needs_fa4
 @pytest.mark.cute
-@pytest.mark.parametrize("stem", [*STEMS, GQA, "attention_varlen"])
+@pytest.mark.parametrize("stem", [*STEMS, GQA, "attention_varlen", PADDED])
 def test_backward_builds_its_fa4_kernels_per_arch_with_tensor_core_sass(bwd_artifacts, stem):
     """Three kernels (GQA: five, the dK and dV postprocesses after the dQ one), each with the cubin's
     own parameter offsets; tensor cores and TMA in the main kernel only."""
@@ -199,6 +258,7 @@ def test_backward_builds_its_fa4_kernels_per_arch_with_tensor_core_sass(bwd_arti
         b = plan.binaries[arch]
         # GQA: the dK/dV accumulators' key rounding (FA4's tile_n; paired tiles with sm_100a's 2-CTA)
         assert ("ws_kv_tile" in b.variants[0].config) == (stem == GQA)
+        assert [v.config["seqused"] for v in b.variants] == ["q,k" if stem == PADDED else "none"] * len(b.variants)
         if stem == GQA:
             cfg = b.variants[1].config
             assert cfg["ws_kv_pair"] == ("2" if cfg.get("2cta") == "true" else "1")
@@ -276,6 +336,40 @@ def test_packed_backward_passes_the_offsets_and_sizes_the_padded_workspace(bwd_a
         (ws,) = {r.prepare.workspace for r in call.launches}
         assert pre[5].ptr == ws and pre[5].shape == (H, n * dr) and pre[2].ptr == ws + lay["dpsum"][0]
         assert pre[0].shape == (rows, H, 128) and pre[3].shape == (rows, H)
+
+
+@needs_fa4
+@pytest.mark.cute
+@pytest.mark.parametrize("arch, cc, sms", [("sm90a", (9, 0), 132), ("sm100a", (10, 0), 148)])
+def test_padded_backward_passes_the_used_lengths_and_zeroes_dq_dk_dv_before_the_preprocess(bwd_artifacts, arch, cc,
+                                                                                          sms):
+    """Over padded sequences each kernel gets FA4's seqused_q (and the main kernel seqused_k) in its own
+    argument slot, after the plan's tensors; FA4 writes no row past them, where the spec's gradient is
+    0, so dQ, dK and dV (exactly those, in full) are zeroed once, before the preprocess; the workspace
+    is the dense one, nothing of it cleared."""
+    import kspec
+    mod = kspec.load(bwd_artifacts(PADDED))
+    plan = _bwd_plan(mod, PADDED)
+    b = plan.binaries[arch]
+    assert plan.init == {"dQ": "zero", "dK": "zero", "dV": "zero"}
+    assert mod.step_variants(plan, arch) == [0, 1, 2]
+    tile_m, dr = int(b.variants[0].config["ws_tile_m"]), int(b.variants[0].config["ws_head_dim"])
+    for B, H, S, T in ((2, 3, 300, 200), (1, 1, 1, 1), (3, 2, 700, 1000)):
+        call, problems, fake = _fake_call(mod, PADDED, {"B": B, "H": H, "S": S, "T": T}, cc, sms, arch)
+        assert problems == [], problems
+        assert [r.symbol for r in call.launches] == [v.symbol for v in b.variants]
+        lay = attention_bwd_workspace(B, H, S, tile_m, dr)
+        assert mod.launches(plan, arch, call.binding.dims(plan), 0, sms) == ([0, 1, 2], lay["total"][0])
+        pre, main, post = call.plan_args
+        assert [a.name for a in pre] == ["O", "dO", "<dpsum>", "p_lse", "<lse_log2>", "<dq_accum>", "Lq"]
+        assert [a.name for a in main] == ["Q", "K", "V", "dO", "<lse_log2>", "<dpsum>", "<dq_accum>", "dK", "dV",
+                                          "Lq", "Lk"]
+        assert [a.name for a in post] == ["<dq_accum>", "dQ", "Lq"]
+        assert pre[-1].shape == main[-1].shape == (B,) and pre[-1].ptr == main[-2].ptr == post[-1].ptr
+        # dQ, dK, dV zeroed in full (f16: 2-byte elements), all three before the first kernel, nothing else
+        out = {a.name: a for a in (*main[7:9], post[1])}
+        want = sorted((out[n].ptr, 0, 2, B * H * (S if n == "dQ" else T) * 128) for n in ("dQ", "dK", "dV"))
+        assert sorted(fake.fills) == want and fake.fills_at == [0, 0, 0], (fake.fills, fake.fills_at)
 
 
 def _gqa_artifact(bwd_artifacts, group: str):
@@ -482,7 +576,7 @@ def test_selftest_fake_checks_each_of_the_five_gqa_launches(bwd_artifacts, capsy
 @needs_fa4
 @pytest.mark.cute
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("stem", ["attention_causal", "attention_varlen"])
+@pytest.mark.parametrize("stem", ["attention_causal", "attention_varlen", PADDED])
 def test_selftest_fake_checks_each_of_the_three_launches(bwd_artifacts, capsys, arch, stem):
     """`kspec selftest --fake` (what a CPU machine checks before a GPU run) matches the three launches
     of one attention backward call to the plan and checks each against its own kernel's ABI and the

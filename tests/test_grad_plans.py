@@ -111,11 +111,12 @@ def test_norm_backward_is_a_row_kernel_plus_column_sums(stem):
 def test_attention_backward_plans_unfused_and_says_why(stem, monkeypatch):
     """S, dP, dQ, dK, dV as tensor-core GEMMs, dO·O as a row kernel, the softmax backward as one
     elementwise kernel; ALiBi's slope gradient, a sum over (b, i, j), is a split reduction.
-    (The causal one as it plans without FlashAttention-4 installed; with it: one attention_bwd plan.)"""
+    (The causal and padded-varlen ones as they plan without FlashAttention-4 installed; with it: one
+    attention_bwd plan, tests/test_fa4_attention_bwd.py.)"""
     from kspec.backends.cute import compat
     monkeypatch.setattr(compat, "fa4_available", lambda: "flash-attn-4 is not installed (pip install ...)")
     sched = _bwd(stem, strict=False)
-    why = "flash-attn-4 is not installed" if stem == "attention_causal" else "FlashAttention-4's backward"
+    why = "FlashAttention-4's backward" if stem == "attention_alibi" else "flash-attn-4 is not installed"
     assert any("attention backward" in n and why in n for n in sched.fusion.notes), sched.fusion.notes
     kinds = _summary(sched)
     assert sum(k == "gemm" for k, _, _ in kinds) == 5 and ("rowwise", {"rowwise"}, False) in kinds
@@ -299,13 +300,14 @@ def _bwd_graph(stem: str):
 
 
 @pytest.mark.parametrize("stem, causal, d", [("attention_causal", True, 64), ("attention", False, 128),
-                                            ("attention_gqa", False, 128)])
+                                            ("attention_gqa", False, 128), ("attention_varlen_padded", True, 128)])
 def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implements_it(stem, causal, d):
     """The whole backward (S, P, dP, D, dS, dQ, dK, dV) is one group of kind attention_bwd when the
     oracle says a backend implements it; its IR names FlashAttention-4's operands.  GQA: K and V read
     at head h / 4, dK and dV the sums over each group's query heads, one group too (the group and
-    the K/V head count in the IR)."""
-    from kspec.compiler import FusionContext, fuse
+    the K/V head count in the IR).  Padded sequences (`i < Lq[b] and j < Lk[b] and ..`): the used
+    lengths in the IR (FlashAttention-4's seqused_q / seqused_k), written to its JSON only when set."""
+    from kspec.compiler import FusionContext, format_ir, fuse, ir_from_json, ir_to_json
     g = _bwd_graph(stem)
     oracle = _AcceptBackward()
     res = fuse(g, FusionContext(oracle, ARCHS, f"{stem}_bwd"))
@@ -317,9 +319,12 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
     assert a.lse_buffer.endswith("lse") and (a.dq_buffer, a.dk_buffer, a.dv_buffer) == ("dQ", "dK", "dV")
     assert a.causal is causal and a.scale == "scale" and a.head_dim == d and a.dtype in ("f16", "bf16")
     assert (a.kv_group, a.kv_head) == ((4, "KH") if stem == "attention_gqa" else (None, None))
+    padded = stem == "attention_varlen_padded"
+    assert (a.seqused_q, a.seqused_k) == (("Lq", "Lk") if padded else (None, None)) and a.bottom_right == padded
+    assert ("seqused_q" in ir_to_json(ir)["attention_bwd"]) == padded
+    assert ("used lengths: i < Lq[b], j < Lk[b]" in format_ir(ir)) == padded
     assert {b for _, b, _ in ir.stores} == {"dQ", "dK", "dV"}
     # the IR's JSON (its digest, `kspec lower --json`) and its printout carry the backward's structure
-    from kspec.compiler import format_ir, ir_from_json, ir_to_json
     assert ir_from_json(ir_to_json(ir)) == ir and ir_from_json(ir_to_json(ir)).attention_bwd == a
     assert f"attention backward: Q=Q K=K V=V O=O dO=dO LSE={a.lse_buffer}" in format_ir(ir)
     from kspec.backends.cute import attention_bwd
@@ -327,7 +332,6 @@ def test_attention_backward_is_one_attention_bwd_group_where_a_backend_implement
 
 
 @pytest.mark.parametrize("stem, why", [
-    ("attention_varlen_padded", "the mask is not causal"),
     ("attention_alibi", "a gradient of a tensor the score modification reads is not among them")])
 def test_attention_backward_unfused_reason_names_what_is_missing(stem, why):
     sched = _bwd(stem, strict=False)

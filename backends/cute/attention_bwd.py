@@ -1,5 +1,5 @@
 """The attention backward in the CuTe DSL backend: this module owns it.  The backward of a plain,
-causal, GQA or score-modified attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
+causal, packed or padded varlen, GQA or score-modified attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
 FlashAttention-4 4.0.0b36's own backward: three kernels (GQA: five), run in order by one kspec call,
 sharing a per-call workspace, exactly as `flash_attn.cute.interface._flash_attn_bwd` drives them:
 
@@ -49,7 +49,15 @@ O, dO, dQ, dK, dV may be stored in any order of [b, h, seq, head] with the head 
 dense): FA4's cu_seqlens_q / cu_seqlens_k, its [rows, H, E] layout, the packed LSE [rows, H] passed
 as FA4's [H, rows] view, S and T the row counts; the workspace is then FA4's varlen one ([H, n],
 n = rows + B tiles rounded up to a tile: FA4 pads each sequence to whole tiles).  Batches of more
-than 256 sequences run without FA4's host-built batch lookup (as the forward does).
+than 256 sequences run without FA4's host-built batch lookup (as the forward does).  **Padded
+sequences** (dense tensors, sequence b using its first Lq[b] query and Lk[b] key slots: the mask's
+`i < Lq[b]` and `j < Lk[b]`, Lq and Lk i32 [B] inputs, either alone, with or without the
+bottom-right causal `j <= i + (Lk[b] - Lq[b])` over those lengths): FA4's seqused_q / seqused_k,
+the ABI's args after any offsets (and before any aux tensors), passed to the preprocess, the main
+kernel and the dQ postprocess in FA4's own slots; the workspace is the dense one.  FA4 writes no
+dQ row past Lq[b] and no dK / dV row past Lk[b] (its postprocess converts only the used rows of
+dq_accum, which its preprocess zeroes whole), where the spec's gradient is 0: the plan's init
+(BwdDesc.init, EmittedKernel.init) has the runtime zero dQ, dK and dV before the preprocess.
 
 **Score modifications** (soft-capping, ALiBi, a bias: AttentionBwdStructure.score_mod, matched with
 its derivative score_mod_grad by compiler/attention_grad.py) are FA4's score_mod and score_mod_bwd,
@@ -61,12 +69,15 @@ passes them.  FA4 computes no gradient for those tensors: a backward that also w
 dslope) is refused by the matching (`kspec grad --wrt Q,K,V` leaves it out).
 
 **The runtime** (kspec.runtime.module.Module.launches) launches a binary whose variants carry the
-roles of one of kspec.core.STEP_SEQUENCES as one call: the kernels in order, one workspace of the
-size the first one's glue asks, not cleared (the preprocess zeroes dq_accum; FA4 allocates it and
-the row buffers uninitialised too), but for what kspec.core.STEP_ZEROED names: GQA's dk_accum and
-dv_accum, zeroed (one memset) right before the main kernel, as FA4 allocates them with torch.zeros.
+roles of one of kspec.core.STEP_SEQUENCES as one call: the plan's init fills (padded sequences:
+dQ, dK, dV) once, then the kernels in order, one workspace of the size the first one's glue asks,
+not cleared (the preprocess zeroes dq_accum; FA4 allocates it and the row buffers uninitialised
+too), but for what kspec.core.STEP_ZEROED names: GQA's dk_accum and dv_accum, zeroed (one memset)
+right before the main kernel, as FA4 allocates them with torch.zeros.
 
-**Not covered** (planned unfused, with the reason `kspec graph` prints): masks other than these, a
+**Not covered** (planned unfused, with the reason `kspec graph` prints): masks other than these
+(a top-left causal `j <= i` over used lengths among them), used lengths with packed sequences, GQA
+or a score modification, a
 score modification the matching does not recognise as the derivative of the recomputed mod (or
 whose gradient is also wanted for a tensor it reads), a score modification over packed sequences or
 with GQA, mods reading sizes or aux tensors with extents other than the attention's B, H, S, T,
@@ -135,6 +146,9 @@ def covered(ir, arch: str) -> str | None:
                     f"{', '.join(names)} must all be dense or all packed by the same offsets")
         if cu is not None and ir.buffer(cu).dtype != "i32":
             return f"FlashAttention-4 takes cumulative sequence offsets as i32, not {ir.buffer(cu).dtype}"
+    for name in (a.seqused_q, a.seqused_k):
+        if name is not None and tuple(ir.buffer(name).shape) != (dims["B"],):
+            return f"FlashAttention-4 takes the used lengths {name} as i32 [B], one per sequence"
     if a.kv_group is not None and (cu_q or cu_k or a.layouts or a.score_mod is not None):
         return ("GQA over packed sequences, tensors in another order than [b, h, seq, head], or with a score "
                 "modification (not built yet)")
@@ -235,6 +249,8 @@ class BwdDesc:
     layouts: tuple[tuple[str, ...], ...] = ()     # storage orders (AttentionBwdStructure.layouts)
     cu_q: str | None = None              # FA4's cu_seqlens_q / cu_seqlens_k (i32 [B + 1]): packed rows
     cu_k: str | None = None
+    seqused_q: str | None = None         # FA4's seqused_q / seqused_k (i32 [B]): the used query / key counts
+    seqused_k: str | None = None         # of padded sequences (dQ, dK, dV zeroed before the call: init)
     # a score modification: FA4's score_mod and score_mod_bwd (attnmods.analyse_bwd), the aux tensors
     # they read (attention.AuxArg, after dV in the ABI) and their aux_scalars (("scalar", ABI scalar)
     # | ("dim", role))
@@ -254,13 +270,23 @@ class BwdDesc:
     @property
     def args(self) -> tuple[str, ...]:
         return (self.q, self.k, self.v, self.o, self.do, self.lse, self.dq, self.dk, self.dv,
-                *(n for n in (self.cu_q, self.cu_k) if n), *(x.name for x in self.aux))
+                *(n for n in (self.cu_q, self.cu_k, self.seqused_q, self.seqused_k) if n), *(x.name for x in self.aux))
 
     def alignment(self) -> tuple[tuple[str, int], ...]:
         from kspec.core import dtype_bytes
         aux = {x.name: dtype_bytes(x.dtype) for x in self.aux}
-        return tuple((n, aux[n] if n in aux else 4 if n in (self.lse, self.cu_q, self.cu_k) else 16)
-                     for n in self.args)
+        small = (self.lse, self.cu_q, self.cu_k, self.seqused_q, self.seqused_k)
+        return tuple((n, aux[n] if n in aux else 4 if n in small else 16) for n in self.args)
+
+    def init(self) -> tuple[tuple[str, str], ...]:
+        """The outputs the runtime zeroes before the call (EmittedKernel.init): with used lengths dQ, dK
+        and dV, whose rows past them FA4 never writes (the spec's gradient is 0 there)."""
+        return tuple((n, "zero") for n in (self.dq, self.dk, self.dv)) if self.seqused_q or self.seqused_k else ()
+
+    @property
+    def seqused(self) -> str:
+        """Which used lengths FA4 is given: "q,k", "q", "k" or "none" (every variant's config)."""
+        return ",".join(x for x, n in (("q", self.seqused_q), ("k", self.seqused_k)) if n) or "none"
 
     def layout(self, k: int) -> tuple[str, ...]:
         """Tensor k's (Q, K, V, O, dO, LSE, dQ, dK, dV) storage order as roles, outermost first; a
@@ -318,7 +344,8 @@ def lower(ir, arch: str, sm_count: int | None = None):
                    group=a.kv_group if isinstance(a.kv_group, int) else 0 if a.kv_group else 1,
                    group_param=names(group_param) if group_param else None, bottom_right=bool(a.bottom_right),
                    layouts=tuple(a.layouts), cu_q=names(cu_q) if cu_q else None,
-                   cu_k=names(cu_k) if cu_k else None, **mods)
+                   cu_k=names(cu_k) if cu_k else None, seqused_q=names(a.seqused_q) if a.seqused_q else None,
+                   seqused_k=names(a.seqused_k) if a.seqused_k else None, **mods)
     return desc, names.back(), tuple((r, ext[r]) for r in roles), scalars
 
 
@@ -363,6 +390,9 @@ def config_items(desc: BwdDesc, kernels: str | None = None) -> tuple[tuple[str, 
             *((("gqa_group", _group_item(desc)),) if gqa else ()),
             *((("varlen", ", ".join(n for n, c in (("cu_seqlens_q", desc.cu_q), ("cu_seqlens_k", desc.cu_k)) if c)),)
               if desc.cu_q or desc.cu_k else ()),
+            *((("seqused", ", ".join(n for n, c in (("seqused_q", desc.seqused_q), ("seqused_k", desc.seqused_k))
+                                     if c) + " (dQ, dK, dV zeroed before the call)"),)
+              if desc.seqused != "none" else ()),
             *((("score_mod", "generated, with its generated derivative (score_mod_bwd)"),) if desc.mods else ()),
             ("workspace", ws),
             ("source", "FlashAttention-4 heuristics"))
@@ -397,11 +427,11 @@ def _view(desc: BwdDesc, k: int) -> tuple[tuple[str, ...], tuple[tuple[str, ...]
 def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     """(entry name, dtype, dynamic shape (C expressions), stride factors, data C expression) of one
     kernel's tensors, in the entry's order.  FA4's Q/K/V/O/dO/dQ/dK/dV views end with the static head
-    dim (_view); the workspace buffers are row-major [B, H, n] ([H, n] for packed queries), and the
-    offsets of packed sequences [B + 1].  GQA: K, V, dK, dV and the dK/dV accumulators have HK heads;
+    dim (_view); the workspace buffers are row-major [B, H, n] ([H, n] for packed queries), the
+    offsets of packed sequences [B + 1], the used lengths of padded ones [B].  GQA: K, V, dK, dV and the dK/dV accumulators have HK heads;
     the main kernel writes the accumulators."""
     idx = {n: f"ptrs[{i}]" for i, n in enumerate(("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"))}
-    for n, c in (("cu_q", desc.cu_q), ("cu_k", desc.cu_k)):
+    for n, c in (("cu_q", desc.cu_q), ("cu_k", desc.cu_k), ("sq", desc.seqused_q), ("sk", desc.seqused_k)):
         if c:
             idx[n] = f"ptrs[{len(idx)}]"
     dt = desc.dtype
@@ -422,12 +452,14 @@ def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     dv_acc = ("mdVaccum", "f32", *rows("ks_kd", kv), "ks_dv_accum")
     cq = [("mCQ", "i32", ("(B + 1)",), (), idx["cu_q"])] if desc.cu_q else []
     ck = [("mCK", "i32", ("(B + 1)",), (), idx["cu_k"])] if desc.cu_k else []
+    sq = [("mSQ", "i32", ("B",), (), idx["sq"])] if desc.seqused_q else []
+    sk = [("mSK", "i32", ("B",), (), idx["sk"])] if desc.seqused_k else []
     aux = [(f"mA{k}", x.dtype, tuple(x.shape), tuple(tuple(x.shape[j + 1:]) for j in range(len(x.shape) - 1)),
             f"ptrs[{len(idx) + k}]") for k, x in enumerate(desc.aux)]
-    out = {"bwd_preprocess": [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc, *cq],
+    out = {"bwd_preprocess": [seq("mO", "o"), seq("mdO", "do"), dpsum, lse, lse2, acc, *cq, *sq],
            "bwd_main": [seq("mQ", "q"), seq("mK", "k"), seq("mV", "v"), seq("mdO", "do"), lse2,
-                        dpsum, acc, *((dk_acc, dv_acc) if desc.gqa else (dk, dv)), *cq, *ck, *aux],
-           "bwd_postprocess": [acc, seq("mdQ", "dq"), *cq],
+                        dpsum, acc, *((dk_acc, dv_acc) if desc.gqa else (dk, dv)), *cq, *ck, *sq, *sk, *aux],
+           "bwd_postprocess": [acc, seq("mdQ", "dq"), *cq, *sq],
            "bwd_postprocess_dk": [dk_acc, dk], "bwd_postprocess_dv": [dv_acc, dv]}
     if step not in desc.steps:
         raise KspecInternalError(f"no attention backward step {step!r}")
@@ -454,7 +486,7 @@ def entry_source(desc: BwdDesc) -> str:
     """The traced module: kspec_<step> for each of desc.steps, calling the FA4 object kspec set in PRE,
     MAIN, POST (GQA: and POST_DK, POST_DV) with FA4's own argument order (the optional ones None, as
     _flash_attn_bwd passes them for a non-deterministic backward; cu_seqlens_q / cu_seqlens_k for
-    packed sequences)."""
+    packed sequences, seqused_q / seqused_k for padded ones)."""
     def params(step):
         return ", ".join([f"{t[0]}: cute.Tensor" for t in tensors(desc, step)] +
                          [f"{v}: cutlass.{t}" for v, t in _values(desc, step)] + ["stream: cuda.CUstream"])
@@ -462,7 +494,9 @@ def entry_source(desc: BwdDesc) -> str:
     aux_s = "(" + "".join(f"c{k}, " for k in range(len(desc.mod_scalars))) + ")" if desc.mod_scalars else "None"
     mods = [desc.mods.score_mod, desc.mods.score_mod_bwd] if desc.mods else []
     cq, ck = ("mCQ" if desc.cu_q else "None"), ("mCK" if desc.cu_k else "None")
-    main = [t[0] for t in tensors(desc, "bwd_main") if t[0] not in ("mCQ", "mCK") and not t[0].startswith("mA")]
+    sq, sk = ("mSQ" if desc.seqused_q else "None"), ("mSK" if desc.seqused_k else "None")
+    main = [t[0] for t in tensors(desc, "bwd_main") if t[0] not in ("mCQ", "mCK", "mSQ", "mSK") and
+            not t[0].startswith("mA")]
     posts = []
     for step, scale in (("bwd_postprocess_dk", "softmax_scale"), ("bwd_postprocess_dv", "cutlass.Float32(1.0)")):
         if step in desc.steps:
@@ -486,19 +520,22 @@ def entry_source(desc: BwdDesc) -> str:
         f"def kspec_bwd_preprocess({params('bwd_preprocess')}):",
         "    # (O, dO, dpsum, LSE, lse_log2, dq_accum, cu_seqlens_q, seqused_q, dLSE, row_max, scale_p,",
         "    #  softmax_scale (read with scale_p only), cu_total_m_blocks, o_lo)",
-        f"    PRE(mO, mdO, mdPsum, mLSE, mLSElog2, mdQaccum, {cq}, None, None, None, None, cutlass.Float32(1.0),",
+        f"    PRE(mO, mdO, mdPsum, mLSE, mLSElog2, mdQaccum, {cq}, {sq}, None, None, None, cutlass.Float32(1.0),",
         "        None, None, stream=stream)",
         "",
         "",
         "@cute.jit",
         f"def kspec_bwd_main({params('bwd_main')}):",
-        f"    MAIN({', '.join(main)}, softmax_scale, {cq}, {ck}, None, None,",
+        "    # (.., softmax_scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, window_size_left / right,",
+        "    #  dQ / dK / dV semaphores, aux, block sparsity, cu_total_m_blocks_k)",
+        f"    MAIN({', '.join(main)}, softmax_scale, {cq}, {ck}, {sq}, {sk},",
         f"         None, None, None, None, None, AuxData({aux_t}, {aux_s}), None, None, stream=stream)",
         "",
         "",
         "@cute.jit",
         f"def kspec_bwd_postprocess({params('bwd_postprocess')}):",
-        f"    POST(mdQaccum, mdQ, softmax_scale, {cq}, None, None, None, stream=stream)",
+        "    # (dq_accum, dQ, scale, cu_seqlens_q, seqused_q, sink tensors, cu_total_m_blocks)",
+        f"    POST(mdQaccum, mdQ, softmax_scale, {cq}, {sq}, None, None, stream=stream)",
         *posts,
         "",
     ])
@@ -518,7 +555,7 @@ def _fake_args(desc: BwdDesc, step: str) -> list:
         el = dtype_bytes(dt)
         div = 16 // el                      # FA4's assumed 16-byte alignment of every tensor but the LSE
         aux = name.startswith("mA")         # a score modification's tensor: element-aligned, no head dim
-        if name in ("mLSE", "mCQ", "mCK") or aux:
+        if name in ("mLSE", "mCQ", "mCK", "mSQ", "mSK") or aux:
             div = 1
         shp = [int(r) if r.isdigit() else syms.setdefault(r, cute.sym_int32()) for r in shape]
         if dt in ("f16", "bf16") and not aux:
@@ -734,8 +771,10 @@ def capture(desc: BwdDesc, mod=None) -> Captured:
                 cu = {f"cu_seqlens_{x}": torch.empty(B + 1, dtype=torch.int32, device="cuda")
                       for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c}
                 lens = {f"max_seqlen_{x}": S for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c}
+                used = {f"seqused_{x}": torch.empty(B, dtype=torch.int32, device="cuda")
+                        for x, c in (("q", desc.seqused_q), ("k", desc.seqused_k)) if c}
                 interface._flash_attn_bwd(q, kv, kv, q, q, lse, softmax_scale=0.125, causal=desc.causal, **cu,
-                                          **lens, **_mod_kwargs(desc, mod))
+                                          **lens, **used, **_mod_kwargs(desc, mod))
         finally:
             cute.compile = real
             torch._C._set_warn_deprecated_on_mutable_data_ptr = warn
@@ -899,6 +938,7 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                            ["tile", f"{fa.tile_m}x{getattr(fa, 'tile_n', getattr(fa, 'tile_hdim', getattr(fa, 'head_dim_padded', '?')))}"],
                            *cap.config(),
                            ["packed", ",".join(x for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c) or "none"],
+                           ["seqused", desc.seqused],
                            *([["2cta", str(bool(fa.use_2cta_instrs)).lower()]]
                              if hasattr(fa, "use_2cta_instrs") else []),
                            ["fa4_signature", hashlib.sha256(cap.signature.encode()).hexdigest()[:16]]]

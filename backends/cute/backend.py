@@ -243,7 +243,7 @@ class CuteBackend:
             m = attention_bwd if isinstance(d, attention_bwd.BwdDesc) else attention
             return EmittedKernel(name=d.name, arch=lowered.arch, source=m.entry_source(d), include_dirs=(),
                                  flags=(), dims=d.dims, args=d.args, scalars=d.scalars, alignment=d.alignment(),
-                                 config=m.config_items(d))
+                                 init=d.init() if m is attention_bwd else (), config=m.config_items(d))
         desc, cfg = lowered.desc.gemm, lowered.desc.config
         code = cute_epi.generate(desc)
         tensors = cute_gemm.tensor_abi(desc, code)

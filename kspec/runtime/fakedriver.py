@@ -680,10 +680,12 @@ def check_launch(rec: LaunchRecord, arch: str, args: Sequence[ArgTensor], *,
     mapped = {tm.address for tm in used}
     words = {int.from_bytes(rec.params[i:i + 8], "little") for i in range(0, len(rec.params) - 7, 8)}
     for a in args:
-        # a ragged TMA view of a packed tensor (QuACK's create_ragged_tensor_for_tma with ptr_shift,
-        # which FlashAttention-4 uses for varlen O) starts RAGGED_ROWS rows before the data
-        shifted = a.ptr - RAGGED_ROWS * a.strides[0] * dtypes.itemsize(a.dtype) if a.strides else None
-        if a.ptr not in words and a.ptr not in mapped and shifted not in words and shifted not in mapped:
+        # a ragged TMA view (QuACK's create_ragged_tensor_for_tma with ptr_shift, which FlashAttention-4
+        # uses for varlen O, and for dK, dV of its sm_90a backward over used key counts) starts
+        # RAGGED_ROWS rows of its sequence mode before the data: the packed rows, or a dense tensor's
+        # sequence axis (one of its modes)
+        shifted = {a.ptr - RAGGED_ROWS * st * dtypes.itemsize(a.dtype) for st in a.strides}
+        if a.ptr not in words and a.ptr not in mapped and not shifted & (words | mapped):
             out.append(f"{what}: the pointer of '{a.name}' (0x{a.ptr:x}) is neither in the parameter blob nor "
                        "behind a TMA descriptor")
     for index, offset in placed.items():
@@ -863,7 +865,7 @@ def _launch_role(plan, what: str) -> str | None:
 def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, binding, plan) -> list[ArgTensor]:
     """What a launch of FlashAttention-4's attention backward reads and writes, in its kernel's order
     (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV, the
-    offsets of packed sequences, then the aux tensors a score modification reads, the main kernel's) and
+    offsets of packed sequences, the used lengths of padded ones, then the aux tensors a score modification reads, the main kernel's) and
     the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r], and with GQA dk_accum
     and dv_accum [B, HK, T_r * E_r] in place of dK and dV (f32, 256-byte aligned, the rounding from
     the variant's config; kspec.core.attention_bwd_layout)."""
@@ -881,13 +883,17 @@ def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, b
         return ArgTensor(f"<{name}>", ws + off, shape, strides, "f32")
     acc, dpsum, lse2 = buf("dq_accum"), buf("dpsum"), buf("lse_log2")
     q, k, v, o, do, lse, dq, dk, dv, *rest = tensors
+    used = cfg.get("seqused", "none").split(",")
     cq = rest[:1] if "q" in packed else []
     ck = rest[len(cq):len(cq) + 1] if "k" in packed else []
-    aux = rest[len(cq) + len(ck):]                          # a score modification's tensors, last
+    rest = rest[len(cq) + len(ck):]
+    sq = rest[:1] if "q" in used else []                    # the used lengths of padded sequences
+    sk = rest[len(sq):len(sq) + 1] if "k" in used else []
+    aux = rest[len(sq) + len(sk):]                          # a score modification's tensors, last
     dk_acc, dv_acc = (buf("dk_accum"), buf("dv_accum")) if "dk_accum" in lay else (dk, dv)
-    return {"bwd_preprocess": [o, do, dpsum, lse, lse2, acc, *cq],
-            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk_acc, dv_acc, *cq, *ck, *aux],
-            "bwd_postprocess": [acc, dq, *cq], "bwd_postprocess_dk": [dk_acc, dk], "bwd_postprocess_dv": [dv_acc, dv]}[role]
+    return {"bwd_preprocess": [o, do, dpsum, lse, lse2, acc, *cq, *sq],
+            "bwd_main": [q, k, v, do, lse2, dpsum, acc, dk_acc, dv_acc, *cq, *ck, *sq, *sk, *aux],
+            "bwd_postprocess": [acc, dq, *cq, *sq], "bwd_postprocess_dk": [dk_acc, dk], "bwd_postprocess_dv": [dv_acc, dv]}[role]
 
 
 @dataclass(frozen=True)

@@ -691,7 +691,10 @@ class Module:
                         if shape not in lp.shapes_ok:
                             _check_launch_shape(pr, plan, arch, dims)
                             lp.shapes_ok.add(shape)
-                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1, lp.fills[i], lp.zeroes[i].get(v)))
+                        # a plan's initial fills (plan.init) once, before its first kernel (of a sequence too:
+                        # an attention backward's outputs zeroed before its preprocess, not between steps)
+                        prepared.append((plan, glue, ws, v, pr, len(vs) > 1, lp.fills[i] if v == vs[0] else [],
+                                         lp.zeroes[i].get(v)))
                 for plan, glue, ws, v, pr, pair, fills, zero in prepared:
                     # a split-KV pair's workspace holds partials the split kernel writes in full and the
                     # combine reads, an attention backward's the buffers its preprocess writes (and the
