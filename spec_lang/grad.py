@@ -212,12 +212,6 @@ class _Grad:
     def _wrt(self, wrt):
         k = self.k
         floats = [t.name for t in k.inputs if t.dtype in FLOAT_DTYPES and t.dtype not in NO_GRADIENT_STORAGE]
-        for t in ():
-            if t.packed is not None:
-                raise KspecError(f"kspec grad does not differentiate packed (varlen) tensors yet: '{t.name}' is "
-                                 f"packed({t.packed})", t.span,
-                                 "differentiate the padded form (per-sequence lengths and masks, as in "
-                                 "specs/attention_varlen_padded.kspec)")
         if wrt is None:
             if not floats:
                 raise KspecError(f"kernel {k.name} has no floating-point input to differentiate", k.span,
