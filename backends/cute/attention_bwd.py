@@ -75,17 +75,17 @@ not cleared (the preprocess zeroes dq_accum; FA4 allocates it and the row buffer
 too), but for what kspec.core.STEP_ZEROED names: GQA's dk_accum and dv_accum, zeroed (one memset)
 right before the main kernel, as FA4 allocates them with torch.zeros.
 
-**Not covered** (planned unfused, with the reason `kspec graph` prints): masks other than these
-(a top-left causal `j <= i` over used lengths among them), used lengths with packed sequences, GQA
-or a score modification, a
-score modification the matching does not recognise as the derivative of the recomputed mod (or
-whose gradient is also wanted for a tensor it reads), a score modification over packed sequences or
-with GQA, mods reading sizes or aux tensors with extents other than the attention's B, H, S, T,
-head dims other than 64 and 128 (soft-capping at 256, as shipped, too), a top-left causal mask
-(`j <= i`) over query and key lengths that may differ, dtypes other than f16/bf16, GQA over packed
-sequences or tensors in another order than [b, h, seq, head], a GQA group FA4 cannot compile in (not a literal, a size
-symbol or an i32 param; a literal group of 1, H != G x KH at literal head counts), a per-call group
---sizes does not name, K and V in different groupings, and MQA (K/V without a head axis).
+**Not covered** (planned unfused, with the reason `kspec graph` prints): masks other than these,
+among them a top-left causal `j <= i` over query and key lengths that may differ (or over used
+lengths); head dims other than 64 and 128 (soft-capping at 256, as shipped, too); dtypes other than
+f16/bf16; a score modification the matching does not recognise as the derivative of the recomputed
+mod (or whose gradient is also wanted for a tensor it reads), or reading sizes or aux tensors with
+extents other than the attention's B, H, S, T; combinations not built yet: used lengths with packed
+sequences, GQA or a score modification, a score modification over packed sequences or with GQA, GQA
+over packed sequences or tensors in another order than [b, h, seq, head]; a GQA group FA4 cannot
+compile in (not a literal, a size symbol or an i32 param; a literal group of 1, H != G x KH at
+literal head counts), a per-call group --sizes does not name, K and V in different groupings, and
+MQA (K/V without a head axis).
 """
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("f16", "bf16")
 AUX_DTYPES = ("f32", "f16", "bf16", "i32", "i8")   # tensors a score modification may read (as the forward's)
 ROLES = ("B", "H", "S", "T")                       # ABI dims, in order (GQA: then HK, the K/V heads)
+KV_TENSORS = (1, 2, 7, 8)                          # K, V, dK, dV of (Q, K, V, O, dO, LSE, dQ, dK, dV): over T
 STEPS = ATTENTION_BWD_STEPS                        # the variants' roles, in launch order (GQA: GQA_STEPS)
 GQA_STEPS = ATTENTION_BWD_GQA_STEPS
 ALIGN = 256                                        # workspace sub-buffer alignment (attention_bwd_workspace's)
@@ -288,11 +289,17 @@ class BwdDesc:
         """Which used lengths FA4 is given: "q,k", "q", "k" or "none" (every variant's config)."""
         return ",".join(x for x, n in (("q", self.seqused_q), ("k", self.seqused_k)) if n) or "none"
 
+    @property
+    def packed(self) -> str:
+        """Which side is packed (cu_seqlens): "q,k", "q", "k" or "none" (every variant's config, read
+        by kspec.core.attention_bwd_layout and the fake driver)."""
+        return ",".join(x for x, n in (("q", self.cu_q), ("k", self.cu_k)) if n) or "none"
+
     def layout(self, k: int) -> tuple[str, ...]:
         """Tensor k's (Q, K, V, O, dO, LSE, dQ, dK, dV) storage order as roles, outermost first; a
         packed one without B (its sequence role is then the packed row count); GQA's K, V, dK, dV
         with HK heads."""
-        kv = k in (1, 2, 7, 8)
+        kv = k in KV_TENSORS
         seq = "T" if kv else "S"
         order = self.layouts[k] if self.layouts else (("B", "H", "S") if k == 5 else ("B", "H", seq, "E"))
         if kv and self.gqa:
@@ -408,7 +415,7 @@ def _view(desc: BwdDesc, k: int) -> tuple[tuple[str, ...], tuple[tuple[str, ...]
     extents (roles) and strides (products of the storage extents after each), from its storage
     order.  A mode whose stride is a static 1 (the head dim; the canonical LSE's S) gets none."""
     order = desc.layout(k)
-    kv = k in (1, 2, 7, 8)
+    kv = k in KV_TENSORS
     seq, heads = ("T", "HK" if desc.gqa else "H") if kv else ("S", "H")
     packed = desc.cu_k if kv else desc.cu_q
     if k == 5:
@@ -495,8 +502,9 @@ def entry_source(desc: BwdDesc) -> str:
     mods = [desc.mods.score_mod, desc.mods.score_mod_bwd] if desc.mods else []
     cq, ck = ("mCQ" if desc.cu_q else "None"), ("mCK" if desc.cu_k else "None")
     sq, sk = ("mSQ" if desc.seqused_q else "None"), ("mSK" if desc.seqused_k else "None")
-    main = [t[0] for t in tensors(desc, "bwd_main") if t[0] not in ("mCQ", "mCK", "mSQ", "mSK") and
-            not t[0].startswith("mA")]
+    # MAIN's tensors up to dV (or the dK/dV accumulators); the offsets, used lengths and aux tensors
+    # after them in the entry go to FA4's own slots below
+    main = [t[0] for t in tensors(desc, "bwd_main")][:9]
     posts = []
     for step, scale in (("bwd_postprocess_dk", "softmax_scale"), ("bwd_postprocess_dv", "cutlass.Float32(1.0)")):
         if step in desc.steps:
@@ -937,7 +945,7 @@ def _build(desc: BwdDesc, key: str, d: Path) -> dict:
                     cfg = [["variant", str(k)], ["role", step], ["fa4_class", type(fa).__name__],
                            ["tile", f"{fa.tile_m}x{getattr(fa, 'tile_n', getattr(fa, 'tile_hdim', getattr(fa, 'head_dim_padded', '?')))}"],
                            *cap.config(),
-                           ["packed", ",".join(x for x, c in (("q", desc.cu_q), ("k", desc.cu_k)) if c) or "none"],
+                           ["packed", desc.packed],
                            ["seqused", desc.seqused],
                            *([["2cta", str(bool(fa.use_2cta_instrs)).lower()]]
                              if hasattr(fa, "use_2cta_instrs") else []),
