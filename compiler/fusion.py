@@ -435,11 +435,11 @@ def match_attention_backward(g: nx.DiGraph, p) -> "AttentionBwdInfo | str":
         if op(g, w).dtype not in ("f16", "bf16") or op(g, w).dtype != op(g, q).dtype:
             return "Q, K, V, O and dO must be one of f16/bf16"
     # storage orders (labels): the inputs as read, the outputs as stored (GQA: canonical, checked above)
-    if group is not None and _read_labels(g, next(iter(g.successors(lse))), lse) != (*batch, query):
+    lse_order = _read_labels(g, next(iter(g.successors(lse))), lse)
+    if group is not None and lse_order != (*batch, query):
         return "GQA needs the log-sum-exp stored [b, h, seq]"
     orders = () if group is not None else (
-        lq, lk, _read_labels(g, dp, v), _read_labels(g, dsum, o_in), _read_labels(g, dp, do),
-        _read_labels(g, next(iter(g.successors(lse))), lse),
+        lq, lk, _read_labels(g, dp, v), _read_labels(g, dsum, o_in), _read_labels(g, dp, do), lse_order,
         *(_read_labels(g, next(iter(g.successors(x))), x) for x in (dq, dk, dv)))
     if None in orders or any(o[-1] != head for i, o in enumerate(orders) if i != 5):
         return "Q, K, V, O, dO, dQ, dK and dV must be stored with the head dim innermost"
