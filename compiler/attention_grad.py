@@ -313,8 +313,6 @@ def evaluate(e: EpiExpr, env: dict):
         if fn == "gelu_tanh":
             x = np.asarray(args[0], np.float64)
             return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-        if fn == "rsqrt":
-            return 1.0 / np.sqrt(np.asarray(args[0], np.float64))
         if fn not in FUNCTIONS:
             raise NotLiftable(f"no float64 evaluation of '{fn}'")
         return FUNCTIONS[fn](*args)
