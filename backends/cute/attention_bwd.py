@@ -1,7 +1,8 @@
 """The attention backward in the CuTe DSL backend: this module owns it.  The backward of a plain,
-causal, packed or padded varlen, GQA or score-modified attention (compiler.kir.AttentionBwdStructure, what `kspec grad` derives) is built as
-FlashAttention-4 4.0.0b36's own backward: three kernels (GQA: five), run in order by one kspec call,
-sharing a per-call workspace, exactly as `flash_attn.cute.interface._flash_attn_bwd` drives them:
+causal, packed or padded varlen, GQA or score-modified attention (compiler.kir.AttentionBwdStructure,
+what `kspec grad` derives) is built as FlashAttention-4 4.0.0b36's own backward: three kernels (GQA:
+five), run in order by one kspec call, sharing a per-call workspace, exactly as
+`flash_attn.cute.interface._flash_attn_bwd` drives them:
 
     1. FlashAttentionBackwardPreprocess   D = rowsum(dO * O) (`dpsum`), LSE * log2(e) (`lse_log2`),
                                           the f32 dQ accumulator (`dq_accum`) zeroed
@@ -435,8 +436,8 @@ def tensors(desc: BwdDesc, step: str) -> list[tuple]:
     """(entry name, dtype, dynamic shape (C expressions), stride factors, data C expression) of one
     kernel's tensors, in the entry's order.  FA4's Q/K/V/O/dO/dQ/dK/dV views end with the static head
     dim (_view); the workspace buffers are row-major [B, H, n] ([H, n] for packed queries), the
-    offsets of packed sequences [B + 1], the used lengths of padded ones [B].  GQA: K, V, dK, dV and the dK/dV accumulators have HK heads;
-    the main kernel writes the accumulators."""
+    offsets of packed sequences [B + 1], the used lengths of padded ones [B].  GQA: K, V, dK, dV and
+    the dK/dV accumulators have HK heads; the main kernel writes the accumulators."""
     idx = {n: f"ptrs[{i}]" for i, n in enumerate(("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv"))}
     for n, c in (("cu_q", desc.cu_q), ("cu_k", desc.cu_k), ("sq", desc.seqused_q), ("sk", desc.seqused_k)):
         if c:

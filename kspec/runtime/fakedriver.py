@@ -865,8 +865,8 @@ def _launch_role(plan, what: str) -> str | None:
 def attention_bwd_args(role: str, tensors: list[ArgTensor], rec: LaunchRecord, binding, plan) -> list[ArgTensor]:
     """What a launch of FlashAttention-4's attention backward reads and writes, in its kernel's order
     (backends/cute/attention_bwd.py tensors): the plan's tensors (Q, K, V, O, dO, LSE, dQ, dK, dV, the
-    offsets of packed sequences, the used lengths of padded ones, then the aux tensors a score modification reads, the main kernel's) and
-    the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r], and with GQA dk_accum
+    offsets of packed sequences, the used lengths of padded ones, then the aux tensors a score
+    modification reads, the main kernel's) and the workspace's dq_accum [B, H, S_r * E_r], dpsum and lse_log2 [B, H, S_r], and with GQA dk_accum
     and dv_accum [B, HK, T_r * E_r] in place of dK and dV (f32, 256-byte aligned, the rounding from
     the variant's config; kspec.core.attention_bwd_layout)."""
     cfg = _launch_variant(plan, rec.what).config
